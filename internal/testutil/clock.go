@@ -1,0 +1,120 @@
+// Package testutil holds helpers for tests: a fake clock, short socket directories, a test CA.
+// Only _test.go files import it.
+package testutil
+
+import (
+	"context"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/meshid/meshid/internal/clock"
+)
+
+// FakeClock is a clock.Clock that moves only when a test advances it.
+type FakeClock struct {
+	mu      sync.Mutex
+	now     time.Time
+	timers  []*fakeTimer
+	waiters chan struct{} // closed and replaced whenever a timer is created
+}
+
+// NewFakeClock starts a fake clock at now.
+func NewFakeClock(now time.Time) *FakeClock {
+	return &FakeClock{now: now, waiters: make(chan struct{})}
+}
+
+// Now returns the fake time.
+func (c *FakeClock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.now
+}
+
+// NewTimer returns a timer that fires when the clock is advanced past now+d.
+func (c *FakeClock) NewTimer(d time.Duration) clock.Timer {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	t := &fakeTimer{clock: c, deadline: c.now.Add(d), ch: make(chan time.Time, 1)}
+	if d <= 0 {
+		t.ch <- c.now
+		return t
+	}
+	c.timers = append(c.timers, t)
+	close(c.waiters)
+	c.waiters = make(chan struct{})
+	return t
+}
+
+// Advance moves the clock forward by d and fires every timer that is due, earliest first.
+func (c *FakeClock) Advance(d time.Duration) {
+	c.mu.Lock()
+	c.setLocked(c.now.Add(d))
+	c.mu.Unlock()
+}
+
+// Set moves the clock to t (which may be in the past) and fires every timer that is due.
+func (c *FakeClock) Set(t time.Time) {
+	c.mu.Lock()
+	c.setLocked(t)
+	c.mu.Unlock()
+}
+
+func (c *FakeClock) setLocked(t time.Time) {
+	c.now = t
+	sort.Slice(c.timers, func(i, j int) bool { return c.timers[i].deadline.Before(c.timers[j].deadline) })
+	kept := c.timers[:0]
+	for _, timer := range c.timers {
+		if timer.deadline.After(t) {
+			kept = append(kept, timer)
+			continue
+		}
+		timer.ch <- t
+	}
+	c.timers = kept
+}
+
+// PendingTimers counts timers that have not fired or been stopped.
+func (c *FakeClock) PendingTimers() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.timers)
+}
+
+// WaitForTimers blocks until at least n timers are pending, so that a test advances the clock only
+// after the code under test is waiting on it. It returns ctx's error if ctx ends first.
+func (c *FakeClock) WaitForTimers(ctx context.Context, n int) error {
+	for {
+		c.mu.Lock()
+		pending, changed := len(c.timers), c.waiters
+		c.mu.Unlock()
+		if pending >= n {
+			return nil
+		}
+		select {
+		case <-changed:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+}
+
+type fakeTimer struct {
+	clock    *FakeClock
+	deadline time.Time
+	ch       chan time.Time
+}
+
+func (t *fakeTimer) C() <-chan time.Time { return t.ch }
+
+func (t *fakeTimer) Stop() bool {
+	t.clock.mu.Lock()
+	defer t.clock.mu.Unlock()
+	for i, other := range t.clock.timers {
+		if other == t {
+			t.clock.timers = append(t.clock.timers[:i], t.clock.timers[i+1:]...)
+			return true
+		}
+	}
+	return false
+}

@@ -1,0 +1,282 @@
+package ca
+
+import (
+	"context"
+	"crypto"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/rsa"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"errors"
+	"fmt"
+	"net"
+	"net/url"
+	"sync/atomic"
+	"time"
+
+	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/pki"
+)
+
+// Issuance defaults, as in Istio.
+const (
+	DefaultWorkloadCertTTL    = 24 * time.Hour
+	DefaultMaxWorkloadCertTTL = 90 * 24 * time.Hour
+	DefaultSelfSignedRootTTL  = 10 * 365 * 24 * time.Hour
+	// Backdate is how far before the signing time a certificate's NotBefore is set, so that peers
+	// whose clocks run a little behind accept it at once.
+	Backdate = 2 * time.Minute
+)
+
+// Config configures an Authority. Zero values take the defaults above and the real clock.
+type Config struct {
+	Clock      clock.Clock
+	DefaultTTL time.Duration
+	MaxTTL     time.Duration
+}
+
+// Authority signs certificates with the current Bundle. The bundle is swapped atomically: a
+// signature uses exactly one generation of key material, whatever reloads happen meanwhile.
+type Authority struct {
+	clock      clock.Clock
+	defaultTTL time.Duration
+	maxTTL     time.Duration
+	bundle     atomic.Pointer[Bundle]
+}
+
+// New returns an Authority serving b. A nil b leaves it not ready until SetBundle.
+func New(cfg Config, b *Bundle) *Authority {
+	a := &Authority{clock: clock.OrReal(cfg.Clock), defaultTTL: cfg.DefaultTTL, maxTTL: cfg.MaxTTL}
+	if a.defaultTTL == 0 {
+		a.defaultTTL = DefaultWorkloadCertTTL
+	}
+	if a.maxTTL == 0 {
+		a.maxTTL = DefaultMaxWorkloadCertTTL
+	}
+	if b != nil {
+		a.bundle.Store(b)
+	}
+	return a
+}
+
+// Bundle returns the key material in service, or nil before any was loaded.
+func (a *Authority) Bundle() *Bundle { return a.bundle.Load() }
+
+// SetBundle puts b in service for every signature that starts after the call.
+func (a *Authority) SetBundle(b *Bundle) { a.bundle.Store(b) }
+
+// WorkloadRequest asks for a workload certificate.
+type WorkloadRequest struct {
+	CSR *x509.CertificateRequest
+	// Identity is the authenticated caller's; it is the certificate's only name.
+	Identity pki.SPIFFEID
+	// TTL is the requested lifetime: 0 means the default, more than the maximum is clamped.
+	TTL time.Duration
+}
+
+// Issued is a signed certificate with the bundle generation that signed it.
+type Issued struct {
+	Leaf   *x509.Certificate
+	bundle *Bundle
+}
+
+// Chain returns the leaf, its intermediates and the root, in that order.
+func (i *Issued) Chain() []*x509.Certificate {
+	return append([]*x509.Certificate{i.Leaf}, i.bundle.chain...)
+}
+
+// ChainPEM returns Chain as one PEM string per certificate, as Istio's CA protocol carries it.
+func (i *Issued) ChainPEM() []string {
+	return append([]string{string(pki.EncodeCertificate(i.Leaf))}, i.bundle.chainPEM...)
+}
+
+// ParseCSR decodes a PEM certificate request, wrapping failures in ErrMalformedCSR.
+func ParseCSR(csrPEM []byte) (*x509.CertificateRequest, error) {
+	csr, err := pki.ParseCSR(csrPEM)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrMalformedCSR, err)
+	}
+	return csr, nil
+}
+
+// CheckCSR applies the workload issuance policy to a request made by id: a supported key, a valid
+// self-signature, no DNS/IP/email names, and URI names (if any) equal to id.
+func CheckCSR(csr *x509.CertificateRequest, id pki.SPIFFEID) error {
+	if csr == nil {
+		return fmt.Errorf("%w: no request", ErrMalformedCSR)
+	}
+	if err := checkPublicKey(csr.PublicKey); err != nil {
+		return err
+	}
+	if err := csr.CheckSignature(); err != nil {
+		return fmt.Errorf("%w: %w", ErrCSRSignature, err)
+	}
+	if n := len(csr.DNSNames) + len(csr.IPAddresses) + len(csr.EmailAddresses); n > 0 {
+		return fmt.Errorf("%w: %d DNS/IP/email names requested; workload certificates carry only the SPIFFE ID", ErrForbiddenSAN, n)
+	}
+	want := id.String()
+	for _, u := range csr.URIs {
+		if u.String() != want {
+			return fmt.Errorf("%w: request names %q, caller is %q", ErrIdentityMismatch, u.String(), want)
+		}
+	}
+	return nil
+}
+
+func checkPublicKey(pub crypto.PublicKey) error {
+	switch k := pub.(type) {
+	case *ecdsa.PublicKey:
+		if k.Curve == elliptic.P256() || k.Curve == elliptic.P384() {
+			return nil
+		}
+	case *rsa.PublicKey:
+		bits := k.N.BitLen()
+		if bits >= pki.MinRSAKeySize && bits <= pki.MaxRSAKeySize {
+			return nil
+		}
+	}
+	return fmt.Errorf("%w: %s (want RSA 2048 to 8192 bits, ECDSA P-256 or P-384)", ErrUnsupportedKey, pki.DescribeKey(pub))
+}
+
+// SignWorkload checks the request against policy, signs a leaf for the caller's identity with the
+// current bundle, and verifies the result before returning it.
+func (a *Authority) SignWorkload(_ context.Context, req WorkloadRequest) (*Issued, error) {
+	b := a.bundle.Load()
+	if b == nil {
+		return nil, ErrNotReady
+	}
+	if _, err := pki.NewSPIFFEID(req.Identity.TrustDomain, req.Identity.Namespace, req.Identity.ServiceAccount); err != nil {
+		return nil, fmt.Errorf("caller identity: %w", err)
+	}
+	if err := CheckCSR(req.CSR, req.Identity); err != nil {
+		return nil, err
+	}
+	ttl, err := a.workloadTTL(req.TTL)
+	if err != nil {
+		return nil, err
+	}
+	tmpl := &x509.Certificate{
+		URIs:                  []*url.URL{req.Identity.URL()},
+		KeyUsage:              x509.KeyUsageDigitalSignature | x509.KeyUsageKeyEncipherment,
+		ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
+		BasicConstraintsValid: true,
+	}
+	leaf, err := a.sign(b, tmpl, req.CSR.PublicKey, ttl)
+	if err != nil {
+		return nil, err
+	}
+	if len(leaf.URIs) != 1 || leaf.URIs[0].String() != req.Identity.String() {
+		return nil, fmt.Errorf("issued certificate names %v, want %s", leaf.URIs, req.Identity)
+	}
+	return &Issued{Leaf: leaf, bundle: b}, nil
+}
+
+func (a *Authority) workloadTTL(requested time.Duration) (time.Duration, error) {
+	switch {
+	case requested < 0:
+		return 0, fmt.Errorf("%w: %s is negative", ErrInvalidTTL, requested)
+	case requested == 0:
+		return a.defaultTTL, nil
+	case requested > a.maxTTL:
+		return a.maxTTL, nil
+	default:
+		return requested, nil
+	}
+}
+
+// SignServing issues a TLS server certificate for the CA's own endpoint: hosts are DNS names or IP
+// addresses. It is not reachable by callers of the CA protocol.
+func (a *Authority) SignServing(pub crypto.PublicKey, hosts []string, ttl time.Duration) (*Issued, error) {
+	b := a.bundle.Load()
+	if b == nil {
+		return nil, ErrNotReady
+	}
+	tmpl := &x509.Certificate{
+		KeyUsage:              x509.KeyUsageDigitalSignature | x509.KeyUsageKeyEncipherment,
+		ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
+		BasicConstraintsValid: true,
+	}
+	for _, h := range hosts {
+		if ip := net.ParseIP(h); ip != nil {
+			tmpl.IPAddresses = append(tmpl.IPAddresses, ip)
+		} else {
+			tmpl.DNSNames = append(tmpl.DNSNames, h)
+		}
+	}
+	if len(hosts) > 0 {
+		tmpl.Subject = pkix.Name{CommonName: hosts[0]}
+	}
+	leaf, err := a.sign(b, tmpl, pub, ttl)
+	if err != nil {
+		return nil, err
+	}
+	return &Issued{Leaf: leaf, bundle: b}, nil
+}
+
+// sign fills in the validity, signs tmpl with b, and verifies that the leaf is valid under the
+// signing certificate and carries pub. The chain above the signing certificate was verified when
+// the bundle was built, so the check anchors at the signing certificate: one signature check
+// instead of one per chain element, on the hot path.
+func (a *Authority) sign(b *Bundle, tmpl *x509.Certificate, pub crypto.PublicKey, ttl time.Duration) (*x509.Certificate, error) {
+	now := a.clock.Now()
+	if !now.Before(b.notAfter) {
+		return nil, fmt.Errorf("%w: the chain expired at %s", ErrNotReady, b.notAfter.UTC().Format(time.RFC3339))
+	}
+	if now.Before(b.notBefore) {
+		return nil, fmt.Errorf("%w: the chain is not valid before %s (is the clock behind?)", ErrNotReady, b.notBefore.UTC().Format(time.RFC3339))
+	}
+	// Backdated for peers whose clocks lag, but never before the issuer's own validity.
+	tmpl.NotBefore = now.Add(-Backdate)
+	if tmpl.NotBefore.Before(b.notBefore) {
+		tmpl.NotBefore = b.notBefore
+	}
+	tmpl.NotAfter = now.Add(ttl)
+	if tmpl.NotAfter.After(b.notAfter) {
+		tmpl.NotAfter = b.notAfter
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, b.signingCert, pub, b.signer)
+	if err != nil {
+		return nil, fmt.Errorf("sign certificate: %w", err)
+	}
+	leaf, err := x509.ParseCertificate(der)
+	if err != nil {
+		return nil, fmt.Errorf("parse issued certificate: %w", err)
+	}
+	if !pki.PublicKeysEqual(pub, leaf.PublicKey) {
+		return nil, errors.New("issued certificate carries another public key")
+	}
+	if _, err := leaf.Verify(x509.VerifyOptions{
+		Roots:       b.signerPool,
+		CurrentTime: now,
+		KeyUsages:   []x509.ExtKeyUsage{x509.ExtKeyUsageAny},
+	}); err != nil {
+		return nil, fmt.Errorf("issued certificate does not verify: %w", err)
+	}
+	return leaf, nil
+}
+
+// NewRootCertificate creates a self-signed CA certificate for key, valid from now (backdated) for ttl.
+func NewRootCertificate(key crypto.Signer, org string, ttl time.Duration, now time.Time) (*x509.Certificate, error) {
+	if ttl <= 0 {
+		ttl = DefaultSelfSignedRootTTL
+	}
+	var subject pkix.Name
+	if org != "" {
+		subject.Organization = []string{org}
+	}
+	tmpl := &x509.Certificate{
+		Subject:               subject,
+		NotBefore:             now.Add(-Backdate),
+		NotAfter:              now.Add(ttl),
+		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageCRLSign | x509.KeyUsageDigitalSignature,
+		BasicConstraintsValid: true,
+		IsCA:                  true,
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, key.Public(), key)
+	if err != nil {
+		return nil, fmt.Errorf("create self-signed root: %w", err)
+	}
+	return x509.ParseCertificate(der)
+}

@@ -1,0 +1,280 @@
+package ca
+
+import (
+	"bytes"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"log/slog"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/meshid/meshid/internal/fsutil"
+	"github.com/meshid/meshid/internal/pki"
+)
+
+// File names of a plugged-in CA (Istio's cacerts secret, two layouts) and of the CA state dir.
+const (
+	CACertFile    = "ca-cert.pem"
+	CAKeyFile     = "ca-key.pem"
+	CertChainFile = "cert-chain.pem"
+	RootCertFile  = "root-cert.pem"
+
+	TLSCertFile = "tls.crt"
+	TLSKeyFile  = "tls.key"
+	TLSCAFile   = "ca.crt"
+
+	TokenKeyFile = "token-key.pem" //nolint:gosec // a file name, not a credential
+)
+
+// The two plugged-in layouts, by their file names.
+func istioLayout() []string { return []string{CACertFile, CAKeyFile, CertChainFile, RootCertFile} }
+func tlsLayout() []string   { return []string{TLSCertFile, TLSKeyFile, TLSCAFile} }
+
+// ErrNoPluggedInCA reports a cacerts directory that holds none of the files of either layout.
+var ErrNoPluggedInCA = errors.New("no plugged-in CA files")
+
+// LoadPluggedIn reads a plugged-in CA from dir, in either layout:
+//   - ca-cert.pem (signing cert), ca-key.pem, cert-chain.pem (its chain, may end with the root),
+//     root-cert.pem (one or more roots);
+//   - tls.crt (signing cert, optionally followed by its chain), tls.key, ca.crt (the roots; when
+//     empty, tls.crt must be a self-signed root).
+//
+// A directory holding some but not all files of a layout is an error naming the missing files.
+func LoadPluggedIn(dir string, now time.Time) (*Bundle, error) {
+	files, err := readLayouts(dir)
+	if err != nil {
+		return nil, err
+	}
+	if complete(files, istioLayout()) {
+		return bundleFromFiles(dir, files, [4]string{CACertFile, CAKeyFile, CertChainFile, RootCertFile}, now)
+	}
+	if complete(files, tlsLayout()) {
+		return bundleFromFiles(dir, files, [4]string{TLSCertFile, TLSKeyFile, "", TLSCAFile}, now)
+	}
+	if len(files) == 0 {
+		return nil, fmt.Errorf("%s: %w", dir, ErrNoPluggedInCA)
+	}
+	return nil, fmt.Errorf("incomplete plugged-in CA in %s: %s", dir, describeMissing(files))
+}
+
+func readLayouts(dir string) (map[string][]byte, error) {
+	files := map[string][]byte{}
+	for _, name := range append(istioLayout(), tlsLayout()...) {
+		data, ok, err := fsutil.ReadOptional(filepath.Join(dir, name))
+		if err != nil {
+			return nil, err
+		}
+		if ok {
+			files[name] = data
+		}
+	}
+	return files, nil
+}
+
+func complete(files map[string][]byte, layout []string) bool {
+	for _, name := range layout {
+		if _, ok := files[name]; !ok {
+			return false
+		}
+	}
+	return true
+}
+
+func describeMissing(files map[string][]byte) string {
+	var parts []string
+	for _, layout := range [][]string{istioLayout(), tlsLayout()} {
+		var present, missing []string
+		for _, name := range layout {
+			if _, ok := files[name]; ok {
+				present = append(present, name)
+			} else {
+				missing = append(missing, name)
+			}
+		}
+		if len(present) > 0 {
+			parts = append(parts, fmt.Sprintf("has %s but is missing %s", strings.Join(present, ", "), strings.Join(missing, ", ")))
+		}
+	}
+	return strings.Join(parts, "; ")
+}
+
+// bundleFromFiles builds a bundle from the files named (signing cert, key, chain, roots); an empty
+// chain name means the layout has no chain file.
+func bundleFromFiles(dir string, files map[string][]byte, names [4]string, now time.Time) (*Bundle, error) {
+	certName, keyName, chainName, rootName := names[0], names[1], names[2], names[3]
+	certs, err := pki.ParseCertificates(files[certName])
+	if err != nil {
+		return nil, fmt.Errorf("plugged-in CA in %s: %s (signing certificate): %w", dir, certName, err)
+	}
+	key, err := pki.ParsePrivateKey(files[keyName])
+	if err != nil {
+		return nil, fmt.Errorf("plugged-in CA in %s: %s (signing key): %w", dir, keyName, err)
+	}
+	intermediates := certs[1:]
+	if chainName != "" && len(bytes.TrimSpace(files[chainName])) > 0 {
+		chain, err := pki.ParseCertificates(files[chainName])
+		if err != nil {
+			return nil, fmt.Errorf("plugged-in CA in %s: %s: %w", dir, chainName, err)
+		}
+		intermediates = append(intermediates, chain...)
+	}
+	var roots []*x509.Certificate
+	if len(bytes.TrimSpace(files[rootName])) > 0 {
+		roots, err = pki.ParseCertificates(files[rootName])
+		if err != nil {
+			return nil, fmt.Errorf("plugged-in CA in %s: %s (root certificates): %w", dir, rootName, err)
+		}
+	}
+	b, err := NewBundle(BundleParams{
+		SigningCert:   certs[0],
+		SigningKey:    key,
+		Intermediates: intermediates,
+		Roots:         roots,
+		Source:        SourcePluggedIn,
+		Now:           now,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("plugged-in CA in %s: %w", dir, err)
+	}
+	return b, nil
+}
+
+// SelfSignedConfig describes the root the CA generates when it has no other key material.
+type SelfSignedConfig struct {
+	KeyAlgorithm pki.KeyAlgorithm
+	RSAKeySize   int
+	Org          string
+	TTL          time.Duration
+}
+
+// LoadSelfSigned reads the persisted self-signed CA (ca-cert.pem, ca-key.pem) from stateDir.
+// It reports (nil, nil) when neither file exists; one without the other is an error, because
+// generating a new root over it would silently change the trust anchor.
+func LoadSelfSigned(stateDir string, now time.Time) (*Bundle, error) {
+	certPEM, certOK, err := fsutil.ReadOptional(filepath.Join(stateDir, CACertFile))
+	if err != nil {
+		return nil, err
+	}
+	keyPEM, keyOK, err := fsutil.ReadOptional(filepath.Join(stateDir, CAKeyFile))
+	if err != nil {
+		return nil, err
+	}
+	switch {
+	case !certOK && !keyOK:
+		return nil, nil
+	case !keyOK:
+		return nil, fmt.Errorf("state dir %s has %s but no %s; restore the key or remove both to generate a new root", stateDir, CACertFile, CAKeyFile)
+	case !certOK:
+		return nil, fmt.Errorf("state dir %s has %s but no %s; restore the certificate or remove both to generate a new root", stateDir, CAKeyFile, CACertFile)
+	}
+	certs, err := pki.ParseCertificates(certPEM)
+	if err != nil {
+		return nil, fmt.Errorf("self-signed CA in %s: %s: %w", stateDir, CACertFile, err)
+	}
+	key, err := pki.ParsePrivateKey(keyPEM)
+	if err != nil {
+		return nil, fmt.Errorf("self-signed CA in %s: %s: %w", stateDir, CAKeyFile, err)
+	}
+	b, err := NewBundle(BundleParams{SigningCert: certs[0], SigningKey: key, Source: SourceSelfSigned, Now: now})
+	if err != nil {
+		return nil, fmt.Errorf("self-signed CA in %s: %w", stateDir, err)
+	}
+	return b, nil
+}
+
+// CreateSelfSigned generates a root key and certificate and persists them in stateDir: the key
+// first (0600), then the certificate, each atomically.
+func CreateSelfSigned(stateDir string, cfg SelfSignedConfig, now time.Time) (*Bundle, error) {
+	key, err := pki.GenerateKey(cfg.KeyAlgorithm, cfg.RSAKeySize)
+	if err != nil {
+		return nil, err
+	}
+	root, err := NewRootCertificate(key, cfg.Org, cfg.TTL, now)
+	if err != nil {
+		return nil, err
+	}
+	keyPEM, err := pki.EncodePrivateKey(key)
+	if err != nil {
+		return nil, err
+	}
+	if err := fsutil.EnsureDir(stateDir, fsutil.PrivateDirMode); err != nil {
+		return nil, err
+	}
+	if err := fsutil.WritePrivateFile(filepath.Join(stateDir, CAKeyFile), keyPEM); err != nil {
+		return nil, err
+	}
+	if err := fsutil.WriteFileAtomic(filepath.Join(stateDir, CACertFile), pki.EncodeCertificate(root), fsutil.PublicFileMode); err != nil {
+		return nil, err
+	}
+	return NewBundle(BundleParams{SigningCert: root, SigningKey: key, Source: SourceSelfSigned, Now: now})
+}
+
+// Origin says which step of the start-up order produced the key material.
+type Origin string
+
+// Start-up origins.
+const (
+	OriginPluggedIn Origin = "plugged-in cacerts"
+	OriginPersisted Origin = "persisted self-signed CA"
+	OriginGenerated Origin = "new self-signed CA"
+)
+
+// StartupConfig configures LoadOrCreate.
+type StartupConfig struct {
+	CACertsDir string // optional
+	StateDir   string
+	SelfSigned SelfSignedConfig
+	Now        time.Time
+	Logger     *slog.Logger
+}
+
+// LoadOrCreate finds the CA's key material in Istio's start-up order: a complete plugged-in
+// bundle in CACertsDir, else the self-signed CA persisted in StateDir, else a new self-signed root,
+// persisted there. It then writes the trust bundle to StateDir/root-cert.pem for clients.
+func LoadOrCreate(cfg StartupConfig) (*Bundle, Origin, error) {
+	b, origin, err := loadOrCreate(cfg)
+	if err != nil {
+		return nil, "", err
+	}
+	if err := WriteTrustBundle(cfg.StateDir, b); err != nil {
+		return nil, "", err
+	}
+	return b, origin, nil
+}
+
+func loadOrCreate(cfg StartupConfig) (*Bundle, Origin, error) {
+	if cfg.CACertsDir != "" {
+		b, err := LoadPluggedIn(cfg.CACertsDir, cfg.Now)
+		if err == nil {
+			return b, OriginPluggedIn, nil
+		}
+		if !errors.Is(err, ErrNoPluggedInCA) {
+			return nil, "", err
+		}
+		if cfg.Logger != nil {
+			cfg.Logger.Info("no plugged-in CA, using the self-signed CA", "cacerts_dir", cfg.CACertsDir)
+		}
+	}
+	b, err := LoadSelfSigned(cfg.StateDir, cfg.Now)
+	if err != nil {
+		return nil, "", err
+	}
+	if b != nil {
+		return b, OriginPersisted, nil
+	}
+	b, err = CreateSelfSigned(cfg.StateDir, cfg.SelfSigned, cfg.Now)
+	if err != nil {
+		return nil, "", err
+	}
+	return b, OriginGenerated, nil
+}
+
+// WriteTrustBundle atomically writes every trusted root of b to stateDir/root-cert.pem.
+func WriteTrustBundle(stateDir string, b *Bundle) error {
+	if err := fsutil.EnsureDir(stateDir, fsutil.PrivateDirMode); err != nil {
+		return err
+	}
+	return fsutil.WriteFileAtomic(filepath.Join(stateDir, RootCertFile), b.RootsPEM(), fsutil.PublicFileMode)
+}

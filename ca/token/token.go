@@ -1,0 +1,212 @@
+// Package token mints and verifies Kubernetes-style bound service-account tokens: the JWTs a
+// kube-apiserver TokenRequest returns, which workloads present to the CA.
+package token
+
+import (
+	"crypto"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/rsa"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/golang-jwt/jwt/v5"
+
+	"github.com/meshid/meshid/internal/fsutil"
+	"github.com/meshid/meshid/internal/pki"
+)
+
+// Defaults for minted tokens, as kube-apiserver sets them.
+const (
+	DefaultIssuer   = "https://kubernetes.default.svc.cluster.local"
+	DefaultAudience = "istio-ca"
+	DefaultTTL      = time.Hour
+)
+
+const subjectPrefix = "system:serviceaccount:"
+
+// Claims are a bound service-account token's claims.
+type Claims struct {
+	jwt.RegisteredClaims
+	Kubernetes *KubernetesClaims `json:"kubernetes.io,omitempty"`
+}
+
+// KubernetesClaims is the kubernetes.io claim block.
+type KubernetesClaims struct {
+	Namespace      string `json:"namespace"`
+	ServiceAccount Ref    `json:"serviceaccount"`
+	Pod            *Ref   `json:"pod,omitempty"`
+	Node           *Ref   `json:"node,omitempty"`
+}
+
+// Ref names a Kubernetes object in the kubernetes.io block.
+type Ref struct {
+	Name string `json:"name"`
+	UID  string `json:"uid"`
+}
+
+// Subject returns the sub claim Kubernetes gives a service account's tokens.
+func Subject(namespace, serviceAccount string) string {
+	return subjectPrefix + namespace + ":" + serviceAccount
+}
+
+// ErrSubject reports a token whose subject is not a well-formed service account.
+var ErrSubject = errors.New("token subject is not a service account")
+
+// ServiceAccount returns the namespace and name the token was issued to. The sub claim must be
+// system:serviceaccount:NS:SA with valid names, and the kubernetes.io block, when present, must agree.
+func (c *Claims) ServiceAccount() (namespace, name string, err error) {
+	rest, ok := strings.CutPrefix(c.Subject, subjectPrefix)
+	if !ok {
+		return "", "", fmt.Errorf("%w: sub %q lacks the %q prefix", ErrSubject, c.Subject, subjectPrefix)
+	}
+	namespace, name, ok = strings.Cut(rest, ":")
+	if !ok {
+		return "", "", fmt.Errorf("%w: sub %q is not %sNAMESPACE:NAME", ErrSubject, c.Subject, subjectPrefix)
+	}
+	if err := pki.ValidateNamespace(namespace); err != nil {
+		return "", "", fmt.Errorf("%w: %w", ErrSubject, err)
+	}
+	if err := pki.ValidateServiceAccount(name); err != nil {
+		return "", "", fmt.Errorf("%w: %w", ErrSubject, err)
+	}
+	if k := c.Kubernetes; k != nil && (k.Namespace != namespace || k.ServiceAccount.Name != name) {
+		return "", "", fmt.Errorf("%w: sub %q disagrees with kubernetes.io %s/%s", ErrSubject, c.Subject, k.Namespace, k.ServiceAccount.Name)
+	}
+	return namespace, name, nil
+}
+
+// MintParams describes a token to mint.
+type MintParams struct {
+	Issuer            string
+	Audiences         []string
+	Namespace         string
+	ServiceAccount    string
+	ServiceAccountUID string // random when empty
+	TTL               time.Duration
+	Now               time.Time
+}
+
+// Mint signs a bound service-account token with key. The header carries the key's ID (as
+// kube-apiserver derives it) and the algorithm that fits the key: ES256/ES384 or RS256.
+func Mint(key crypto.Signer, p MintParams) (string, error) {
+	if err := pki.ValidateNamespace(p.Namespace); err != nil {
+		return "", err
+	}
+	if err := pki.ValidateServiceAccount(p.ServiceAccount); err != nil {
+		return "", err
+	}
+	if p.TTL <= 0 {
+		return "", fmt.Errorf("token lifetime %s must be positive", p.TTL)
+	}
+	if len(p.Audiences) == 0 {
+		return "", errors.New("token needs at least one audience")
+	}
+	method, err := signingMethod(key.Public())
+	if err != nil {
+		return "", err
+	}
+	kid, err := pki.KeyID(key.Public())
+	if err != nil {
+		return "", err
+	}
+	uid := p.ServiceAccountUID
+	if uid == "" {
+		uid = newUUID()
+	}
+	now := p.Now
+	if now.IsZero() {
+		now = time.Now()
+	}
+	now = now.Truncate(time.Second)
+	claims := Claims{
+		RegisteredClaims: jwt.RegisteredClaims{
+			Issuer:    p.Issuer,
+			Subject:   Subject(p.Namespace, p.ServiceAccount),
+			Audience:  jwt.ClaimStrings(p.Audiences),
+			ExpiresAt: jwt.NewNumericDate(now.Add(p.TTL)),
+			NotBefore: jwt.NewNumericDate(now),
+			IssuedAt:  jwt.NewNumericDate(now),
+			ID:        newUUID(),
+		},
+		Kubernetes: &KubernetesClaims{
+			Namespace:      p.Namespace,
+			ServiceAccount: Ref{Name: p.ServiceAccount, UID: uid},
+		},
+	}
+	tok := jwt.NewWithClaims(method, claims)
+	tok.Header["kid"] = kid
+	signed, err := tok.SignedString(key)
+	if err != nil {
+		return "", fmt.Errorf("sign token: %w", err)
+	}
+	return signed, nil
+}
+
+func signingMethod(pub crypto.PublicKey) (jwt.SigningMethod, error) {
+	switch k := pub.(type) {
+	case *ecdsa.PublicKey:
+		switch k.Curve {
+		case elliptic.P256():
+			return jwt.SigningMethodES256, nil
+		case elliptic.P384():
+			return jwt.SigningMethodES384, nil
+		}
+	case *rsa.PublicKey:
+		return jwt.SigningMethodRS256, nil
+	}
+	return nil, fmt.Errorf("cannot sign tokens with a %s key (want ECDSA P-256/P-384 or RSA)", pki.DescribeKey(pub))
+}
+
+// LoadKey reads a token signing key.
+func LoadKey(path string) (crypto.Signer, error) {
+	data, ok, err := fsutil.ReadOptional(path)
+	if err != nil {
+		return nil, err
+	}
+	if !ok {
+		return nil, fmt.Errorf("token signing key %s does not exist", path)
+	}
+	key, err := pki.ParsePrivateKey(data)
+	if err != nil {
+		return nil, fmt.Errorf("token signing key %s: %w", path, err)
+	}
+	if _, err := signingMethod(key.Public()); err != nil {
+		return nil, fmt.Errorf("token signing key %s: %w", path, err)
+	}
+	return key, nil
+}
+
+// LoadOrCreateKey reads the token signing key at path, or creates an ECDSA P-256 one there (0600).
+// It reports whether the key was created.
+func LoadOrCreateKey(path string) (crypto.Signer, bool, error) {
+	if _, ok, err := fsutil.ReadOptional(path); err != nil {
+		return nil, false, err
+	} else if ok {
+		key, err := LoadKey(path)
+		return key, false, err
+	}
+	key, err := pki.GenerateKey(pki.ECDSA, 0)
+	if err != nil {
+		return nil, false, err
+	}
+	keyPEM, err := pki.EncodePrivateKey(key)
+	if err != nil {
+		return nil, false, err
+	}
+	if err := fsutil.WritePrivateFile(path, keyPEM); err != nil {
+		return nil, false, err
+	}
+	return key, true, nil
+}
+
+func newUUID() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails
+	b[6] = b[6]&0x0f | 0x40
+	b[8] = b[8]&0x3f | 0x80
+	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16])
+}

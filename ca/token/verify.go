@@ -1,0 +1,249 @@
+package token
+
+import (
+	"bytes"
+	"crypto"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rsa"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math/big"
+	"os"
+	"time"
+
+	"github.com/golang-jwt/jwt/v5"
+
+	"github.com/meshid/meshid/internal/pki"
+)
+
+// allowedAlgorithms are the only signature algorithms the verifier accepts: never "none", never
+// an HMAC whose secret could be a public key.
+func allowedAlgorithms() []string { return []string{"RS256", "RS384", "ES256", "ES384"} }
+
+// DefaultLeeway tolerates clock skew between the token issuer and the CA.
+const DefaultLeeway = time.Minute
+
+// ErrUnknownKey reports a token signed with a key the verifier does not hold.
+var ErrUnknownKey = errors.New("token signed by an unknown key")
+
+// KeySet holds the public keys of trusted token issuers, by key ID.
+type KeySet struct {
+	keys map[string]crypto.PublicKey
+	ids  []string // in file order
+}
+
+// NewKeySet builds a key set; keys get the IDs pki.KeyID derives.
+func NewKeySet(keys ...crypto.PublicKey) (*KeySet, error) {
+	ks := &KeySet{keys: map[string]crypto.PublicKey{}}
+	for _, k := range keys {
+		kid, err := pki.KeyID(k)
+		if err != nil {
+			return nil, err
+		}
+		if err := ks.add(kid, k); err != nil {
+			return nil, err
+		}
+	}
+	return ks, nil
+}
+
+func (ks *KeySet) add(kid string, key crypto.PublicKey) error {
+	if _, err := signingMethod(key); err != nil {
+		return err
+	}
+	if existing, dup := ks.keys[kid]; dup {
+		if pki.PublicKeysEqual(existing, key) {
+			return nil
+		}
+		return fmt.Errorf("two different keys share the key ID %q", kid)
+	}
+	ks.keys[kid] = key
+	ks.ids = append(ks.ids, kid)
+	return nil
+}
+
+// Len returns the number of keys.
+func (ks *KeySet) Len() int { return len(ks.ids) }
+
+// LoadKeySet reads issuer keys from a file of PEM public keys (or certificates), or a JWKS document.
+func LoadKeySet(path string) (*KeySet, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("read token keys: %w", err)
+	}
+	ks, err := ParseKeySet(data)
+	if err != nil {
+		return nil, fmt.Errorf("token keys %s: %w", path, err)
+	}
+	return ks, nil
+}
+
+// ParseKeySet parses PEM public keys or a JWKS document.
+func ParseKeySet(data []byte) (*KeySet, error) {
+	if trimmed := bytes.TrimSpace(data); len(trimmed) > 0 && trimmed[0] == '{' {
+		return parseJWKS(trimmed)
+	}
+	keys, err := pki.ParsePublicKeys(data)
+	if err != nil {
+		return nil, err
+	}
+	return NewKeySet(keys...)
+}
+
+type jwk struct {
+	Kty string `json:"kty"`
+	Kid string `json:"kid"`
+	Use string `json:"use"`
+	Crv string `json:"crv"`
+	X   string `json:"x"`
+	Y   string `json:"y"`
+	N   string `json:"n"`
+	E   string `json:"e"`
+}
+
+func parseJWKS(data []byte) (*KeySet, error) {
+	var doc struct {
+		Keys []jwk `json:"keys"`
+	}
+	if err := json.Unmarshal(data, &doc); err != nil {
+		return nil, fmt.Errorf("parse JWKS: %w", err)
+	}
+	ks := &KeySet{keys: map[string]crypto.PublicKey{}}
+	for i, k := range doc.Keys {
+		if k.Use != "" && k.Use != "sig" {
+			continue
+		}
+		pub, err := k.publicKey()
+		if err != nil {
+			return nil, fmt.Errorf("JWKS key %d (kid %q): %w", i, k.Kid, err)
+		}
+		kid := k.Kid
+		if kid == "" {
+			if kid, err = pki.KeyID(pub); err != nil {
+				return nil, err
+			}
+		}
+		if err := ks.add(kid, pub); err != nil {
+			return nil, fmt.Errorf("JWKS key %d (kid %q): %w", i, k.Kid, err)
+		}
+	}
+	if ks.Len() == 0 {
+		return nil, errors.New("JWKS holds no signature keys")
+	}
+	return ks, nil
+}
+
+func (k jwk) publicKey() (crypto.PublicKey, error) {
+	switch k.Kty {
+	case "EC":
+		var curve elliptic.Curve
+		switch k.Crv {
+		case "P-256":
+			curve = elliptic.P256()
+		case "P-384":
+			curve = elliptic.P384()
+		default:
+			return nil, fmt.Errorf("unsupported curve %q", k.Crv)
+		}
+		x, errX := base64.RawURLEncoding.DecodeString(k.X)
+		y, errY := base64.RawURLEncoding.DecodeString(k.Y)
+		if err := errors.Join(errX, errY); err != nil {
+			return nil, fmt.Errorf("decode EC coordinates: %w", err)
+		}
+		size := (curve.Params().BitSize + 7) / 8
+		if len(x) != size || len(y) != size {
+			return nil, fmt.Errorf("EC coordinates of %d and %d bytes, want %d", len(x), len(y), size)
+		}
+		return ecdsa.ParseUncompressedPublicKey(curve, append(append([]byte{4}, x...), y...))
+	case "RSA":
+		n, errN := base64.RawURLEncoding.DecodeString(k.N)
+		e, errE := base64.RawURLEncoding.DecodeString(k.E)
+		if err := errors.Join(errN, errE); err != nil {
+			return nil, fmt.Errorf("decode RSA parameters: %w", err)
+		}
+		exp := new(big.Int).SetBytes(e)
+		if !exp.IsInt64() || exp.Int64() < 3 || exp.Int64() > 1<<31-1 {
+			return nil, errors.New("RSA exponent out of range")
+		}
+		pub := &rsa.PublicKey{N: new(big.Int).SetBytes(n), E: int(exp.Int64())}
+		if pub.N.BitLen() < pki.MinRSAKeySize {
+			return nil, fmt.Errorf("RSA key of %d bits is too small", pub.N.BitLen())
+		}
+		return pub, nil
+	default:
+		return nil, fmt.Errorf("unsupported key type %q", k.Kty)
+	}
+}
+
+// VerifierConfig configures a Verifier.
+type VerifierConfig struct {
+	Keys     *KeySet
+	Audience string // required
+	Issuer   string // checked when set
+	Leeway   time.Duration
+	Now      func() time.Time // nil means time.Now
+}
+
+// Verifier checks bound service-account tokens.
+type Verifier struct {
+	keys   *KeySet
+	parser *jwt.Parser
+}
+
+// NewVerifier returns a Verifier.
+func NewVerifier(cfg VerifierConfig) (*Verifier, error) {
+	if cfg.Keys == nil || cfg.Keys.Len() == 0 {
+		return nil, errors.New("token verifier needs at least one key")
+	}
+	if cfg.Audience == "" {
+		return nil, errors.New("token verifier needs an audience")
+	}
+	if cfg.Leeway == 0 {
+		cfg.Leeway = DefaultLeeway
+	}
+	opts := []jwt.ParserOption{
+		jwt.WithValidMethods(allowedAlgorithms()),
+		jwt.WithAudience(cfg.Audience),
+		jwt.WithExpirationRequired(),
+		jwt.WithLeeway(cfg.Leeway),
+		jwt.WithStrictDecoding(), // one token, one encoding
+	}
+	if cfg.Issuer != "" {
+		opts = append(opts, jwt.WithIssuer(cfg.Issuer))
+	}
+	if cfg.Now != nil {
+		opts = append(opts, jwt.WithTimeFunc(cfg.Now))
+	}
+	return &Verifier{keys: cfg.Keys, parser: jwt.NewParser(opts...)}, nil
+}
+
+// Verify checks raw's signature, algorithm, audience, issuer and validity window, and returns its claims.
+// Errors wrap golang-jwt's (jwt.ErrTokenExpired, jwt.ErrTokenInvalidAudience, ...) or ErrUnknownKey.
+func (v *Verifier) Verify(raw string) (*Claims, error) {
+	claims := &Claims{}
+	if _, err := v.parser.ParseWithClaims(raw, claims, v.keyFor); err != nil {
+		return nil, err
+	}
+	return claims, nil
+}
+
+// keyFor picks the key named by the header's kid; a token without kid is tried against every key,
+// which for the usual single-key set is that key.
+func (v *Verifier) keyFor(t *jwt.Token) (any, error) {
+	kid, hasKid := t.Header["kid"].(string)
+	if hasKid && kid != "" {
+		key, ok := v.keys.keys[kid]
+		if !ok {
+			return nil, fmt.Errorf("%w: kid %q", ErrUnknownKey, kid)
+		}
+		return key, nil
+	}
+	set := jwt.VerificationKeySet{}
+	for _, id := range v.keys.ids {
+		set.Keys = append(set.Keys, v.keys.keys[id])
+	}
+	return set, nil
+}

@@ -1,0 +1,152 @@
+package server
+
+import (
+	"context"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"strings"
+
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
+
+	"github.com/meshid/meshid/ca"
+	"github.com/meshid/meshid/ca/token"
+	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/pki"
+)
+
+// Caller is an authenticated client of the CA.
+type Caller struct {
+	Identity pki.SPIFFEID
+	// Method names how the caller proved its identity: "jwt" or "mtls".
+	Method string
+}
+
+// Authenticator establishes a caller's identity from a request's credentials. It returns an
+// error wrapping errNoCredentials when the request carries none of the kind it checks.
+type Authenticator interface {
+	Authenticate(ctx context.Context) (Caller, error)
+}
+
+var (
+	errNoCredentials     = errors.New("no credentials")
+	errMalformedBearer   = errors.New("authorization header is not a bearer token")
+	errClientCertificate = errors.New("client certificate not accepted")
+)
+
+// JWTAuthenticator accepts Kubernetes service-account tokens sent as "authorization: Bearer <JWT>".
+type JWTAuthenticator struct {
+	verifier    *token.Verifier
+	trustDomain string
+}
+
+// NewJWTAuthenticator returns a JWTAuthenticator mapping tokens to identities in trustDomain.
+func NewJWTAuthenticator(v *token.Verifier, trustDomain string) *JWTAuthenticator {
+	return &JWTAuthenticator{verifier: v, trustDomain: trustDomain}
+}
+
+// Authenticate implements Authenticator.
+func (a *JWTAuthenticator) Authenticate(ctx context.Context) (Caller, error) {
+	md, _ := metadata.FromIncomingContext(ctx)
+	values := md.Get("authorization")
+	if len(values) == 0 {
+		return Caller{}, fmt.Errorf("bearer token: %w", errNoCredentials)
+	}
+	scheme, raw, ok := strings.Cut(values[0], " ")
+	if !ok || !strings.EqualFold(scheme, "bearer") || strings.TrimSpace(raw) == "" {
+		return Caller{}, errMalformedBearer
+	}
+	claims, err := a.verifier.Verify(strings.TrimSpace(raw))
+	if err != nil {
+		return Caller{}, fmt.Errorf("bearer token: %w", err)
+	}
+	ns, sa, err := claims.ServiceAccount()
+	if err != nil {
+		return Caller{}, fmt.Errorf("bearer token: %w", err)
+	}
+	return Caller{Identity: pki.SPIFFEID{TrustDomain: a.trustDomain, Namespace: ns, ServiceAccount: sa}, Method: "jwt"}, nil
+}
+
+// TrustSource yields the CA's current key material, whose roots client certificates must chain to.
+type TrustSource interface {
+	Bundle() *ca.Bundle
+}
+
+// MTLSAuthenticator accepts a client certificate that chains to the CA's trust bundle and names a
+// workload of this trust domain by its only URI SAN: a workload renewing with its current certificate.
+type MTLSAuthenticator struct {
+	trust       TrustSource
+	trustDomain string
+	clock       clock.Clock
+}
+
+// NewMTLSAuthenticator returns an MTLSAuthenticator. A nil clock means the real one.
+func NewMTLSAuthenticator(trust TrustSource, trustDomain string, clk clock.Clock) *MTLSAuthenticator {
+	return &MTLSAuthenticator{trust: trust, trustDomain: trustDomain, clock: clock.OrReal(clk)}
+}
+
+// Authenticate implements Authenticator. The chain is verified per call, against the bundle in
+// service now, so that a trust change applies to connections opened before it.
+func (a *MTLSAuthenticator) Authenticate(ctx context.Context) (Caller, error) {
+	p, ok := peer.FromContext(ctx)
+	if !ok {
+		return Caller{}, fmt.Errorf("client certificate: %w", errNoCredentials)
+	}
+	info, ok := p.AuthInfo.(credentials.TLSInfo)
+	if !ok || len(info.State.PeerCertificates) == 0 {
+		return Caller{}, fmt.Errorf("client certificate: %w", errNoCredentials)
+	}
+	b := a.trust.Bundle()
+	if b == nil {
+		return Caller{}, ca.ErrNotReady
+	}
+	certs := info.State.PeerCertificates
+	leaf := certs[0]
+	intermediates := x509.NewCertPool()
+	for _, c := range certs[1:] {
+		intermediates.AddCert(c)
+	}
+	if _, err := leaf.Verify(x509.VerifyOptions{
+		Roots:         b.RootPool(),
+		Intermediates: intermediates,
+		CurrentTime:   a.clock.Now(),
+		KeyUsages:     []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
+	}); err != nil {
+		return Caller{}, fmt.Errorf("%w: %w", errClientCertificate, err)
+	}
+	if leaf.IsCA {
+		return Caller{}, fmt.Errorf("%w: it is a CA certificate", errClientCertificate)
+	}
+	if len(leaf.URIs) != 1 {
+		return Caller{}, fmt.Errorf("%w: it has %d URI SANs, want exactly one SPIFFE ID", errClientCertificate, len(leaf.URIs))
+	}
+	id, err := pki.SPIFFEIDFromURL(leaf.URIs[0])
+	if err != nil {
+		return Caller{}, fmt.Errorf("%w: %w", errClientCertificate, err)
+	}
+	if id.TrustDomain != a.trustDomain {
+		return Caller{}, fmt.Errorf("%w: trust domain %q, want %q", errClientCertificate, id.TrustDomain, a.trustDomain)
+	}
+	return Caller{Identity: id, Method: "mtls"}, nil
+}
+
+// authenticate tries each authenticator in order; the first success wins. When every one fails,
+// the error of the first that found credentials is returned, or errNoCredentials if none did.
+func authenticate(ctx context.Context, authenticators []Authenticator) (Caller, error) {
+	var errs []error
+	for _, a := range authenticators {
+		caller, err := a.Authenticate(ctx)
+		if err == nil {
+			return caller, nil
+		}
+		if !errors.Is(err, errNoCredentials) {
+			errs = append(errs, err)
+		}
+	}
+	if len(errs) == 0 {
+		return Caller{}, fmt.Errorf("%w: send a bearer token or a client certificate issued by this CA", errNoCredentials)
+	}
+	return Caller{}, errors.Join(errs...)
+}

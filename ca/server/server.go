@@ -1,0 +1,193 @@
+// Package server is the gRPC front of the CA: Istio's IstioCertificateService.CreateCertificate,
+// with JWT and mTLS authentication, namespace targeting, and errors mapped to status codes.
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"time"
+
+	"github.com/golang-jwt/jwt/v5"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/status"
+	pb "istio.io/api/security/v1alpha1"
+
+	"github.com/meshid/meshid/ca"
+	"github.com/meshid/meshid/ca/token"
+	"github.com/meshid/meshid/internal/logkey"
+)
+
+// Signer issues workload certificates.
+type Signer interface {
+	SignWorkload(ctx context.Context, req ca.WorkloadRequest) (*ca.Issued, error)
+}
+
+// Targeting decides whether this CA instance serves a namespace.
+type Targeting interface {
+	Targets(ctx context.Context, namespace string) (bool, error)
+}
+
+// Config configures a Server.
+type Config struct {
+	Signer         Signer
+	Authenticators []Authenticator // tried in order; the first success wins
+	Targeting      Targeting
+	Metrics        *Metrics
+	Logger         *slog.Logger
+}
+
+// Server implements IstioCertificateService.
+type Server struct {
+	pb.UnimplementedIstioCertificateServiceServer
+	signer         Signer
+	authenticators []Authenticator
+	targeting      Targeting
+	metrics        *Metrics
+	log            *slog.Logger
+}
+
+// New returns a Server.
+func New(cfg Config) *Server {
+	log := cfg.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	return &Server{
+		signer:         cfg.Signer,
+		authenticators: cfg.Authenticators,
+		targeting:      cfg.Targeting,
+		metrics:        cfg.Metrics,
+		log:            log,
+	}
+}
+
+var (
+	errNamespaceNotTargeted = errors.New("this CA instance does not serve the namespace")
+	errTargetingUnavailable = errors.New("cannot tell whether this CA instance serves the namespace")
+)
+
+// CreateCertificate authenticates the caller, checks that its namespace is served, and signs the
+// CSR for the caller's own identity. The response chain is leaf, intermediates, root.
+func (s *Server) CreateCertificate(ctx context.Context, req *pb.IstioCertificateRequest) (*pb.IstioCertificateResponse, error) {
+	caller, err := authenticate(ctx, s.authenticators)
+	if err != nil {
+		return nil, s.refuse(ctx, caller, err)
+	}
+	served, err := s.targeting.Targets(ctx, caller.Identity.Namespace)
+	if err != nil {
+		return nil, s.refuse(ctx, caller, fmt.Errorf("%w: %w", errTargetingUnavailable, err))
+	}
+	if !served {
+		return nil, s.refuse(ctx, caller, errNamespaceNotTargeted)
+	}
+	csr, err := ca.ParseCSR([]byte(req.GetCsr()))
+	if err != nil {
+		return nil, s.refuse(ctx, caller, err)
+	}
+	start := time.Now()
+	issued, err := s.signer.SignWorkload(ctx, ca.WorkloadRequest{
+		CSR:      csr,
+		Identity: caller.Identity,
+		TTL:      secondsToDuration(req.GetValidityDuration()),
+	})
+	if err != nil {
+		return nil, s.refuse(ctx, caller, err)
+	}
+	if s.metrics != nil {
+		s.metrics.signing.Observe(time.Since(start).Seconds())
+		s.metrics.issued.WithLabelValues(caller.Method).Inc()
+	}
+	s.log.Debug("certificate issued",
+		logkey.Identity, caller.Identity.String(),
+		logkey.Method, caller.Method,
+		logkey.Serial, issued.Leaf.SerialNumber.Text(16),
+		logkey.NotAfter, issued.Leaf.NotAfter)
+	return &pb.IstioCertificateResponse{CertChain: issued.ChainPEM()}, nil
+}
+
+// secondsToDuration converts validity_duration, saturating instead of overflowing.
+func secondsToDuration(s int64) time.Duration {
+	switch {
+	case s > math.MaxInt64/int64(time.Second):
+		return math.MaxInt64
+	case s < math.MinInt64/int64(time.Second):
+		return math.MinInt64
+	default:
+		return time.Duration(s) * time.Second
+	}
+}
+
+// refuse logs a refusal once, counts it, and returns it as a gRPC status. The error texts never
+// contain the token: golang-jwt's errors describe claims, not the raw token.
+func (s *Server) refuse(ctx context.Context, caller Caller, err error) error {
+	code, reason := classify(err)
+	if s.metrics != nil {
+		s.metrics.refused.WithLabelValues(reason, code.String()).Inc()
+	}
+	attrs := []any{logkey.Reason, reason, logkey.Code, code.String(), logkey.Error, err.Error()}
+	if caller.Method != "" {
+		attrs = append(attrs, logkey.Identity, caller.Identity.String(), logkey.Method, caller.Method)
+	}
+	if p, ok := peer.FromContext(ctx); ok && p.Addr != nil {
+		attrs = append(attrs, logkey.Peer, p.Addr.String())
+	}
+	s.log.Warn("certificate request refused", attrs...)
+	return status.Error(code, err.Error())
+}
+
+type rule struct {
+	target error
+	code   codes.Code
+	reason string
+}
+
+// rules map errors to status codes and metric reasons; the first match wins.
+func rules() []rule {
+	return []rule{
+		{errNoCredentials, codes.Unauthenticated, "no_credentials"},
+		{errMalformedBearer, codes.Unauthenticated, "token_malformed"},
+		{jwt.ErrTokenExpired, codes.Unauthenticated, "token_expired"},
+		{jwt.ErrTokenNotValidYet, codes.Unauthenticated, "token_not_yet_valid"},
+		{jwt.ErrTokenUsedBeforeIssued, codes.Unauthenticated, "token_not_yet_valid"},
+		{jwt.ErrTokenInvalidAudience, codes.Unauthenticated, "token_audience"},
+		{jwt.ErrTokenInvalidIssuer, codes.Unauthenticated, "token_issuer"},
+		{token.ErrUnknownKey, codes.Unauthenticated, "token_unknown_key"},
+		{jwt.ErrTokenMalformed, codes.Unauthenticated, "token_malformed"},
+		{jwt.ErrTokenSignatureInvalid, codes.Unauthenticated, "token_signature"},
+		{jwt.ErrTokenUnverifiable, codes.Unauthenticated, "token_signature"},
+		{jwt.ErrTokenRequiredClaimMissing, codes.Unauthenticated, "token_claims"},
+		{token.ErrSubject, codes.Unauthenticated, "token_subject"},
+		{jwt.ErrTokenInvalidClaims, codes.Unauthenticated, "token_claims"},
+		{errClientCertificate, codes.Unauthenticated, "client_certificate"},
+		{errNamespaceNotTargeted, codes.PermissionDenied, "namespace_not_targeted"},
+		{errTargetingUnavailable, codes.Unavailable, "targeting_unavailable"},
+		{ca.ErrIdentityMismatch, codes.PermissionDenied, "csr_identity"},
+		{ca.ErrForbiddenSAN, codes.PermissionDenied, "csr_names"},
+		{ca.ErrMalformedCSR, codes.InvalidArgument, "csr_malformed"},
+		{ca.ErrCSRSignature, codes.InvalidArgument, "csr_signature"},
+		{ca.ErrUnsupportedKey, codes.InvalidArgument, "csr_key"},
+		{ca.ErrInvalidTTL, codes.InvalidArgument, "validity_duration"},
+		{ca.ErrNotReady, codes.Unavailable, "not_ready"},
+		{context.Canceled, codes.Canceled, "canceled"},
+		{context.DeadlineExceeded, codes.DeadlineExceeded, "deadline"},
+	}
+}
+
+func classify(err error) (codes.Code, string) {
+	// Of several authentication failures, the first authenticator's decides.
+	if joined, ok := err.(interface{ Unwrap() []error }); ok {
+		if errs := joined.Unwrap(); len(errs) > 0 {
+			err = errs[0]
+		}
+	}
+	for _, r := range rules() {
+		if errors.Is(err, r.target) {
+			return r.code, r.reason
+		}
+	}
+	return codes.Internal, "internal"
+}

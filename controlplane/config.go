@@ -1,0 +1,117 @@
+// Package controlplane is the composition root of `meshid ca`: it wires the CA core, its gRPC
+// server, namespace targeting and the monitoring server, and runs them until its context ends.
+package controlplane
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"time"
+
+	"github.com/meshid/meshid/ca"
+	"github.com/meshid/meshid/ca/token"
+	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/pki"
+)
+
+// Defaults of `meshid ca`.
+const (
+	DefaultGRPCAddr       = ":15012"
+	DefaultMonitoringAddr = ":9093"
+	DefaultTrustDomain    = "cluster.local"
+	DefaultCANamespace    = "istio-system"
+	DefaultStateDir       = "/var/lib/meshid/ca"
+)
+
+// Config is everything the control plane needs; cmd builds it from flags and validates it.
+type Config struct {
+	StateDir       string
+	CACertsDir     string // optional plugged-in CA
+	GRPCAddr       string
+	MonitoringAddr string // empty disables the monitoring server
+	TrustDomain    string
+
+	SelfSigned ca.SelfSignedConfig
+
+	JWTKeysFile string // empty: trust StateDir/token-key.pem
+	JWTAudience string
+	JWTIssuer   string // checked when set
+
+	CANamespace               string
+	EnableNamespacesByDefault bool
+
+	WorkloadCertTTL    time.Duration
+	MaxWorkloadCertTTL time.Duration
+	GRPCHostIdentities []string
+
+	Logger *slog.Logger
+	Clock  clock.Clock
+}
+
+// DefaultConfig returns the configuration `meshid ca` starts from.
+func DefaultConfig() Config {
+	return Config{
+		StateDir:                  DefaultStateDir,
+		GRPCAddr:                  DefaultGRPCAddr,
+		MonitoringAddr:            DefaultMonitoringAddr,
+		TrustDomain:               DefaultTrustDomain,
+		SelfSigned:                ca.SelfSignedConfig{KeyAlgorithm: pki.ECDSA, RSAKeySize: pki.DefaultRSAKeySize, TTL: ca.DefaultSelfSignedRootTTL},
+		JWTAudience:               token.DefaultAudience,
+		CANamespace:               DefaultCANamespace,
+		EnableNamespacesByDefault: true,
+		WorkloadCertTTL:           ca.DefaultWorkloadCertTTL,
+		MaxWorkloadCertTTL:        ca.DefaultMaxWorkloadCertTTL,
+	}
+}
+
+// Validate reports every problem with the configuration at once.
+func (c *Config) Validate() error {
+	var errs []error
+	if c.StateDir == "" {
+		errs = append(errs, errors.New("--state-dir is required"))
+	}
+	if err := validateListenAddr("--grpc-addr", c.GRPCAddr); err != nil {
+		errs = append(errs, err)
+	}
+	if c.MonitoringAddr != "" {
+		if err := validateListenAddr("--monitoring-addr", c.MonitoringAddr); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if err := pki.ValidateTrustDomain(c.TrustDomain); err != nil {
+		errs = append(errs, fmt.Errorf("--trust-domain: %w", err))
+	}
+	if err := pki.ValidateNamespace(c.CANamespace); err != nil {
+		errs = append(errs, fmt.Errorf("--ca-namespace: %w", err))
+	}
+	if c.JWTAudience == "" {
+		errs = append(errs, errors.New("--jwt-audience must not be empty"))
+	}
+	if c.WorkloadCertTTL <= 0 {
+		errs = append(errs, fmt.Errorf("--workload-cert-ttl %s must be positive", c.WorkloadCertTTL))
+	}
+	if c.MaxWorkloadCertTTL < c.WorkloadCertTTL {
+		errs = append(errs, fmt.Errorf("--max-workload-cert-ttl %s is below --workload-cert-ttl %s", c.MaxWorkloadCertTTL, c.WorkloadCertTTL))
+	}
+	if c.SelfSigned.TTL <= 0 {
+		errs = append(errs, fmt.Errorf("--self-signed-ca-cert-ttl %s must be positive", c.SelfSigned.TTL))
+	}
+	switch c.SelfSigned.KeyAlgorithm {
+	case pki.ECDSA:
+	case pki.RSA:
+		if c.SelfSigned.RSAKeySize < pki.MinRSAKeySize || c.SelfSigned.RSAKeySize > pki.MaxRSAKeySize {
+			errs = append(errs, fmt.Errorf("--key-size %d out of range [%d, %d]", c.SelfSigned.RSAKeySize, pki.MinRSAKeySize, pki.MaxRSAKeySize))
+		}
+	default:
+		errs = append(errs, fmt.Errorf("--key-algorithm %q: want ECDSA or RSA", c.SelfSigned.KeyAlgorithm))
+	}
+	return errors.Join(errs...)
+}
+
+func validateListenAddr(flag, addr string) error {
+	if _, _, err := net.SplitHostPort(addr); err != nil {
+		return fmt.Errorf("%s %q: want HOST:PORT (port 0 picks a free one): %w", flag, addr, err)
+	}
+	return nil
+}

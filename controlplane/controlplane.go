@@ -1,0 +1,287 @@
+package controlplane
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"path/filepath"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"golang.org/x/sync/errgroup"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+	pb "istio.io/api/security/v1alpha1"
+
+	"github.com/meshid/meshid/ca"
+	"github.com/meshid/meshid/ca/controller"
+	caserver "github.com/meshid/meshid/ca/server"
+	"github.com/meshid/meshid/ca/token"
+	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/logkey"
+	"github.com/meshid/meshid/internal/pki"
+	"github.com/meshid/meshid/internal/version"
+)
+
+// shutdownGrace bounds how long in-flight RPCs may run after the context ends.
+const shutdownGrace = 5 * time.Second
+
+// ControlPlane is a running `meshid ca`.
+type ControlPlane struct {
+	log       *slog.Logger
+	authority *ca.Authority
+	grpc      *grpc.Server
+	grpcLis   net.Listener
+	monitor   *http.Server
+	monLis    net.Listener
+	ready     atomic.Bool
+	readyCh   chan struct{} // closed once Run serves
+}
+
+// New loads or creates the CA's key material, builds the servers and opens their listeners, so
+// that the bound addresses are known before Run. It starts no goroutines; call Run.
+func New(cfg Config) (*ControlPlane, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	clk := clock.OrReal(cfg.Clock)
+	if cfg.SelfSigned.Org == "" {
+		cfg.SelfSigned.Org = cfg.TrustDomain
+	}
+
+	bundle, origin, err := ca.LoadOrCreate(ca.StartupConfig{
+		CACertsDir: cfg.CACertsDir,
+		StateDir:   cfg.StateDir,
+		SelfSigned: cfg.SelfSigned,
+		Now:        clk.Now(),
+		Logger:     log.With(logkey.Component, "ca"),
+	})
+	if err != nil {
+		return nil, fmt.Errorf("load CA key material: %w", err)
+	}
+	root := bundle.Root()
+	log.Info("CA key material loaded",
+		logkey.Source, string(origin),
+		logkey.Subject, bundle.SigningCert().Subject.String(),
+		logkey.NotAfter, bundle.NotAfter(),
+		logkey.Root, root.Subject.String(),
+		logkey.Path, filepath.Join(cfg.StateDir, ca.RootCertFile))
+
+	authority := ca.New(ca.Config{Clock: clk, DefaultTTL: cfg.WorkloadCertTTL, MaxTTL: cfg.MaxWorkloadCertTTL}, bundle)
+
+	verifier, err := newTokenVerifier(cfg, clk, log)
+	if err != nil {
+		return nil, err
+	}
+
+	registry := prometheus.NewRegistry()
+	registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	if err := ca.RegisterMetrics(registry, authority); err != nil {
+		return nil, err
+	}
+	metrics, err := caserver.NewMetrics(registry)
+	if err != nil {
+		return nil, err
+	}
+
+	serving := caserver.NewServingCertificate(authority, cfg.GRPCHostIdentities, clk)
+	grpcServer := grpc.NewServer(grpc.Creds(credentials.NewTLS(&tls.Config{
+		MinVersion:     tls.VersionTLS12,
+		GetCertificate: serving.GetCertificate,
+		// Client certificates are verified per call by the mTLS authenticator, against the trust
+		// bundle in service then; callers with only a token present none.
+		ClientAuth: tls.RequestClientCert,
+	})))
+	pb.RegisterIstioCertificateServiceServer(grpcServer, caserver.New(caserver.Config{
+		Signer: authority,
+		Authenticators: []caserver.Authenticator{
+			caserver.NewJWTAuthenticator(verifier, cfg.TrustDomain),
+			caserver.NewMTLSAuthenticator(authority, cfg.TrustDomain, clk),
+		},
+		Targeting: controller.NewTargeting(controller.TargetingConfig{
+			CANamespace:      cfg.CANamespace,
+			EnabledByDefault: cfg.EnableNamespacesByDefault,
+		}),
+		Metrics: metrics,
+		Logger:  log.With(logkey.Component, "ca-server"),
+	}))
+
+	cp := &ControlPlane{log: log, authority: authority, grpc: grpcServer, readyCh: make(chan struct{})}
+	if cp.grpcLis, err = net.Listen("tcp", cfg.GRPCAddr); err != nil {
+		return nil, fmt.Errorf("listen for gRPC on %s: %w", cfg.GRPCAddr, err)
+	}
+	if cfg.MonitoringAddr != "" {
+		if cp.monLis, err = net.Listen("tcp", cfg.MonitoringAddr); err != nil {
+			_ = cp.grpcLis.Close()
+			return nil, fmt.Errorf("listen for monitoring on %s: %w", cfg.MonitoringAddr, err)
+		}
+		cp.monitor = &http.Server{Handler: cp.monitoringHandler(registry), ReadHeaderTimeout: 10 * time.Second}
+	}
+	log.Info("CA serving certificate hosts", "hosts", serving.Hosts(), logkey.TrustDomain, cfg.TrustDomain)
+	return cp, nil
+}
+
+func newTokenVerifier(cfg Config, clk clock.Clock, log *slog.Logger) (*token.Verifier, error) {
+	var keys *token.KeySet
+	if cfg.JWTKeysFile != "" {
+		ks, err := token.LoadKeySet(cfg.JWTKeysFile)
+		if err != nil {
+			return nil, err
+		}
+		keys = ks
+		log.Info("trusting token issuer keys", logkey.Path, cfg.JWTKeysFile, "keys", ks.Len())
+	} else {
+		path := filepath.Join(cfg.StateDir, ca.TokenKeyFile)
+		key, created, err := token.LoadOrCreateKey(path)
+		if err != nil {
+			return nil, err
+		}
+		kid, err := pki.KeyID(key.Public())
+		if err != nil {
+			return nil, err
+		}
+		if keys, err = token.NewKeySet(key.Public()); err != nil {
+			return nil, err
+		}
+		log.Info("trusting the local token signing key", logkey.Path, path, logkey.KeyID, kid, "created", created)
+	}
+	return token.NewVerifier(token.VerifierConfig{
+		Keys:     keys,
+		Audience: cfg.JWTAudience,
+		Issuer:   cfg.JWTIssuer,
+		Now:      clk.Now,
+	})
+}
+
+// GRPCAddr returns the address the CA protocol is served on.
+func (c *ControlPlane) GRPCAddr() string { return c.grpcLis.Addr().String() }
+
+// MonitoringAddr returns the monitoring server's address, or "" when it is disabled.
+func (c *ControlPlane) MonitoringAddr() string {
+	if c.monLis == nil {
+		return ""
+	}
+	return c.monLis.Addr().String()
+}
+
+// Ready is closed once Run has started serving.
+func (c *ControlPlane) Ready() <-chan struct{} { return c.readyCh }
+
+// Authority returns the CA core.
+func (c *ControlPlane) Authority() *ca.Authority { return c.authority }
+
+// Run serves until ctx ends, then stops the servers, giving in-flight requests a short grace.
+func (c *ControlPlane) Run(ctx context.Context) error {
+	g, ctx := errgroup.WithContext(ctx)
+	g.Go(func() error {
+		if err := c.grpc.Serve(c.grpcLis); err != nil {
+			return fmt.Errorf("serve gRPC: %w", err)
+		}
+		return nil
+	})
+	if c.monitor != nil {
+		g.Go(func() error {
+			if err := c.monitor.Serve(c.monLis); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				return fmt.Errorf("serve monitoring: %w", err)
+			}
+			return nil
+		})
+	}
+	g.Go(func() error {
+		<-ctx.Done()
+		c.ready.Store(false)
+		c.stop()
+		return nil
+	})
+	c.ready.Store(true)
+	close(c.readyCh)
+	c.log.Info("CA started", logkey.Address, c.GRPCAddr(), "monitoring_address", c.MonitoringAddr(), logkey.Version, version.Version())
+	err := g.Wait()
+	c.log.Info("CA stopped")
+	return err
+}
+
+func (c *ControlPlane) stop() {
+	stopped := make(chan struct{})
+	go func() {
+		c.grpc.GracefulStop()
+		close(stopped)
+	}()
+	timer := time.NewTimer(shutdownGrace)
+	defer timer.Stop()
+	select {
+	case <-stopped:
+	case <-timer.C:
+		c.grpc.Stop()
+	}
+	if c.monitor != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), shutdownGrace)
+		defer cancel()
+		_ = c.monitor.Shutdown(ctx)
+	}
+}
+
+func (c *ControlPlane) monitoringHandler(registry *prometheus.Registry) http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.HandlerFor(registry, promhttp.HandlerOpts{Registry: registry}))
+	mux.HandleFunc("GET /version", func(w http.ResponseWriter, _ *http.Request) {
+		_, _ = fmt.Fprintln(w, version.String())
+	})
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
+		_, _ = fmt.Fprintln(w, "ok")
+	})
+	mux.HandleFunc("GET /healthz/ready", func(w http.ResponseWriter, _ *http.Request) {
+		if !c.ready.Load() || c.authority.Bundle() == nil {
+			http.Error(w, "not ready: the CA is not serving", http.StatusServiceUnavailable)
+			return
+		}
+		_, _ = fmt.Fprintln(w, "ready")
+	})
+	return mux
+}
+
+// Defaults of `meshid token`, as kube-apiserver sets them.
+const (
+	DefaultTokenIssuer   = token.DefaultIssuer
+	DefaultTokenAudience = token.DefaultAudience
+	DefaultTokenTTL      = token.DefaultTTL
+)
+
+// TokenRequest describes a token for MintToken.
+type TokenRequest struct {
+	// KeyPath is the signing key; empty means StateDir/token-key.pem.
+	KeyPath  string
+	StateDir string
+	token.MintParams
+}
+
+// MintToken signs a Kubernetes-style service-account token with the CA's local token key, or
+// with the key at KeyPath.
+func MintToken(req TokenRequest) (string, error) {
+	path := req.KeyPath
+	if path == "" {
+		if req.StateDir == "" {
+			return "", errors.New("give --key or --state-dir")
+		}
+		path = filepath.Join(req.StateDir, ca.TokenKeyFile)
+	}
+	key, err := token.LoadKey(path)
+	if err != nil {
+		if req.KeyPath == "" {
+			return "", fmt.Errorf("%w (start `meshid ca --state-dir %s` once to create it, or pass --key)", err, req.StateDir)
+		}
+		return "", err
+	}
+	return token.Mint(key, req.MintParams)
+}

@@ -1,0 +1,354 @@
+package controlplane_test
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/pem"
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	pb "istio.io/api/security/v1alpha1"
+
+	"github.com/meshid/meshid/ca/token"
+	"github.com/meshid/meshid/controlplane"
+	"github.com/meshid/meshid/internal/pki"
+	"github.com/meshid/meshid/internal/testutil"
+)
+
+func testConfig(stateDir string) controlplane.Config {
+	cfg := controlplane.DefaultConfig()
+	cfg.StateDir = stateDir
+	cfg.GRPCAddr = "127.0.0.1:0"
+	cfg.MonitoringAddr = "127.0.0.1:0"
+	return cfg
+}
+
+// start runs a control plane until the test ends and waits until it serves.
+func start(t *testing.T, cfg controlplane.Config) *controlplane.ControlPlane {
+	t.Helper()
+	cp, err := controlplane.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- cp.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	})
+	select {
+	case <-cp.Ready():
+	case err := <-done:
+		t.Fatalf("Run ended before serving: %v", err)
+	}
+	return cp
+}
+
+func mint(t *testing.T, stateDir, ns, sa string) string {
+	t.Helper()
+	tok, err := controlplane.MintToken(controlplane.TokenRequest{StateDir: stateDir, MintParams: token.MintParams{
+		Issuer: token.DefaultIssuer, Audiences: []string{"istio-ca"}, Namespace: ns, ServiceAccount: sa, TTL: time.Hour, Now: time.Now(),
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tok
+}
+
+// createCertificate speaks Istio's CA protocol as its agent does: TLS verified with the root file
+// and the server name istiod.istio-system.svc, a bearer token, a PEM CSR for the SPIFFE ID.
+func createCertificate(t *testing.T, addr, rootFile, tok, spiffeID string) ([]*x509.Certificate, error) {
+	t.Helper()
+	rootPEM, err := os.ReadFile(rootFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(rootPEM) {
+		t.Fatalf("%s holds no certificate", rootFile)
+	}
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{
+		RootCAs: pool, ServerName: "istiod.istio-system.svc", MinVersion: tls.VersionTLS12,
+	})))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = conn.Close() }()
+	key, err := pki.GenerateKey(pki.ECDSA, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, err := pki.ParseSPIFFEID(spiffeID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	csr, err := pki.CreateCSR(key, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := metadata.AppendToOutgoingContext(t.Context(), "authorization", "Bearer "+tok)
+	resp, err := pb.NewIstioCertificateServiceClient(conn).CreateCertificate(ctx, &pb.IstioCertificateRequest{Csr: string(csr), ValidityDuration: 3600})
+	if err != nil {
+		return nil, err
+	}
+	var chain []*x509.Certificate
+	for _, p := range resp.CertChain {
+		certs, err := pki.ParseCertificates([]byte(p))
+		if err != nil {
+			t.Fatal(err)
+		}
+		chain = append(chain, certs...)
+	}
+	// The chain verifies against the trust bundle clients are given.
+	inter := x509.NewCertPool()
+	for _, c := range chain[1 : len(chain)-1] {
+		inter.AddCert(c)
+	}
+	if _, err := chain[0].Verify(x509.VerifyOptions{Roots: pool, Intermediates: inter}); err != nil {
+		t.Fatalf("leaf does not verify against %s: %v", rootFile, err)
+	}
+	return chain, nil
+}
+
+func get(t *testing.T, url string) (int, string) {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = resp.Body.Close() }()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp.StatusCode, string(body)
+}
+
+func TestFreshStateDirEndToEnd(t *testing.T) {
+	t.Parallel()
+	dir := filepath.Join(t.TempDir(), "state")
+	cp := start(t, testConfig(dir))
+
+	chain, err := createCertificate(t, cp.GRPCAddr(), filepath.Join(dir, "root-cert.pem"), mint(t, dir, "default", "demo"), "spiffe://cluster.local/ns/default/sa/demo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := chain[0].URIs[0].String(); got != "spiffe://cluster.local/ns/default/sa/demo" {
+		t.Fatalf("leaf names %s", got)
+	}
+	for name, mode := range map[string]os.FileMode{"ca-key.pem": 0o600, "token-key.pem": 0o600, "ca-cert.pem": 0o644, "root-cert.pem": 0o644} {
+		info, err := os.Stat(filepath.Join(dir, name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if info.Mode().Perm() != mode {
+			t.Errorf("%s mode %v, want %v", name, info.Mode().Perm(), mode)
+		}
+	}
+
+	base := "http://" + cp.MonitoringAddr()
+	if code, body := get(t, base+"/healthz/ready"); code != http.StatusOK {
+		t.Fatalf("/healthz/ready = %d %q", code, body)
+	}
+	if code, _ := get(t, base+"/healthz"); code != http.StatusOK {
+		t.Fatalf("/healthz = %d", code)
+	}
+	if code, body := get(t, base+"/version"); code != http.StatusOK || !strings.HasPrefix(body, "meshid ") {
+		t.Fatalf("/version = %d %q", code, body)
+	}
+	_, metrics := get(t, base+"/metrics")
+	for _, want := range []string{
+		`meshid_ca_certificates_issued_total{auth_method="jwt"} 1`,
+		`meshid_ca_signing_duration_seconds_count 1`,
+		`meshid_ca_signing_cert_expiry_timestamp_seconds{source="self-signed"}`,
+		`meshid_ca_root_cert_expiry_timestamp_seconds{`,
+	} {
+		if !strings.Contains(metrics, want) {
+			t.Errorf("/metrics lacks %s", want)
+		}
+	}
+
+	// A token for another identity cannot get this one.
+	_, err = createCertificate(t, cp.GRPCAddr(), filepath.Join(dir, "root-cert.pem"), mint(t, dir, "other", "demo"), "spiffe://cluster.local/ns/default/sa/demo")
+	if status.Code(err) != codes.PermissionDenied {
+		t.Fatalf("CSR for another identity: %v, want PermissionDenied", err)
+	}
+	_, metrics = get(t, base+"/metrics")
+	if want := `meshid_ca_requests_refused_total{code="PermissionDenied",reason="csr_identity"} 1`; !strings.Contains(metrics, want) {
+		t.Errorf("/metrics lacks %s", want)
+	}
+}
+
+func TestRestartKeepsRootAndTokenKey(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	runBriefly(t, testConfig(dir))
+	rootBefore := readFile(t, filepath.Join(dir, "root-cert.pem"))
+	tok := mint(t, dir, "default", "demo")
+
+	cp2 := start(t, testConfig(dir))
+	if rootAfter := readFile(t, filepath.Join(dir, "root-cert.pem")); rootAfter != rootBefore {
+		t.Fatal("root-cert.pem changed across a restart")
+	}
+	// A token minted before the restart is still accepted: the token key persisted too.
+	if _, err := createCertificate(t, cp2.GRPCAddr(), filepath.Join(dir, "root-cert.pem"), tok, "spiffe://cluster.local/ns/default/sa/demo"); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestPluggedInCATakesOverOnRestart(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	runBriefly(t, testConfig(dir))
+
+	root := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "corp root"})
+	inter := root.NewIntermediate(t, testutil.CAOptions{CommonName: "mesh intermediate"})
+	cacerts := filepath.Join(t.TempDir(), "cacerts")
+	testutil.WriteFiles(t, cacerts, map[string][]byte{
+		"ca-cert.pem":    testutil.CertPEM(inter.Cert),
+		"ca-key.pem":     testutil.KeyPEM(t, inter.Key),
+		"cert-chain.pem": testutil.CertPEM(inter.Cert, root.Cert),
+		"root-cert.pem":  testutil.CertPEM(root.Cert),
+	})
+	cfg := testConfig(dir)
+	cfg.CACertsDir = cacerts
+	cp2 := start(t, cfg)
+
+	rootFile := filepath.Join(dir, "root-cert.pem")
+	if got := readFile(t, rootFile); got != string(testutil.CertPEM(root.Cert)) {
+		t.Fatal("root-cert.pem does not hold the plugged-in root")
+	}
+	chain, err := createCertificate(t, cp2.GRPCAddr(), rootFile, mint(t, dir, "default", "demo"), "spiffe://cluster.local/ns/default/sa/demo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(chain) != 3 || !chain[1].Equal(inter.Cert) || !chain[2].Equal(root.Cert) {
+		t.Fatalf("chain of %d is not leaf, plugged-in intermediate, plugged-in root", len(chain))
+	}
+}
+
+func TestJWTKeysFromJWKSFile(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	issuerKey, err := pki.GenerateKey(pki.ECDSA, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	der, err := x509.MarshalPKIXPublicKey(issuerKey.Public())
+	if err != nil {
+		t.Fatal(err)
+	}
+	keysFile := filepath.Join(t.TempDir(), "sa.pub")
+	if err := os.WriteFile(keysFile, pem.EncodeToMemory(&pem.Block{Type: "PUBLIC KEY", Bytes: der}), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cfg := testConfig(dir)
+	cfg.JWTKeysFile = keysFile
+	cfg.JWTIssuer = "https://issuer.example"
+	cp := start(t, cfg)
+	if _, err := os.Stat(filepath.Join(dir, "token-key.pem")); !errors.Is(err, os.ErrNotExist) {
+		t.Fatal("token-key.pem created although --jwt-keys replaces it")
+	}
+	mintWith := func(iss string) string {
+		tok, err := token.Mint(issuerKey, token.MintParams{Issuer: iss, Audiences: []string{"istio-ca"}, Namespace: "ns1", ServiceAccount: "sa1", TTL: time.Hour, Now: time.Now()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return tok
+	}
+	rootFile := filepath.Join(dir, "root-cert.pem")
+	if _, err := createCertificate(t, cp.GRPCAddr(), rootFile, mintWith("https://issuer.example"), "spiffe://cluster.local/ns/ns1/sa/sa1"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := createCertificate(t, cp.GRPCAddr(), rootFile, mintWith("https://elsewhere.example"), "spiffe://cluster.local/ns/ns1/sa/sa1"); status.Code(err) != codes.Unauthenticated {
+		t.Fatalf("token from another issuer: %v, want Unauthenticated", err)
+	}
+}
+
+func TestNewFailsClearly(t *testing.T) {
+	t.Parallel()
+	busy, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = busy.Close() })
+	partial := t.TempDir()
+	testutil.WriteFiles(t, partial, map[string][]byte{"ca-cert.pem": []byte("x")})
+
+	tests := []struct {
+		name   string
+		modify func(*controlplane.Config)
+		want   string
+	}{
+		{"port in use", func(c *controlplane.Config) { c.GRPCAddr = busy.Addr().String() }, "listen for gRPC"},
+		{"partial cacerts", func(c *controlplane.Config) { c.CACertsDir = partial }, "missing ca-key.pem"},
+		{"bad address", func(c *controlplane.Config) { c.GRPCAddr = "15012" }, "--grpc-addr"},
+		{"bad trust domain", func(c *controlplane.Config) { c.TrustDomain = "Not Valid" }, "--trust-domain"},
+		{"max below default ttl", func(c *controlplane.Config) { c.MaxWorkloadCertTTL = time.Minute }, "--max-workload-cert-ttl"},
+		{"missing jwt keys file", func(c *controlplane.Config) { c.JWTKeysFile = filepath.Join(partial, "nope") }, "token keys"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			cfg := testConfig(t.TempDir())
+			tt.modify(&cfg)
+			_, err := controlplane.New(cfg)
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("error %v, want one mentioning %q", err, tt.want)
+			}
+		})
+	}
+}
+
+func TestMintTokenWithoutKeySaysHowToGetOne(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	_, err := controlplane.MintToken(controlplane.TokenRequest{StateDir: dir, MintParams: token.MintParams{
+		Audiences: []string{"istio-ca"}, Namespace: "default", ServiceAccount: "demo", TTL: time.Hour, Now: time.Now(),
+	}})
+	if err == nil || !strings.Contains(err.Error(), "meshid ca --state-dir "+dir) {
+		t.Fatalf("error %v, want a hint to start meshid ca", err)
+	}
+}
+
+// runBriefly starts a control plane on cfg and stops it once it serves, as a first start would.
+func runBriefly(t *testing.T, cfg controlplane.Config) {
+	t.Helper()
+	cp, err := controlplane.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- cp.Run(ctx) }()
+	<-cp.Ready()
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+}
+
+func readFile(t *testing.T, path string) string {
+	t.Helper()
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(data)
+}

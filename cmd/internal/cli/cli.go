@@ -1,0 +1,85 @@
+// Package cli holds what the meshid and meshid-agent binaries share: the root command with its
+// logging flags, the probe and version commands, and the process entry point.
+package cli
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+
+	"github.com/spf13/cobra"
+)
+
+// Globals are the flags every command has.
+type Globals struct {
+	LogLevel  string
+	LogFormat string
+	logger    *slog.Logger
+}
+
+// Logger returns the logger built from --log-level and --log-format (valid once the root
+// command's PersistentPreRunE has run).
+func (g *Globals) Logger() *slog.Logger {
+	if g.logger == nil {
+		return slog.New(slog.DiscardHandler)
+	}
+	return g.logger
+}
+
+// NewLogger builds a logger writing to w at level ("debug", "info", "warn", "error") in format
+// ("text" or "json").
+func NewLogger(w io.Writer, level, format string) (*slog.Logger, error) {
+	var lvl slog.Level
+	if err := lvl.UnmarshalText([]byte(level)); err != nil {
+		return nil, fmt.Errorf("--log-level %q: want debug, info, warn or error", level)
+	}
+	opts := &slog.HandlerOptions{Level: lvl}
+	switch strings.ToLower(format) {
+	case "text":
+		return slog.New(slog.NewTextHandler(w, opts)), nil
+	case "json":
+		return slog.New(slog.NewJSONHandler(w, opts)), nil
+	default:
+		return nil, fmt.Errorf("--log-format %q: want text or json", format)
+	}
+}
+
+// NewRoot returns a root command carrying the logging flags; logs go to the command's stderr.
+func NewRoot(use, short, long string, g *Globals) *cobra.Command {
+	root := &cobra.Command{
+		Use:           use,
+		Short:         short,
+		Long:          long,
+		SilenceUsage:  true,
+		SilenceErrors: true,
+		PersistentPreRunE: func(cmd *cobra.Command, _ []string) error {
+			logger, err := NewLogger(cmd.ErrOrStderr(), g.LogLevel, g.LogFormat)
+			if err != nil {
+				return err
+			}
+			g.logger = logger
+			return nil
+		},
+	}
+	root.CompletionOptions.HiddenDefaultCmd = true
+	root.PersistentFlags().StringVar(&g.LogLevel, "log-level", "info", "log level: debug, info, warn or error")
+	root.PersistentFlags().StringVar(&g.LogFormat, "log-format", "text", "log format: text or json")
+	return root
+}
+
+// Main runs root with a context that ends on SIGINT or SIGTERM, prints any error to stderr, and
+// returns the process exit code.
+func Main(root *cobra.Command) int {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := root.ExecuteContext(ctx); err != nil {
+		_, _ = fmt.Fprintf(root.ErrOrStderr(), "%s: %s\n", root.Name(), err)
+		return 1
+	}
+	return 0
+}

@@ -1,0 +1,51 @@
+package cli
+
+import (
+	"bytes"
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/spf13/cobra"
+)
+
+func TestNewLogger(t *testing.T) {
+	t.Parallel()
+	var buf bytes.Buffer
+	log, err := NewLogger(&buf, "warn", "json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	log.Info("hidden")
+	log.Warn("shown", "k", "v")
+	if got := buf.String(); strings.Contains(got, "hidden") || !strings.Contains(got, `"msg":"shown"`) || !strings.Contains(got, `"k":"v"`) {
+		t.Fatalf("json logger at warn wrote %q", got)
+	}
+	for _, bad := range [][2]string{{"verbose", "text"}, {"info", "yaml"}} {
+		if _, err := NewLogger(&buf, bad[0], bad[1]); err == nil {
+			t.Errorf("NewLogger(%q, %q) accepted", bad[0], bad[1])
+		}
+	}
+}
+
+func TestMainPrintsErrorAndExitsOne(t *testing.T) {
+	t.Parallel()
+	g := &Globals{}
+	root := NewRoot("tool", "short", "long", g)
+	root.AddCommand(&cobra.Command{Use: "fail", RunE: func(*cobra.Command, []string) error { return errors.New("it broke") }})
+	root.AddCommand(&cobra.Command{Use: "ok", RunE: func(*cobra.Command, []string) error { return nil }})
+	var stderr bytes.Buffer
+	root.SetErr(&stderr)
+
+	root.SetArgs([]string{"fail"})
+	if code := Main(root); code != 1 {
+		t.Fatalf("exit code %d, want 1", code)
+	}
+	if got := stderr.String(); got != "tool: it broke\n" {
+		t.Fatalf("stderr %q", got)
+	}
+	root.SetArgs([]string{"ok"})
+	if code := Main(root); code != 0 {
+		t.Fatalf("exit code %d, want 0", code)
+	}
+}

@@ -1,0 +1,98 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"strings"
+
+	"github.com/spf13/cobra"
+
+	"github.com/meshid/meshid/cmd/internal/cli"
+	"github.com/meshid/meshid/controlplane"
+	"github.com/meshid/meshid/internal/pki"
+)
+
+// caRunner runs the CA with a validated config; tests replace it to capture the config.
+type caRunner func(ctx context.Context, cfg controlplane.Config) error
+
+func runCA(ctx context.Context, cfg controlplane.Config) error {
+	cp, err := controlplane.New(cfg)
+	if err != nil {
+		return err
+	}
+	return cp.Run(ctx)
+}
+
+func newCACommand(g *cli.Globals, run caRunner) *cobra.Command {
+	cfg := controlplane.DefaultConfig()
+	var keyAlgorithm string
+	cmd := &cobra.Command{
+		Use:   "ca",
+		Short: "Run the Citadel-style certificate authority",
+		Long: `Run a Citadel-style CA serving Istio's CA protocol
+(istio.v1.auth.IstioCertificateService/CreateCertificate) over TLS on --grpc-addr.
+
+Key material, in this order:
+  1. a plugged-in CA in --cacerts-dir: ca-cert.pem, ca-key.pem, cert-chain.pem, root-cert.pem
+     (or tls.crt, tls.key, ca.crt);
+  2. else the self-signed CA persisted in --state-dir (ca-cert.pem, ca-key.pem);
+  3. else a new self-signed root, persisted there.
+The trust bundle clients need (CA_ROOT_CA) is written to <state-dir>/root-cert.pem.
+
+Callers authenticate with a service-account JWT ("authorization: Bearer ...", verified with
+--jwt-keys or the state dir's token-key.pem, which "meshid token" signs with) or with a client
+certificate this CA issued. Each gets a certificate for its own identity only:
+spiffe://<trust-domain>/ns/<namespace>/sa/<service-account>.`,
+		Args: cobra.NoArgs,
+		PreRunE: func(cmd *cobra.Command, _ []string) error {
+			alg, err := pki.ParseKeyAlgorithm(keyAlgorithm)
+			if err != nil {
+				return fmt.Errorf("--key-algorithm: %w", err)
+			}
+			if flags := cmd.Flags(); flags.Changed("key-size") {
+				if !flags.Changed("key-algorithm") {
+					alg = pki.RSA // a key size only means something for RSA
+				} else if alg != pki.RSA {
+					return fmt.Errorf("--key-size applies to RSA keys only, but --key-algorithm is %s", alg)
+				}
+			}
+			cfg.SelfSigned.KeyAlgorithm = alg
+			cfg.GRPCHostIdentities = trimAll(cfg.GRPCHostIdentities)
+			cfg.Logger = g.Logger()
+			return cfg.Validate()
+		},
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			return run(cmd.Context(), cfg)
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&cfg.GRPCAddr, "grpc-addr", cfg.GRPCAddr, "listen address of the CA protocol (TLS gRPC); port 0 picks a free port")
+	f.StringVar(&cfg.MonitoringAddr, "monitoring-addr", cfg.MonitoringAddr, "listen address of /metrics, /version, /healthz, /healthz/ready; empty disables it")
+	f.StringVar(&cfg.StateDir, "state-dir", cfg.StateDir, "directory of the self-signed CA (ca-cert.pem, ca-key.pem), the trust bundle root-cert.pem, and token-key.pem")
+	f.StringVar(&cfg.CACertsDir, "cacerts-dir", cfg.CACertsDir, "directory of a plugged-in CA (Istio's cacerts secret); takes precedence over the self-signed CA")
+	f.StringVar(&cfg.TrustDomain, "trust-domain", cfg.TrustDomain, "trust domain of the SPIFFE IDs this CA issues")
+	f.StringVar(&keyAlgorithm, "key-algorithm", string(pki.ECDSA), "key of a newly generated self-signed root: ECDSA (P-256) or RSA")
+	f.IntVar(&cfg.SelfSigned.RSAKeySize, "key-size", cfg.SelfSigned.RSAKeySize, "RSA key size of a newly generated self-signed root (implies --key-algorithm RSA)")
+	f.StringVar(&cfg.SelfSigned.Org, "self-signed-ca-org", "", "organization of a newly generated self-signed root (default: the trust domain)")
+	f.DurationVar(&cfg.SelfSigned.TTL, "self-signed-ca-cert-ttl", cfg.SelfSigned.TTL, "lifetime of a newly generated self-signed root")
+	f.StringVar(&cfg.JWTKeysFile, "jwt-keys", "", "PEM public keys or JWKS of the token issuer (e.g. the kube-apiserver's service-account keys); default: <state-dir>/token-key.pem")
+	f.StringVar(&cfg.JWTAudience, "jwt-audience", cfg.JWTAudience, "audience tokens must carry")
+	f.StringVar(&cfg.JWTIssuer, "jwt-issuer", "", "issuer tokens must carry; empty accepts any")
+	f.StringVar(&cfg.CANamespace, "ca-namespace", cfg.CANamespace, "namespace of this CA instance, matched against the ca.istio.io/env namespace label")
+	f.BoolVar(&cfg.EnableNamespacesByDefault, "enable-namespaces-by-default", cfg.EnableNamespacesByDefault, "serve namespaces that carry neither the ca.istio.io/override nor the ca.istio.io/env label")
+	f.DurationVar(&cfg.WorkloadCertTTL, "workload-cert-ttl", cfg.WorkloadCertTTL, "lifetime of a workload certificate when the request asks for none")
+	f.DurationVar(&cfg.MaxWorkloadCertTTL, "max-workload-cert-ttl", cfg.MaxWorkloadCertTTL, "longest workload certificate lifetime; longer requests are clamped")
+	f.StringSliceVar(&cfg.GRPCHostIdentities, "grpc-host-identities", nil, "extra DNS names or IPs for the CA's serving certificate, comma-separated (istiod.istio-system.svc, istio-ca, localhost and loopback are always there)")
+	return cmd
+}
+
+// trimAll drops empty entries and spaces from a comma-separated flag's values.
+func trimAll(values []string) []string {
+	var out []string
+	for _, v := range values {
+		if v = strings.TrimSpace(v); v != "" {
+			out = append(out, v)
+		}
+	}
+	return out
+}

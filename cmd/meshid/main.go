@@ -1,0 +1,30 @@
+// Command meshid gives every workload in a service mesh a short-lived X.509 identity: `meshid ca`
+// runs the CA, `meshid token` mints service-account tokens for VMs and demos.
+package main
+
+import (
+	"os"
+
+	"github.com/spf13/cobra"
+
+	"github.com/meshid/meshid/cmd/internal/cli"
+)
+
+func main() {
+	os.Exit(cli.Main(newRootCommand(runCA)))
+}
+
+func newRootCommand(ca caRunner) *cobra.Command {
+	g := &cli.Globals{}
+	root := cli.NewRoot("meshid", "Short-lived workload identities for a service mesh",
+		`meshid gives every workload in a service mesh a short-lived X.509 identity (a SPIFFE ID)
+and keeps it fresh. "meshid ca" runs a Citadel-style CA that Istio's agents can use;
+"meshid token" mints Kubernetes-style service-account tokens for VMs and demos.`, g)
+	root.AddCommand(
+		newCACommand(g, ca),
+		newTokenCommand(g),
+		cli.NewProbeCommand(),
+		cli.NewVersionCommand(),
+	)
+	return root
+}

@@ -1,0 +1,239 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/meshid/meshid/ca/token"
+	"github.com/meshid/meshid/controlplane"
+	"github.com/meshid/meshid/internal/pki"
+)
+
+// execute runs the meshid command line with args, capturing the CA config instead of running it.
+func execute(t *testing.T, args ...string) (controlplane.Config, string, string, error) {
+	t.Helper()
+	var got controlplane.Config
+	root := newRootCommand(func(_ context.Context, cfg controlplane.Config) error {
+		got = cfg
+		return nil
+	})
+	var stdout, stderr bytes.Buffer
+	root.SetOut(&stdout)
+	root.SetErr(&stderr)
+	root.SetArgs(args)
+	err := root.ExecuteContext(t.Context())
+	return got, stdout.String(), stderr.String(), err
+}
+
+func TestCAFlagsBuildConfig(t *testing.T) {
+	t.Parallel()
+	cfg, _, _, err := execute(t, "ca", "--state-dir", "/tmp/x")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := controlplane.DefaultConfig()
+	if cfg.StateDir != "/tmp/x" || cfg.GRPCAddr != want.GRPCAddr || cfg.MonitoringAddr != want.MonitoringAddr ||
+		cfg.TrustDomain != "cluster.local" || cfg.JWTAudience != "istio-ca" || !cfg.EnableNamespacesByDefault ||
+		cfg.WorkloadCertTTL != 24*time.Hour || cfg.MaxWorkloadCertTTL != 2160*time.Hour ||
+		cfg.SelfSigned.KeyAlgorithm != pki.ECDSA || cfg.CANamespace != "istio-system" || cfg.Logger == nil {
+		t.Fatalf("defaults not applied: %+v", cfg)
+	}
+
+	cfg, _, _, err = execute(t, "ca", "--state-dir", "/s", "--cacerts-dir", "/c", "--grpc-addr", "127.0.0.1:0",
+		"--monitoring-addr", "", "--trust-domain", "example.org", "--jwt-keys", "/k.pem", "--jwt-audience", "aud",
+		"--jwt-issuer", "iss", "--ca-namespace", "mesh", "--enable-namespaces-by-default=false",
+		"--workload-cert-ttl", "1h", "--max-workload-cert-ttl", "2h", "--self-signed-ca-cert-ttl", "48h",
+		"--self-signed-ca-org", "Org", "--grpc-host-identities", "ca.example.org, 10.0.0.1,", "--log-format", "json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.CACertsDir != "/c" || cfg.GRPCAddr != "127.0.0.1:0" || cfg.MonitoringAddr != "" || cfg.TrustDomain != "example.org" ||
+		cfg.JWTKeysFile != "/k.pem" || cfg.JWTAudience != "aud" || cfg.JWTIssuer != "iss" || cfg.CANamespace != "mesh" ||
+		cfg.EnableNamespacesByDefault || cfg.WorkloadCertTTL != time.Hour || cfg.MaxWorkloadCertTTL != 2*time.Hour ||
+		cfg.SelfSigned.TTL != 48*time.Hour || cfg.SelfSigned.Org != "Org" ||
+		strings.Join(cfg.GRPCHostIdentities, ",") != "ca.example.org,10.0.0.1" {
+		t.Fatalf("flags not applied: %+v", cfg)
+	}
+}
+
+func TestCAKeyFlags(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		name    string
+		args    []string
+		alg     pki.KeyAlgorithm
+		size    int
+		wantErr string
+	}{
+		{"default", nil, pki.ECDSA, 2048, ""},
+		{"key size implies RSA", []string{"--key-size", "4096"}, pki.RSA, 4096, ""},
+		{"explicit RSA", []string{"--key-algorithm", "rsa"}, pki.RSA, 2048, ""},
+		{"ECDSA with a key size", []string{"--key-algorithm", "ECDSA", "--key-size", "4096"}, "", 0, "applies to RSA keys only"},
+		{"RSA too small", []string{"--key-size", "1024"}, "", 0, "--key-size 1024"},
+		{"unknown algorithm", []string{"--key-algorithm", "dsa"}, "", 0, "unknown key algorithm"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			cfg, _, _, err := execute(t, append([]string{"ca", "--state-dir", "/s"}, tt.args...)...)
+			if tt.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+					t.Fatalf("error %v, want %q", err, tt.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if cfg.SelfSigned.KeyAlgorithm != tt.alg || cfg.SelfSigned.RSAKeySize != tt.size {
+				t.Fatalf("key %s/%d, want %s/%d", cfg.SelfSigned.KeyAlgorithm, cfg.SelfSigned.RSAKeySize, tt.alg, tt.size)
+			}
+		})
+	}
+}
+
+func TestBadInputIsRefusedBeforeRunning(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		name string
+		args []string
+		want string
+	}{
+		{"log level", []string{"ca", "--log-level", "loud"}, "--log-level"},
+		{"log format", []string{"version", "--log-format", "xml"}, "--log-format"},
+		{"grpc addr", []string{"ca", "--grpc-addr", "nope"}, "--grpc-addr"},
+		{"positional argument", []string{"ca", "extra"}, "unknown command"},
+		{"token without identity", []string{"token", "--state-dir", "/s"}, "--namespace and --service-account are required"},
+		{"token with bad ttl", []string{"token", "--namespace", "a", "--service-account", "b", "--ttl", "-1s"}, "--ttl"},
+		{"probe without addr", []string{"probe"}, "addr"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			_, _, _, err := execute(t, tt.args...)
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("error %v, want one mentioning %q", err, tt.want)
+			}
+		})
+	}
+}
+
+func TestTokenCommand(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	key, _, err := token.LoadOrCreateKey(filepath.Join(dir, "token-key.pem"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	keys, err := token.NewKeySet(key.Public())
+	if err != nil {
+		t.Fatal(err)
+	}
+	verifier, err := token.NewVerifier(token.VerifierConfig{Keys: keys, Audience: "istio-ca"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkToken := func(raw, wantNS, wantSA string) {
+		t.Helper()
+		claims, err := verifier.Verify(strings.TrimSpace(raw))
+		if err != nil {
+			t.Fatalf("minted token does not verify: %v", err)
+		}
+		ns, sa, err := claims.ServiceAccount()
+		if err != nil || ns != wantNS || sa != wantSA {
+			t.Fatalf("token for %s/%s (%v), want %s/%s", ns, sa, err, wantNS, wantSA)
+		}
+		if got := claims.ExpiresAt.Sub(claims.IssuedAt.Time); got != 10*time.Minute {
+			t.Fatalf("token lifetime %s, want 10m", got)
+		}
+	}
+
+	_, stdout, _, err := execute(t, "token", "--state-dir", dir, "--namespace", "default", "--service-account", "demo", "--ttl", "10m")
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkToken(stdout, "default", "demo")
+
+	out := filepath.Join(dir, "istio-token")
+	keyFile := filepath.Join(dir, "token-key.pem")
+	if _, _, _, err := execute(t, "token", "--key", keyFile, "--namespace", "vm", "--service-account", "web", "--ttl", "10m", "-o", out); err != nil {
+		t.Fatal(err)
+	}
+	info, err := os.Stat(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.Mode().Perm() != 0o600 {
+		t.Fatalf("token file mode %v, want 0600", info.Mode().Perm())
+	}
+	data, err := os.ReadFile(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkToken(string(data), "vm", "web")
+
+	if _, _, _, err := execute(t, "token", "--state-dir", t.TempDir(), "--namespace", "a", "--service-account", "b"); err == nil ||
+		!strings.Contains(err.Error(), "start `meshid ca") {
+		t.Fatalf("missing key: %v, want a hint to start meshid ca", err)
+	}
+}
+
+func TestProbe(t *testing.T) {
+	t.Parallel()
+	ready := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/healthz/ready" {
+			http.NotFound(w, r)
+			return
+		}
+		_, _ = w.Write([]byte("ready"))
+	}))
+	t.Cleanup(ready.Close)
+	notReady := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		http.Error(w, "not ready: no certificate yet", http.StatusServiceUnavailable)
+	}))
+	t.Cleanup(notReady.Close)
+	closed := httptest.NewServer(http.NotFoundHandler())
+	closedAddr := closed.Listener.Addr().String()
+	closed.Close()
+
+	tests := []struct {
+		name string
+		args []string
+		want string // "" means success
+	}{
+		{"ready", []string{"--addr", ready.Listener.Addr().String()}, ""},
+		{"other path", []string{"--addr", ready.Listener.Addr().String(), "--path", "healthz"}, "404"},
+		{"not ready", []string{"--addr", notReady.Listener.Addr().String()}, "503 Service Unavailable: not ready: no certificate yet"},
+		{"nothing listening", []string{"--addr", closedAddr}, "connection refused"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			_, _, _, err := execute(t, append([]string{"probe"}, tt.args...)...)
+			if tt.want == "" {
+				if err != nil {
+					t.Fatal(err)
+				}
+				return
+			}
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("error %v, want %q", err, tt.want)
+			}
+		})
+	}
+}
+
+func TestVersion(t *testing.T) {
+	t.Parallel()
+	_, stdout, _, err := execute(t, "version")
+	if err != nil || !strings.HasPrefix(stdout, "meshid ") {
+		t.Fatalf("version printed %q (%v)", stdout, err)
+	}
+}

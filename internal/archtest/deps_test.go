@@ -1,0 +1,86 @@
+// Package archtest checks the dependency direction of DESIGN.md and STYLE.md on the real import
+// graph, so that a wrong import fails `make test` rather than waiting for a reviewer.
+package archtest
+
+import (
+	"os/exec"
+	"slices"
+	"sort"
+	"strings"
+	"testing"
+)
+
+const module = "github.com/meshid/meshid/"
+
+// allowed maps a package (or, with a trailing slash, a package tree) to the module packages it may
+// import. The longest matching key applies. "internal/" means any internal helper.
+func allowed() map[string][]string {
+	return map[string][]string{
+		"cmd/":              {"cmd/internal/", "agent", "controlplane", "ca/controller/kube", "internal/"},
+		"agent":             {"sds", "secretmanager", "caclient", "xdsproxy", "controlplane", "internal/"},
+		"controlplane":      {"ca", "ca/", "discovery", "internal/"},
+		"ca/server":         {"ca", "ca/token", "internal/"},
+		"ca/controller/":    {"ca", "ca/controller", "internal/"},
+		"ca/controller":     {"ca", "internal/"},
+		"ca/token":          {"internal/"},
+		"ca":                {"internal/"},
+		"sds":               {"secretmanager", "internal/"},
+		"secretmanager":     {"internal/"},
+		"caclient":          {"internal/"},
+		"xdsproxy":          {"internal/"},
+		"discovery":         {"internal/"},
+		"internal/testutil": {"internal/"},
+		"internal/":         {},
+	}
+}
+
+func TestDependencyDirection(t *testing.T) {
+	t.Parallel()
+	out, err := exec.Command("go", "list", "-f", "{{.ImportPath}}{{range .Imports}} {{.}}{{end}}", module+"...").Output()
+	if err != nil {
+		t.Fatalf("go list: %v", err)
+	}
+	rules := allowed()
+	keys := make([]string, 0, len(rules))
+	for k := range rules {
+		keys = append(keys, k)
+	}
+	sort.Slice(keys, func(i, j int) bool { return len(keys[i]) > len(keys[j]) })
+
+	for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
+		fields := strings.Fields(line)
+		pkg := strings.TrimPrefix(fields[0], module)
+		rule, ok := matchRule(keys, pkg)
+		if !ok {
+			t.Errorf("package %s has no dependency rule; add it to allowed()", pkg)
+			continue
+		}
+		for _, imp := range fields[1:] {
+			dep, inModule := strings.CutPrefix(imp, module)
+			if !inModule {
+				continue
+			}
+			if dep == "internal/testutil" {
+				t.Errorf("%s imports internal/testutil outside its tests", pkg)
+			}
+			if !permits(rules[rule], dep) {
+				t.Errorf("%s must not import %s (allowed: %v)", pkg, dep, rules[rule])
+			}
+		}
+	}
+}
+
+func matchRule(keys []string, pkg string) (string, bool) {
+	for _, k := range keys {
+		if pkg == k || (strings.HasSuffix(k, "/") && strings.HasPrefix(pkg, k)) {
+			return k, true
+		}
+	}
+	return "", false
+}
+
+func permits(allowed []string, dep string) bool {
+	return slices.ContainsFunc(allowed, func(a string) bool {
+		return dep == a || (strings.HasSuffix(a, "/") && strings.HasPrefix(dep, a))
+	})
+}

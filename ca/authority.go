@@ -280,3 +280,28 @@ func NewRootCertificate(key crypto.Signer, org string, ttl time.Duration, now ti
 	}
 	return x509.ParseCertificate(der)
 }
+
+// RenewRoot issues a successor to a self-signed root from the same key: same subject and subject
+// key ID, new validity. Leaves signed under either verify against both while both are valid.
+func RenewRoot(old *x509.Certificate, key crypto.Signer, ttl time.Duration, now time.Time) (*x509.Certificate, error) {
+	if !pki.KeyMatchesCertificate(key, old) {
+		return nil, errors.New("renew root: the key does not match the root")
+	}
+	if ttl <= 0 {
+		ttl = DefaultSelfSignedRootTTL
+	}
+	tmpl := &x509.Certificate{
+		RawSubject:            old.RawSubject,
+		SubjectKeyId:          old.SubjectKeyId,
+		NotBefore:             now.Add(-Backdate),
+		NotAfter:              now.Add(ttl),
+		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageCRLSign | x509.KeyUsageDigitalSignature,
+		BasicConstraintsValid: true,
+		IsCA:                  true,
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, key.Public(), key)
+	if err != nil {
+		return nil, fmt.Errorf("renew self-signed root: %w", err)
+	}
+	return x509.ParseCertificate(der)
+}

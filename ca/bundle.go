@@ -27,7 +27,9 @@ type Bundle struct {
 	signer      crypto.Signer
 	signingCert *x509.Certificate
 	chain       []*x509.Certificate // signing certificate first, root last (one element when self-signed)
-	roots       []*x509.Certificate // every trusted root; chain's root first
+	anchors     []*x509.Certificate // the roots given with the key material; chain's root first
+	retained    []*x509.Certificate // earlier roots still trusted during a rotation
+	roots       []*x509.Certificate // anchors, then retained: everything the CA trusts
 	rootPool    *x509.CertPool
 	signerPool  *x509.CertPool // the signing certificate alone, as the anchor for checking new leaves
 	chainPEM    []string       // what follows a leaf in a response: intermediates, then the root
@@ -44,8 +46,10 @@ type BundleParams struct {
 	// signing certificate and roots may appear among them.
 	Intermediates []*x509.Certificate
 	// Roots are the trust anchors. Empty means SigningCert must be a self-signed root.
-	Roots  []*x509.Certificate
-	Source Source
+	Roots []*x509.Certificate
+	// Retained are earlier roots that stay trusted (for peers) but anchor no new chain.
+	Retained []*x509.Certificate
+	Source   Source
 	// Now is the time against which validity is checked.
 	Now time.Time
 }
@@ -78,9 +82,9 @@ func NewBundle(p BundleParams) (*Bundle, error) {
 		}
 		roots = []*x509.Certificate{cert}
 	}
-	rootPool := x509.NewCertPool()
+	anchorPool := x509.NewCertPool()
 	for _, r := range roots {
-		rootPool.AddCert(r)
+		anchorPool.AddCert(r)
 	}
 	interPool := x509.NewCertPool()
 	for _, c := range p.Intermediates {
@@ -89,7 +93,7 @@ func NewBundle(p BundleParams) (*Bundle, error) {
 		}
 	}
 	chains, err := cert.Verify(x509.VerifyOptions{
-		Roots:         rootPool,
+		Roots:         anchorPool,
 		Intermediates: interPool,
 		CurrentTime:   p.Now,
 		KeyUsages:     []x509.ExtKeyUsage{x509.ExtKeyUsageAny},
@@ -104,8 +108,7 @@ func NewBundle(p BundleParams) (*Bundle, error) {
 		signer:      p.SigningKey,
 		signingCert: cert,
 		chain:       chain,
-		roots:       append([]*x509.Certificate{root}, without(roots, root)...),
-		rootPool:    rootPool,
+		anchors:     append([]*x509.Certificate{root}, without(roots, root)...),
 		signerPool:  x509.NewCertPool(),
 		source:      p.Source,
 		notBefore:   chain[0].NotBefore,
@@ -121,7 +124,33 @@ func NewBundle(p BundleParams) (*Bundle, error) {
 		b.chainPEM = append(b.chainPEM, string(pki.EncodeCertificate(c)))
 	}
 	b.signerPool.AddCert(cert)
-	return b, nil
+	return b.withRetained(p.Retained), nil
+}
+
+// withRetained returns a copy of b that also trusts retained (minus its anchors and duplicates).
+func (b *Bundle) withRetained(retained []*x509.Certificate) *Bundle {
+	next := *b
+	next.retained = nil
+	for _, r := range retained {
+		if !containsCert(next.anchors, r) && !containsCert(next.retained, r) {
+			next.retained = append(next.retained, r)
+		}
+	}
+	next.roots = append(slices.Clone(next.anchors), next.retained...)
+	next.rootPool = x509.NewCertPool()
+	for _, r := range next.roots {
+		next.rootPool.AddCert(r)
+	}
+	return &next
+}
+
+// sameMaterial reports whether b and o sign with the same certificate, chain and anchors.
+func (b *Bundle) sameMaterial(o *Bundle) bool {
+	return o != nil && sameCerts(b.chain, o.chain) && sameCerts(b.anchors, o.anchors)
+}
+
+func sameCerts(a, b []*x509.Certificate) bool {
+	return slices.EqualFunc(a, b, func(x, y *x509.Certificate) bool { return x.Equal(y) })
 }
 
 // SigningCert returns the certificate that signs leaves.
@@ -133,10 +162,14 @@ func (b *Bundle) Chain() []*x509.Certificate { return slices.Clone(b.chain) }
 // Root returns the root that the signing certificate chains to.
 func (b *Bundle) Root() *x509.Certificate { return b.chain[len(b.chain)-1] }
 
-// Roots returns every trusted root, the signing root first.
+// Roots returns every trusted root: the signing root first, then the other anchors, then roots
+// retained from before a rotation.
 func (b *Bundle) Roots() []*x509.Certificate { return slices.Clone(b.roots) }
 
-// RootPool returns the trusted roots as a pool, for verifying peers.
+// Retained returns the roots kept from before a rotation.
+func (b *Bundle) Retained() []*x509.Certificate { return slices.Clone(b.retained) }
+
+// RootPool returns every trusted root as a pool, for verifying peers.
 func (b *Bundle) RootPool() *x509.CertPool { return b.rootPool }
 
 // RootsPEM returns every trusted root as concatenated PEM: the content of root-cert.pem.

@@ -2,6 +2,7 @@ package ca
 
 import (
 	"bytes"
+	"crypto"
 	"crypto/x509"
 	"errors"
 	"fmt"
@@ -153,35 +154,57 @@ type SelfSignedConfig struct {
 // It reports (nil, nil) when neither file exists; one without the other is an error, because
 // generating a new root over it would silently change the trust anchor.
 func LoadSelfSigned(stateDir string, now time.Time) (*Bundle, error) {
-	certPEM, certOK, err := fsutil.ReadOptional(filepath.Join(stateDir, CACertFile))
-	if err != nil {
+	cert, key, err := readSelfSigned(stateDir)
+	if err != nil || cert == nil {
 		return nil, err
 	}
-	keyPEM, keyOK, err := fsutil.ReadOptional(filepath.Join(stateDir, CAKeyFile))
-	if err != nil {
-		return nil, err
-	}
-	switch {
-	case !certOK && !keyOK:
-		return nil, nil
-	case !keyOK:
-		return nil, fmt.Errorf("state dir %s has %s but no %s; restore the key or remove both to generate a new root", stateDir, CACertFile, CAKeyFile)
-	case !certOK:
-		return nil, fmt.Errorf("state dir %s has %s but no %s; restore the certificate or remove both to generate a new root", stateDir, CAKeyFile, CACertFile)
-	}
-	certs, err := pki.ParseCertificates(certPEM)
-	if err != nil {
-		return nil, fmt.Errorf("self-signed CA in %s: %s: %w", stateDir, CACertFile, err)
-	}
-	key, err := pki.ParsePrivateKey(keyPEM)
-	if err != nil {
-		return nil, fmt.Errorf("self-signed CA in %s: %s: %w", stateDir, CAKeyFile, err)
-	}
-	b, err := NewBundle(BundleParams{SigningCert: certs[0], SigningKey: key, Source: SourceSelfSigned, Now: now})
+	b, err := NewBundle(BundleParams{SigningCert: cert, SigningKey: key, Source: SourceSelfSigned, Now: now})
 	if err != nil {
 		return nil, fmt.Errorf("self-signed CA in %s: %w", stateDir, err)
 	}
 	return b, nil
+}
+
+func readSelfSigned(stateDir string) (*x509.Certificate, crypto.Signer, error) {
+	certPEM, certOK, err := fsutil.ReadOptional(filepath.Join(stateDir, CACertFile))
+	if err != nil {
+		return nil, nil, err
+	}
+	keyPEM, keyOK, err := fsutil.ReadOptional(filepath.Join(stateDir, CAKeyFile))
+	if err != nil {
+		return nil, nil, err
+	}
+	switch {
+	case !certOK && !keyOK:
+		return nil, nil, nil
+	case !keyOK:
+		return nil, nil, fmt.Errorf("state dir %s has %s but no %s; restore the key or remove both to generate a new root", stateDir, CACertFile, CAKeyFile)
+	case !certOK:
+		return nil, nil, fmt.Errorf("state dir %s has %s but no %s; restore the certificate or remove both to generate a new root", stateDir, CAKeyFile, CACertFile)
+	}
+	certs, err := pki.ParseCertificates(certPEM)
+	if err != nil {
+		return nil, nil, fmt.Errorf("self-signed CA in %s: %s: %w", stateDir, CACertFile, err)
+	}
+	key, err := pki.ParsePrivateKey(keyPEM)
+	if err != nil {
+		return nil, nil, fmt.Errorf("self-signed CA in %s: %s: %w", stateDir, CAKeyFile, err)
+	}
+	return certs[0], key, nil
+}
+
+// persistKey atomically writes the self-signed CA's key (0600).
+func persistKey(stateDir string, key crypto.Signer) error {
+	keyPEM, err := pki.EncodePrivateKey(key)
+	if err != nil {
+		return err
+	}
+	return fsutil.WritePrivateFile(filepath.Join(stateDir, CAKeyFile), keyPEM)
+}
+
+// persistRoot atomically replaces the persisted self-signed root certificate; the key is unchanged.
+func persistRoot(stateDir string, root *x509.Certificate) error {
+	return fsutil.WriteFileAtomic(filepath.Join(stateDir, CACertFile), pki.EncodeCertificate(root), fsutil.PublicFileMode)
 }
 
 // CreateSelfSigned generates a root key and certificate and persists them in stateDir: the key
@@ -195,17 +218,13 @@ func CreateSelfSigned(stateDir string, cfg SelfSignedConfig, now time.Time) (*Bu
 	if err != nil {
 		return nil, err
 	}
-	keyPEM, err := pki.EncodePrivateKey(key)
-	if err != nil {
-		return nil, err
-	}
 	if err := fsutil.EnsureDir(stateDir, fsutil.PrivateDirMode); err != nil {
 		return nil, err
 	}
-	if err := fsutil.WritePrivateFile(filepath.Join(stateDir, CAKeyFile), keyPEM); err != nil {
+	if err := persistKey(stateDir, key); err != nil {
 		return nil, err
 	}
-	if err := fsutil.WriteFileAtomic(filepath.Join(stateDir, CACertFile), pki.EncodeCertificate(root), fsutil.PublicFileMode); err != nil {
+	if err := persistRoot(stateDir, root); err != nil {
 		return nil, err
 	}
 	return NewBundle(BundleParams{SigningCert: root, SigningKey: key, Source: SourceSelfSigned, Now: now})
@@ -230,14 +249,32 @@ type StartupConfig struct {
 	Logger     *slog.Logger
 }
 
+// lockFile serialises replicas that share a state dir while they create or rotate the root.
+const lockFile = ".lock"
+
 // LoadOrCreate finds the CA's key material in Istio's start-up order: a complete plugged-in
-// bundle in CACertsDir, else the self-signed CA persisted in StateDir, else a new self-signed root,
-// persisted there. It then writes the trust bundle to StateDir/root-cert.pem for clients.
+// bundle in CACertsDir, else the self-signed CA persisted in StateDir (renewed with the same key
+// if it has expired), else a new self-signed root, persisted there. Roots that the previous
+// root-cert.pem trusted and that have not expired stay trusted, as retained roots. It then writes
+// the trust bundle to StateDir/root-cert.pem for clients. Replicas sharing StateDir take turns.
 func LoadOrCreate(cfg StartupConfig) (*Bundle, Origin, error) {
+	if err := fsutil.EnsureDir(cfg.StateDir, fsutil.PrivateDirMode); err != nil {
+		return nil, "", err
+	}
+	unlock, err := fsutil.Lock(filepath.Join(cfg.StateDir, lockFile))
+	if err != nil {
+		return nil, "", err
+	}
+	defer unlock()
 	b, origin, err := loadOrCreate(cfg)
 	if err != nil {
 		return nil, "", err
 	}
+	previous, err := readTrustBundle(cfg.StateDir)
+	if err != nil {
+		return nil, "", err
+	}
+	b = b.withRetained(stillValidRoots(previous, cfg.Now))
 	if err := WriteTrustBundle(cfg.StateDir, b); err != nil {
 		return nil, "", err
 	}
@@ -245,6 +282,10 @@ func LoadOrCreate(cfg StartupConfig) (*Bundle, Origin, error) {
 }
 
 func loadOrCreate(cfg StartupConfig) (*Bundle, Origin, error) {
+	log := cfg.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
 	if cfg.CACertsDir != "" {
 		b, err := LoadPluggedIn(cfg.CACertsDir, cfg.Now)
 		if err == nil {
@@ -253,22 +294,61 @@ func loadOrCreate(cfg StartupConfig) (*Bundle, Origin, error) {
 		if !errors.Is(err, ErrNoPluggedInCA) {
 			return nil, "", err
 		}
-		if cfg.Logger != nil {
-			cfg.Logger.Info("no plugged-in CA, using the self-signed CA", "cacerts_dir", cfg.CACertsDir)
+		log.Info("no plugged-in CA, using the self-signed CA", "cacerts_dir", cfg.CACertsDir)
+	}
+	cert, key, err := readSelfSigned(cfg.StateDir)
+	if err != nil {
+		return nil, "", err
+	}
+	if cert == nil {
+		b, err := CreateSelfSigned(cfg.StateDir, cfg.SelfSigned, cfg.Now)
+		if err != nil {
+			return nil, "", err
+		}
+		return b, OriginGenerated, nil
+	}
+	if !cfg.Now.Before(cert.NotAfter) && pki.KeyMatchesCertificate(key, cert) {
+		// A CA that was down past its root's expiry renews it as the rotator would have.
+		renewed, err := RenewRoot(cert, key, cfg.SelfSigned.TTL, cfg.Now)
+		if err != nil {
+			return nil, "", err
+		}
+		if err := persistRoot(cfg.StateDir, renewed); err != nil {
+			return nil, "", err
+		}
+		log.Warn("the persisted self-signed root had expired; renewed it with the same key",
+			"expired", cert.NotAfter, "not_after", renewed.NotAfter)
+		cert = renewed
+	}
+	b, err := NewBundle(BundleParams{SigningCert: cert, SigningKey: key, Source: SourceSelfSigned, Now: cfg.Now})
+	if err != nil {
+		return nil, "", fmt.Errorf("self-signed CA in %s: %w", cfg.StateDir, err)
+	}
+	return b, OriginPersisted, nil
+}
+
+// readTrustBundle returns the certificates of StateDir/root-cert.pem; a missing or unreadable
+// bundle is empty (it is rewritten from the key material anyway).
+func readTrustBundle(stateDir string) ([]*x509.Certificate, error) {
+	data, ok, err := fsutil.ReadOptional(filepath.Join(stateDir, RootCertFile))
+	if err != nil || !ok {
+		return nil, err
+	}
+	certs, err := pki.ParseCertificates(data)
+	if err != nil {
+		return nil, nil //nolint:nilerr // a damaged trust bundle is replaced, not fatal
+	}
+	return certs, nil
+}
+
+func stillValidRoots(certs []*x509.Certificate, now time.Time) []*x509.Certificate {
+	var out []*x509.Certificate
+	for _, c := range certs {
+		if c.IsCA && now.Before(c.NotAfter) {
+			out = append(out, c)
 		}
 	}
-	b, err := LoadSelfSigned(cfg.StateDir, cfg.Now)
-	if err != nil {
-		return nil, "", err
-	}
-	if b != nil {
-		return b, OriginPersisted, nil
-	}
-	b, err = CreateSelfSigned(cfg.StateDir, cfg.SelfSigned, cfg.Now)
-	if err != nil {
-		return nil, "", err
-	}
-	return b, OriginGenerated, nil
+	return out
 }
 
 // WriteTrustBundle atomically writes every trusted root of b to stateDir/root-cert.pem.

@@ -769,12 +769,14 @@ func TestLoadOrCreateStartupOrder(t *testing.T) {
 		if !b.SigningCert().Equal(h.int1.Cert) || !b.Root().Equal(h.root.Cert) {
 			t.Fatalf("bundle signs with %q under %q, want int1 under root", b.SigningCert().Subject.CommonName, b.Root().Subject.CommonName)
 		}
+		// The plugged-in root comes first; the self-signed root stays trusted (retained) so that
+		// workloads holding its certificates keep working through the migration.
 		got := readCerts(t, filepath.Join(stateDir, ca.RootCertFile))
-		if !sameCerts(got, []*x509.Certificate{h.root.Cert}) {
-			t.Errorf("state root-cert.pem holds %v, want the plugged-in root", names(got))
+		if !sameCerts(got, []*x509.Certificate{h.root.Cert, self.Root()}) {
+			t.Errorf("state root-cert.pem holds %v, want the plugged-in root, then the self-signed one", names(got))
 		}
-		if containsRaw(got, self.Root()) {
-			t.Error("state root-cert.pem still holds the self-signed root")
+		if !sameCerts(b.Retained(), []*x509.Certificate{self.Root()}) {
+			t.Errorf("retained roots %v, want the self-signed root", names(b.Retained()))
 		}
 		after, err := os.ReadFile(filepath.Join(stateDir, ca.CACertFile))
 		if err != nil {

@@ -34,6 +34,11 @@ type Config struct {
 
 	SelfSigned ca.SelfSignedConfig
 
+	RootCheckInterval     time.Duration
+	RootRotationThreshold float64
+	TrustBundleOverlap    time.Duration // 0: a replaced root stays trusted until it expires
+	CACertsDebounce       time.Duration // 0: the default
+
 	JWTKeysFile string // empty: trust StateDir/token-key.pem
 	JWTAudience string
 	JWTIssuer   string // checked when set
@@ -47,6 +52,8 @@ type Config struct {
 
 	Logger *slog.Logger
 	Clock  clock.Clock
+	// OnKeyEvent, when set, is told of every reload, rotation and pruning of the key material.
+	OnKeyEvent func(ca.Event)
 }
 
 // DefaultConfig returns the configuration `meshid ca` starts from.
@@ -57,6 +64,8 @@ func DefaultConfig() Config {
 		MonitoringAddr:            DefaultMonitoringAddr,
 		TrustDomain:               DefaultTrustDomain,
 		SelfSigned:                ca.SelfSignedConfig{KeyAlgorithm: pki.ECDSA, RSAKeySize: pki.DefaultRSAKeySize, TTL: ca.DefaultSelfSignedRootTTL},
+		RootCheckInterval:         ca.DefaultRootCheckInterval,
+		RootRotationThreshold:     ca.DefaultRootRotationThreshold,
 		JWTAudience:               token.DefaultAudience,
 		CANamespace:               DefaultCANamespace,
 		EnableNamespacesByDefault: true,
@@ -96,6 +105,15 @@ func (c *Config) Validate() error {
 	}
 	if c.SelfSigned.TTL <= 0 {
 		errs = append(errs, fmt.Errorf("--self-signed-ca-cert-ttl %s must be positive", c.SelfSigned.TTL))
+	}
+	if c.RootCheckInterval <= 0 {
+		errs = append(errs, fmt.Errorf("--root-check-interval %s must be positive", c.RootCheckInterval))
+	}
+	if c.RootRotationThreshold <= 0 || c.RootRotationThreshold >= 1 {
+		errs = append(errs, fmt.Errorf("--root-rotation-threshold %v must be between 0 and 1 (a share of the root's lifetime)", c.RootRotationThreshold))
+	}
+	if c.TrustBundleOverlap < 0 {
+		errs = append(errs, fmt.Errorf("--trust-bundle-overlap %s must not be negative", c.TrustBundleOverlap))
 	}
 	switch c.SelfSigned.KeyAlgorithm {
 	case pki.ECDSA:

@@ -37,6 +37,7 @@ const shutdownGrace = 5 * time.Second
 type ControlPlane struct {
 	log       *slog.Logger
 	authority *ca.Authority
+	keys      *ca.KeyManager
 	grpc      *grpc.Server
 	grpcLis   net.Listener
 	monitor   *http.Server
@@ -60,33 +61,41 @@ func New(cfg Config) (*ControlPlane, error) {
 		cfg.SelfSigned.Org = cfg.TrustDomain
 	}
 
-	bundle, origin, err := ca.LoadOrCreate(ca.StartupConfig{
-		CACertsDir: cfg.CACertsDir,
-		StateDir:   cfg.StateDir,
-		SelfSigned: cfg.SelfSigned,
-		Now:        clk.Now(),
-		Logger:     log.With(logkey.Component, "ca"),
+	registry := prometheus.NewRegistry()
+	registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+
+	authority := ca.New(ca.Config{Clock: clk, DefaultTTL: cfg.WorkloadCertTTL, MaxTTL: cfg.MaxWorkloadCertTTL}, nil)
+	keys, err := ca.NewKeyManager(ca.KeyManagerConfig{
+		Authority:             authority,
+		CACertsDir:            cfg.CACertsDir,
+		StateDir:              cfg.StateDir,
+		SelfSigned:            cfg.SelfSigned,
+		RootCheckInterval:     cfg.RootCheckInterval,
+		RootRotationThreshold: cfg.RootRotationThreshold,
+		TrustBundleOverlap:    cfg.TrustBundleOverlap,
+		Debounce:              cfg.CACertsDebounce,
+		Clock:                 clk,
+		Logger:                log.With(logkey.Component, "ca"),
+		Registerer:            registry,
+		OnEvent:               cfg.OnKeyEvent,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("load CA key material: %w", err)
 	}
-	root := bundle.Root()
+	bundle := authority.Bundle()
 	log.Info("CA key material loaded",
-		logkey.Source, string(origin),
+		logkey.Source, string(keys.Origin()),
 		logkey.Subject, bundle.SigningCert().Subject.String(),
 		logkey.NotAfter, bundle.NotAfter(),
-		logkey.Root, root.Subject.String(),
+		logkey.Root, bundle.Root().Subject.String(),
+		"trusted_roots", len(bundle.Roots()),
 		logkey.Path, filepath.Join(cfg.StateDir, ca.RootCertFile))
-
-	authority := ca.New(ca.Config{Clock: clk, DefaultTTL: cfg.WorkloadCertTTL, MaxTTL: cfg.MaxWorkloadCertTTL}, bundle)
 
 	verifier, err := newTokenVerifier(cfg, clk, log)
 	if err != nil {
 		return nil, err
 	}
 
-	registry := prometheus.NewRegistry()
-	registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	if err := ca.RegisterMetrics(registry, authority); err != nil {
 		return nil, err
 	}
@@ -117,7 +126,7 @@ func New(cfg Config) (*ControlPlane, error) {
 		Logger:  log.With(logkey.Component, "ca-server"),
 	}))
 
-	cp := &ControlPlane{log: log, authority: authority, grpc: grpcServer, readyCh: make(chan struct{})}
+	cp := &ControlPlane{log: log, authority: authority, keys: keys, grpc: grpcServer, readyCh: make(chan struct{})}
 	if cp.grpcLis, err = net.Listen("tcp", cfg.GRPCAddr); err != nil {
 		return nil, fmt.Errorf("listen for gRPC on %s: %w", cfg.GRPCAddr, err)
 	}
@@ -175,7 +184,7 @@ func (c *ControlPlane) MonitoringAddr() string {
 	return c.monLis.Addr().String()
 }
 
-// Ready is closed once Run has started serving.
+// Ready is closed once Run serves and watches the plugged-in CA files.
 func (c *ControlPlane) Ready() <-chan struct{} { return c.readyCh }
 
 // Authority returns the CA core.
@@ -184,6 +193,7 @@ func (c *ControlPlane) Authority() *ca.Authority { return c.authority }
 // Run serves until ctx ends, then stops the servers, giving in-flight requests a short grace.
 func (c *ControlPlane) Run(ctx context.Context) error {
 	g, ctx := errgroup.WithContext(ctx)
+	g.Go(func() error { return c.keys.Run(ctx) })
 	g.Go(func() error {
 		if err := c.grpc.Serve(c.grpcLis); err != nil {
 			return fmt.Errorf("serve gRPC: %w", err)
@@ -204,8 +214,16 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 		c.stop()
 		return nil
 	})
-	c.ready.Store(true)
-	close(c.readyCh)
+	g.Go(func() error {
+		select {
+		case <-c.keys.Ready(): // the cacerts files are watched: a change from now on is seen
+		case <-ctx.Done():
+			return nil
+		}
+		c.ready.Store(true)
+		close(c.readyCh)
+		return nil
+	})
 	c.log.Info("CA started", logkey.Address, c.GRPCAddr(), "monitoring_address", c.MonitoringAddr(), logkey.Version, version.Version())
 	err := g.Wait()
 	c.log.Info("CA stopped")

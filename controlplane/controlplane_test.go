@@ -231,8 +231,11 @@ func TestPluggedInCATakesOverOnRestart(t *testing.T) {
 	cp2 := start(t, cfg)
 
 	rootFile := filepath.Join(dir, "root-cert.pem")
-	if got := readFile(t, rootFile); got != string(testutil.CertPEM(root.Cert)) {
-		t.Fatal("root-cert.pem does not hold the plugged-in root")
+	selfSigned := readFile(t, filepath.Join(dir, "ca-cert.pem"))
+	// The plugged-in root first; the self-signed root stays trusted for workloads still holding
+	// its certificates (until it expires, or --trust-bundle-overlap).
+	if got := readFile(t, rootFile); got != string(testutil.CertPEM(root.Cert))+selfSigned {
+		t.Fatal("root-cert.pem does not hold the plugged-in root followed by the self-signed one")
 	}
 	chain, err := createCertificate(t, cp2.GRPCAddr(), rootFile, mint(t, dir, "default", "demo"), "spiffe://cluster.local/ns/default/sa/demo")
 	if err != nil {

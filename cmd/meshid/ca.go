@@ -39,6 +39,12 @@ Key material, in this order:
   3. else a new self-signed root, persisted there.
 The trust bundle clients need (CA_ROOT_CA) is written to <state-dir>/root-cert.pem.
 
+The CA runs for years while its keys change under it: --cacerts-dir is watched (plain rewrites
+and Kubernetes ..data swaps), and a complete, valid new bundle replaces the old one with no
+restart; anything else is logged and ignored. A self-signed root is renewed from the same key
+when less than --root-rotation-threshold of its life is left. A replaced root stays in the trust
+bundle (root-cert.pem, and for client certificates) until it expires or --trust-bundle-overlap.
+
 Callers authenticate with a service-account JWT ("authorization: Bearer ...", verified with
 --jwt-keys or the state dir's token-key.pem, which "meshid token" signs with) or with a client
 certificate this CA issued. Each gets a certificate for its own identity only:
@@ -75,6 +81,9 @@ spiffe://<trust-domain>/ns/<namespace>/sa/<service-account>.`,
 	f.IntVar(&cfg.SelfSigned.RSAKeySize, "key-size", cfg.SelfSigned.RSAKeySize, "RSA key size of a newly generated self-signed root (implies --key-algorithm RSA)")
 	f.StringVar(&cfg.SelfSigned.Org, "self-signed-ca-org", "", "organization of a newly generated self-signed root (default: the trust domain)")
 	f.DurationVar(&cfg.SelfSigned.TTL, "self-signed-ca-cert-ttl", cfg.SelfSigned.TTL, "lifetime of a newly generated self-signed root")
+	f.DurationVar(&cfg.RootCheckInterval, "root-check-interval", cfg.RootCheckInterval, "how often a self-signed root's remaining life is checked (±5%)")
+	f.Float64Var(&cfg.RootRotationThreshold, "root-rotation-threshold", cfg.RootRotationThreshold, "renew a self-signed root (same key) when less than this share of its lifetime is left")
+	f.DurationVar(&cfg.TrustBundleOverlap, "trust-bundle-overlap", cfg.TrustBundleOverlap, "how long a replaced root stays in the trust bundle; 0 keeps it until it expires")
 	f.StringVar(&cfg.JWTKeysFile, "jwt-keys", "", "PEM public keys or JWKS of the token issuer (e.g. the kube-apiserver's service-account keys); default: <state-dir>/token-key.pem")
 	f.StringVar(&cfg.JWTAudience, "jwt-audience", cfg.JWTAudience, "audience tokens must carry")
 	f.StringVar(&cfg.JWTIssuer, "jwt-issuer", "", "issuer tokens must carry; empty accepts any")

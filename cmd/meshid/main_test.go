@@ -50,7 +50,8 @@ func TestCAFlagsBuildConfig(t *testing.T) {
 		"--monitoring-addr", "", "--trust-domain", "example.org", "--jwt-keys", "/k.pem", "--jwt-audience", "aud",
 		"--jwt-issuer", "iss", "--ca-namespace", "mesh", "--enable-namespaces-by-default=false",
 		"--workload-cert-ttl", "1h", "--max-workload-cert-ttl", "2h", "--self-signed-ca-cert-ttl", "48h",
-		"--self-signed-ca-org", "Org", "--grpc-host-identities", "ca.example.org, 10.0.0.1,", "--log-format", "json")
+		"--self-signed-ca-org", "Org", "--grpc-host-identities", "ca.example.org, 10.0.0.1,", "--log-format", "json",
+		"--root-check-interval", "10m", "--root-rotation-threshold", "0.3", "--trust-bundle-overlap", "72h")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -58,7 +59,8 @@ func TestCAFlagsBuildConfig(t *testing.T) {
 		cfg.JWTKeysFile != "/k.pem" || cfg.JWTAudience != "aud" || cfg.JWTIssuer != "iss" || cfg.CANamespace != "mesh" ||
 		cfg.EnableNamespacesByDefault || cfg.WorkloadCertTTL != time.Hour || cfg.MaxWorkloadCertTTL != 2*time.Hour ||
 		cfg.SelfSigned.TTL != 48*time.Hour || cfg.SelfSigned.Org != "Org" ||
-		strings.Join(cfg.GRPCHostIdentities, ",") != "ca.example.org,10.0.0.1" {
+		strings.Join(cfg.GRPCHostIdentities, ",") != "ca.example.org,10.0.0.1" ||
+		cfg.RootCheckInterval != 10*time.Minute || cfg.RootRotationThreshold != 0.3 || cfg.TrustBundleOverlap != 72*time.Hour {
 		t.Fatalf("flags not applied: %+v", cfg)
 	}
 }
@@ -109,6 +111,8 @@ func TestBadInputIsRefusedBeforeRunning(t *testing.T) {
 		{"log level", []string{"ca", "--log-level", "loud"}, "--log-level"},
 		{"log format", []string{"version", "--log-format", "xml"}, "--log-format"},
 		{"grpc addr", []string{"ca", "--grpc-addr", "nope"}, "--grpc-addr"},
+		{"rotation threshold", []string{"ca", "--root-rotation-threshold", "1.5"}, "--root-rotation-threshold"},
+		{"negative overlap", []string{"ca", "--trust-bundle-overlap", "-1h"}, "--trust-bundle-overlap"},
 		{"positional argument", []string{"ca", "extra"}, "unknown command"},
 		{"token without identity", []string{"token", "--state-dir", "/s"}, "--namespace and --service-account are required"},
 		{"token with bad ttl", []string{"token", "--namespace", "a", "--service-account", "b", "--ttl", "-1s"}, "--ttl"},

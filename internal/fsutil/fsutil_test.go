@@ -2,8 +2,10 @@ package fsutil
 
 import (
 	"bytes"
+	"errors"
 	"os"
 	"path/filepath"
+	"syscall"
 	"testing"
 )
 
@@ -76,5 +78,34 @@ func TestReadOptional(t *testing.T) {
 	}
 	if _, _, err := ReadOptional(dir); err == nil {
 		t.Fatal("reading a directory succeeded")
+	}
+}
+
+func TestLockIsExclusive(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), ".lock")
+	unlock, err := Lock(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Another open file description (as another process has) cannot take it meanwhile.
+	other, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = other.Close() }()
+	if err := syscall.Flock(int(other.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); !errors.Is(err, syscall.EWOULDBLOCK) {
+		t.Fatalf("second lock while held: %v, want EWOULDBLOCK", err)
+	}
+	unlock()
+	if err := syscall.Flock(int(other.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		t.Fatalf("lock after release: %v", err)
+	}
+	info, err := os.Stat(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.Mode().Perm() != PrivateFileMode {
+		t.Fatalf("lock file mode %v", info.Mode().Perm())
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"context"
 	"sort"
 	"sync"
+	"testing"
 	"time"
 
 	"github.com/meshid/meshid/internal/clock"
@@ -48,9 +49,13 @@ func (c *FakeClock) NewTimer(d time.Duration) clock.Timer {
 
 // Advance moves the clock forward by d and fires every timer that is due, earliest first.
 func (c *FakeClock) Advance(d time.Duration) {
+	c.advance(d)
+}
+
+func (c *FakeClock) advance(d time.Duration) (fired int) {
 	c.mu.Lock()
-	c.setLocked(c.now.Add(d))
-	c.mu.Unlock()
+	defer c.mu.Unlock()
+	return c.setLocked(c.now.Add(d))
 }
 
 // Set moves the clock to t (which may be in the past) and fires every timer that is due.
@@ -60,7 +65,7 @@ func (c *FakeClock) Set(t time.Time) {
 	c.mu.Unlock()
 }
 
-func (c *FakeClock) setLocked(t time.Time) {
+func (c *FakeClock) setLocked(t time.Time) (fired int) {
 	c.now = t
 	sort.Slice(c.timers, func(i, j int) bool { return c.timers[i].deadline.Before(c.timers[j].deadline) })
 	kept := c.timers[:0]
@@ -70,8 +75,10 @@ func (c *FakeClock) setLocked(t time.Time) {
 			continue
 		}
 		timer.ch <- t
+		fired++
 	}
 	c.timers = kept
+	return fired
 }
 
 // PendingTimers counts timers that have not fired or been stopped.
@@ -95,6 +102,35 @@ func (c *FakeClock) WaitForTimers(ctx context.Context, n int) error {
 		case <-changed:
 		case <-ctx.Done():
 			return ctx.Err()
+		}
+	}
+}
+
+// timerCreated returns a channel closed the next time a timer is created.
+func (c *FakeClock) timerCreated() <-chan struct{} {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.waiters
+}
+
+// Drive runs the clock for code that debounces, retries or waits: whenever more than baseline
+// timers are pending it advances the clock by step (again at once if that fired nothing; else
+// after the code reacted by arming a timer), until recv yields a value, which it returns. baseline is
+// the number of long-lived timers (periodic checks, say) that must not be fired by the stepping.
+// It fails the test if t's context ends first.
+func Drive[T any](t testing.TB, c *FakeClock, step time.Duration, baseline int, recv <-chan T) T {
+	t.Helper()
+	for {
+		created := c.timerCreated()
+		if c.PendingTimers() > baseline && c.advance(step) == 0 {
+			continue // nothing was due yet: nothing can react, step again
+		}
+		select {
+		case v := <-recv:
+			return v
+		case <-created: // a timer was (re)armed: look again
+		case <-t.Context().Done():
+			t.Fatal("gave up driving the fake clock: the test ended")
 		}
 	}
 }

@@ -1,0 +1,401 @@
+package ca
+
+import (
+	"context"
+	"crypto/sha256"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/filewatch"
+	"github.com/meshid/meshid/internal/fsutil"
+)
+
+// Defaults of the key manager, as in Istio's self-signed root rotator.
+const (
+	DefaultRootCheckInterval     = time.Hour
+	DefaultRootRotationThreshold = 0.2
+)
+
+// EventKind names what the key manager did.
+type EventKind string
+
+// Key manager events.
+const (
+	// EventReloaded: new plugged-in files replaced the bundle in service.
+	EventReloaded EventKind = "reloaded"
+	// EventUnchanged: the plugged-in files changed on disk but hold the key material in service.
+	EventUnchanged EventKind = "unchanged"
+	// EventRejected: the plugged-in files are incomplete or invalid; the bundle in service stays.
+	EventRejected EventKind = "rejected"
+	// EventRotated: the self-signed root neared its end and was renewed from the same key.
+	EventRotated EventKind = "rotated"
+	// EventRotationFailed: the self-signed root is due for renewal but could not be renewed.
+	EventRotationFailed EventKind = "rotation_failed"
+	// EventAdopted: another replica sharing the state dir rotated the root; this one loaded it.
+	EventAdopted EventKind = "adopted"
+	// EventPruned: retained roots expired or outlived the overlap and left the trust bundle.
+	EventPruned EventKind = "pruned"
+)
+
+// Event reports one thing the key manager did.
+type Event struct {
+	Kind EventKind
+	Err  error // why files were rejected, or what failed
+}
+
+// KeyManagerConfig configures a KeyManager. Zero durations take the defaults.
+type KeyManagerConfig struct {
+	// Authority receives every new bundle.
+	Authority  *Authority
+	CACertsDir string // optional; watched
+	StateDir   string
+	SelfSigned SelfSignedConfig
+
+	// RootCheckInterval is how often the self-signed root's remaining life is checked (±5%).
+	RootCheckInterval time.Duration
+	// RootRotationThreshold is the share of a self-signed root's lifetime left at which it is renewed.
+	RootRotationThreshold float64
+	// TrustBundleOverlap is how long a replaced root stays trusted; 0 keeps it until it expires.
+	TrustBundleOverlap time.Duration
+	// Debounce is how quiet the cacerts files must be before they are reloaded.
+	Debounce time.Duration
+
+	Clock clock.Clock
+	// Jitter returns a number in [0, 1) that spreads the root checks of replicas; nil is random.
+	Jitter     func() float64
+	Logger     *slog.Logger
+	Registerer prometheus.Registerer // optional
+	// OnEvent, when set, is told of every reload attempt, rotation and pruning, after the fact.
+	OnEvent func(Event)
+}
+
+// KeyManager keeps the CA's key material current while it runs: it reloads plugged-in files when
+// they change, renews a self-signed root before it expires, and keeps replaced roots trusted for
+// the overlap. Every change is published to the Authority at once and written to the state dir's
+// root-cert.pem.
+type KeyManager struct {
+	cfg     KeyManagerConfig
+	clock   clock.Clock
+	log     *slog.Logger
+	origin  Origin
+	ready   chan struct{}
+	reloads *prometheus.CounterVec
+	rotates *prometheus.CounterVec
+
+	mu      sync.Mutex
+	retired map[[32]byte]time.Time // root fingerprint → when it stopped anchoring the bundle
+}
+
+// NewKeyManager loads or creates the key material in Istio's start-up order (see LoadOrCreate)
+// and puts it in service on cfg.Authority. It starts no goroutine; call Run.
+func NewKeyManager(cfg KeyManagerConfig) (*KeyManager, error) {
+	if cfg.Authority == nil {
+		return nil, errors.New("key manager needs an authority")
+	}
+	if cfg.RootCheckInterval <= 0 {
+		cfg.RootCheckInterval = DefaultRootCheckInterval
+	}
+	if cfg.RootRotationThreshold == 0 {
+		cfg.RootRotationThreshold = DefaultRootRotationThreshold
+	}
+	if cfg.RootRotationThreshold <= 0 || cfg.RootRotationThreshold >= 1 {
+		return nil, fmt.Errorf("root rotation threshold %v must be between 0 and 1", cfg.RootRotationThreshold)
+	}
+	if cfg.TrustBundleOverlap < 0 {
+		return nil, fmt.Errorf("trust bundle overlap %s must not be negative", cfg.TrustBundleOverlap)
+	}
+	if cfg.Jitter == nil {
+		cfg.Jitter = rand.Float64
+	}
+	if cfg.CACertsDir != "" {
+		if info, err := os.Stat(filepath.Dir(filepath.Clean(cfg.CACertsDir))); err != nil || !info.IsDir() {
+			return nil, fmt.Errorf("the parent of the cacerts dir %s must exist to be watched", cfg.CACertsDir)
+		}
+	}
+	m := &KeyManager{
+		cfg:     cfg,
+		clock:   clock.OrReal(cfg.Clock),
+		log:     cfg.Logger,
+		ready:   make(chan struct{}),
+		retired: map[[32]byte]time.Time{},
+		reloads: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "meshid", Subsystem: "ca", Name: "key_material_reloads_total",
+			Help: "Reloads of the plugged-in CA files, by outcome (reloaded, unchanged, rejected).",
+		}, []string{"outcome"}),
+		rotates: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "meshid", Subsystem: "ca", Name: "root_rotations_total",
+			Help: "Self-signed root renewals done here (rotated) or picked up from a replica (adopted).",
+		}, []string{"outcome"}),
+	}
+	if m.log == nil {
+		m.log = slog.New(slog.DiscardHandler)
+	}
+	now := m.clock.Now()
+	b, origin, err := LoadOrCreate(StartupConfig{
+		CACertsDir: cfg.CACertsDir,
+		StateDir:   cfg.StateDir,
+		SelfSigned: cfg.SelfSigned,
+		Now:        now,
+		Logger:     m.log,
+	})
+	if err != nil {
+		return nil, err
+	}
+	for _, r := range b.retained {
+		m.retired[fingerprint(r.Raw)] = now // when retired is not known across restarts: from now
+	}
+	m.origin = origin
+	if cfg.Registerer != nil {
+		for _, c := range []prometheus.Collector{m.reloads, m.rotates} {
+			if err := cfg.Registerer.Register(c); err != nil {
+				return nil, err
+			}
+		}
+	}
+	cfg.Authority.SetBundle(b)
+	return m, nil
+}
+
+// Origin says which start-up step produced the key material.
+func (m *KeyManager) Origin() Origin { return m.origin }
+
+// Ready is closed once the cacerts files are being watched (at once when there are none).
+func (m *KeyManager) Ready() <-chan struct{} { return m.ready }
+
+// Run watches the plugged-in files and checks the root until ctx ends.
+func (m *KeyManager) Run(ctx context.Context) error {
+	g, ctx := errgroup.WithContext(ctx)
+	if m.cfg.CACertsDir != "" {
+		w, err := filewatch.New(filewatch.Config{
+			Paths:    []string{m.cfg.CACertsDir},
+			Debounce: m.cfg.Debounce,
+			Clock:    m.clock,
+			Logger:   m.log,
+		})
+		if err != nil {
+			return err
+		}
+		g.Go(func() error { return w.Run(ctx, func([]string) { m.reloadPluggedIn() }) })
+		g.Go(func() error {
+			select {
+			case <-w.Ready():
+				close(m.ready)
+			case <-ctx.Done():
+			}
+			return nil
+		})
+	} else {
+		close(m.ready)
+	}
+	g.Go(func() error { return m.runRootChecks(ctx) })
+	return g.Wait()
+}
+
+func (m *KeyManager) runRootChecks(ctx context.Context) error {
+	for {
+		m.checkRoot()
+		// ±5% so that replicas started together do not check in lockstep.
+		wait := time.Duration(float64(m.cfg.RootCheckInterval) * (0.95 + 0.1*m.cfg.Jitter()))
+		timer := m.clock.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			timer.Stop()
+			return nil
+		case <-timer.C():
+		}
+	}
+}
+
+func (m *KeyManager) emit(ev Event) {
+	if m.cfg.OnEvent != nil {
+		m.cfg.OnEvent(ev)
+	}
+}
+
+// reloadPluggedIn applies the cacerts files as they are now: a complete, valid bundle replaces
+// the one in service (a self-signed one included); anything else is logged and ignored.
+func (m *KeyManager) reloadPluggedIn() {
+	ev := m.reload()
+	m.reloads.WithLabelValues(string(ev.Kind)).Inc()
+	m.emit(ev)
+}
+
+func (m *KeyManager) reload() Event {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	now := m.clock.Now()
+	current := m.cfg.Authority.Bundle()
+	next, err := LoadPluggedIn(m.cfg.CACertsDir, now)
+	switch {
+	case errors.Is(err, ErrNoPluggedInCA) && current.Source() == SourceSelfSigned:
+		return Event{Kind: EventUnchanged}
+	case errors.Is(err, ErrNoPluggedInCA):
+		m.log.Warn("the plugged-in CA files are gone; the loaded CA keeps serving until they return", "cacerts_dir", m.cfg.CACertsDir)
+		return Event{Kind: EventRejected, Err: err}
+	case err != nil:
+		m.log.Warn("plugged-in CA files not loaded; the CA in service keeps serving", "cacerts_dir", m.cfg.CACertsDir, "error", err.Error())
+		return Event{Kind: EventRejected, Err: err}
+	case next.sameMaterial(current):
+		return Event{Kind: EventUnchanged}
+	}
+	m.install(next, now)
+	m.log.Info("plugged-in CA reloaded",
+		"cacerts_dir", m.cfg.CACertsDir,
+		"subject", next.signingCert.Subject.String(),
+		"root", next.Root().Subject.String(),
+		"not_after", next.notAfter,
+		"took_over_from", string(current.Source()))
+	return Event{Kind: EventReloaded}
+}
+
+// install puts next in service, keeping the roots of the bundle it replaces trusted as long as
+// the overlap allows, and writes the trust bundle for clients first.
+func (m *KeyManager) install(next *Bundle, now time.Time) {
+	current := m.cfg.Authority.Bundle()
+	var keep []*x509.Certificate
+	for _, r := range current.roots {
+		if containsCert(next.anchors, r) {
+			delete(m.retired, fingerprint(r.Raw))
+			continue
+		}
+		if _, ok := m.retired[fingerprint(r.Raw)]; !ok {
+			m.retired[fingerprint(r.Raw)] = now
+		}
+		keep = append(keep, r)
+	}
+	next = next.withRetained(m.stillTrusted(keep, now))
+	m.forgetAllBut(next.retained)
+	if err := WriteTrustBundle(m.cfg.StateDir, next); err != nil {
+		m.log.Error("cannot write the trust bundle; clients reading it keep the old roots", "error", err.Error())
+	}
+	m.cfg.Authority.SetBundle(next)
+}
+
+// stillTrusted drops retained roots that have expired or outlived the overlap.
+func (m *KeyManager) stillTrusted(roots []*x509.Certificate, now time.Time) []*x509.Certificate {
+	var out []*x509.Certificate
+	for _, r := range roots {
+		if !now.Before(r.NotAfter) {
+			continue
+		}
+		if since, ok := m.retired[fingerprint(r.Raw)]; ok && m.cfg.TrustBundleOverlap > 0 && !now.Before(since.Add(m.cfg.TrustBundleOverlap)) {
+			continue
+		}
+		out = append(out, r)
+	}
+	return out
+}
+
+// checkRoot renews a self-signed root that nears its end and drops retained roots past their time.
+func (m *KeyManager) checkRoot() {
+	var events []Event
+	m.mu.Lock()
+	now := m.clock.Now()
+	if m.cfg.Authority.Bundle().Source() == SourceSelfSigned {
+		events = m.rotateIfDue(now)
+	}
+	current := m.cfg.Authority.Bundle()
+	if kept := m.stillTrusted(current.retained, now); len(kept) != len(current.retained) {
+		next := current.withRetained(kept)
+		m.forgetAllBut(next.retained)
+		if err := WriteTrustBundle(m.cfg.StateDir, next); err != nil {
+			m.log.Error("cannot write the trust bundle", "error", err.Error())
+		}
+		m.cfg.Authority.SetBundle(next)
+		m.log.Info("retained roots left the trust bundle", "dropped", len(current.retained)-len(kept), "trusted", len(next.roots))
+		events = append(events, Event{Kind: EventPruned})
+	}
+	m.mu.Unlock()
+	for _, ev := range events {
+		m.emit(ev)
+	}
+}
+
+// rotateIfDue renews the self-signed root from the same key when less than the threshold of its
+// lifetime is left. Replicas sharing the state dir take turns under its lock; one that finds the
+// persisted root changed adopts it instead of rotating again.
+func (m *KeyManager) rotateIfDue(now time.Time) []Event {
+	unlock, err := fsutil.Lock(filepath.Join(m.cfg.StateDir, lockFile))
+	if err != nil {
+		m.log.Error("cannot lock the state dir to check the root", "error", err.Error())
+		return nil
+	}
+	defer unlock()
+
+	var events []Event
+	current := m.cfg.Authority.Bundle()
+	// The persisted root is checked for validity only when it is not the one in service, so that
+	// a root that expired while the CA ran (suspended past the rotation window, say) is renewed
+	// below, as LoadOrCreate renews it at start-up, instead of failing every check.
+	cert, key, err := readSelfSigned(m.cfg.StateDir)
+	var persisted *Bundle
+	if err == nil && cert != nil && !cert.Equal(current.signingCert) {
+		persisted, err = NewBundle(BundleParams{SigningCert: cert, SigningKey: key, Source: SourceSelfSigned, Now: now})
+	}
+	switch {
+	case err != nil:
+		m.log.Error("cannot read the persisted self-signed CA", "error", err.Error())
+		return nil
+	case persisted != nil:
+		m.install(persisted, now)
+		m.rotates.WithLabelValues(string(EventAdopted)).Inc()
+		m.log.Info("adopted the self-signed root rotated by another replica", "not_after", persisted.notAfter)
+		events = append(events, Event{Kind: EventAdopted})
+		current = m.cfg.Authority.Bundle()
+	}
+
+	root := current.signingCert
+	lifetime := root.NotAfter.Sub(root.NotBefore)
+	left := root.NotAfter.Sub(now)
+	if float64(left) > m.cfg.RootRotationThreshold*float64(lifetime) {
+		return events
+	}
+	renewed, err := RenewRoot(root, current.signer, m.cfg.SelfSigned.TTL, now)
+	if err != nil {
+		m.log.Error("cannot renew the self-signed root", "error", err.Error())
+		return append(events, Event{Kind: EventRotationFailed, Err: err})
+	}
+	next, err := NewBundle(BundleParams{SigningCert: renewed, SigningKey: current.signer, Source: SourceSelfSigned, Now: now})
+	if err == nil && cert == nil {
+		// The state files are gone: put the key back first, so that a restart finds a pair.
+		err = persistKey(m.cfg.StateDir, current.signer)
+	}
+	if err == nil {
+		err = persistRoot(m.cfg.StateDir, renewed)
+	}
+	if err != nil {
+		m.log.Error("cannot put the renewed self-signed root in place", "error", err.Error())
+		return append(events, Event{Kind: EventRotationFailed, Err: err})
+	}
+	m.install(next, now)
+	m.rotates.WithLabelValues(string(EventRotated)).Inc()
+	m.log.Info("self-signed root rotated; the old root stays trusted",
+		"old_not_after", root.NotAfter, "not_after", renewed.NotAfter, "left", left.Round(time.Second))
+	return append(events, Event{Kind: EventRotated})
+}
+
+// forgetAllBut drops the retirement times of roots no longer retained.
+func (m *KeyManager) forgetAllBut(retained []*x509.Certificate) {
+	keep := map[[32]byte]bool{}
+	for _, r := range retained {
+		keep[fingerprint(r.Raw)] = true
+	}
+	for fp := range m.retired {
+		if !keep[fp] {
+			delete(m.retired, fp)
+		}
+	}
+}
+
+func fingerprint(der []byte) [32]byte { return sha256.Sum256(der) }

@@ -1,0 +1,177 @@
+package filewatch
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/meshid/meshid/internal/testutil"
+)
+
+type harness struct {
+	clock   *testutil.FakeClock
+	changes chan []string
+}
+
+func start(t *testing.T, paths ...string) *harness {
+	t.Helper()
+	h := &harness{clock: testutil.NewFakeClock(time.Now()), changes: make(chan []string, 16)}
+	w, err := New(Config{Paths: paths, Clock: h.clock})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- w.Run(ctx, func(changed []string) { h.changes <- changed }) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	})
+	select {
+	case <-w.Ready():
+	case err := <-done:
+		t.Fatalf("Run ended: %v", err)
+	}
+	return h
+}
+
+// next lets debounce intervals pass until a notification comes, and returns what changed.
+func (h *harness) next(t *testing.T) []string {
+	t.Helper()
+	return testutil.Drive(t, h.clock, DefaultDebounce, 0, h.changes)
+}
+
+// until collects notifications until want is among the changed paths. Stray notifications from
+// the tail of an earlier burst are allowed; a missing one fails by the test's deadline.
+func (h *harness) until(t *testing.T, want string) {
+	t.Helper()
+	for !slices.Contains(h.next(t), want) {
+	}
+}
+
+func write(t *testing.T, path, content string) {
+	t.Helper()
+	if err := os.WriteFile(path, []byte(content), 0o600); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestFileRewriteIsReported(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	file := filepath.Join(dir, "root-cert.pem")
+	write(t, file, "one")
+	h := start(t, file)
+	write(t, filepath.Join(dir, "unrelated"), "x")
+	write(t, file, "two")
+	got := h.next(t)
+	for !slices.Contains(got, file) {
+		got = h.next(t)
+	}
+	if !slices.Equal(got, []string{file}) {
+		t.Fatalf("changed %v, want only %s (the unrelated file is not watched)", got, file)
+	}
+}
+
+func TestFileCreatedLaterIsReported(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	file := filepath.Join(dir, "token")
+	h := start(t, file)
+	write(t, file, "jwt")
+	h.until(t, file)
+}
+
+// Kubernetes updates a mounted secret by writing a new timestamped directory and renaming a
+// "..data" symlink over the old one; the visible files are symlinks through "..data".
+func TestKubernetesDataSwapIsReported(t *testing.T) {
+	t.Parallel()
+	for _, watchDir := range []bool{false, true} {
+		name := "watch file"
+		if watchDir {
+			name = "watch directory"
+		}
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			dir := t.TempDir()
+			mountSecret(t, dir, "..2026_01", "v1")
+			target := filepath.Join(dir, "tls.crt")
+			if watchDir {
+				target = dir
+			}
+			h := start(t, target)
+			for i := 2; i <= 4; i++ { // the second rotation is where others have broken
+				version := "..2026_0" + string(rune('0'+i))
+				mountSecret(t, dir, version, "v"+string(rune('0'+i)))
+				h.until(t, target)
+				if got, err := os.ReadFile(filepath.Join(dir, "tls.crt")); err != nil || string(got) != "v"+string(rune('0'+i)) {
+					t.Fatalf("after swap %d the file reads %q (%v)", i, got, err)
+				}
+			}
+		})
+	}
+}
+
+func TestDirectoryAppearingLaterIsWatched(t *testing.T) {
+	t.Parallel()
+	parent := t.TempDir()
+	dir := filepath.Join(parent, "cacerts")
+	h := start(t, dir)
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	h.until(t, dir)
+	// Files written inside the new directory are seen too: it is watched now.
+	write(t, filepath.Join(dir, "ca-cert.pem"), "pem")
+	h.until(t, dir)
+	if err := os.RemoveAll(dir); err != nil {
+		t.Fatal(err)
+	}
+	h.until(t, dir)
+}
+
+func TestNewNeedsPaths(t *testing.T) {
+	t.Parallel()
+	if _, err := New(Config{}); err == nil {
+		t.Fatal("New accepted no paths")
+	}
+}
+
+func TestMissingParentFailsRun(t *testing.T) {
+	t.Parallel()
+	w, err := New(Config{Paths: []string{filepath.Join(t.TempDir(), "no", "such", "file")}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Run(t.Context(), func([]string) {}); err == nil {
+		t.Fatal("Run watched a path whose parent does not exist")
+	}
+}
+
+// mountSecret lays out dir as the kubelet does: dir/version/tls.crt holds content, dir/..data
+// points at version (swapped by rename), dir/tls.crt points through ..data.
+func mountSecret(t *testing.T, dir, version, content string) {
+	t.Helper()
+	if err := os.Mkdir(filepath.Join(dir, version), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	write(t, filepath.Join(dir, version, "tls.crt"), content)
+	tmp := filepath.Join(dir, "..data_tmp")
+	if err := os.Symlink(version, tmp); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, filepath.Join(dir, "..data")); err != nil {
+		t.Fatal(err)
+	}
+	link := filepath.Join(dir, "tls.crt")
+	if _, err := os.Lstat(link); os.IsNotExist(err) {
+		if err := os.Symlink(filepath.Join("..data", "tls.crt"), link); err != nil {
+			t.Fatal(err)
+		}
+	}
+}

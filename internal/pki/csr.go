@@ -9,12 +9,21 @@ import (
 	"net/url"
 )
 
-// CreateCSR returns a PEM certificate request for id, signed by key, with the identity as its only
+// NewCSR returns a DER certificate request for id, signed by key, with the identity as its only
 // URI SAN and an empty subject, as Istio's agent sends it.
-func CreateCSR(key crypto.Signer, id SPIFFEID) ([]byte, error) {
+func NewCSR(key crypto.Signer, id SPIFFEID) ([]byte, error) {
 	der, err := x509.CreateCertificateRequest(rand.Reader, &x509.CertificateRequest{URIs: []*url.URL{id.URL()}}, key)
 	if err != nil {
 		return nil, fmt.Errorf("create certificate request: %w", err)
+	}
+	return der, nil
+}
+
+// CreateCSR is NewCSR, PEM-encoded.
+func CreateCSR(key crypto.Signer, id SPIFFEID) ([]byte, error) {
+	der, err := NewCSR(key, id)
+	if err != nil {
+		return nil, err
 	}
 	return pem.EncodeToMemory(&pem.Block{Type: BlockCertificateRequest, Bytes: der}), nil
 }

@@ -117,9 +117,12 @@ func (c *FakeClock) timerCreated() <-chan struct{} {
 // timers are pending it advances the clock by step (again at once if that fired nothing; else
 // after the code reacted by arming a timer), until recv yields a value, which it returns. baseline is
 // the number of long-lived timers (periodic checks, say) that must not be fired by the stepping.
-// It fails the test if t's context ends first.
+// It fails the test if the value has not come after driveLimit of real time.
 func Drive[T any](t testing.TB, c *FakeClock, step time.Duration, baseline int, recv <-chan T) T {
 	t.Helper()
+	// A real-time limit, so that a value that never comes fails the test instead of hanging it.
+	giveUp := time.NewTimer(driveLimit)
+	defer giveUp.Stop()
 	for {
 		created := c.timerCreated()
 		if c.PendingTimers() > baseline && c.advance(step) == 0 {
@@ -129,11 +132,13 @@ func Drive[T any](t testing.TB, c *FakeClock, step time.Duration, baseline int, 
 		case v := <-recv:
 			return v
 		case <-created: // a timer was (re)armed: look again
-		case <-t.Context().Done():
-			t.Fatal("gave up driving the fake clock: the test ended")
+		case <-giveUp.C:
+			t.Fatalf("drove the fake clock to %s for %s without the awaited value", c.Now(), driveLimit)
 		}
 	}
 }
+
+const driveLimit = time.Minute
 
 type fakeTimer struct {
 	clock    *FakeClock

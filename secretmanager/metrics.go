@@ -1,0 +1,40 @@
+package secretmanager
+
+import "github.com/prometheus/client_golang/prometheus"
+
+type metrics struct {
+	expiry      prometheus.Gauge
+	nextRenewal prometheus.Gauge
+	rotations   prometheus.Counter
+	failures    prometheus.Counter
+}
+
+func newMetrics() *metrics {
+	return &metrics{
+		expiry: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: "meshid", Subsystem: "agent", Name: "cert_expiry_timestamp_seconds",
+			Help: "Unix time at which the workload certificate in service expires.",
+		}),
+		nextRenewal: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: "meshid", Subsystem: "agent", Name: "cert_next_renewal_timestamp_seconds",
+			Help: "Unix time at which the workload certificate in service will be renewed.",
+		}),
+		rotations: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: "meshid", Subsystem: "agent", Name: "cert_rotations_total",
+			Help: "Workload certificates obtained from the CA.",
+		}),
+		failures: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: "meshid", Subsystem: "agent", Name: "cert_renewal_failures_total",
+			Help: "Failed attempts to obtain a workload certificate.",
+		}),
+	}
+}
+
+func (m *metrics) register(reg prometheus.Registerer) error {
+	for _, c := range []prometheus.Collector{m.expiry, m.nextRenewal, m.rotations, m.failures} {
+		if err := reg.Register(c); err != nil {
+			return err
+		}
+	}
+	return nil
+}

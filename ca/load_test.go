@@ -915,12 +915,3 @@ func TestLoadOrCreateStartupOrder(t *testing.T) {
 		assertAbsent(t, stateDir, ca.RootCertFile)
 	})
 }
-
-func containsRaw(certs []*x509.Certificate, c *x509.Certificate) bool {
-	for _, x := range certs {
-		if bytes.Equal(x.Raw, c.Raw) {
-			return true
-		}
-	}
-	return false
-}

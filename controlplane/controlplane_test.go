@@ -24,6 +24,7 @@ import (
 
 	"github.com/meshid/meshid/ca/token"
 	"github.com/meshid/meshid/controlplane"
+	"github.com/meshid/meshid/controlplane/controlplanetest"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
 )
@@ -39,36 +40,12 @@ func testConfig(stateDir string) controlplane.Config {
 // start runs a control plane until the test ends and waits until it serves.
 func start(t *testing.T, cfg controlplane.Config) *controlplane.ControlPlane {
 	t.Helper()
-	cp, err := controlplane.New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- cp.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Run: %v", err)
-		}
-	})
-	select {
-	case <-cp.Ready():
-	case err := <-done:
-		t.Fatalf("Run ended before serving: %v", err)
-	}
-	return cp
+	return controlplanetest.Start(t, cfg)
 }
 
 func mint(t *testing.T, stateDir, ns, sa string) string {
 	t.Helper()
-	tok, err := controlplane.MintToken(controlplane.TokenRequest{StateDir: stateDir, MintParams: token.MintParams{
-		Issuer: token.DefaultIssuer, Audiences: []string{"istio-ca"}, Namespace: ns, ServiceAccount: sa, TTL: time.Hour, Now: time.Now(),
-	}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return tok
+	return controlplanetest.Token(t, stateDir, ns, sa, time.Now(), time.Hour)
 }
 
 // createCertificate speaks Istio's CA protocol as its agent does: TLS verified with the root file

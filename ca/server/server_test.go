@@ -1,7 +1,6 @@
 package server_test
 
 import (
-	"bytes"
 	"context"
 	"crypto"
 	"crypto/ecdsa"
@@ -18,7 +17,6 @@ import (
 	"net"
 	"net/url"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -53,7 +51,7 @@ type harness struct {
 	clock        *testutil.FakeClock
 	registry     *prometheus.Registry
 	addr         string
-	logs         *syncBuffer
+	logs         *testutil.SyncBuffer
 }
 
 type harnessOptions struct {
@@ -100,7 +98,7 @@ func newHarness(t testing.TB, opts harnessOptions) *harness {
 	if opts.enabledByDefault != nil {
 		enabled = *opts.enabledByDefault
 	}
-	logs := &syncBuffer{}
+	logs := &testutil.SyncBuffer{}
 	srv := server.New(server.Config{
 		Signer: authority,
 		Authenticators: []server.Authenticator{
@@ -604,24 +602,6 @@ func signClaims(t testing.TB, key crypto.Signer, claims jwt.MapClaims) string {
 		t.Fatal(err)
 	}
 	return s
-}
-
-// syncBuffer is a log sink safe for the server's concurrent handlers.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
 }
 
 type failingTargeting struct{}

@@ -11,16 +11,18 @@ import (
 )
 
 func main() {
-	os.Exit(cli.Main(newRootCommand(runCA)))
+	os.Exit(cli.Main(newRootCommand(runCA, cli.RunAgent, os.LookupEnv)))
 }
 
-func newRootCommand(ca caRunner) *cobra.Command {
+func newRootCommand(ca caRunner, agentRun cli.AgentRunner, lookupEnv func(string) (string, bool)) *cobra.Command {
 	g := &cli.Globals{}
 	root := cli.NewRoot("meshid", "Short-lived workload identities for a service mesh",
 		`meshid gives every workload in a service mesh a short-lived X.509 identity (a SPIFFE ID)
-and keeps it fresh. "meshid ca" runs a Citadel-style CA that Istio's agents can use;
+and keeps it fresh. "meshid agent" runs next to a workload and keeps its certificate fresh;
+"meshid ca" runs a Citadel-style CA that Istio's agents can use;
 "meshid token" mints Kubernetes-style service-account tokens for VMs and demos.`, g)
 	root.AddCommand(
+		cli.NewAgentCommand(g, agentRun, lookupEnv),
 		newCACommand(g, ca),
 		newTokenCommand(g),
 		cli.NewProbeCommand(),

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshid/meshid/agent"
 	"github.com/meshid/meshid/ca/token"
 	"github.com/meshid/meshid/controlplane"
 	"github.com/meshid/meshid/internal/pki"
@@ -23,7 +24,7 @@ func execute(t *testing.T, args ...string) (controlplane.Config, string, string,
 	root := newRootCommand(func(_ context.Context, cfg controlplane.Config) error {
 		got = cfg
 		return nil
-	})
+	}, func(context.Context, agent.Config) error { return nil }, func(string) (string, bool) { return "", false })
 	var stdout, stderr bytes.Buffer
 	root.SetOut(&stdout)
 	root.SetErr(&stderr)

@@ -1,0 +1,131 @@
+package cli
+
+import (
+	"context"
+	"fmt"
+	"path/filepath"
+	"strings"
+
+	"github.com/spf13/cobra"
+
+	"github.com/meshid/meshid/agent"
+	"github.com/meshid/meshid/internal/pki"
+)
+
+// AgentRunner runs the agent with a validated config; tests replace it to capture the config.
+type AgentRunner func(ctx context.Context, cfg agent.Config) error
+
+// RunAgent is the production AgentRunner.
+func RunAgent(ctx context.Context, cfg agent.Config) error {
+	a, err := agent.New(cfg)
+	if err != nil {
+		return err
+	}
+	return a.Run(ctx)
+}
+
+// envBinding maps a flag to the Istio variable that sets it when the flag is not given.
+type envBinding struct{ flag, env string }
+
+func agentEnv() []envBinding {
+	return []envBinding{
+		{"ca-addr", "CA_ADDR"},
+		{"ca-provider", "CA_PROVIDER"},
+		{"ca-root-cert", "CA_ROOT_CA"},
+		{"istiod-san", "ISTIOD_SAN"},
+		{"prov-cert", "PROV_CERT"},
+		{"output-certs", "OUTPUT_CERTS"},
+		{"secret-ttl", "SECRET_TTL"},
+		{"grace-period-ratio", "SECRET_GRACE_PERIOD_RATIO"},
+		{"grace-period-ratio-jitter", "SECRET_GRACE_PERIOD_RATIO_JITTER"},
+		{"trust-domain", "TRUST_DOMAIN"},
+		{"namespace", "POD_NAMESPACE"},
+		{"service-account", "SERVICE_ACCOUNT"},
+		{"cluster-id", "ISTIO_META_CLUSTER_ID"},
+		{"key-algorithm", "ECC_SIGNATURE_ALGORITHM"},
+		{"workload-rsa-key-size", "WORKLOAD_RSA_KEY_SIZE"},
+	}
+}
+
+// NewAgentCommand returns `agent`. lookupEnv reads the environment (os.LookupEnv in production).
+func NewAgentCommand(g *Globals, run AgentRunner, lookupEnv func(string) (string, bool)) *cobra.Command {
+	cfg := agent.DefaultConfig("")
+	var keyAlgorithm, caProvider string
+	cmd := &cobra.Command{
+		Use:   "agent",
+		Short: "Run the workload agent: obtain, renew and hand out the workload certificate",
+		Long: `Run the meshid agent next to a workload (a sidecar, or a service on a VM). It obtains a
+certificate for spiffe://<trust-domain>/ns/<namespace>/sa/<service-account> from the CA at
+--ca-addr, authenticating with the token at --token-path (re-read at every request) or, once it
+holds a valid certificate, with that certificate over mTLS. It renews the certificate when
+--grace-period-ratio of its lifetime is left, whether or not anyone is asking, keeps the current
+one while renewals fail, and writes each new one to --output-certs for VMs and other programs.
+
+Istio's variables are honoured, so the agent is a drop-in; a flag wins over its variable:
+` + envHelp(agentEnv()) + `
+The status server (--status-addr) answers /healthz/ready (200 once a valid certificate is
+held) and /metrics. Every default path lives under --root-dir, so no root is needed.`,
+		Args: cobra.NoArgs,
+		PreRunE: func(cmd *cobra.Command, _ []string) error {
+			flags := cmd.Flags()
+			for _, b := range agentEnv() {
+				if v, ok := lookupEnv(b.env); ok && v != "" && !flags.Changed(b.flag) {
+					if err := flags.Set(b.flag, v); err != nil {
+						return fmt.Errorf("%s=%q: %w", b.env, v, err)
+					}
+				}
+			}
+			alg, err := pki.ParseKeyAlgorithm(keyAlgorithm)
+			if err != nil {
+				return fmt.Errorf("--key-algorithm (ECC_SIGNATURE_ALGORITHM): %w", err)
+			}
+			cfg.KeyAlgorithm = alg
+			if strings.EqualFold(caProvider, "GoogleCA") {
+				return fmt.Errorf("CA_PROVIDER=%s is not supported yet: meshid speaks Istio's CA protocol (Citadel)", caProvider)
+			}
+			if !flags.Changed("token-path") {
+				cfg.TokenPath = filepath.Join(rootOrSlash(cfg.RootDir), agent.DefaultTokenPath)
+			}
+			cfg.Logger = g.Logger()
+			return cfg.Validate()
+		},
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			return run(cmd.Context(), cfg)
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&cfg.RootDir, "root-dir", "", "prefix of every default path, so that a non-root user can run the agent anywhere")
+	f.StringVar(&cfg.CAAddress, "ca-addr", "", "address of the CA, HOST:PORT (CA_ADDR)")
+	f.StringVar(&caProvider, "ca-provider", "Citadel", "CA protocol: Citadel (anything but GoogleCA means Citadel, as in Istio) (CA_PROVIDER)")
+	f.StringVar(&cfg.CARootCert, "ca-root-cert", "", "PEM roots that verify the CA (CA_ROOT_CA); default: <prov-cert>/root-cert.pem, else <root-dir>/var/run/secrets/istio/root-cert.pem")
+	f.StringVar(&cfg.CAServerName, "istiod-san", cfg.CAServerName, "name verified in the CA's certificate (ISTIOD_SAN)")
+	f.StringVar(&cfg.TokenPath, "token-path", "", "service-account token presented to the CA, re-read at every request (default <root-dir>/var/run/secrets/tokens/istio-token)")
+	f.StringVar(&cfg.ProvCert, "prov-cert", "", "directory of a provisioned key pair (cert-chain.pem, key.pem) for mTLS to the CA (PROV_CERT)")
+	f.StringVar(&cfg.OutputCerts, "output-certs", "", "directory that receives key.pem, cert-chain.pem and root-cert.pem on every renewal (OUTPUT_CERTS)")
+	f.StringVar(&cfg.TrustDomain, "trust-domain", cfg.TrustDomain, "trust domain of the workload's SPIFFE ID (TRUST_DOMAIN)")
+	f.StringVar(&cfg.Namespace, "namespace", "", "namespace of the workload (POD_NAMESPACE)")
+	f.StringVar(&cfg.ServiceAccount, "service-account", "", "service account of the workload (SERVICE_ACCOUNT)")
+	f.StringVar(&cfg.ClusterID, "cluster-id", "", "cluster ID sent to the CA (ISTIO_META_CLUSTER_ID)")
+	f.StringVar(&keyAlgorithm, "key-algorithm", string(pki.ECDSA), "workload key: ECDSA (P-256) or RSA (ECC_SIGNATURE_ALGORITHM)")
+	f.IntVar(&cfg.RSAKeySize, "workload-rsa-key-size", cfg.RSAKeySize, "RSA key size when --key-algorithm is RSA (WORKLOAD_RSA_KEY_SIZE)")
+	f.DurationVar(&cfg.SecretTTL, "secret-ttl", cfg.SecretTTL, "certificate lifetime asked of the CA (SECRET_TTL)")
+	f.Float64Var(&cfg.GraceRatio, "grace-period-ratio", cfg.GraceRatio, "renew when this share of the certificate's lifetime is left (SECRET_GRACE_PERIOD_RATIO)")
+	f.Float64Var(&cfg.GraceRatioJitter, "grace-period-ratio-jitter", cfg.GraceRatioJitter, "random ± spread of the ratio, so that workloads do not renew in step (SECRET_GRACE_PERIOD_RATIO_JITTER)")
+	f.StringVar(&cfg.StatusAddr, "status-addr", cfg.StatusAddr, "listen address of /healthz/ready and /metrics")
+	return cmd
+}
+
+func envHelp(bindings []envBinding) string {
+	var b strings.Builder
+	for _, e := range bindings {
+		fmt.Fprintf(&b, "  %-34s --%s\n", e.env, e.flag)
+	}
+	return b.String()
+}
+
+func rootOrSlash(dir string) string {
+	if dir == "" {
+		return "/"
+	}
+	return dir
+}

@@ -1,0 +1,118 @@
+package cli
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/meshid/meshid/agent"
+	"github.com/meshid/meshid/internal/pki"
+)
+
+// runAgentCommand parses args and env the way `meshid agent` does and returns the config that
+// would be run.
+func runAgentCommand(t *testing.T, env map[string]string, args ...string) (agent.Config, error) {
+	t.Helper()
+	var got agent.Config
+	g := &Globals{}
+	root := NewRoot("meshid", "", "", g)
+	root.AddCommand(NewAgentCommand(g, func(_ context.Context, cfg agent.Config) error {
+		got = cfg
+		return nil
+	}, func(k string) (string, bool) { v, ok := env[k]; return v, ok }))
+	root.SetArgs(append([]string{"agent"}, args...))
+	err := root.ExecuteContext(t.Context())
+	return got, err
+}
+
+func TestAgentEnvironmentAndFlags(t *testing.T) {
+	t.Parallel()
+	env := map[string]string{
+		"CA_ADDR":                          "ca.example:15012",
+		"CA_ROOT_CA":                       "/env/root.pem",
+		"ISTIOD_SAN":                       "ca.example",
+		"PROV_CERT":                        "/env/prov",
+		"OUTPUT_CERTS":                     "/env/out",
+		"SECRET_TTL":                       "2h",
+		"SECRET_GRACE_PERIOD_RATIO":        "0.4",
+		"SECRET_GRACE_PERIOD_RATIO_JITTER": "0.05",
+		"TRUST_DOMAIN":                     "example.org",
+		"POD_NAMESPACE":                    "shop",
+		"SERVICE_ACCOUNT":                  "cart",
+		"ISTIO_META_CLUSTER_ID":            "east",
+		"ECC_SIGNATURE_ALGORITHM":          "RSA",
+		"WORKLOAD_RSA_KEY_SIZE":            "3072",
+		"CA_PROVIDER":                      "Citadel",
+	}
+	cfg, err := runAgentCommand(t, env)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.CAAddress != "ca.example:15012" || cfg.CARootCert != "/env/root.pem" || cfg.CAServerName != "ca.example" ||
+		cfg.ProvCert != "/env/prov" || cfg.OutputCerts != "/env/out" || cfg.SecretTTL != 2*time.Hour ||
+		cfg.GraceRatio != 0.4 || cfg.GraceRatioJitter != 0.05 || cfg.TrustDomain != "example.org" ||
+		cfg.Namespace != "shop" || cfg.ServiceAccount != "cart" || cfg.ClusterID != "east" ||
+		cfg.KeyAlgorithm != pki.RSA || cfg.RSAKeySize != 3072 {
+		t.Fatalf("environment not applied: %+v", cfg)
+	}
+	if cfg.TokenPath != "/var/run/secrets/tokens/istio-token" {
+		t.Fatalf("token path %q, want Istio's default", cfg.TokenPath)
+	}
+
+	// A flag wins over its variable.
+	cfg, err = runAgentCommand(t, env, "--ca-addr", "127.0.0.1:1", "--namespace", "flagged", "--key-algorithm", "ECDSA",
+		"--secret-ttl", "30s", "--root-dir", "/r")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.CAAddress != "127.0.0.1:1" || cfg.Namespace != "flagged" || cfg.KeyAlgorithm != pki.ECDSA || cfg.SecretTTL != 30*time.Second {
+		t.Fatalf("flags did not win: %+v", cfg)
+	}
+	if cfg.ServiceAccount != "cart" {
+		t.Fatal("a variable without a flag was dropped")
+	}
+	if cfg.TokenPath != "/r/var/run/secrets/tokens/istio-token" || cfg.RootDir != "/r" {
+		t.Fatalf("token path %q under root dir %q", cfg.TokenPath, cfg.RootDir)
+	}
+}
+
+func TestAgentRefusesBadInput(t *testing.T) {
+	t.Parallel()
+	base := map[string]string{"CA_ADDR": "127.0.0.1:15012", "POD_NAMESPACE": "default", "SERVICE_ACCOUNT": "demo"}
+	with := func(k, v string) map[string]string {
+		m := map[string]string{k: v}
+		for a, b := range base {
+			if a != k {
+				m[a] = b
+			}
+		}
+		return m
+	}
+	tests := []struct {
+		name string
+		env  map[string]string
+		args []string
+		want string
+	}{
+		{"GoogleCA", with("CA_PROVIDER", "GoogleCA"), nil, "CA_PROVIDER=GoogleCA is not supported"},
+		{"bad ratio variable", with("SECRET_GRACE_PERIOD_RATIO", "half"), nil, `SECRET_GRACE_PERIOD_RATIO="half"`},
+		{"bad key algorithm", with("ECC_SIGNATURE_ALGORITHM", "DSA"), nil, "ECC_SIGNATURE_ALGORITHM"},
+		{"no namespace", with("POD_NAMESPACE", ""), nil, "POD_NAMESPACE"},
+		{"no CA", with("CA_ADDR", ""), nil, "CA_ADDR"},
+		{"ratio out of range", base, []string{"--grace-period-ratio", "1.2"}, "--grace-period-ratio"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			_, err := runAgentCommand(t, tt.env, tt.args...)
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("error %v, want one mentioning %q", err, tt.want)
+			}
+		})
+	}
+	// Any provider but GoogleCA means Citadel, as in Istio.
+	if _, err := runAgentCommand(t, with("CA_PROVIDER", "istiod")); err != nil {
+		t.Fatalf("CA_PROVIDER=istiod refused: %v", err)
+	}
+}

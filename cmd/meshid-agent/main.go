@@ -1,0 +1,28 @@
+// Command meshid-agent is the slim sidecar binary: the agent, probe and version, without the CA
+// and without any Kubernetes client.
+package main
+
+import (
+	"os"
+
+	"github.com/spf13/cobra"
+
+	"github.com/meshid/meshid/cmd/internal/cli"
+)
+
+func main() {
+	os.Exit(cli.Main(newRootCommand(cli.RunAgent, os.LookupEnv)))
+}
+
+func newRootCommand(run cli.AgentRunner, lookupEnv func(string) (string, bool)) *cobra.Command {
+	g := &cli.Globals{}
+	root := cli.NewRoot("meshid-agent", "The meshid workload agent",
+		`meshid-agent runs next to a workload and keeps its short-lived X.509 identity fresh.
+It is the agent of meshid, without the CA, for sidecar images.`, g)
+	root.AddCommand(
+		cli.NewAgentCommand(g, run, lookupEnv),
+		cli.NewProbeCommand(),
+		cli.NewVersionCommand(),
+	)
+	return root
+}

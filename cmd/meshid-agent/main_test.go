@@ -1,0 +1,58 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"os/exec"
+	"strings"
+	"testing"
+
+	"github.com/meshid/meshid/agent"
+)
+
+// The sidecar binary must stay small: it links no Kubernetes client.
+func TestLinksNoKubernetesClient(t *testing.T) {
+	t.Parallel()
+	out, err := exec.Command("go", "list", "-deps", "github.com/meshid/meshid/cmd/meshid-agent").Output()
+	if err != nil {
+		t.Fatalf("go list: %v", err)
+	}
+	for _, dep := range strings.Fields(string(out)) {
+		if strings.HasPrefix(dep, "k8s.io/client-go") || strings.HasPrefix(dep, "k8s.io/apimachinery") {
+			t.Fatalf("meshid-agent links %s", dep)
+		}
+		if strings.HasPrefix(dep, "github.com/meshid/meshid/ca") && !strings.HasPrefix(dep, "github.com/meshid/meshid/caclient") {
+			t.Fatalf("meshid-agent links the CA (%s)", dep)
+		}
+	}
+}
+
+func TestCommands(t *testing.T) {
+	t.Parallel()
+	var ran bool
+	root := newRootCommand(func(context.Context, agent.Config) error { ran = true; return nil },
+		func(k string) (string, bool) {
+			v, ok := map[string]string{"CA_ADDR": "127.0.0.1:15012", "POD_NAMESPACE": "default", "SERVICE_ACCOUNT": "demo"}[k]
+			return v, ok
+		})
+	var out bytes.Buffer
+	root.SetOut(&out)
+	root.SetArgs([]string{"agent"})
+	if err := root.ExecuteContext(t.Context()); err != nil || !ran {
+		t.Fatalf("agent: ran=%v err=%v", ran, err)
+	}
+	var names []string
+	for _, c := range root.Commands() {
+		names = append(names, c.Name())
+	}
+	for _, want := range []string{"agent", "probe", "version"} {
+		if !strings.Contains(strings.Join(names, " "), want) {
+			t.Errorf("meshid-agent lacks %q (has %v)", want, names)
+		}
+	}
+	for _, n := range names {
+		if n == "ca" || n == "token" {
+			t.Errorf("meshid-agent carries the %q command", n)
+		}
+	}
+}

@@ -51,7 +51,7 @@ func (e *env) tokenFile(t *testing.T) string {
 	return path
 }
 
-func (e *env) config(tokenPath string) agent.Config {
+func (e *env) config(t *testing.T, tokenPath string) agent.Config {
 	cfg := agent.DefaultConfig(e.dir)
 	cfg.Namespace, cfg.ServiceAccount = "default", "demo"
 	cfg.CAAddress = e.ca.GRPCAddr()
@@ -61,6 +61,8 @@ func (e *env) config(tokenPath string) agent.Config {
 	cfg.SecretTTL = 30 * time.Minute
 	cfg.GraceRatioJitter = 0
 	cfg.StatusAddr = "127.0.0.1:0"
+	cfg.DebugAddr = "127.0.0.1:0"
+	cfg.WorkloadSocketDir = testutil.ShortTempDir(t)
 	cfg.Clock = e.clock
 	return cfg
 }
@@ -148,7 +150,7 @@ func readPair(t *testing.T, dir string) (leafURI, serial string) {
 func TestAgentKeepsOutputCertsFreshAndReportsStatus(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	a, issued, _ := start(t, e.config(e.tokenFile(t)))
+	a, issued, _ := start(t, e.config(t, e.tokenFile(t)))
 	first := <-issued
 	if uri, serial := readPair(t, filepath.Join(e.dir, "out")); uri != demoID || serial != first.Version {
 		t.Fatalf("OUTPUT_CERTS holds %s %s, want %s %s", uri, serial, demoID, first.Version)
@@ -186,7 +188,7 @@ func TestAgentRenewsOverMTLSAfterTokenIsGone(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	tokenPath := e.tokenFile(t)
-	cfg := e.config(tokenPath)
+	cfg := e.config(t, tokenPath)
 	_, issued, stop := start(t, cfg)
 	first := <-issued
 	stop()
@@ -212,7 +214,7 @@ func TestAgentRenewsOverMTLSAfterTokenIsGone(t *testing.T) {
 func TestAgentNotReadyWithoutCertificate(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	cfg := e.config(filepath.Join(e.dir, "no-token"))
+	cfg := e.config(t, filepath.Join(e.dir, "no-token"))
 	a, _, _ := start(t, cfg)
 	code, body := httpGet(t, "http://"+a.StatusAddr()+"/healthz/ready")
 	if code != http.StatusServiceUnavailable || !strings.Contains(body, "no valid workload certificate") {
@@ -276,7 +278,9 @@ func TestConfigValidate(t *testing.T) {
 	}{
 		{"no namespace", func(c *agent.Config) { c.Namespace = "" }, "POD_NAMESPACE"},
 		{"bad service account", func(c *agent.Config) { c.ServiceAccount = "Bad_Name" }, "SERVICE_ACCOUNT"},
-		{"no CA", func(c *agent.Config) { c.CAAddress = "" }, "CA_ADDR"},
+		{"debug server off loopback", func(c *agent.Config) { c.DebugAddr = "0.0.0.0:15004" }, "loopback only"},
+		{"socket path too long", func(c *agent.Config) { c.WorkloadSocketDir = "/" + strings.Repeat("d", 120) }, "kernel's limit"},
+		{"negative drain", func(c *agent.Config) { c.DrainDuration = -time.Second }, "--drain-duration"},
 		{"RSA too small", func(c *agent.Config) { c.KeyAlgorithm, c.RSAKeySize = pki.RSA, 1024 }, "WORKLOAD_RSA_KEY_SIZE"},
 		{"ratio", func(c *agent.Config) { c.GraceRatio = 1 }, "--grace-period-ratio"},
 		{"jitter", func(c *agent.Config) { c.GraceRatioJitter = 0.6 }, "--grace-period-ratio-jitter"},

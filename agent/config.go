@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"os"
 	"path/filepath"
 	"time"
 
@@ -17,6 +18,14 @@ import (
 // Defaults of `meshid agent`; paths are relative to RootDir.
 const (
 	DefaultStatusAddr   = ":15020"
+	DefaultDebugAddr    = "127.0.0.1:15004"
+	DefaultSocketDir    = "var/run/secrets/workload-spiffe-uds"
+	DefaultCredentials  = "var/run/secrets/workload-spiffe-credentials"
+	DefaultMountedCerts = "etc/certs"
+	DefaultEmbeddedDir  = "var/lib/meshid"
+	// Identity of the workload when the agent runs its own CA and none is given.
+	DefaultEmbeddedNamespace      = "default"
+	DefaultEmbeddedServiceAccount = "default"
 	DefaultTrustDomain  = "cluster.local"
 	DefaultTokenPath    = "var/run/secrets/tokens/istio-token" //nolint:gosec // a path, not a credential
 	DefaultCARootCert   = "var/run/secrets/istio/root-cert.pem"
@@ -33,7 +42,8 @@ type Config struct {
 	Namespace      string
 	ServiceAccount string
 
-	// CAAddress is the CA (CA_ADDR). CARootCert is the file that verifies it (CA_ROOT_CA); when
+	// CAAddress is the CA (CA_ADDR); empty runs the control plane in-process (embedded mode).
+	// CARootCert is the file that verifies it (CA_ROOT_CA); when
 	// empty, PROV_CERT/root-cert.pem and then RootDir/var/run/secrets/istio/root-cert.pem are used,
 	// whichever exists first, as Istio does.
 	CAAddress    string
@@ -50,7 +60,19 @@ type Config struct {
 	GraceRatioJitter float64
 	OutputCerts      string // OUTPUT_CERTS
 
+	// WorkloadSocketDir holds the SDS socket; CredentialsDir may hold cert-chain.pem, key.pem and
+	// root-cert.pem to serve instead of a CA's; FileMountedCerts serves <root>/etc/certs/ instead.
+	WorkloadSocketDir string
+	CredentialsDir    string
+	FileMountedCerts  bool
+	SocketMode        os.FileMode
+	// FileResourceDirs are the directories file-cert: and file-root: secrets may read; default: the
+	// credentials dir and <root>/etc/certs.
+	FileResourceDirs []string
+	DrainDuration    time.Duration
+
 	StatusAddr string
+	DebugAddr  string // loopback only; empty disables it
 	RootDir    string
 
 	Logger *slog.Logger
@@ -69,9 +91,37 @@ func DefaultConfig(rootDir string) Config {
 		GraceRatio:       DefaultGraceRatio,
 		GraceRatioJitter: DefaultGraceJitter,
 		StatusAddr:       DefaultStatusAddr,
+		DebugAddr:        DefaultDebugAddr,
 		RootDir:          rootDir,
 	}
 }
+
+// path returns a default path under the root dir (the real absolute path when it is empty).
+func (c *Config) path(rel string) string { return filepath.Join(rootDirOrSlash(c.RootDir), rel) }
+
+func (c *Config) socketDir() string {
+	if c.WorkloadSocketDir != "" {
+		return c.WorkloadSocketDir
+	}
+	return c.path(DefaultSocketDir)
+}
+
+func (c *Config) credentialsDir() string {
+	if c.CredentialsDir != "" {
+		return c.CredentialsDir
+	}
+	return c.path(DefaultCredentials)
+}
+
+func (c *Config) fileResourceDirs() []string {
+	if len(c.FileResourceDirs) > 0 {
+		return c.FileResourceDirs
+	}
+	return []string{c.credentialsDir(), c.path(DefaultMountedCerts)}
+}
+
+// embedded reports whether the agent runs its own control plane: no CA is given.
+func (c *Config) embedded() bool { return c.CAAddress == "" }
 
 func rootDirOrSlash(rootDir string) string {
 	if rootDir == "" {
@@ -80,9 +130,19 @@ func rootDirOrSlash(rootDir string) string {
 	return rootDir
 }
 
-// Identity returns the workload's SPIFFE ID.
+// Identity returns the workload's SPIFFE ID; with an embedded CA, an unset namespace or service
+// account is "default".
 func (c *Config) Identity() (pki.SPIFFEID, error) {
-	return pki.NewSPIFFEID(c.TrustDomain, c.Namespace, c.ServiceAccount)
+	ns, sa := c.Namespace, c.ServiceAccount
+	if c.embedded() {
+		if ns == "" {
+			ns = DefaultEmbeddedNamespace
+		}
+		if sa == "" {
+			sa = DefaultEmbeddedServiceAccount
+		}
+	}
+	return pki.NewSPIFFEID(c.TrustDomain, ns, sa)
 }
 
 // Validate reports every problem with the configuration at once.
@@ -91,8 +151,23 @@ func (c *Config) Validate() error {
 	if _, err := c.Identity(); err != nil {
 		errs = append(errs, fmt.Errorf("workload identity (--trust-domain, --namespace/POD_NAMESPACE, --service-account/SERVICE_ACCOUNT): %w", err))
 	}
-	if c.CAAddress == "" {
-		errs = append(errs, errors.New("--ca-addr (CA_ADDR) is required"))
+	if err := sdsSocketPathOK(filepath.Join(c.socketDir(), "socket")); err != nil {
+		errs = append(errs, fmt.Errorf("--workload-socket-dir: %w", err))
+	}
+	if c.embedded() {
+		if err := sdsSocketPathOK(c.path(filepath.Join(DefaultEmbeddedDir, embeddedSocket))); err != nil {
+			errs = append(errs, fmt.Errorf("--root-dir (the embedded CA's socket): %w", err))
+		}
+	}
+	if c.DebugAddr != "" {
+		if host, _, err := net.SplitHostPort(c.DebugAddr); err != nil {
+			errs = append(errs, fmt.Errorf("--debug-addr %q: want HOST:PORT: %w", c.DebugAddr, err))
+		} else if ip := net.ParseIP(host); host != "localhost" && (ip == nil || !ip.IsLoopback()) {
+			errs = append(errs, fmt.Errorf("--debug-addr %q: the debug server shows secrets' metadata and listens on loopback only", c.DebugAddr))
+		}
+	}
+	if c.DrainDuration < 0 {
+		errs = append(errs, fmt.Errorf("--drain-duration %s must not be negative", c.DrainDuration))
 	}
 	switch c.KeyAlgorithm {
 	case pki.ECDSA:

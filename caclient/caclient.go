@@ -56,6 +56,9 @@ type Config struct {
 	ServerName string
 	// TokenPath is the service-account token, read at every call; a missing file sends none.
 	TokenPath string
+	// Token, when set instead, is called for the token at every call (an embedded CA's agent
+	// mints its own).
+	Token func(ctx context.Context) (string, error)
 	// ClientCertificate, when set, is asked at every TLS handshake for a certificate to present;
 	// it returns nil when there is none.
 	ClientCertificate func() (*tls.Certificate, error)
@@ -159,7 +162,10 @@ func (c *Client) call(ctx context.Context, req *pb.IstioCertificateRequest) (*pb
 		return nil, err
 	}
 	opts := []grpc.DialOption{grpc.WithTransportCredentials(credentials.NewTLS(tlsConfig))}
-	if c.cfg.TokenPath != "" {
+	switch {
+	case c.cfg.Token != nil:
+		opts = append(opts, grpc.WithPerRPCCredentials(tokenFunc(c.cfg.Token)))
+	case c.cfg.TokenPath != "":
 		opts = append(opts, grpc.WithPerRPCCredentials(tokenFile(c.cfg.TokenPath)))
 	}
 	conn, err := grpc.NewClient(c.cfg.Address, opts...)
@@ -273,3 +279,16 @@ func (t tokenFile) GetRequestMetadata(context.Context, ...string) (map[string]st
 }
 
 func (tokenFile) RequireTransportSecurity() bool { return true }
+
+// tokenFunc is per-RPC credentials that ask a function for the token at every call.
+type tokenFunc func(ctx context.Context) (string, error)
+
+func (t tokenFunc) GetRequestMetadata(ctx context.Context, _ ...string) (map[string]string, error) {
+	tok, err := t(ctx)
+	if err != nil {
+		return nil, status.Errorf(codes.FailedPrecondition, "cannot get a token: %s", err.Error())
+	}
+	return map[string]string{"authorization": "Bearer " + tok}, nil
+}
+
+func (tokenFunc) RequireTransportSecurity() bool { return true }

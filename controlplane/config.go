@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/meshid/meshid/ca"
@@ -80,7 +82,11 @@ func (c *Config) Validate() error {
 	if c.StateDir == "" {
 		errs = append(errs, errors.New("--state-dir is required"))
 	}
-	if err := validateListenAddr("--grpc-addr", c.GRPCAddr); err != nil {
+	if path, ok := strings.CutPrefix(c.GRPCAddr, unixScheme); ok {
+		if len(path) > maxSocketPath || !filepath.IsAbs(path) {
+			errs = append(errs, fmt.Errorf("--grpc-addr %q: a Unix socket needs an absolute path of at most %d bytes", c.GRPCAddr, maxSocketPath))
+		}
+	} else if err := validateListenAddr("--grpc-addr", c.GRPCAddr); err != nil {
 		errs = append(errs, err)
 	}
 	if c.MonitoringAddr != "" {
@@ -126,6 +132,12 @@ func (c *Config) Validate() error {
 	}
 	return errors.Join(errs...)
 }
+
+// unixScheme marks a gRPC address that is a Unix socket path (the agent's embedded control plane).
+const unixScheme = "unix://"
+
+// maxSocketPath is the longest Unix socket path the kernel takes.
+const maxSocketPath = 107
 
 func validateListenAddr(flag, addr string) error {
 	if _, _, err := net.SplitHostPort(addr); err != nil {

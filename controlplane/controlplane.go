@@ -8,7 +8,9 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"os"
 	"path/filepath"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -127,7 +129,7 @@ func New(cfg Config) (*ControlPlane, error) {
 	}))
 
 	cp := &ControlPlane{log: log, authority: authority, keys: keys, grpc: grpcServer, readyCh: make(chan struct{})}
-	if cp.grpcLis, err = net.Listen("tcp", cfg.GRPCAddr); err != nil {
+	if cp.grpcLis, err = listen(cfg.GRPCAddr); err != nil {
 		return nil, fmt.Errorf("listen for gRPC on %s: %w", cfg.GRPCAddr, err)
 	}
 	if cfg.MonitoringAddr != "" {
@@ -173,8 +175,34 @@ func newTokenVerifier(cfg Config, clk clock.Clock, log *slog.Logger) (*token.Ver
 	})
 }
 
-// GRPCAddr returns the address the CA protocol is served on.
-func (c *ControlPlane) GRPCAddr() string { return c.grpcLis.Addr().String() }
+// listen opens a TCP address, or a private Unix socket for "unix:///path" (a stale socket file
+// is replaced).
+func listen(addr string) (net.Listener, error) {
+	path, ok := strings.CutPrefix(addr, unixScheme)
+	if !ok {
+		return net.Listen("tcp", addr)
+	}
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, err
+	}
+	lis, err := net.Listen("unix", path)
+	if err != nil {
+		return nil, err
+	}
+	if err := os.Chmod(path, 0o600); err != nil {
+		_ = lis.Close()
+		return nil, err
+	}
+	return lis, nil
+}
+
+// GRPCAddr returns the address the CA protocol is served on: HOST:PORT, or unix:///path.
+func (c *ControlPlane) GRPCAddr() string {
+	if c.grpcLis.Addr().Network() == "unix" {
+		return unixScheme + c.grpcLis.Addr().String()
+	}
+	return c.grpcLis.Addr().String()
+}
 
 // MonitoringAddr returns the monitoring server's address, or "" when it is disabled.
 func (c *ControlPlane) MonitoringAddr() string {
@@ -182,6 +210,14 @@ func (c *ControlPlane) MonitoringAddr() string {
 		return ""
 	}
 	return c.monLis.Addr().String()
+}
+
+// Close releases the listeners of a control plane that will not Run.
+func (c *ControlPlane) Close() {
+	_ = c.grpcLis.Close()
+	if c.monLis != nil {
+		_ = c.monLis.Close()
+	}
 }
 
 // Ready is closed once Run serves and watches the plugged-in CA files.
@@ -302,4 +338,21 @@ func MintToken(req TokenRequest) (string, error) {
 		return "", err
 	}
 	return token.Mint(key, req.MintParams)
+}
+
+// localTokenTTL is the life of a token minted for each request of an embedding agent.
+const localTokenTTL = 5 * time.Minute
+
+// LocalToken mints a short-lived token for namespace/serviceAccount with the local token key of
+// the control plane whose state dir is stateDir: what an agent that embeds it presents, minted
+// afresh for every request so that none expires in use.
+func LocalToken(stateDir, namespace, serviceAccount string, now time.Time) (string, error) {
+	return MintToken(TokenRequest{StateDir: stateDir, MintParams: token.MintParams{
+		Issuer:         DefaultTokenIssuer,
+		Audiences:      []string{DefaultTokenAudience},
+		Namespace:      namespace,
+		ServiceAccount: serviceAccount,
+		TTL:            localTokenTTL,
+		Now:            now,
+	}})
 }

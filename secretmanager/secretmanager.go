@@ -14,6 +14,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -74,9 +75,14 @@ type Secret struct {
 	Source string
 }
 
-// Config configures a Manager.
+// Config configures a Manager. It obtains the workload certificate from Signer (CA mode) or, when
+// WorkloadFiles is set, serves "default" and "ROOTCA" from those files (file mode).
 type Config struct {
-	Signer       Signer
+	Signer        Signer
+	WorkloadFiles *FilePaths
+	// FileResourceDirs are the directories "file-cert:" and "file-root:" resources may read.
+	FileResourceDirs []string
+
 	Identity     pki.SPIFFEID
 	KeyAlgorithm pki.KeyAlgorithm
 	RSAKeySize   int
@@ -121,15 +127,20 @@ type Manager struct {
 	changed     chan struct{} // closed and replaced whenever a secret changes
 	subscribers map[int]func(*Secret)
 	nextSub     int
+	files       map[string]*fileSecret // file resources, and default/ROOTCA in file mode
+
+	watcher *filewatch.Watcher
 }
 
 // New returns a Manager; call Run to obtain and renew certificates.
 func New(cfg Config) (*Manager, error) {
-	if cfg.Signer == nil {
-		return nil, errors.New("secret manager needs a signer")
+	if (cfg.Signer == nil) == (cfg.WorkloadFiles == nil) {
+		return nil, errors.New("secret manager needs either a signer or workload files")
 	}
-	if _, err := pki.NewSPIFFEID(cfg.Identity.TrustDomain, cfg.Identity.Namespace, cfg.Identity.ServiceAccount); err != nil {
-		return nil, fmt.Errorf("workload identity: %w", err)
+	if cfg.Signer != nil {
+		if _, err := pki.NewSPIFFEID(cfg.Identity.TrustDomain, cfg.Identity.Namespace, cfg.Identity.ServiceAccount); err != nil {
+			return nil, fmt.Errorf("workload identity: %w", err)
+		}
 	}
 	if cfg.KeyAlgorithm == "" {
 		cfg.KeyAlgorithm = pki.ECDSA
@@ -174,9 +185,28 @@ func New(cfg Config) (*Manager, error) {
 		metrics:     newMetrics(),
 		changed:     make(chan struct{}),
 		subscribers: map[int]func(*Secret){},
+		files:       map[string]*fileSecret{},
 	}
 	if m.log == nil {
 		m.log = slog.New(slog.DiscardHandler)
+	}
+	var err error
+	if m.watcher, err = filewatch.New(filewatch.Config{Clock: m.clock, Logger: m.log}); err != nil {
+		return nil, err
+	}
+	var watched []string
+	if cfg.RootCertFile != "" {
+		watched = append(watched, cfg.RootCertFile)
+	}
+	if wf := cfg.WorkloadFiles; wf != nil {
+		m.files[WorkloadCertName] = &fileSecret{name: WorkloadCertName, certChain: wf.CertChain, key: wf.Key}
+		m.files[RootCertName] = &fileSecret{name: RootCertName, root: wf.Root}
+		watched = append(watched, wf.CertChain, wf.Key, wf.Root)
+	}
+	for _, p := range watched {
+		if err := m.watcher.Add(context.Background(), p); err != nil { // not running: records the path
+			return nil, err
+		}
 	}
 	if cfg.Registerer != nil {
 		if err := m.metrics.register(cfg.Registerer); err != nil {
@@ -201,20 +231,37 @@ func (m *Manager) Subscribe(fn func(*Secret)) (unsubscribe func()) {
 	}
 }
 
-// GenerateSecret returns the named secret, waiting (until ctx ends) for the first certificate
-// if there is none yet. It never returns an expired certificate.
+// GenerateSecret returns the named secret, waiting (until ctx ends) for a valid one if there is
+// none yet. It never returns an expired certificate. Names: "default", "ROOTCA",
+// "file-cert:<cert-chain>~<key>" and "file-root:<roots>" (paths inside FileResourceDirs).
 func (m *Manager) GenerateSecret(ctx context.Context, name string) (*Secret, error) {
-	if name != WorkloadCertName && name != RootCertName {
-		return nil, fmt.Errorf("%w %q: this agent serves %q and %q", ErrUnknownSecret, name, WorkloadCertName, RootCertName)
+	var file *fileSecret
+	if _, fileMode := m.files[WorkloadCertName]; fileMode && (name == WorkloadCertName || name == RootCertName) {
+		file = m.files[name]
+	} else if name != WorkloadCertName && name != RootCertName {
+		f, err := m.fileSecretFor(ctx, name)
+		if err != nil {
+			return nil, err
+		}
+		file = f
 	}
 	for {
 		m.mu.Lock()
-		s, changed, lastErr := m.workload, m.changed, m.lastErr
-		if name == RootCertName {
-			s = m.roots
+		var (
+			s       *Secret
+			lastErr error
+		)
+		switch {
+		case file != nil:
+			s, lastErr = file.current, file.lastErr
+		case name == WorkloadCertName:
+			s, lastErr = m.workload, m.lastErr
+		default:
+			s, lastErr = m.roots, m.lastErr
 		}
+		changed := m.changed
 		m.mu.Unlock()
-		if s != nil && (name == RootCertName || m.clock.Now().Before(s.ExpiresAt)) {
+		if s != nil && (s.Chain == nil || m.clock.Now().Before(s.ExpiresAt)) {
 			return s, nil
 		}
 		select {
@@ -232,30 +279,42 @@ func (m *Manager) GenerateSecret(ctx context.Context, name string) (*Secret, err
 func (m *Manager) Ready() bool {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	return m.workload != nil && m.clock.Now().Before(m.workload.ExpiresAt)
+	s := m.workload
+	if f, fileMode := m.files[WorkloadCertName]; fileMode {
+		s = f.current
+	}
+	return s != nil && m.clock.Now().Before(s.ExpiresAt)
 }
 
-// Run obtains the workload certificate and renews it until ctx ends; it also watches the CA
-// root file for ROOTCA. When ctx ends it returns at once, leaving OUTPUT_CERTS as it is.
+// Run obtains the workload certificate and renews it until ctx ends (CA mode), or serves it from
+// its files (file mode); it watches the CA root file and every file a secret is read from. When
+// ctx ends it returns at once, leaving OUTPUT_CERTS as it is.
 func (m *Manager) Run(ctx context.Context) error {
 	g, ctx := errgroup.WithContext(ctx)
+	g.Go(func() error { return m.watcher.Run(ctx, m.onFilesChanged) })
+	// Read the files only once they are watched: a change made between a read and the watch
+	// would otherwise go unseen until the next one.
+	select {
+	case <-m.watcher.Ready():
+	case <-ctx.Done():
+		return g.Wait()
+	}
 	if m.cfg.RootCertFile != "" {
-		w, err := filewatch.New(filewatch.Config{Paths: []string{m.cfg.RootCertFile}, Clock: m.clock, Logger: m.log})
-		if err != nil {
-			return err
-		}
-		g.Go(func() error { return w.Run(ctx, func([]string) { m.reloadRootFile() }) })
-		// Read the file only once it is watched: a change made between a read and the watch
-		// would otherwise go unseen until the next one.
-		select {
-		case <-w.Ready():
-		case <-ctx.Done():
-			return g.Wait()
-		}
 		m.reloadRootFile()
 	}
-	g.Go(func() error { return m.renewLoop(ctx) })
+	if m.cfg.WorkloadFiles != nil {
+		m.filesChanged([]string{m.cfg.WorkloadFiles.CertChain, m.cfg.WorkloadFiles.Root})
+	} else {
+		g.Go(func() error { return m.renewLoop(ctx) })
+	}
 	return g.Wait()
+}
+
+func (m *Manager) onFilesChanged(changed []string) {
+	if m.cfg.RootCertFile != "" && slices.Contains(changed, filepath.Clean(m.cfg.RootCertFile)) {
+		m.reloadRootFile()
+	}
+	m.filesChanged(changed)
 }
 
 func (m *Manager) renewLoop(ctx context.Context) error {
@@ -422,7 +481,7 @@ func (m *Manager) rebuildRootsLocked() *Secret {
 	if m.roots != nil && m.roots.Version == version {
 		return nil
 	}
-	m.roots = &Secret{Name: RootCertName, Roots: roots, RootsPEM: pemBytes, Version: version}
+	m.roots = &Secret{Name: RootCertName, Roots: roots, RootsPEM: pemBytes, Version: version, Source: "ca"}
 	return m.roots
 }
 
@@ -510,4 +569,23 @@ func (m *Manager) loadOutput() {
 		received = chain[0].NotBefore
 	}
 	m.install(m.newWorkloadSecret(chain, key, keyPEM, received, "output-certs"), false)
+}
+
+// Snapshot returns every secret held now (workload, trust bundle, file resources), by name.
+func (m *Manager) Snapshot() []*Secret {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	var out []*Secret
+	if m.workload != nil {
+		out = append(out, m.workload)
+	}
+	if m.roots != nil {
+		out = append(out, m.roots)
+	}
+	for _, name := range slices.Sorted(maps.Keys(m.files)) {
+		if s := m.files[name].current; s != nil {
+			out = append(out, s)
+		}
+	}
+	return out
 }

@@ -112,10 +112,13 @@ func TestInitialIssuance(t *testing.T) {
 		t.Errorf("ROOTCA secret carries a key pair or the wrong name: %+v", roots)
 	}
 
-	for _, name := range []string{"", "rootca", "Default", "file-root:foo"} {
+	for _, name := range []string{"", "rootca", "Default", "file-cert:/etc/certs/cert.pem", "file-root:"} {
 		if _, err := m.GenerateSecret(cancelledCtx(), name); !errors.Is(err, ErrUnknownSecret) {
 			t.Errorf("GenerateSecret(%q) = %v, want ErrUnknownSecret", name, err)
 		}
+	}
+	if _, err := m.GenerateSecret(cancelledCtx(), "file-root:foo"); !errors.Is(err, ErrForbiddenPath) {
+		t.Errorf("GenerateSecret(file-root:foo) = %v, want ErrForbiddenPath (no resource dirs configured)", err)
 	}
 
 	// A second root in the file reaches ROOTCA, its subscribers and OUTPUT_CERTS.

@@ -21,6 +21,7 @@ func newRootCommand(run cli.AgentRunner, lookupEnv func(string) (string, bool)) 
 It is the agent of meshid, without the CA, for sidecar images.`, g)
 	root.AddCommand(
 		cli.NewAgentCommand(g, run, lookupEnv),
+		cli.NewCertsCommand(),
 		cli.NewProbeCommand(),
 		cli.NewVersionCommand(),
 	)

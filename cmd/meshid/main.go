@@ -25,6 +25,7 @@ and keeps it fresh. "meshid agent" runs next to a workload and keeps its certifi
 		cli.NewAgentCommand(g, agentRun, lookupEnv),
 		newCACommand(g, ca),
 		newTokenCommand(g),
+		cli.NewCertsCommand(),
 		cli.NewProbeCommand(),
 		cli.NewVersionCommand(),
 	)

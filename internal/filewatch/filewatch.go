@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/fsnotify/fsnotify"
@@ -24,7 +25,8 @@ const DefaultDebounce = 100 * time.Millisecond
 
 // Config configures a Watcher.
 type Config struct {
-	// Paths are the files and directories to watch. Their parent directories must exist.
+	// Paths are the files and directories to watch from the start; Add watches more. Their parent
+	// directories must exist.
 	Paths    []string
 	Debounce time.Duration
 	Clock    clock.Clock
@@ -33,19 +35,25 @@ type Config struct {
 
 // Watcher reports changes to a set of paths.
 type Watcher struct {
-	paths    []string
 	debounce time.Duration
 	clock    clock.Clock
 	log      *slog.Logger
 	ready    chan struct{}
+	adds     chan addRequest
+
+	mu      sync.Mutex
+	paths   []string
+	running bool
+}
+
+type addRequest struct {
+	path string
+	done chan error
 }
 
 // New returns a Watcher; it watches nothing until Run.
 func New(cfg Config) (*Watcher, error) {
-	if len(cfg.Paths) == 0 {
-		return nil, errors.New("filewatch: no paths")
-	}
-	w := &Watcher{debounce: cfg.Debounce, clock: clock.OrReal(cfg.Clock), log: cfg.Logger, ready: make(chan struct{})}
+	w := &Watcher{debounce: cfg.Debounce, clock: clock.OrReal(cfg.Clock), log: cfg.Logger, ready: make(chan struct{}), adds: make(chan addRequest)}
 	if w.debounce <= 0 {
 		w.debounce = DefaultDebounce
 	}
@@ -61,6 +69,35 @@ func New(cfg Config) (*Watcher, error) {
 // Ready is closed once every watch is in place: a change made after it is reported.
 func (w *Watcher) Ready() <-chan struct{} { return w.ready }
 
+// Add watches path too. When Add returns while Run runs, the watch is in place: a change made
+// after it is reported. Adding a watched path again is a no-op.
+func (w *Watcher) Add(ctx context.Context, path string) error {
+	path = filepath.Clean(path)
+	w.mu.Lock()
+	if slices.Contains(w.paths, path) {
+		w.mu.Unlock()
+		return nil
+	}
+	if !w.running {
+		w.paths = append(w.paths, path)
+		w.mu.Unlock()
+		return nil
+	}
+	w.mu.Unlock()
+	req := addRequest{path: path, done: make(chan error, 1)}
+	select {
+	case w.adds <- req:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	select {
+	case err := <-req.done:
+		return err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
 // Run watches until ctx ends, calling onChange (from Run's goroutine) with the watched paths
 // that changed, once a burst of changes has been quiet for the debounce interval.
 func (w *Watcher) Run(ctx context.Context, onChange func(changed []string)) error {
@@ -70,15 +107,19 @@ func (w *Watcher) Run(ctx context.Context, onChange func(changed []string)) erro
 	}
 	defer func() { _ = fw.Close() }()
 
-	// Each path's parent is watched, so that a path created, replaced or swapped by a symlink
-	// rename is seen; a directory path is watched itself too, for the files inside it.
-	for _, dir := range w.parents() {
-		if err := fw.Add(dir); err != nil {
-			return fmt.Errorf("watch %s: %w", dir, err)
+	w.mu.Lock()
+	w.running = true
+	paths := slices.Clone(w.paths)
+	w.mu.Unlock()
+	defer func() {
+		w.mu.Lock()
+		w.running = false
+		w.mu.Unlock()
+	}()
+	for _, p := range paths {
+		if err := w.watch(fw, p); err != nil {
+			return err
 		}
-	}
-	for _, p := range w.paths {
-		w.watchIfDir(fw, p)
 	}
 	close(w.ready)
 
@@ -99,21 +140,33 @@ func (w *Watcher) Run(ctx context.Context, onChange func(changed []string)) erro
 				return errors.New("file watcher closed")
 			}
 			name := filepath.Clean(ev.Name)
-			path, relevant := w.match(name)
-			if !relevant {
+			paths := w.match(name)
+			if len(paths) == 0 {
 				continue
 			}
-			if path == name && ev.Has(fsnotify.Create) {
-				w.watchIfDir(fw, path) // a watched directory appeared
-			}
-			if !slices.Contains(pending, path) {
-				pending = append(pending, path)
+			for _, path := range paths {
+				if path == name && ev.Has(fsnotify.Create) {
+					w.watchIfDir(fw, path) // a watched directory appeared
+				}
+				if !slices.Contains(pending, path) {
+					pending = append(pending, path)
+				}
 			}
 			if timer != nil {
 				timer.Stop()
 			}
 			timer = w.clock.NewTimer(w.debounce)
 			timerC = timer.C()
+		case req := <-w.adds:
+			err := w.watch(fw, req.path)
+			if err == nil {
+				w.mu.Lock()
+				if !slices.Contains(w.paths, req.path) {
+					w.paths = append(w.paths, req.path)
+				}
+				w.mu.Unlock()
+			}
+			req.done <- err
 		case err, ok := <-fw.Errors:
 			if !ok {
 				return errors.New("file watcher closed")
@@ -128,14 +181,16 @@ func (w *Watcher) Run(ctx context.Context, onChange func(changed []string)) erro
 	}
 }
 
-func (w *Watcher) parents() []string {
-	var dirs []string
-	for _, p := range w.paths {
-		if d := filepath.Dir(p); !slices.Contains(dirs, d) {
-			dirs = append(dirs, d)
+// watch puts path's parent under watch, so that a path created, replaced or swapped by a symlink
+// rename is seen, and a directory path itself, for the files inside it.
+func (w *Watcher) watch(fw *fsnotify.Watcher, path string) error {
+	if dir := filepath.Dir(path); !slices.Contains(fw.WatchList(), dir) {
+		if err := fw.Add(dir); err != nil {
+			return fmt.Errorf("watch %s: %w", dir, err)
 		}
 	}
-	return dirs
+	w.watchIfDir(fw, path)
+	return nil
 }
 
 func (w *Watcher) watchIfDir(fw *fsnotify.Watcher, path string) {
@@ -146,16 +201,19 @@ func (w *Watcher) watchIfDir(fw *fsnotify.Watcher, path string) {
 	}
 }
 
-// match maps an event's file name to the watched path it concerns: the path itself, a file
-// inside a watched directory, or a Kubernetes "..data" entry next to a watched file.
-func (w *Watcher) match(name string) (string, bool) {
+// match maps an event's file name to the watched paths it concerns: the path itself, a watched
+// directory it is in, or every watched file next to a Kubernetes "..data" entry.
+func (w *Watcher) match(name string) []string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	var out []string
 	for _, p := range w.paths {
-		if name == p || filepath.Dir(name) == p {
-			return p, true
-		}
-		if filepath.Dir(name) == filepath.Dir(p) && strings.HasPrefix(filepath.Base(name), "..") {
-			return p, true
+		switch {
+		case name == p, filepath.Dir(name) == p:
+			out = append(out, p)
+		case filepath.Dir(name) == filepath.Dir(p) && strings.HasPrefix(filepath.Base(name), ".."):
+			out = append(out, p)
 		}
 	}
-	return "", false
+	return out
 }

@@ -14,6 +14,7 @@ import (
 type harness struct {
 	clock   *testutil.FakeClock
 	changes chan []string
+	watcher *Watcher
 }
 
 func start(t *testing.T, paths ...string) *harness {
@@ -23,6 +24,7 @@ func start(t *testing.T, paths ...string) *harness {
 	if err != nil {
 		t.Fatal(err)
 	}
+	h.watcher = w
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- w.Run(ctx, func(changed []string) { h.changes <- changed }) }()
@@ -135,10 +137,32 @@ func TestDirectoryAppearingLaterIsWatched(t *testing.T) {
 	h.until(t, dir)
 }
 
-func TestNewNeedsPaths(t *testing.T) {
+// A path added while the watcher runs is watched once Add returns; every file of a mounted
+// secret is reported when its "..data" link is swapped.
+func TestAddWhileRunning(t *testing.T) {
 	t.Parallel()
-	if _, err := New(Config{}); err == nil {
-		t.Fatal("New accepted no paths")
+	dir := t.TempDir()
+	mountSecret(t, dir, "..2026_01", "v1")
+	other := filepath.Join(t.TempDir(), "root-cert.pem")
+	h := start(t, other)
+	crt := filepath.Join(dir, "tls.crt")
+	if err := h.watcher.Add(t.Context(), crt); err != nil {
+		t.Fatal(err)
+	}
+	key := filepath.Join(dir, "tls.key")
+	if err := h.watcher.Add(t.Context(), key); err != nil {
+		t.Fatal(err)
+	}
+	mountSecret(t, dir, "..2026_02", "v2")
+	got := h.next(t)
+	for !slices.Contains(got, crt) {
+		got = h.next(t)
+	}
+	if !slices.Contains(got, key) {
+		t.Fatalf("a ..data swap reported %v, want both files of the secret", got)
+	}
+	if err := h.watcher.Add(t.Context(), filepath.Join(t.TempDir(), "no", "parent")); err == nil {
+		t.Fatal("Add accepted a path whose parent does not exist")
 	}
 }
 

@@ -3,7 +3,9 @@ package cli
 import (
 	"context"
 	"fmt"
+	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 
 	"github.com/spf13/cobra"
@@ -44,27 +46,37 @@ func agentEnv() []envBinding {
 		{"cluster-id", "ISTIO_META_CLUSTER_ID"},
 		{"key-algorithm", "ECC_SIGNATURE_ALGORITHM"},
 		{"workload-rsa-key-size", "WORKLOAD_RSA_KEY_SIZE"},
+		{"file-mounted-certs", "FILE_MOUNTED_CERTS"},
 	}
 }
 
 // NewAgentCommand returns `agent`. lookupEnv reads the environment (os.LookupEnv in production).
 func NewAgentCommand(g *Globals, run AgentRunner, lookupEnv func(string) (string, bool)) *cobra.Command {
 	cfg := agent.DefaultConfig("")
-	var keyAlgorithm, caProvider string
+	var keyAlgorithm, caProvider, socketMode string
 	cmd := &cobra.Command{
 		Use:   "agent",
 		Short: "Run the workload agent: obtain, renew and hand out the workload certificate",
-		Long: `Run the meshid agent next to a workload (a sidecar, or a service on a VM). It obtains a
-certificate for spiffe://<trust-domain>/ns/<namespace>/sa/<service-account> from the CA at
---ca-addr, authenticating with the token at --token-path (re-read at every request) or, once it
-holds a valid certificate, with that certificate over mTLS. It renews the certificate when
---grace-period-ratio of its lifetime is left, whether or not anyone is asking, keeps the current
-one while renewals fail, and writes each new one to --output-certs for VMs and other programs.
+		Long: `Run the meshid agent next to a workload (a sidecar, or a service on a VM). It serves Envoy's
+Secret Discovery Service on <workload-socket-dir>/socket ("default": the workload key pair,
+"ROOTCA": the trust bundle, and file-cert:<chain>~<key> / file-root:<roots> for files under
+--file-resource-dirs), choosing its source at start-up:
+  1. something already answers on the socket: leave it to that server;
+  2. --file-mounted-certs, or cert-chain.pem, key.pem and root-cert.pem in --credentials-dir:
+     serve those files, watched;
+  3. else a CA: the one at --ca-addr or, when none is given, a control plane run in-process
+     under --root-dir (meshid agent --root-dir ./run needs nothing else).
+From a CA it obtains a certificate for spiffe://<trust-domain>/ns/<namespace>/sa/<service-account>,
+authenticating with the token at --token-path (re-read at every request) or, once it holds a
+valid certificate in --output-certs, with that certificate over mTLS. It renews the certificate
+when --grace-period-ratio of its lifetime is left, whether or not anyone is asking, keeps the
+current one while renewals fail, pushes each new one to Envoy and writes it to --output-certs.
 
 Istio's variables are honoured, so the agent is a drop-in; a flag wins over its variable:
 ` + envHelp(agentEnv()) + `
 The status server (--status-addr) answers /healthz/ready (200 once a valid certificate is
-held) and /metrics. Every default path lives under --root-dir, so no root is needed.`,
+held) and /metrics; the debug server (--debug-addr, loopback) answers /debug/secrets. Every
+default path lives under --root-dir, so no root is needed.`,
 		Args: cobra.NoArgs,
 		PreRunE: func(cmd *cobra.Command, _ []string) error {
 			flags := cmd.Flags()
@@ -83,9 +95,21 @@ held) and /metrics. Every default path lives under --root-dir, so no root is nee
 			if strings.EqualFold(caProvider, "GoogleCA") {
 				return fmt.Errorf("CA_PROVIDER=%s is not supported yet: meshid speaks Istio's CA protocol (Citadel)", caProvider)
 			}
+			if cfg.RootDir != "" {
+				abs, err := filepath.Abs(cfg.RootDir)
+				if err != nil {
+					return fmt.Errorf("--root-dir: %w", err)
+				}
+				cfg.RootDir = abs
+			}
 			if !flags.Changed("token-path") {
 				cfg.TokenPath = filepath.Join(rootOrSlash(cfg.RootDir), agent.DefaultTokenPath)
 			}
+			mode, err := strconv.ParseUint(socketMode, 8, 32)
+			if err != nil || mode > 0o777 {
+				return fmt.Errorf("--socket-mode %q: want an octal file mode such as 0660", socketMode)
+			}
+			cfg.SocketMode = os.FileMode(mode)
 			cfg.Logger = g.Logger()
 			return cfg.Validate()
 		},
@@ -95,7 +119,7 @@ held) and /metrics. Every default path lives under --root-dir, so no root is nee
 	}
 	f := cmd.Flags()
 	f.StringVar(&cfg.RootDir, "root-dir", "", "prefix of every default path, so that a non-root user can run the agent anywhere")
-	f.StringVar(&cfg.CAAddress, "ca-addr", "", "address of the CA, HOST:PORT (CA_ADDR)")
+	f.StringVar(&cfg.CAAddress, "ca-addr", "", "address of the CA, HOST:PORT (CA_ADDR); empty runs the control plane in-process")
 	f.StringVar(&caProvider, "ca-provider", "Citadel", "CA protocol: Citadel (anything but GoogleCA means Citadel, as in Istio) (CA_PROVIDER)")
 	f.StringVar(&cfg.CARootCert, "ca-root-cert", "", "PEM roots that verify the CA (CA_ROOT_CA); default: <prov-cert>/root-cert.pem, else <root-dir>/var/run/secrets/istio/root-cert.pem")
 	f.StringVar(&cfg.CAServerName, "istiod-san", cfg.CAServerName, "name verified in the CA's certificate (ISTIOD_SAN)")
@@ -111,7 +135,14 @@ held) and /metrics. Every default path lives under --root-dir, so no root is nee
 	f.DurationVar(&cfg.SecretTTL, "secret-ttl", cfg.SecretTTL, "certificate lifetime asked of the CA (SECRET_TTL)")
 	f.Float64Var(&cfg.GraceRatio, "grace-period-ratio", cfg.GraceRatio, "renew when this share of the certificate's lifetime is left (SECRET_GRACE_PERIOD_RATIO)")
 	f.Float64Var(&cfg.GraceRatioJitter, "grace-period-ratio-jitter", cfg.GraceRatioJitter, "random ± spread of the ratio, so that workloads do not renew in step (SECRET_GRACE_PERIOD_RATIO_JITTER)")
+	f.StringVar(&cfg.WorkloadSocketDir, "workload-socket-dir", "", "directory of the SDS socket (default <root-dir>/var/run/secrets/workload-spiffe-uds)")
+	f.StringVar(&socketMode, "socket-mode", "0660", "file mode of the SDS socket")
+	f.StringVar(&cfg.CredentialsDir, "credentials-dir", "", "directory whose cert-chain.pem, key.pem and root-cert.pem are served instead of a CA's (default <root-dir>/var/run/secrets/workload-spiffe-credentials)")
+	f.BoolVar(&cfg.FileMountedCerts, "file-mounted-certs", false, "serve <root-dir>/etc/certs/{cert-chain,key,root-cert}.pem and use no CA (FILE_MOUNTED_CERTS)")
+	f.StringSliceVar(&cfg.FileResourceDirs, "file-resource-dirs", nil, "directories that file-cert: and file-root: secrets may read (default: the credentials dir and <root-dir>/etc/certs)")
+	f.DurationVar(&cfg.DrainDuration, "drain-duration", 0, "how long SDS streams may go on after SIGTERM")
 	f.StringVar(&cfg.StatusAddr, "status-addr", cfg.StatusAddr, "listen address of /healthz/ready and /metrics")
+	f.StringVar(&cfg.DebugAddr, "debug-addr", cfg.DebugAddr, "loopback listen address of /debug/secrets; empty disables it")
 	return cmd
 }
 

@@ -99,7 +99,6 @@ func TestAgentRefusesBadInput(t *testing.T) {
 		{"bad ratio variable", with("SECRET_GRACE_PERIOD_RATIO", "half"), nil, `SECRET_GRACE_PERIOD_RATIO="half"`},
 		{"bad key algorithm", with("ECC_SIGNATURE_ALGORITHM", "DSA"), nil, "ECC_SIGNATURE_ALGORITHM"},
 		{"no namespace", with("POD_NAMESPACE", ""), nil, "POD_NAMESPACE"},
-		{"no CA", with("CA_ADDR", ""), nil, "CA_ADDR"},
 		{"ratio out of range", base, []string{"--grace-period-ratio", "1.2"}, "--grace-period-ratio"},
 	}
 	for _, tt := range tests {
@@ -110,6 +109,14 @@ func TestAgentRefusesBadInput(t *testing.T) {
 				t.Fatalf("error %v, want one mentioning %q", err, tt.want)
 			}
 		})
+	}
+	// No CA: the agent runs its own, with the default identity.
+	cfg, err := runAgentCommand(t, map[string]string{})
+	if err != nil {
+		t.Fatalf("no CA address (embedded mode) refused: %v", err)
+	}
+	if id, err := cfg.Identity(); err != nil || id.String() != "spiffe://cluster.local/ns/default/sa/default" {
+		t.Fatalf("embedded identity %v (%v)", id, err)
 	}
 	// Any provider but GoogleCA means Citadel, as in Istio.
 	if _, err := runAgentCommand(t, with("CA_PROVIDER", "istiod")); err != nil {

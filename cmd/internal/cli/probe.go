@@ -65,3 +65,7 @@ func Probe(ctx context.Context, addr, path string, timeout time.Duration) error 
 	}
 	return nil
 }
+
+func contextWithTimeout(cmd *cobra.Command, d time.Duration) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(cmd.Context(), d)
+}

@@ -1,16 +1,26 @@
 # syntax=docker/dockerfile:1
+# Two images: the default target is meshid (every command); --target agent is the slim
+# meshid-agent for sidecars.
 FROM golang:1.26 AS build
 WORKDIR /src
 COPY go.mod go.sum ./
 RUN go mod download
 COPY . .
 ARG VERSION=devel
-RUN CGO_ENABLED=0 go build -trimpath \
-      -ldflags "-s -w -X github.com/meshid/meshid/internal/version.version=${VERSION}" \
-      -o /out/meshid ./cmd/meshid \
+RUN for cmd in meshid meshid-agent; do \
+      CGO_ENABLED=0 go build -trimpath -tags grpcnotrace \
+        -ldflags "-s -w -X github.com/meshid/meshid/internal/version.version=${VERSION}" \
+        -o /out/$cmd ./cmd/$cmd || exit 1; \
+    done \
  && mkdir -p /out/state/var/lib/meshid
 
-FROM gcr.io/distroless/static-debian12:nonroot
+FROM gcr.io/distroless/static-debian12:nonroot AS agent
+COPY --from=build /out/meshid-agent /usr/local/bin/meshid-agent
+USER 65532:65532
+EXPOSE 15020
+ENTRYPOINT ["/usr/local/bin/meshid-agent", "agent"]
+
+FROM gcr.io/distroless/static-debian12:nonroot AS meshid
 COPY --from=build /out/meshid /usr/local/bin/meshid
 COPY --from=build --chown=65532:65532 /out/state/var/lib/meshid /var/lib/meshid
 USER 65532:65532

@@ -5,6 +5,8 @@ PKGS      ?= ./...
 BIN       ?= bin
 VERSION   ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo devel)
 LDFLAGS   := -s -w -X github.com/meshid/meshid/internal/version.version=$(VERSION)
+# grpcnotrace drops golang.org/x/net/trace (and html/template with it) from the binaries.
+TAGS      := grpcnotrace
 FUZZTIME  ?= 30s
 BENCHTIME ?= 3s
 BENCHOUT  ?= bench.out
@@ -17,7 +19,7 @@ FUZZ_TARGETS := ./ca:FuzzCheckCSR ./ca/token:FuzzVerify
 all: build
 
 build:
-	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/ ./cmd/...
+	CGO_ENABLED=0 $(GO) build -trimpath -tags '$(TAGS)' -ldflags '$(LDFLAGS)' -o $(BIN)/ ./cmd/...
 
 vet:
 	$(GO) vet $(PKGS)

@@ -52,8 +52,6 @@ type Agent struct {
 	debugLis     net.Listener
 }
 
-func sdsSocketPathOK(path string) error { return sds.CheckSocketPath(path) }
-
 // New runs the decision flow (a live external SDS socket, else credential files, else a CA —
 // an embedded one when no CA is given), builds the components it needs and opens their
 // listeners. It starts no goroutines; call Run.
@@ -205,6 +203,9 @@ func (a *Agent) newSecretManager(cfg Config, clk clock.Clock, log *slog.Logger, 
 // is the production pipeline.
 func (a *Agent) embed(caCfg *caclient.Config, cfg Config, id pki.SPIFFEID, clk clock.Clock, log *slog.Logger) error {
 	stateDir := cfg.path(DefaultEmbeddedDir)
+	if err := sds.CheckSocketPath(filepath.Join(stateDir, embeddedSocket)); err != nil {
+		return fmt.Errorf("the embedded CA's socket under --root-dir: %w", err)
+	}
 	cpCfg := controlplane.DefaultConfig()
 	cpCfg.StateDir = stateDir
 	cpCfg.GRPCAddr = "unix://" + filepath.Join(stateDir, embeddedSocket)

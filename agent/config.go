@@ -13,6 +13,7 @@ import (
 
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/pki"
+	"github.com/meshid/meshid/sds"
 )
 
 // Defaults of `meshid agent`; paths are relative to RootDir.
@@ -20,19 +21,19 @@ const (
 	DefaultStatusAddr   = ":15020"
 	DefaultDebugAddr    = "127.0.0.1:15004"
 	DefaultSocketDir    = "var/run/secrets/workload-spiffe-uds"
-	DefaultCredentials  = "var/run/secrets/workload-spiffe-credentials"
+	DefaultCredentials  = "var/run/secrets/workload-spiffe-credentials" //nolint:gosec // a path, not a credential
 	DefaultMountedCerts = "etc/certs"
 	DefaultEmbeddedDir  = "var/lib/meshid"
 	// Identity of the workload when the agent runs its own CA and none is given.
 	DefaultEmbeddedNamespace      = "default"
 	DefaultEmbeddedServiceAccount = "default"
-	DefaultTrustDomain  = "cluster.local"
-	DefaultTokenPath    = "var/run/secrets/tokens/istio-token" //nolint:gosec // a path, not a credential
-	DefaultCARootCert   = "var/run/secrets/istio/root-cert.pem"
-	DefaultSecretTTL    = 24 * time.Hour
-	DefaultGraceRatio   = 0.5
-	DefaultGraceJitter  = 0.01
-	DefaultCAServerName = "istiod.istio-system.svc"
+	DefaultTrustDomain            = "cluster.local"
+	DefaultTokenPath              = "var/run/secrets/tokens/istio-token" //nolint:gosec // a path, not a credential
+	DefaultCARootCert             = "var/run/secrets/istio/root-cert.pem"
+	DefaultSecretTTL              = 24 * time.Hour
+	DefaultGraceRatio             = 0.5
+	DefaultGraceJitter            = 0.01
+	DefaultCAServerName           = "istiod.istio-system.svc"
 )
 
 // Config is everything an agent needs; cmd builds it from flags and environment and validates it.
@@ -151,13 +152,8 @@ func (c *Config) Validate() error {
 	if _, err := c.Identity(); err != nil {
 		errs = append(errs, fmt.Errorf("workload identity (--trust-domain, --namespace/POD_NAMESPACE, --service-account/SERVICE_ACCOUNT): %w", err))
 	}
-	if err := sdsSocketPathOK(filepath.Join(c.socketDir(), "socket")); err != nil {
+	if err := sds.CheckSocketPath(filepath.Join(c.socketDir(), sds.SocketName)); err != nil {
 		errs = append(errs, fmt.Errorf("--workload-socket-dir: %w", err))
-	}
-	if c.embedded() {
-		if err := sdsSocketPathOK(c.path(filepath.Join(DefaultEmbeddedDir, embeddedSocket))); err != nil {
-			errs = append(errs, fmt.Errorf("--root-dir (the embedded CA's socket): %w", err))
-		}
 	}
 	if c.DebugAddr != "" {
 		if host, _, err := net.SplitHostPort(c.DebugAddr); err != nil {

@@ -140,8 +140,11 @@ func (c *secretCache) checkNames(subscribed map[string]struct{}) ([]string, erro
 		}
 		if err := c.secrets.CheckName(name); err != nil {
 			code := codes.InvalidArgument
-			if errors.Is(err, secretmanager.ErrForbiddenPath) {
+			switch {
+			case errors.Is(err, secretmanager.ErrForbiddenPath):
 				code = codes.PermissionDenied
+			case errors.Is(err, secretmanager.ErrTooManyFiles):
+				code = codes.ResourceExhausted
 			}
 			return nil, status.Errorf(code, "secret %q: %s", name, err.Error())
 		}
@@ -187,11 +190,16 @@ func (c *secretCache) generate(ctx context.Context, name string) {
 		}
 		return
 	}
-	c.update(s)
+	c.install(s, true)
 }
 
 // update takes a new secret and answers every open watch subscribed to it.
-func (c *secretCache) update(s *secretmanager.Secret) {
+func (c *secretCache) update(s *secretmanager.Secret) { c.install(s, false) }
+
+// install caches s and answers the watches subscribed to it. A generated secret (generated) is
+// taken only if no secret of that name came meanwhile: one that came through Subscribe while
+// GenerateSecret returned is at least as new.
+func (c *secretCache) install(s *secretmanager.Secret, generated bool) {
 	e, err := toEntry(s, c.clock.Now())
 	if err != nil {
 		c.log.Error("not sending an invalid secret; the previous one stays", "secret", s.Name, "version", s.Version, "error", err.Error())
@@ -199,7 +207,12 @@ func (c *secretCache) update(s *secretmanager.Secret) {
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if old := c.entries[s.Name]; old != nil && old.version == e.version {
+	old := c.entries[s.Name]
+	if generated && old != nil {
+		c.log.Debug("generated secret superseded by a newer one", "secret", s.Name, "version", s.Version, "current", old.version)
+		return
+	}
+	if old != nil && old.version == e.version {
 		return
 	}
 	c.entries[s.Name] = e
@@ -215,8 +228,11 @@ func (c *secretCache) answerLocked(w *watch) bool {
 		return false
 	}
 	var changed []string
+	now := c.clock.Now()
 	for _, name := range w.names {
-		if e := c.entries[name]; e != nil && w.known[name] != e.version {
+		// A key pair that expired in the cache (its renewal failed) is not sent to a stream
+		// that does not have it: it waits for the next one.
+		if e := c.entries[name]; e != nil && w.known[name] != e.version && (e.notAfter.IsZero() || now.Before(e.notAfter)) {
 			changed = append(changed, name)
 		}
 	}
@@ -288,4 +304,3 @@ func versionInfo(versions map[string]string) string {
 	}
 	return strings.Join(parts, ",")
 }
-

@@ -20,6 +20,7 @@ const SecretTypeURL = "type.googleapis.com/envoy.extensions.transport_sockets.tl
 type entry struct {
 	version  string
 	resource *anypb.Any
+	notAfter time.Time // the leaf's expiry; zero for a trust bundle
 }
 
 // toEntry checks a secret and turns it into Envoy's Secret resource: a tls_certificate for a key
@@ -47,7 +48,11 @@ func toEntry(s *secretmanager.Secret, now time.Time) (*entry, error) {
 	if err != nil {
 		return nil, fmt.Errorf("marshal secret %s: %w", s.Name, err)
 	}
-	return &entry{version: s.Version, resource: resource}, nil
+	e := &entry{version: s.Version, resource: resource}
+	if len(s.Chain) > 0 {
+		e.notAfter = s.Chain[0].NotAfter
+	}
+	return e, nil
 }
 
 func inline(b []byte) *core.DataSource {

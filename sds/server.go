@@ -65,8 +65,18 @@ type Server struct {
 	lis     net.Listener
 	metrics *metrics
 
-	mu      sync.Mutex
-	streams map[int64][]string // stream → the names it subscribes to
+	mu sync.Mutex
+	// streams holds the names each stream subscribes to. The SotW and delta servers number
+	// their streams separately, so the protocol is part of the key.
+	streams map[streamKey][]string
+	// deltaNodes holds the node of each delta stream: the delta server hands the callback a
+	// request without the node that only the stream's first request carried.
+	deltaNodes map[int64]*core.Node
+}
+
+type streamKey struct {
+	protocol string
+	id       int64
 }
 
 // CheckSocketPath refuses a socket path the kernel cannot bind.
@@ -124,12 +134,13 @@ func New(cfg Config) (*Server, error) {
 		return nil, fmt.Errorf("set the mode of %s: %w", cfg.SocketPath, err)
 	}
 	s := &Server{
-		cfg:     cfg,
-		log:     log,
-		cache:   newSecretCache(cfg.Secrets, clock.OrReal(cfg.Clock), log),
-		lis:     lis,
-		metrics: newMetrics(),
-		streams: map[int64][]string{},
+		cfg:        cfg,
+		log:        log,
+		cache:      newSecretCache(cfg.Secrets, clock.OrReal(cfg.Clock), log),
+		lis:        lis,
+		metrics:    newMetrics(),
+		streams:    map[streamKey][]string{},
+		deltaNodes: map[int64]*core.Node{},
 	}
 	if cfg.Registerer != nil {
 		if err := s.metrics.register(cfg.Registerer); err != nil {
@@ -150,7 +161,7 @@ func (s *Server) Run(ctx context.Context) error {
 
 	s.grpc = grpc.NewServer()
 	xds := serverv3.NewServer(serveCtx, s.cache, s.callbacks(), sotw.DeactivateLegacyWildcard())
-	secretservice.RegisterSecretDiscoveryServiceServer(s.grpc, xds)
+	secretservice.RegisterSecretDiscoveryServiceServer(s.grpc, staleNonceFilter{xds})
 
 	served := make(chan error, 1)
 	go func() { served <- s.grpc.Serve(s.lis) }()
@@ -161,7 +172,9 @@ func (s *Server) Run(ctx context.Context) error {
 	case <-ctx.Done():
 	}
 	s.drain()
-	<-served
+	if err := <-served; err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+		return fmt.Errorf("serve SDS: %w", err)
+	}
 	s.log.Info("SDS stopped")
 	return nil
 }
@@ -173,12 +186,12 @@ func (s *Server) drain() {
 		close(stopped)
 	}()
 	if s.cfg.DrainDuration > 0 {
-		timer := time.NewTimer(s.cfg.DrainDuration)
+		timer := clock.OrReal(s.cfg.Clock).NewTimer(s.cfg.DrainDuration)
 		defer timer.Stop()
 		select {
 		case <-stopped:
 			return
-		case <-timer.C:
+		case <-timer.C():
 		}
 	}
 	s.grpc.Stop()
@@ -208,7 +221,7 @@ func (s *Server) callbacks() serverv3.Callbacks {
 		return func(_ context.Context, id int64, _ string) error {
 			s.metrics.streams.WithLabelValues(protocol).Inc()
 			s.mu.Lock()
-			s.streams[id] = nil
+			s.streams[streamKey{protocol, id}] = nil
 			s.mu.Unlock()
 			return nil
 		}
@@ -217,7 +230,10 @@ func (s *Server) callbacks() serverv3.Callbacks {
 		return func(id int64, _ *core.Node) {
 			s.metrics.streams.WithLabelValues(protocol).Dec()
 			s.mu.Lock()
-			delete(s.streams, id)
+			delete(s.streams, streamKey{protocol, id})
+			if protocol == "delta" {
+				delete(s.deltaNodes, id)
+			}
 			s.mu.Unlock()
 		}
 	}
@@ -227,17 +243,18 @@ func (s *Server) callbacks() serverv3.Callbacks {
 		DeltaStreamOpenFunc:   opened("delta"),
 		DeltaStreamClosedFunc: closed("delta"),
 		StreamRequestFunc: func(id int64, req *discovery.DiscoveryRequest) error {
+			// The SotW server has already filled in the node of the stream's first request.
 			if err := s.onRequest(id, req.GetNode(), req.GetErrorDetail(), req.GetResourceNames(), req.GetVersionInfo()); err != nil {
 				return err
 			}
-			s.setSubscription(id, req.GetResourceNames())
+			s.setSubscription(streamKey{"sotw", id}, req.GetResourceNames())
 			return nil
 		},
 		StreamDeltaRequestFunc: func(id int64, req *discovery.DeltaDiscoveryRequest) error {
-			if err := s.onRequest(id, req.GetNode(), req.GetErrorDetail(), req.GetResourceNamesSubscribe(), ""); err != nil {
+			if err := s.onRequest(id, s.deltaNode(id, req.GetNode()), req.GetErrorDetail(), req.GetResourceNamesSubscribe(), ""); err != nil {
 				return err
 			}
-			s.updateSubscription(id, req.GetResourceNamesSubscribe(), req.GetResourceNamesUnsubscribe())
+			s.updateSubscription(streamKey{"delta", id}, req.GetResourceNamesSubscribe(), req.GetResourceNamesUnsubscribe())
 			return nil
 		},
 		StreamResponseFunc: func(_ context.Context, _ int64, _ *discovery.DiscoveryRequest, resp *discovery.DiscoveryResponse) {
@@ -247,6 +264,23 @@ func (s *Server) callbacks() serverv3.Callbacks {
 			s.metrics.pushes.Add(float64(len(resp.GetResources())))
 		},
 	}
+}
+
+// deltaNode returns the node of a delta stream's request: the one it carries, else the one its
+// stream's first request carried.
+func (s *Server) deltaNode(id int64, node *core.Node) *core.Node {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if first, ok := s.deltaNodes[id]; ok {
+		if node == nil {
+			return first
+		}
+		return node
+	}
+	if node.GetId() != "" {
+		s.deltaNodes[id] = node
+	}
+	return node
 }
 
 // onRequest checks what every request must carry and logs a NACK once, with Envoy's reason; the
@@ -263,13 +297,13 @@ func (s *Server) onRequest(id int64, node *core.Node, nack *rpcstatus.Status, na
 	return nil
 }
 
-func (s *Server) setSubscription(id int64, names []string) {
+func (s *Server) setSubscription(id streamKey, names []string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.streams[id] = append([]string(nil), names...)
 }
 
-func (s *Server) updateSubscription(id int64, subscribe, unsubscribe []string) {
+func (s *Server) updateSubscription(id streamKey, subscribe, unsubscribe []string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	names := s.streams[id]
@@ -285,4 +319,47 @@ func (s *Server) updateSubscription(id int64, subscribe, unsubscribe []string) {
 		}
 	}
 	s.streams[id] = kept
+}
+
+// staleNonceFilter drops the SotW requests that answer an older response than the last one the
+// stream was sent. The SotW server checks the nonce only while a response awaits its ACK: once
+// acknowledged, it takes any nonce, and a late request carrying an older one would change the
+// subscription. A stream's first request is taken whatever nonce it carries (an Envoy that
+// reconnects to a restarted agent, spire#813).
+type staleNonceFilter struct {
+	serverv3.Server
+}
+
+func (f staleNonceFilter) StreamSecrets(stream secretservice.SecretDiscoveryService_StreamSecretsServer) error {
+	return f.Server.StreamSecrets(&nonceCheckedStream{SecretDiscoveryService_StreamSecretsServer: stream})
+}
+
+// nonceCheckedStream remembers the last nonce sent. Send runs on the stream's goroutine and Recv
+// on the server's reader goroutine, hence the mutex.
+type nonceCheckedStream struct {
+	secretservice.SecretDiscoveryService_StreamSecretsServer
+	mu        sync.Mutex
+	lastNonce string
+}
+
+func (s *nonceCheckedStream) Send(resp *discovery.DiscoveryResponse) error {
+	s.mu.Lock()
+	s.lastNonce = resp.GetNonce()
+	s.mu.Unlock()
+	return s.SecretDiscoveryService_StreamSecretsServer.Send(resp)
+}
+
+func (s *nonceCheckedStream) Recv() (*discovery.DiscoveryRequest, error) {
+	for {
+		req, err := s.SecretDiscoveryService_StreamSecretsServer.Recv()
+		if err != nil {
+			return nil, err
+		}
+		s.mu.Lock()
+		last := s.lastNonce
+		s.mu.Unlock()
+		if last == "" || req.GetResponseNonce() == last {
+			return req, nil
+		}
+	}
 }

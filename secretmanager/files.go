@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -23,6 +24,13 @@ const (
 
 // ErrForbiddenPath reports a file resource outside the directories files may be served from.
 var ErrForbiddenPath = errors.New("path outside the directories files may be served from")
+
+// ErrTooManyFiles reports a file resource past MaxFileSecrets: each is watched and kept for the
+// agent's life, so a client may not ask for names without end.
+var ErrTooManyFiles = errors.New("too many file secrets")
+
+// MaxFileSecrets bounds the file resources one agent serves.
+const MaxFileSecrets = 256
 
 // FilePaths names the files of a workload key pair and trust bundle.
 type FilePaths struct {
@@ -207,6 +215,11 @@ func (m *Manager) CheckName(name string) error {
 			return err
 		}
 	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if _, known := m.files[name]; !known && len(m.files) >= MaxFileSecrets {
+		return fmt.Errorf("%w: %d are served already", ErrTooManyFiles, len(m.files))
+	}
 	return nil
 }
 
@@ -270,12 +283,21 @@ func (m *Manager) reloadFileSecret(f *fileSecret) {
 
 // filesChanged reloads every file secret that reads one of the changed paths.
 func (m *Manager) filesChanged(changed []string) {
+	m.reloadFiles(func(f *fileSecret) bool {
+		return slices.ContainsFunc(f.paths(), func(p string) bool { return slices.Contains(changed, filepath.Clean(p)) })
+	})
+}
+
+// reloadAllFiles reloads every file secret.
+func (m *Manager) reloadAllFiles() { m.reloadFiles(func(*fileSecret) bool { return true }) }
+
+func (m *Manager) reloadFiles(affects func(*fileSecret) bool) {
 	m.publishMu.Lock()
 	defer m.publishMu.Unlock()
 	m.mu.Lock()
 	var affected []*fileSecret
-	for _, f := range m.files {
-		if slices.ContainsFunc(f.paths(), func(p string) bool { return slices.Contains(changed, filepath.Clean(p)) }) {
+	for _, name := range slices.Sorted(maps.Keys(m.files)) {
+		if f := m.files[name]; affects(f) {
 			affected = append(affected, f)
 		}
 	}

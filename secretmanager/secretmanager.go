@@ -236,8 +236,10 @@ func (m *Manager) Subscribe(fn func(*Secret)) (unsubscribe func()) {
 // "file-cert:<cert-chain>~<key>" and "file-root:<roots>" (paths inside FileResourceDirs).
 func (m *Manager) GenerateSecret(ctx context.Context, name string) (*Secret, error) {
 	var file *fileSecret
-	if _, fileMode := m.files[WorkloadCertName]; fileMode && (name == WorkloadCertName || name == RootCertName) {
+	if m.cfg.WorkloadFiles != nil && (name == WorkloadCertName || name == RootCertName) {
+		m.mu.Lock() // fileSecretFor adds to m.files from other streams' goroutines
 		file = m.files[name]
+		m.mu.Unlock()
 	} else if name != WorkloadCertName && name != RootCertName {
 		f, err := m.fileSecretFor(ctx, name)
 		if err != nil {
@@ -302,9 +304,10 @@ func (m *Manager) Run(ctx context.Context) error {
 	if m.cfg.RootCertFile != "" {
 		m.reloadRootFile()
 	}
-	if m.cfg.WorkloadFiles != nil {
-		m.filesChanged([]string{m.cfg.WorkloadFiles.CertChain, m.cfg.WorkloadFiles.Root})
-	} else {
+	// Every file secret known so far (the workload's in file mode, and any requested before Run)
+	// is read now that its files are watched.
+	m.reloadAllFiles()
+	if m.cfg.WorkloadFiles == nil {
 		g.Go(func() error { return m.renewLoop(ctx) })
 	}
 	return g.Wait()

@@ -1,0 +1,431 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	tlsv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/transport_sockets/tls/v3"
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	secretservice "github.com/envoyproxy/go-control-plane/envoy/service/secret/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/meshid/meshid/controlplane/controlplanetest"
+	"github.com/meshid/meshid/internal/pki"
+	"github.com/meshid/meshid/internal/testutil"
+	"github.com/meshid/meshid/sds"
+)
+
+// These benchmarks run the slim binary as a user does: built with `make build`'s flags, started
+// as a process, talked to over its SDS socket.
+
+var buildOnce struct {
+	sync.Once
+	path string
+	err  error
+}
+
+// agentBinary builds meshid-agent once per test binary, as `make build` does.
+func agentBinary(b *testing.B) string {
+	b.Helper()
+	buildOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "meshid-bench")
+		if err != nil {
+			buildOnce.err = err
+			return
+		}
+		buildOnce.path = filepath.Join(dir, "meshid-agent")
+		cmd := exec.Command("go", "build", "-trimpath", "-tags", "grpcnotrace", "-ldflags", "-s -w", "-o", buildOnce.path, ".")
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if out, err := cmd.CombinedOutput(); err != nil {
+			buildOnce.err = fmt.Errorf("go build: %w: %s", err, out)
+		}
+	})
+	if buildOnce.err != nil {
+		b.Fatal(buildOnce.err)
+	}
+	return buildOnce.path
+}
+
+// process is a running meshid-agent.
+type process struct {
+	cmd    *exec.Cmd
+	socket string
+}
+
+// startAgent starts the agent under a fresh root dir.
+func startAgent(b *testing.B, args ...string) *process {
+	b.Helper()
+	return startAgentIn(b, testutil.ShortTempDir(b), args...)
+}
+
+// startAgentIn starts the agent under root, which may hold an earlier run's state.
+func startAgentIn(b *testing.B, root string, args ...string) *process {
+	b.Helper()
+	socketDir := filepath.Join(root, "uds")
+	args = append([]string{"agent", "--root-dir", root, "--workload-socket-dir", socketDir,
+		"--status-addr", "127.0.0.1:0", "--debug-addr", "", "--log-level", "warn"}, args...)
+	cmd := exec.Command(agentBinary(b), args...)
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		b.Fatal(err)
+	}
+	p := &process{cmd: cmd, socket: filepath.Join(socketDir, sds.SocketName)}
+	b.Cleanup(p.stop)
+	return p
+}
+
+func (p *process) stop() {
+	_ = p.cmd.Process.Kill()
+	_ = p.cmd.Wait()
+}
+
+// rssKB reads the process's resident set (VmRSS) in kB.
+func (p *process) rssKB(b *testing.B) float64 {
+	b.Helper()
+	return rssOf(b, p.cmd.Process.Pid)
+}
+
+func rssOf(b *testing.B, pid int) float64 {
+	b.Helper()
+	f, err := os.Open(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer func() { _ = f.Close() }()
+	s := bufio.NewScanner(f)
+	for s.Scan() {
+		if rest, ok := strings.CutPrefix(s.Text(), "VmRSS:"); ok {
+			kb, err := strconv.ParseFloat(strings.TrimSuffix(strings.TrimSpace(rest), " kB"), 64)
+			if err != nil {
+				b.Fatal(err)
+			}
+			return kb
+		}
+	}
+	b.Fatal("no VmRSS")
+	return 0
+}
+
+// dial waits for the socket to accept connections (polling: the process is starting) and
+// returns a client connection to it.
+func dial(b *testing.B, socket string) *grpc.ClientConn {
+	b.Helper()
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		if c, err := net.Dial("unix", socket); err == nil {
+			_ = c.Close()
+			break
+		}
+		if time.Now().After(deadline) {
+			b.Fatalf("nothing listens on %s", socket)
+		}
+		time.Sleep(100 * time.Microsecond)
+	}
+	conn, err := grpc.NewClient("unix://"+socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		b.Fatal(err)
+	}
+	return conn
+}
+
+// stream is one Envoy-style SDS stream that keeps acknowledging what it gets.
+type stream struct {
+	client secretservice.SecretDiscoveryService_StreamSecretsClient
+}
+
+func openStream(ctx context.Context, conn *grpc.ClientConn, node string, names ...string) (*stream, error) {
+	c, err := secretservice.NewSecretDiscoveryServiceClient(conn).StreamSecrets(ctx)
+	if err != nil {
+		return nil, err
+	}
+	err = c.Send(&discovery.DiscoveryRequest{Node: &core.Node{Id: node}, ResourceNames: names, TypeUrl: sds.SecretTypeURL})
+	return &stream{client: c}, err
+}
+
+// next receives a response, acknowledges it, and returns the serial of the default secret in it.
+func (s *stream) next(names ...string) (string, error) {
+	resp, err := s.client.Recv()
+	if err != nil {
+		return "", err
+	}
+	if err := s.client.Send(&discovery.DiscoveryRequest{VersionInfo: resp.GetVersionInfo(), ResponseNonce: resp.GetNonce(),
+		ResourceNames: names, TypeUrl: sds.SecretTypeURL}); err != nil {
+		return "", err
+	}
+	for _, r := range resp.GetResources() {
+		var sec tlsv3.Secret
+		if err := r.UnmarshalTo(&sec); err != nil {
+			return "", err
+		}
+		if chain := sec.GetTlsCertificate().GetCertificateChain().GetInlineBytes(); chain != nil {
+			certs, err := pki.ParseCertificates(chain)
+			if err != nil {
+				return "", err
+			}
+			return certs[0].SerialNumber.Text(16), nil
+		}
+	}
+	return "", nil
+}
+
+// BenchmarkFirstSecret measures exec → first "default" received over SDS, with the CA on loopback
+// (an in-process `meshid ca`) and with the agent's embedded control plane, for P-256 and RSA 2048
+// workload keys. "embedded-first-run" starts on a fresh root dir each time, so the CA's root and
+// token key are generated and persisted too; "embedded-restart" reuses one, as a restarted sidecar
+// does. The baseline is the same binary exec'ed to print its version, in the same run.
+func BenchmarkFirstSecret(b *testing.B) {
+	bin := agentBinary(b)
+	b.Run("baseline-exec-version", func(b *testing.B) {
+		for range b.N {
+			if err := exec.Command(bin, "version").Run(); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	caArgs := startCA(b)
+	for _, tc := range []struct {
+		name  string
+		args  []string
+		reuse bool
+	}{
+		{"ca-loopback/p256", caArgs, false},
+		{"ca-loopback/rsa2048", append([]string{"--key-algorithm", "RSA"}, caArgs...), false},
+		{"embedded-first-run/p256", nil, false},
+		{"embedded-first-run/rsa2048", []string{"--key-algorithm", "RSA"}, false},
+		{"embedded-restart/p256", nil, true},
+		{"embedded-restart/rsa2048", []string{"--key-algorithm", "RSA"}, true},
+	} {
+		b.Run(tc.name, func(b *testing.B) {
+			root := ""
+			if tc.reuse {
+				root = testutil.ShortTempDir(b)
+				firstSecret(b, root, tc.args...) // the first run creates the state
+				b.ResetTimer()
+			}
+			for range b.N {
+				firstSecret(b, root, tc.args...)
+			}
+		})
+	}
+}
+
+func firstSecret(b *testing.B, root string, args ...string) {
+	b.Helper()
+	if root == "" {
+		b.StopTimer()
+		root = testutil.ShortTempDir(b)
+		b.StartTimer()
+	}
+	p := startAgentIn(b, root, args...)
+	conn := dial(b, p.socket)
+	defer func() { _ = conn.Close() }()
+	s, err := openStream(b.Context(), conn, "bench", "default")
+	if err != nil {
+		b.Fatal(err)
+	}
+	if serial, err := s.next("default"); err != nil || serial == "" {
+		b.Fatalf("first secret: %q %v", serial, err)
+	}
+	b.StopTimer()
+	p.stop()
+	b.StartTimer()
+}
+
+// startCA runs `meshid ca` in process on loopback with a token for default/demo, and returns the
+// agent flags that use it.
+func startCA(b *testing.B) []string {
+	b.Helper()
+	cfg := controlplanetest.Config(b)
+	ca := controlplanetest.Start(b, cfg)
+	tokenFile := filepath.Join(b.TempDir(), "token")
+	tok := controlplanetest.Token(b, cfg.StateDir, "default", "demo", time.Now(), 24*time.Hour)
+	if err := os.WriteFile(tokenFile, []byte(tok), 0o600); err != nil {
+		b.Fatal(err)
+	}
+	return []string{"--ca-addr", ca.GRPCAddr(), "--ca-root-cert", filepath.Join(cfg.StateDir, "root-cert.pem"),
+		"--token-path", tokenFile, "--namespace", "default", "--service-account", "demo"}
+}
+
+// BenchmarkIdleRSS measures the agent's resident set (VmRSS) with one SDS stream open after 10 s
+// idle, against the CA on loopback and with the embedded control plane. The baseline is the
+// smallest Go program (it only sleeps), built and measured in the same run.
+func BenchmarkIdleRSS(b *testing.B) {
+	b.Run("baseline-go-sleep", func(b *testing.B) {
+		bin := sleeperBinary(b)
+		for range b.N {
+			cmd := exec.Command(bin)
+			if err := cmd.Start(); err != nil {
+				b.Fatal(err)
+			}
+			time.Sleep(10 * time.Second) // the measurement is of an idle process
+			b.ReportMetric(rssOf(b, cmd.Process.Pid), "rss-kB")
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+		}
+	})
+	caArgs := startCA(b)
+	for _, tc := range []struct {
+		name string
+		args []string
+	}{{"ca-loopback", caArgs}, {"embedded", nil}} {
+		b.Run(tc.name, func(b *testing.B) {
+			for range b.N {
+				p := startAgent(b, tc.args...)
+				conn := dial(b, p.socket)
+				s, err := openStream(b.Context(), conn, "bench", "default", "ROOTCA")
+				if err != nil {
+					b.Fatal(err)
+				}
+				if _, err := s.next("default", "ROOTCA"); err != nil {
+					b.Fatal(err)
+				}
+				time.Sleep(10 * time.Second) // the measurement is of an idle agent
+				b.ReportMetric(p.rssKB(b), "rss-kB")
+				_ = conn.Close()
+				p.stop()
+			}
+		})
+	}
+}
+
+// sleeperBinary builds the smallest Go program that stays up: the floor of any Go process's RSS.
+func sleeperBinary(b *testing.B) string {
+	b.Helper()
+	dir := b.TempDir()
+	src := "package main\n\nimport \"time\"\n\nfunc main() { time.Sleep(time.Hour) }\n"
+	if err := os.WriteFile(filepath.Join(dir, "main.go"), []byte(src), 0o644); err != nil {
+		b.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "go.mod"), []byte("module sleeper\n\ngo 1.26\n"), 0o644); err != nil {
+		b.Fatal(err)
+	}
+	cmd := exec.Command("go", "build", "-trimpath", "-ldflags", "-s -w", "-o", "sleeper", ".")
+	cmd.Dir = dir
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		b.Fatalf("build sleeper: %v: %s", err, out)
+	}
+	return filepath.Join(dir, "sleeper")
+}
+
+// BenchmarkStreams opens 1,000 and 10,000 concurrent SDS streams on one agent (serving mounted
+// credential files), reports the agent's resident memory per stream, and the time from a
+// rotation of the files to the moment every stream has received the new certificate. That time
+// includes the file watcher's 100 ms debounce; the baseline is the same rotation reaching a single
+// stream, measured in the same run.
+func BenchmarkStreams(b *testing.B) {
+	for _, n := range []int{1, 1000, 10000} {
+		b.Run(fmt.Sprintf("streams-%d", n), func(b *testing.B) {
+			for range b.N {
+				streamsOnce(b, n)
+			}
+		})
+	}
+}
+
+func streamsOnce(b *testing.B, n int) {
+	b.Helper()
+	root := testutil.NewRootCA(b, testutil.CAOptions{})
+	creds := b.TempDir()
+	writePair := func() string {
+		leaf, key := root.IssueWorkload(b, "spiffe://cluster.local/ns/default/sa/bench", time.Hour)
+		files := map[string][]byte{
+			"cert-chain.pem": testutil.CertPEM(leaf, root.Cert),
+			"key.pem":        testutil.KeyPEM(b, key),
+			"root-cert.pem":  testutil.CertPEM(root.Cert),
+		}
+		// Key first, then the chain: each file is renamed into place.
+		for _, name := range []string{"key.pem", "cert-chain.pem", "root-cert.pem"} {
+			tmp := filepath.Join(creds, "."+name+".tmp")
+			if err := os.WriteFile(tmp, files[name], 0o600); err != nil {
+				b.Fatal(err)
+			}
+			if err := os.Rename(tmp, filepath.Join(creds, name)); err != nil {
+				b.Fatal(err)
+			}
+		}
+		return leaf.SerialNumber.Text(16)
+	}
+	first := writePair()
+	p := startAgent(b, "--credentials-dir", creds)
+
+	// Envoy holds one connection; here a few carry the streams, as many Envoys' worth.
+	conns := make([]*grpc.ClientConn, 1+n/1000)
+	for i := range conns {
+		conns[i] = dial(b, p.socket)
+		defer func() { _ = conns[i].Close() }()
+	}
+	rssBefore := p.rssKB(b)
+	ctx, cancel := context.WithCancel(b.Context())
+	defer cancel()
+	var opened, rotated sync.WaitGroup
+	opened.Add(n)
+	rotated.Add(n)
+	var nextSerial string
+	rotate := make(chan struct{}) // closed once nextSerial is set
+	errs := make(chan error, n)
+	for i := range n {
+		go func() {
+			s, err := openStream(ctx, conns[i%len(conns)], fmt.Sprintf("envoy-%d", i), "default")
+			if err == nil {
+				var serial string
+				serial, err = s.next("default")
+				if err == nil && serial != first {
+					err = fmt.Errorf("first secret %s, want %s", serial, first)
+				}
+			}
+			opened.Done()
+			if err != nil {
+				errs <- err
+				rotated.Done()
+				return
+			}
+			<-rotate
+			for {
+				serial, err := s.next("default")
+				if err != nil {
+					errs <- err
+					break
+				}
+				if serial == nextSerial {
+					break
+				}
+			}
+			rotated.Done()
+		}()
+	}
+	opened.Wait()
+	select {
+	case err := <-errs:
+		b.Fatal(err)
+	default:
+	}
+	rssAfter := p.rssKB(b)
+
+	start := time.Now()
+	nextSerial = writePair()
+	close(rotate)
+	rotated.Wait()
+	took := time.Since(start)
+	select {
+	case err := <-errs:
+		b.Fatal(err)
+	default:
+	}
+	b.ReportMetric(float64(took.Microseconds())/1000, "rotation-ms")
+	if n > 1 {
+		b.ReportMetric((rssAfter-rssBefore)/float64(n), "kB/stream")
+	}
+	b.ReportMetric(rssAfter, "rss-kB")
+}

@@ -801,38 +801,6 @@ func TestEnvoyStyleClientAgainstEmbeddedAgent(t *testing.T) {
 	}
 }
 
-// k8sDir lays files out as the kubelet mounts a secret: a timestamped directory, "..data" a
-// symlink to it swapped by renaming "..data_tmp", and the visible names symlinks through "..data".
-type k8sDir struct {
-	dir     string
-	current string
-	swaps   int
-}
-
-func (k *k8sDir) swap(t *testing.T, files map[string][]byte) {
-	t.Helper()
-	k.swaps++
-	ts := fmt.Sprintf("..2026_%02d_01_12_00_00.%09d", k.swaps, k.swaps)
-	testutil.WriteFiles(t, filepath.Join(k.dir, ts), files)
-	tmp := filepath.Join(k.dir, "..data_tmp")
-	if err := os.Symlink(ts, tmp); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Rename(tmp, filepath.Join(k.dir, "..data")); err != nil {
-		t.Fatal(err)
-	}
-	if k.current == "" {
-		for name := range files {
-			if err := os.Symlink(filepath.Join("..data", name), filepath.Join(k.dir, name)); err != nil {
-				t.Fatal(err)
-			}
-		}
-	} else if err := os.RemoveAll(filepath.Join(k.dir, k.current)); err != nil {
-		t.Fatal(err)
-	}
-	k.current = ts
-}
-
 // Credential files swapped the Kubernetes way reach an open stream, each push a matching pair.
 func TestFileModeSwapsArePushed(t *testing.T) {
 	t.Parallel()
@@ -842,10 +810,10 @@ func TestFileModeSwapsArePushed(t *testing.T) {
 	clk := newFakeClock() // the file watcher debounces on it
 	logs := newLogSink(t)
 	cfg := testConfig(t, clk, logs)
-	mount := &k8sDir{dir: filepath.Join(t.TempDir(), "credentials")}
+	mount := testutil.NewSecretVolume(t, filepath.Join(t.TempDir(), "credentials"))
 	first := newCredentials(t, ca, id)
-	mount.swap(t, first.files)
-	cfg.CredentialsDir = mount.dir
+	mount.Update(first.files)
+	cfg.CredentialsDir = mount.Dir
 	a := newAgent(t, cfg)
 	if a.Source() != agent.SourceFiles {
 		t.Fatalf("source %s, want files", a.Source())
@@ -859,7 +827,7 @@ func TestFileModeSwapsArePushed(t *testing.T) {
 
 	for i := range swaps {
 		want := newCredentials(t, ca, id)
-		mount.swap(t, want.files)
+		mount.Update(want.files)
 		// Drive the debounce until the new pair arrives; anything pushed on the way must be a
 		// matching pair too (workloadChain checks it).
 		for {

@@ -259,26 +259,11 @@ func (a *Authority) sign(b *Bundle, tmpl *x509.Certificate, pub crypto.PublicKey
 
 // NewRootCertificate creates a self-signed CA certificate for key, valid from now (backdated) for ttl.
 func NewRootCertificate(key crypto.Signer, org string, ttl time.Duration, now time.Time) (*x509.Certificate, error) {
-	if ttl <= 0 {
-		ttl = DefaultSelfSignedRootTTL
-	}
 	var subject pkix.Name
 	if org != "" {
 		subject.Organization = []string{org}
 	}
-	tmpl := &x509.Certificate{
-		Subject:               subject,
-		NotBefore:             now.Add(-Backdate),
-		NotAfter:              now.Add(ttl),
-		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageCRLSign | x509.KeyUsageDigitalSignature,
-		BasicConstraintsValid: true,
-		IsCA:                  true,
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, key.Public(), key)
-	if err != nil {
-		return nil, fmt.Errorf("create self-signed root: %w", err)
-	}
-	return x509.ParseCertificate(der)
+	return selfSignRoot(&x509.Certificate{Subject: subject}, key, ttl, now)
 }
 
 // RenewRoot issues a successor to a self-signed root from the same key: same subject and subject
@@ -287,21 +272,23 @@ func RenewRoot(old *x509.Certificate, key crypto.Signer, ttl time.Duration, now 
 	if !pki.KeyMatchesCertificate(key, old) {
 		return nil, errors.New("renew root: the key does not match the root")
 	}
+	return selfSignRoot(&x509.Certificate{RawSubject: old.RawSubject, SubjectKeyId: old.SubjectKeyId}, key, ttl, now)
+}
+
+// selfSignRoot completes tmpl (its subject set) as a root CA valid from now (backdated) for ttl,
+// and signs it with key.
+func selfSignRoot(tmpl *x509.Certificate, key crypto.Signer, ttl time.Duration, now time.Time) (*x509.Certificate, error) {
 	if ttl <= 0 {
 		ttl = DefaultSelfSignedRootTTL
 	}
-	tmpl := &x509.Certificate{
-		RawSubject:            old.RawSubject,
-		SubjectKeyId:          old.SubjectKeyId,
-		NotBefore:             now.Add(-Backdate),
-		NotAfter:              now.Add(ttl),
-		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageCRLSign | x509.KeyUsageDigitalSignature,
-		BasicConstraintsValid: true,
-		IsCA:                  true,
-	}
+	tmpl.NotBefore = now.Add(-Backdate)
+	tmpl.NotAfter = now.Add(ttl)
+	tmpl.KeyUsage = x509.KeyUsageCertSign | x509.KeyUsageCRLSign | x509.KeyUsageDigitalSignature
+	tmpl.BasicConstraintsValid = true
+	tmpl.IsCA = true
 	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, key.Public(), key)
 	if err != nil {
-		return nil, fmt.Errorf("renew self-signed root: %w", err)
+		return nil, fmt.Errorf("create self-signed root: %w", err)
 	}
 	return x509.ParseCertificate(der)
 }

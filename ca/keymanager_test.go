@@ -247,34 +247,16 @@ func rewriteFiles(t *testing.T, dir string, _ int, files map[string][]byte) {
 	testutil.WriteFiles(t, dir, files)
 }
 
-// mountSecret updates dir the way the kubelet's atomic writer updates a mounted secret: the files
-// go to a new ..<timestamp> directory, a ..data_tmp symlink to it is renamed over ..data, the
-// visible names are symlinks through ..data, and the previous directory is removed.
+// mountSecret updates dir the way the kubelet's atomic writer updates a mounted secret (see
+// testutil.SecretVolume); version numbers the generation.
 func mountSecret(t *testing.T, dir string, version int, files map[string][]byte) {
 	t.Helper()
-	ts := fmt.Sprintf("..2026_03_14_15_09_26.%09d", version)
-	testutil.WriteFiles(t, filepath.Join(dir, ts), files)
-	data := filepath.Join(dir, "..data")
-	previous, err := os.Readlink(data)
-	if err != nil && !errors.Is(err, os.ErrNotExist) {
-		t.Fatal(err)
-	}
-	tmp := filepath.Join(dir, "..data_tmp")
-	if err := os.Symlink(ts, tmp); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Rename(tmp, data); err != nil {
-		t.Fatal(err)
-	}
-	for name := range files {
-		link := filepath.Join(dir, name)
-		if _, err := os.Lstat(link); errors.Is(err, os.ErrNotExist) {
-			if err := os.Symlink(filepath.Join("..data", name), link); err != nil {
-				t.Fatal(err)
-			}
-		}
-	}
-	if previous != "" {
+	v := testutil.NewSecretVolume(t, dir)
+	gen := fmt.Sprintf("..2026_03_14_15_09_26.%09d", version)
+	testutil.WriteFiles(t, filepath.Join(dir, gen), files)
+	previous, _ := os.Readlink(filepath.Join(dir, "..data"))
+	v.Swap(gen)
+	if previous != "" && previous != gen {
 		if err := os.RemoveAll(filepath.Join(dir, previous)); err != nil {
 			t.Fatal(err)
 		}

@@ -134,74 +134,13 @@ func checkRoots(t *testing.T, s *Secret, name string, rootsPEM []byte, roots ...
 	}
 }
 
-// volume is a Kubernetes secret volume as the kubelet writes it: each generation in its own
-// dir/..2026_01_01_00_00_00.N directory, dir/..data a symlink to the current one (replaced by
-// renaming ..data_tmp onto it), and every visible name a symlink through ..data.
-type volume struct {
-	t   *testing.T
-	dir string
-	n   int
-	cur string // the generation ..data points to
-}
-
-func newVolume(t *testing.T, dir string, files map[string][]byte) *volume {
+// newVolume mounts files in dir the kubelet's way.
+func newVolume(t *testing.T, dir string, files map[string][]byte) *testutil.SecretVolume {
 	t.Helper()
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	v := &volume{t: t, dir: dir}
-	v.update(files)
+	v := testutil.NewSecretVolume(t, dir)
+	v.Update(files)
 	return v
 }
-
-// stage writes a new generation, not yet visible, and returns its directory's name.
-func (v *volume) stage(files map[string][]byte) string {
-	v.t.Helper()
-	v.n++
-	gen := fmt.Sprintf("..2026_01_01_00_00_00.%04d", v.n)
-	testutil.WriteFiles(v.t, filepath.Join(v.dir, gen), files)
-	return gen
-}
-
-// swap points ..data at gen, links any visible name not going through ..data, and removes the
-// previous generation.
-func (v *volume) swap(gen string) {
-	v.t.Helper()
-	v.link("..data", gen)
-	entries, err := os.ReadDir(filepath.Join(v.dir, gen))
-	if err != nil {
-		v.t.Fatal(err)
-	}
-	for _, e := range entries {
-		want := filepath.Join("..data", e.Name())
-		if got, err := os.Readlink(filepath.Join(v.dir, e.Name())); err != nil || got != want {
-			v.link(e.Name(), want)
-		}
-	}
-	if v.cur != "" {
-		if err := os.RemoveAll(filepath.Join(v.dir, v.cur)); err != nil {
-			v.t.Fatal(err)
-		}
-	}
-	v.cur = gen
-}
-
-// update is the kubelet's whole update: stage and swap.
-func (v *volume) update(files map[string][]byte) { v.t.Helper(); v.swap(v.stage(files)) }
-
-// link makes dir/name a symlink to target, atomically: a new link renamed onto the old one.
-func (v *volume) link(name, target string) {
-	v.t.Helper()
-	tmp := filepath.Join(v.dir, name+"_tmp")
-	if err := os.Symlink(target, tmp); err != nil {
-		v.t.Fatal(err)
-	}
-	if err := os.Rename(tmp, filepath.Join(v.dir, name)); err != nil {
-		v.t.Fatal(err)
-	}
-}
-
-func (v *volume) path(name string) string { return filepath.Join(v.dir, name) }
 
 // warning is a warning the manager logged.
 type warning struct{ msg, secret, err string }
@@ -285,12 +224,12 @@ func subscribeNames(t *testing.T, m *Manager, names ...string) chan *Secret {
 
 // fileModeEnv is an env in file mode: no signer, the workload files in a Kubernetes volume
 // holding kp and ca's root.
-func fileModeEnv(t *testing.T, ca *testutil.CA, kp keyPair) (*env, *volume, chan warning) {
+func fileModeEnv(t *testing.T, ca *testutil.CA, kp keyPair) (*env, *testutil.SecretVolume, chan warning) {
 	t.Helper()
 	e := newEnv(t)
 	vol := newVolume(t, filepath.Join(t.TempDir(), "certs"), kp.files(testutil.CertPEM(ca.Cert)))
 	e.cfg.Signer = nil
-	e.cfg.WorkloadFiles = &FilePaths{CertChain: vol.path(CertChainFile), Key: vol.path(KeyFile), Root: vol.path(RootCertFile)}
+	e.cfg.WorkloadFiles = &FilePaths{CertChain: vol.Path(CertChainFile), Key: vol.Path(KeyFile), Root: vol.Path(RootCertFile)}
 	return e, vol, e.tapWarnings()
 }
 
@@ -364,7 +303,7 @@ func TestFileModeDataSwaps(t *testing.T) {
 	splits := 0
 	for i := range swaps {
 		kp = validPair(t, ca)
-		gen := vol.stage(kp.files(rootsPEM))
+		gen := vol.Stage(kp.files(rootsPEM))
 		if i%splitEvery == 1 {
 			splits++
 			drain(warnings)
@@ -372,7 +311,7 @@ func TestFileModeDataSwaps(t *testing.T) {
 			if i%(2*splitEvery) == splitEvery+1 {
 				first = KeyFile
 			}
-			vol.link(first, filepath.Join(gen, first))
+			vol.Link(first, filepath.Join(gen, first))
 			w := e.awaitWarning(0, warnings, WorkloadCertName)
 			if !strings.Contains(w.msg, "last good") || !strings.Contains(w.err, "does not match") {
 				t.Fatalf("swap %d, half linked: warned %q (%s), want the last good pair kept over a key that does not match", i, w.msg, w.err)
@@ -389,7 +328,7 @@ func TestFileModeDataSwaps(t *testing.T) {
 				t.Fatalf("swap %d, half linked: not Ready while the last good pair is valid", i)
 			}
 		}
-		vol.swap(gen)
+		vol.Swap(gen)
 		s := testutil.Drive(t, e.clock, filewatch.DefaultDebounce, 0, r.workload)
 		checkPair(t, s)
 		if want := hashVersion(kp.chainPEM, kp.keyPEM); s.Version != want {
@@ -462,7 +401,7 @@ func TestFileModeInvalidPairs(t *testing.T) {
 		checkServes(t, served, WorkloadCertName, good)
 		for _, bad := range badPairs {
 			drain(warnings)
-			vol.update(bad.make(t).files(rootsPEM))
+			vol.Update(bad.make(t).files(rootsPEM))
 			w := e.awaitWarning(0, warnings, WorkloadCertName)
 			if !strings.Contains(w.msg, "last good") || !strings.Contains(w.err, bad.want) {
 				t.Fatalf("%s: warned %q (%s), want the last good pair kept, saying %q", bad.name, w.msg, w.err, bad.want)
@@ -483,7 +422,7 @@ func TestFileModeInvalidPairs(t *testing.T) {
 		}
 		// A good pair again is taken at once.
 		next := validPair(t, ca)
-		vol.update(next.files(rootsPEM))
+		vol.Update(next.files(rootsPEM))
 		checkServes(t, testutil.Drive(t, e.clock, filewatch.DefaultDebounce, 0, r.workload), WorkloadCertName, next)
 	})
 
@@ -521,7 +460,7 @@ func TestFileModeInvalidPairs(t *testing.T) {
 				result <- s
 			}()
 			good := validPair(t, ca)
-			vol.update(good.files(rootsPEM))
+			vol.Update(good.files(rootsPEM))
 			checkServes(t, testutil.Drive(t, e.clock, filewatch.DefaultDebounce, 0, result), WorkloadCertName, good)
 			checkServes(t, r.next(t), WorkloadCertName, good)
 			if !r.m.Ready() {
@@ -806,9 +745,9 @@ func TestFileResourcesShareADataSwap(t *testing.T) {
 	kp := validPair(t, ca)
 	rootsPEM := testutil.CertPEM(ca.Cert)
 	res := newVolume(t, filepath.Join(t.TempDir(), "mounted"), map[string][]byte{"tls.crt": kp.chainPEM, "tls.key": kp.keyPEM, "ca.crt": rootsPEM})
-	e.cfg.FileResourceDirs = []string{res.dir}
-	certName := FileCertPrefix + res.path("tls.crt") + "~" + res.path("tls.key")
-	rootName := FileRootPrefix + res.path("ca.crt")
+	e.cfg.FileResourceDirs = []string{res.Dir}
+	certName := FileCertPrefix + res.Path("tls.crt") + "~" + res.Path("tls.key")
+	rootName := FileRootPrefix + res.Path("ca.crt")
 	m := e.newManager()
 	files := subscribeNames(t, m, certName, rootName)
 	r := e.run(m)
@@ -825,7 +764,7 @@ func TestFileResourcesShareADataSwap(t *testing.T) {
 	for i := range 3 {
 		kp = validPair(t, ca)
 		rootsPEM = testutil.CertPEM(ca.Cert, testutil.NewRootCA(t, testutil.CAOptions{CommonName: fmt.Sprint("extra root ", i)}).Cert)
-		res.update(map[string][]byte{"tls.crt": kp.chainPEM, "tls.key": kp.keyPEM, "ca.crt": rootsPEM})
+		res.Update(map[string][]byte{"tls.crt": kp.chainPEM, "tls.key": kp.keyPEM, "ca.crt": rootsPEM})
 		announced := map[string]*Secret{}
 		for len(announced) < 2 {
 			s := testutil.Drive(t, e.clock, filewatch.DefaultDebounce, 0, files)

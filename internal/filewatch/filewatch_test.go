@@ -177,25 +177,10 @@ func TestMissingParentFailsRun(t *testing.T) {
 	}
 }
 
-// mountSecret lays out dir as the kubelet does: dir/version/tls.crt holds content, dir/..data
-// points at version (swapped by rename), dir/tls.crt points through ..data.
+// mountSecret publishes tls.crt holding content as generation version of a kubelet-style volume
+// in dir (see testutil.SecretVolume).
 func mountSecret(t *testing.T, dir, version, content string) {
 	t.Helper()
-	if err := os.Mkdir(filepath.Join(dir, version), 0o755); err != nil {
-		t.Fatal(err)
-	}
-	write(t, filepath.Join(dir, version, "tls.crt"), content)
-	tmp := filepath.Join(dir, "..data_tmp")
-	if err := os.Symlink(version, tmp); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Rename(tmp, filepath.Join(dir, "..data")); err != nil {
-		t.Fatal(err)
-	}
-	link := filepath.Join(dir, "tls.crt")
-	if _, err := os.Lstat(link); os.IsNotExist(err) {
-		if err := os.Symlink(filepath.Join("..data", "tls.crt"), link); err != nil {
-			t.Fatal(err)
-		}
-	}
+	testutil.WriteFiles(t, filepath.Join(dir, version), map[string][]byte{"tls.crt": []byte(content)})
+	testutil.NewSecretVolume(t, dir).Swap(version)
 }

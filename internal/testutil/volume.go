@@ -20,7 +20,7 @@ type SecretVolume struct {
 // NewSecretVolume makes dir (if missing) a volume; it holds nothing until the first Update.
 func NewSecretVolume(t testing.TB, dir string) *SecretVolume {
 	t.Helper()
-	if err := os.MkdirAll(dir, 0o755); err != nil {
+	if err := os.MkdirAll(dir, 0o750); err != nil {
 		t.Fatal(err)
 	}
 	return &SecretVolume{t: t, Dir: dir}

@@ -78,7 +78,7 @@ func New(cfg Config) (*Agent, error) {
 func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *prometheus.Registry) (err error) {
 	var reason string
 	a.source, reason = decide(&cfg, a.socketPath)
-	log.Info("SDS source chosen", "source", string(a.source), "reason", reason)
+	log.Info("SDS source chosen", logkey.Source, string(a.source), logkey.Reason, reason)
 
 	if a.source != SourceExternalSDS {
 		if a.secrets, err = a.newSecretManager(cfg, clk, log, registry); err != nil {
@@ -187,7 +187,7 @@ func (a *Agent) newSecretManager(cfg Config, clk clock.Clock, log *slog.Logger, 
 			return nil, err
 		}
 	}
-	log.Info("CA source", "ca_address", caCfg.Address, "ca_root", describePath(caCfg.RootCertFile, "the system roots"), "identity", id.String())
+	log.Info("CA source", logkey.CAAddress, caCfg.Address, logkey.CARoot, describePath(caCfg.RootCertFile, "the system roots"), logkey.Identity, id.String())
 	ca, err := caclient.New(caCfg)
 	if err != nil {
 		return nil, err
@@ -308,7 +308,7 @@ func (a *Agent) Run(ctx context.Context) error {
 			return srv.server.Close()
 		})
 	}
-	a.log.Info("agent started", "source", string(a.source), "sds_socket", a.socketPath, "status_address", a.StatusAddr(), "debug_address", a.DebugAddr())
+	a.log.Info("agent started", logkey.Source, string(a.source), logkey.SDSSocket, a.socketPath, logkey.StatusAddress, a.StatusAddr(), logkey.DebugAddress, a.DebugAddr())
 	err := g.Wait()
 	a.log.Info("agent stopped")
 	return err

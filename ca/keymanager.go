@@ -13,6 +13,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/meshid/meshid/internal/logkey"
+
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sync/errgroup"
 
@@ -241,21 +243,21 @@ func (m *KeyManager) reload() Event {
 	case errors.Is(err, ErrNoPluggedInCA) && current.Source() == SourceSelfSigned:
 		return Event{Kind: EventUnchanged}
 	case errors.Is(err, ErrNoPluggedInCA):
-		m.log.Warn("the plugged-in CA files are gone; the loaded CA keeps serving until they return", "cacerts_dir", m.cfg.CACertsDir)
+		m.log.Warn("the plugged-in CA files are gone; the loaded CA keeps serving until they return", logkey.CACertsDir, m.cfg.CACertsDir)
 		return Event{Kind: EventRejected, Err: err}
 	case err != nil:
-		m.log.Warn("plugged-in CA files not loaded; the CA in service keeps serving", "cacerts_dir", m.cfg.CACertsDir, "error", err.Error())
+		m.log.Warn("plugged-in CA files not loaded; the CA in service keeps serving", logkey.CACertsDir, m.cfg.CACertsDir, logkey.Error, err.Error())
 		return Event{Kind: EventRejected, Err: err}
 	case next.sameMaterial(current):
 		return Event{Kind: EventUnchanged}
 	}
 	m.install(next, now)
 	m.log.Info("plugged-in CA reloaded",
-		"cacerts_dir", m.cfg.CACertsDir,
-		"subject", next.signingCert.Subject.String(),
-		"root", next.Root().Subject.String(),
-		"not_after", next.notAfter,
-		"took_over_from", string(current.Source()))
+		logkey.CACertsDir, m.cfg.CACertsDir,
+		logkey.Subject, next.signingCert.Subject.String(),
+		logkey.Root, next.Root().Subject.String(),
+		logkey.NotAfter, next.notAfter,
+		logkey.TookOverFrom, string(current.Source()))
 	return Event{Kind: EventReloaded}
 }
 
@@ -277,7 +279,7 @@ func (m *KeyManager) install(next *Bundle, now time.Time) {
 	next = next.withRetained(m.stillTrusted(keep, now))
 	m.forgetAllBut(next.retained)
 	if err := WriteTrustBundle(m.cfg.StateDir, next); err != nil {
-		m.log.Error("cannot write the trust bundle; clients reading it keep the old roots", "error", err.Error())
+		m.log.Error("cannot write the trust bundle; clients reading it keep the old roots", logkey.Error, err.Error())
 	}
 	m.cfg.Authority.SetBundle(next)
 }
@@ -310,10 +312,10 @@ func (m *KeyManager) checkRoot() {
 		next := current.withRetained(kept)
 		m.forgetAllBut(next.retained)
 		if err := WriteTrustBundle(m.cfg.StateDir, next); err != nil {
-			m.log.Error("cannot write the trust bundle", "error", err.Error())
+			m.log.Error("cannot write the trust bundle", logkey.Error, err.Error())
 		}
 		m.cfg.Authority.SetBundle(next)
-		m.log.Info("retained roots left the trust bundle", "dropped", len(current.retained)-len(kept), "trusted", len(next.roots))
+		m.log.Info("retained roots left the trust bundle", logkey.Dropped, len(current.retained)-len(kept), logkey.TrustedRoots, len(next.roots))
 		events = append(events, Event{Kind: EventPruned})
 	}
 	m.mu.Unlock()
@@ -328,7 +330,7 @@ func (m *KeyManager) checkRoot() {
 func (m *KeyManager) rotateIfDue(now time.Time) []Event {
 	unlock, err := fsutil.Lock(filepath.Join(m.cfg.StateDir, lockFile))
 	if err != nil {
-		m.log.Error("cannot lock the state dir to check the root", "error", err.Error())
+		m.log.Error("cannot lock the state dir to check the root", logkey.Error, err.Error())
 		return nil
 	}
 	defer unlock()
@@ -345,12 +347,12 @@ func (m *KeyManager) rotateIfDue(now time.Time) []Event {
 	}
 	switch {
 	case err != nil:
-		m.log.Error("cannot read the persisted self-signed CA", "error", err.Error())
+		m.log.Error("cannot read the persisted self-signed CA", logkey.Error, err.Error())
 		return nil
 	case persisted != nil:
 		m.install(persisted, now)
 		m.rotates.WithLabelValues(string(EventAdopted)).Inc()
-		m.log.Info("adopted the self-signed root rotated by another replica", "not_after", persisted.notAfter)
+		m.log.Info("adopted the self-signed root rotated by another replica", logkey.NotAfter, persisted.notAfter)
 		events = append(events, Event{Kind: EventAdopted})
 		current = m.cfg.Authority.Bundle()
 	}
@@ -363,7 +365,7 @@ func (m *KeyManager) rotateIfDue(now time.Time) []Event {
 	}
 	renewed, err := RenewRoot(root, current.signer, m.cfg.SelfSigned.TTL, now)
 	if err != nil {
-		m.log.Error("cannot renew the self-signed root", "error", err.Error())
+		m.log.Error("cannot renew the self-signed root", logkey.Error, err.Error())
 		return append(events, Event{Kind: EventRotationFailed, Err: err})
 	}
 	next, err := NewBundle(BundleParams{SigningCert: renewed, SigningKey: current.signer, Source: SourceSelfSigned, Now: now})
@@ -375,13 +377,13 @@ func (m *KeyManager) rotateIfDue(now time.Time) []Event {
 		err = persistRoot(m.cfg.StateDir, renewed)
 	}
 	if err != nil {
-		m.log.Error("cannot put the renewed self-signed root in place", "error", err.Error())
+		m.log.Error("cannot put the renewed self-signed root in place", logkey.Error, err.Error())
 		return append(events, Event{Kind: EventRotationFailed, Err: err})
 	}
 	m.install(next, now)
 	m.rotates.WithLabelValues(string(EventRotated)).Inc()
 	m.log.Info("self-signed root rotated; the old root stays trusted",
-		"old_not_after", root.NotAfter, "not_after", renewed.NotAfter, "left", left.Round(time.Second))
+		logkey.OldNotAfter, root.NotAfter, logkey.NotAfter, renewed.NotAfter, logkey.Left, left.Round(time.Second))
 	return append(events, Event{Kind: EventRotated})
 }
 

@@ -11,6 +11,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/meshid/meshid/internal/logkey"
+
 	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/pki"
 )
@@ -294,7 +296,7 @@ func loadOrCreate(cfg StartupConfig) (*Bundle, Origin, error) {
 		if !errors.Is(err, ErrNoPluggedInCA) {
 			return nil, "", err
 		}
-		log.Info("no plugged-in CA, using the self-signed CA", "cacerts_dir", cfg.CACertsDir)
+		log.Info("no plugged-in CA, using the self-signed CA", logkey.CACertsDir, cfg.CACertsDir)
 	}
 	cert, key, err := readSelfSigned(cfg.StateDir)
 	if err != nil {
@@ -317,7 +319,7 @@ func loadOrCreate(cfg StartupConfig) (*Bundle, Origin, error) {
 			return nil, "", err
 		}
 		log.Warn("the persisted self-signed root had expired; renewed it with the same key",
-			"expired", cert.NotAfter, "not_after", renewed.NotAfter)
+			logkey.Expired, cert.NotAfter, logkey.NotAfter, renewed.NotAfter)
 		cert = renewed
 	}
 	b, err := NewBundle(BundleParams{SigningCert: cert, SigningKey: key, Source: SourceSelfSigned, Now: cfg.Now})

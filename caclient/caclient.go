@@ -15,6 +15,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/meshid/meshid/internal/logkey"
+
 	"github.com/cenkalti/backoff/v4"
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
@@ -145,7 +147,7 @@ func (c *Client) Sign(ctx context.Context, csrDER []byte, ttl time.Duration) ([]
 		}
 		return resp, err
 	}, retries, func(err error, next time.Duration) {
-		c.log.Warn("CA request failed; retrying", "ca_address", c.cfg.Address, "error", err.Error(), "retry_in", next)
+		c.log.Warn("CA request failed; retrying", logkey.CAAddress, c.cfg.Address, logkey.Error, err.Error(), logkey.RetryIn, next)
 	}, clock.BackoffTimer(c.clock))
 	if err != nil {
 		if ctx.Err() != nil {
@@ -203,7 +205,7 @@ func (c *Client) tlsConfig() (*tls.Config, error) {
 			cert, err := get()
 			if err != nil || cert == nil {
 				if err != nil {
-					c.log.Debug("no usable client certificate; relying on the token", "reason", err.Error())
+					c.log.Debug("no usable client certificate; relying on the token", logkey.Reason, err.Error())
 				}
 				return &tls.Certificate{}, nil //nolint:nilerr // present none: the token may authenticate
 			}

@@ -90,7 +90,7 @@ func New(cfg Config) (*ControlPlane, error) {
 		logkey.Subject, bundle.SigningCert().Subject.String(),
 		logkey.NotAfter, bundle.NotAfter(),
 		logkey.Root, bundle.Root().Subject.String(),
-		"trusted_roots", len(bundle.Roots()),
+		logkey.TrustedRoots, len(bundle.Roots()),
 		logkey.Path, filepath.Join(cfg.StateDir, ca.RootCertFile))
 
 	verifier, err := newTokenVerifier(cfg, clk, log)
@@ -139,7 +139,7 @@ func New(cfg Config) (*ControlPlane, error) {
 		}
 		cp.monitor = &http.Server{Handler: cp.monitoringHandler(registry), ReadHeaderTimeout: 10 * time.Second}
 	}
-	log.Info("CA serving certificate hosts", "hosts", serving.Hosts(), logkey.TrustDomain, cfg.TrustDomain)
+	log.Info("CA serving certificate hosts", logkey.Hosts, serving.Hosts(), logkey.TrustDomain, cfg.TrustDomain)
 	return cp, nil
 }
 
@@ -151,7 +151,7 @@ func newTokenVerifier(cfg Config, clk clock.Clock, log *slog.Logger) (*token.Ver
 			return nil, err
 		}
 		keys = ks
-		log.Info("trusting token issuer keys", logkey.Path, cfg.JWTKeysFile, "keys", ks.Len())
+		log.Info("trusting token issuer keys", logkey.Path, cfg.JWTKeysFile, logkey.Keys, ks.Len())
 	} else {
 		path := filepath.Join(cfg.StateDir, ca.TokenKeyFile)
 		key, created, err := token.LoadOrCreateKey(path)
@@ -165,7 +165,7 @@ func newTokenVerifier(cfg Config, clk clock.Clock, log *slog.Logger) (*token.Ver
 		if keys, err = token.NewKeySet(key.Public()); err != nil {
 			return nil, err
 		}
-		log.Info("trusting the local token signing key", logkey.Path, path, logkey.KeyID, kid, "created", created)
+		log.Info("trusting the local token signing key", logkey.Path, path, logkey.KeyID, kid, logkey.Created, created)
 	}
 	return token.NewVerifier(token.VerifierConfig{
 		Keys:     keys,
@@ -260,7 +260,7 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 		close(c.readyCh)
 		return nil
 	})
-	c.log.Info("CA started", logkey.Address, c.GRPCAddr(), "monitoring_address", c.MonitoringAddr(), logkey.Version, version.Version())
+	c.log.Info("CA started", logkey.Address, c.GRPCAddr(), logkey.MonitoringAddress, c.MonitoringAddr(), logkey.Version, version.Version())
 	err := g.Wait()
 	c.log.Info("CA stopped")
 	return err

@@ -11,6 +11,8 @@ import (
 	"strings"
 	"sync"
 
+	"github.com/meshid/meshid/internal/logkey"
+
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/v3"
 	"google.golang.org/grpc/codes"
@@ -186,7 +188,7 @@ func (c *secretCache) generate(ctx context.Context, name string) {
 	c.mu.Unlock()
 	if err != nil {
 		if ctx.Err() == nil {
-			c.log.Warn("cannot generate secret", "secret", name, "error", err.Error())
+			c.log.Warn("cannot generate secret", logkey.Secret, name, logkey.Error, err.Error())
 		}
 		return
 	}
@@ -202,14 +204,14 @@ func (c *secretCache) update(s *secretmanager.Secret) { c.install(s, false) }
 func (c *secretCache) install(s *secretmanager.Secret, generated bool) {
 	e, err := toEntry(s, c.clock.Now())
 	if err != nil {
-		c.log.Error("not sending an invalid secret; the previous one stays", "secret", s.Name, "version", s.Version, "error", err.Error())
+		c.log.Error("not sending an invalid secret; the previous one stays", logkey.Secret, s.Name, logkey.Version, s.Version, logkey.Error, err.Error())
 		return
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	old := c.entries[s.Name]
 	if generated && old != nil {
-		c.log.Debug("generated secret superseded by a newer one", "secret", s.Name, "version", s.Version, "current", old.version)
+		c.log.Debug("generated secret superseded by a newer one", logkey.Secret, s.Name, logkey.Version, s.Version, logkey.Current, old.version)
 		return
 	}
 	if old != nil && old.version == e.version {

@@ -15,6 +15,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/meshid/meshid/internal/logkey"
+
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	secretservice "github.com/envoyproxy/go-control-plane/envoy/service/secret/v3"
@@ -123,7 +125,7 @@ func New(cfg Config) (*Server, error) {
 		if err := os.Remove(cfg.SocketPath); err != nil {
 			return nil, fmt.Errorf("remove the stale socket %s: %w", cfg.SocketPath, err)
 		}
-		log.Info("removed a stale SDS socket", "path", cfg.SocketPath)
+		log.Info("removed a stale SDS socket", logkey.Path, cfg.SocketPath)
 	}
 	lis, err := net.Listen("unix", cfg.SocketPath)
 	if err != nil {
@@ -165,7 +167,7 @@ func (s *Server) Run(ctx context.Context) error {
 
 	served := make(chan error, 1)
 	go func() { served <- s.grpc.Serve(s.lis) }()
-	s.log.Info("SDS serving", "socket", s.cfg.SocketPath)
+	s.log.Info("SDS serving", logkey.Socket, s.cfg.SocketPath)
 	select {
 	case err := <-served:
 		return fmt.Errorf("serve SDS: %w", err)
@@ -292,7 +294,7 @@ func (s *Server) onRequest(id int64, node *core.Node, nack *rpcstatus.Status, na
 	if nack != nil {
 		s.metrics.nacks.Inc()
 		s.log.Warn("Envoy rejected secrets (NACK); not sending them again until they change",
-			"node", node.GetId(), "stream", id, "secrets", names, "version", version, "error_detail", nack.GetMessage())
+			logkey.Node, node.GetId(), logkey.Stream, id, logkey.Secrets, names, logkey.Version, version, logkey.ErrorDetail, nack.GetMessage())
 	}
 	return nil
 }

@@ -12,6 +12,8 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/meshid/meshid/internal/logkey"
+
 	"github.com/meshid/meshid/internal/pki"
 )
 
@@ -266,14 +268,14 @@ func (m *Manager) reloadFileSecret(f *fileSecret) {
 	m.mu.Unlock()
 	if err != nil {
 		if current != nil {
-			m.log.Warn("files not usable; the last good secret keeps serving", "secret", f.name, "error", err.Error())
+			m.log.Warn("files not usable; the last good secret keeps serving", logkey.Secret, f.name, logkey.Error, err.Error())
 		} else {
-			m.log.Warn("files not usable yet", "secret", f.name, "error", err.Error())
+			m.log.Warn("files not usable yet", logkey.Secret, f.name, logkey.Error, err.Error())
 		}
 		return
 	}
 	if changed {
-		m.log.Info("secret loaded from files", "secret", f.name, "version", current.Version, "paths", f.paths())
+		m.log.Info("secret loaded from files", logkey.Secret, f.name, logkey.Version, current.Version, logkey.Paths, f.paths())
 		if f.name == WorkloadCertName {
 			m.metrics.expiry.Set(float64(current.ExpiresAt.Unix()))
 		}

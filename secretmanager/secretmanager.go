@@ -22,6 +22,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/meshid/meshid/internal/logkey"
+
 	"github.com/cenkalti/backoff/v4"
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sync/errgroup"
@@ -366,9 +368,9 @@ func (m *Manager) renewalFailed(err error, current *Secret, retryAt time.Time) {
 	m.mu.Lock()
 	m.lastErr = err
 	m.mu.Unlock()
-	attrs := []any{"error", err.Error(), "retry_at", retryAt}
+	attrs := []any{logkey.Error, err.Error(), logkey.RetryAt, retryAt}
 	if current != nil {
-		attrs = append(attrs, "current_expires", current.ExpiresAt)
+		attrs = append(attrs, logkey.CurrentExpires, current.ExpiresAt)
 	}
 	m.log.Warn("workload certificate renewal failed; the current one keeps serving", attrs...)
 }
@@ -446,14 +448,14 @@ func (m *Manager) install(s *Secret, write bool) {
 		m.metrics.rotations.Inc()
 	}
 	m.log.Info("workload certificate in service",
-		"identity", m.cfg.Identity.String(),
-		"serial", s.Version,
-		"source", s.Source,
-		"not_after", s.ExpiresAt,
-		"renew_at", s.RenewAt)
+		logkey.Identity, m.cfg.Identity.String(),
+		logkey.Serial, s.Version,
+		logkey.Source, s.Source,
+		logkey.NotAfter, s.ExpiresAt,
+		logkey.RenewAt, s.RenewAt)
 	if write && m.cfg.OutputDir != "" {
 		if err := writeOutput(m.cfg.OutputDir, s.KeyPEM, s.ChainPEM, rootsPEM); err != nil {
-			m.log.Error("cannot write OUTPUT_CERTS; the certificate is still served", "dir", m.cfg.OutputDir, "error", err.Error())
+			m.log.Error("cannot write OUTPUT_CERTS; the certificate is still served", logkey.Dir, m.cfg.OutputDir, logkey.Error, err.Error())
 		}
 	}
 	m.notify(s)
@@ -497,7 +499,7 @@ func (m *Manager) reloadRootFile() {
 		certs, err = pki.ParseCertificates(data)
 	}
 	if err != nil {
-		m.log.Warn("cannot read the CA root file; ROOTCA keeps the roots it had", "path", m.cfg.RootCertFile, "error", err.Error())
+		m.log.Warn("cannot read the CA root file; ROOTCA keeps the roots it had", logkey.Path, m.cfg.RootCertFile, logkey.Error, err.Error())
 		return
 	}
 	m.mu.Lock()
@@ -508,11 +510,11 @@ func (m *Manager) reloadRootFile() {
 	if roots == nil {
 		return
 	}
-	m.log.Info("trust bundle changed", "roots", len(roots.Roots), "version", roots.Version)
+	m.log.Info("trust bundle changed", logkey.Roots, len(roots.Roots), logkey.Version, roots.Version)
 	// OUTPUT_CERTS carries the trust bundle too.
 	if workload != nil && m.cfg.OutputDir != "" {
 		if err := writeOutput(m.cfg.OutputDir, workload.KeyPEM, workload.ChainPEM, roots.RootsPEM); err != nil {
-			m.log.Error("cannot write OUTPUT_CERTS; the trust bundle is still served", "dir", m.cfg.OutputDir, "error", err.Error())
+			m.log.Error("cannot write OUTPUT_CERTS; the trust bundle is still served", logkey.Dir, m.cfg.OutputDir, logkey.Error, err.Error())
 		}
 	}
 	m.notify(roots)
@@ -560,7 +562,7 @@ func (m *Manager) loadOutput() {
 		info, err = os.Stat(filepath.Join(dir, CertChainFile))
 	}
 	if err != nil {
-		m.log.Info("not using the certificate in OUTPUT_CERTS", "dir", dir, "reason", err.Error())
+		m.log.Info("not using the certificate in OUTPUT_CERTS", logkey.Dir, dir, logkey.Reason, err.Error())
 		return
 	}
 	// It was received when it was written, as far as we can tell.

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/meshid/meshid/internal/logkey"
+
 	"github.com/spf13/cobra"
 
 	"github.com/meshid/meshid/cmd/internal/cli"
@@ -52,8 +54,8 @@ spiffe://<trust-domain>/ns/<namespace>/sa/<service-account>.`,
 			if err := fsutil.WritePrivateFile(output, []byte(jwt)); err != nil {
 				return err
 			}
-			g.Logger().Info("token written", "path", output, "namespace", req.Namespace, "service_account", req.ServiceAccount,
-				"expires", req.Now.Add(req.TTL).UTC().Format(time.RFC3339))
+			g.Logger().Info("token written", logkey.Path, output, logkey.Namespace, req.Namespace, logkey.ServiceAccount, req.ServiceAccount,
+				logkey.Expires, req.Now.Add(req.TTL).UTC().Format(time.RFC3339))
 			return nil
 		},
 	}

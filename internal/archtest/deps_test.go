@@ -31,10 +31,11 @@ func allowed() map[string][]string {
 		"xdsproxy":                      {"internal/"},
 		"discovery":                     {"internal/"},
 		"internal/testutil":             {"internal/"},
-		// Helpers import nothing of the module but the clock, a leaf, so that a helper that
-		// schedules (filewatch's debounce) runs on the same injected time as its caller.
-		"internal/clock": {},
-		"internal/":      {"internal/clock"},
+		// Helpers import nothing of the module but two leaves: the clock, so that a helper that
+		// schedules (filewatch's debounce) runs on its caller's injected time, and the log keys.
+		"internal/clock":  {},
+		"internal/logkey": {},
+		"internal/":       {"internal/clock", "internal/logkey"},
 	}
 }
 

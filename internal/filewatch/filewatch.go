@@ -15,6 +15,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/meshid/meshid/internal/logkey"
+
 	"github.com/fsnotify/fsnotify"
 
 	"github.com/meshid/meshid/internal/clock"
@@ -171,11 +173,11 @@ func (w *Watcher) Run(ctx context.Context, onChange func(changed []string)) erro
 			if !ok {
 				return errors.New("file watcher closed")
 			}
-			w.log.Warn("file watch error", "error", err.Error())
+			w.log.Warn("file watch error", logkey.Error, err.Error())
 		case <-timerC:
 			changed := pending
 			timer, timerC, pending = nil, nil, nil
-			w.log.Debug("files changed", "paths", changed)
+			w.log.Debug("files changed", logkey.Paths, changed)
 			onChange(changed)
 		}
 	}
@@ -196,7 +198,7 @@ func (w *Watcher) watch(fw *fsnotify.Watcher, path string) error {
 func (w *Watcher) watchIfDir(fw *fsnotify.Watcher, path string) {
 	if info, err := os.Stat(path); err == nil && info.IsDir() {
 		if err := fw.Add(path); err != nil {
-			w.log.Warn("cannot watch directory", "path", path, "error", err.Error())
+			w.log.Warn("cannot watch directory", logkey.Path, path, logkey.Error, err.Error())
 		}
 	}
 }

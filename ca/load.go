@@ -354,9 +354,15 @@ func stillValidRoots(certs []*x509.Certificate, now time.Time) []*x509.Certifica
 }
 
 // WriteTrustBundle atomically writes every trusted root of b to stateDir/root-cert.pem.
+// The file is left alone when it already holds them, so that a restart neither syncs the disk
+// nor wakes the clients watching it.
 func WriteTrustBundle(stateDir string, b *Bundle) error {
 	if err := fsutil.EnsureDir(stateDir, fsutil.PrivateDirMode); err != nil {
 		return err
 	}
-	return fsutil.WriteFileAtomic(filepath.Join(stateDir, RootCertFile), b.RootsPEM(), fsutil.PublicFileMode)
+	path, roots := filepath.Join(stateDir, RootCertFile), b.RootsPEM()
+	if current, ok, err := fsutil.ReadOptional(path); err == nil && ok && bytes.Equal(current, roots) {
+		return nil
+	}
+	return fsutil.WriteFileAtomic(path, roots, fsutil.PublicFileMode)
 }

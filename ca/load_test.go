@@ -915,3 +915,28 @@ func TestLoadOrCreateStartupOrder(t *testing.T) {
 		assertAbsent(t, stateDir, ca.RootCertFile)
 	})
 }
+
+// A restart with the same roots leaves root-cert.pem untouched: no rewrite wakes its watchers.
+func TestRestartLeavesUnchangedTrustBundleAlone(t *testing.T) {
+	t.Parallel()
+	now := baseTime()
+	cfg := ca.StartupConfig{StateDir: filepath.Join(t.TempDir(), "state"), Now: now}
+	if _, _, err := ca.LoadOrCreate(cfg); err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(cfg.StateDir, ca.RootCertFile)
+	before, err := os.Stat(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := ca.LoadOrCreate(cfg); err != nil {
+		t.Fatal(err)
+	}
+	after, err := os.Stat(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !os.SameFile(before, after) {
+		t.Fatal("root-cert.pem was replaced although its roots did not change")
+	}
+}

@@ -1,6 +1,7 @@
 // Package filewatch tells when files or directories change on disk, including Kubernetes'
 // atomic "..data" symlink swaps of mounted secrets and config maps, and paths that do not exist
-// yet. Bursts of events are debounced into one notification on an injected clock.
+// yet, even when their directories do not either: the nearest existing ancestor is watched until
+// they appear. Bursts of events are debounced into one notification on an injected clock.
 package filewatch
 
 import (
@@ -27,13 +28,15 @@ const DefaultDebounce = 100 * time.Millisecond
 
 // Config configures a Watcher.
 type Config struct {
-	// Paths are the files and directories to watch from the start; Add watches more. Their parent
-	// directories must exist.
+	// Paths are the files and directories to watch from the start; Add watches more. They and
+	// their directories need not exist yet.
 	Paths    []string
 	Debounce time.Duration
 	Clock    clock.Clock
 	Logger   *slog.Logger
 }
+
+var errStopped = errors.New("the file watcher has stopped")
 
 // Watcher reports changes to a set of paths.
 type Watcher struct {
@@ -41,6 +44,7 @@ type Watcher struct {
 	clock    clock.Clock
 	log      *slog.Logger
 	ready    chan struct{}
+	stopped  chan struct{} // closed when Run returns
 	adds     chan addRequest
 
 	mu      sync.Mutex
@@ -55,7 +59,7 @@ type addRequest struct {
 
 // New returns a Watcher; it watches nothing until Run.
 func New(cfg Config) (*Watcher, error) {
-	w := &Watcher{debounce: cfg.Debounce, clock: clock.OrReal(cfg.Clock), log: cfg.Logger, ready: make(chan struct{}), adds: make(chan addRequest)}
+	w := &Watcher{debounce: cfg.Debounce, clock: clock.OrReal(cfg.Clock), log: cfg.Logger, ready: make(chan struct{}), stopped: make(chan struct{}), adds: make(chan addRequest)}
 	if w.debounce <= 0 {
 		w.debounce = DefaultDebounce
 	}
@@ -89,6 +93,8 @@ func (w *Watcher) Add(ctx context.Context, path string) error {
 	req := addRequest{path: path, done: make(chan error, 1)}
 	select {
 	case w.adds <- req:
+	case <-w.stopped:
+		return errStopped
 	case <-ctx.Done():
 		return ctx.Err()
 	}
@@ -117,6 +123,7 @@ func (w *Watcher) Run(ctx context.Context, onChange func(changed []string)) erro
 		w.mu.Lock()
 		w.running = false
 		w.mu.Unlock()
+		close(w.stopped)
 	}()
 	for _, p := range paths {
 		if err := w.watch(fw, p); err != nil {
@@ -147,8 +154,15 @@ func (w *Watcher) Run(ctx context.Context, onChange func(changed []string)) erro
 				continue
 			}
 			for _, path := range paths {
-				if path == name && ev.Has(fsnotify.Create) {
+				switch {
+				case path == name && ev.Has(fsnotify.Create):
 					w.watchIfDir(fw, path) // a watched directory appeared
+				case path != name && isAncestor(name, path):
+					// A directory on the way to the path appeared or went away: watch the
+					// nearest one that exists now.
+					if err := w.watch(fw, path); err != nil {
+						w.log.Warn("cannot watch", logkey.Path, path, logkey.Error, err.Error())
+					}
 				}
 				if !slices.Contains(pending, path) {
 					pending = append(pending, path)
@@ -184,15 +198,35 @@ func (w *Watcher) Run(ctx context.Context, onChange func(changed []string)) erro
 }
 
 // watch puts path's parent under watch, so that a path created, replaced or swapped by a symlink
-// rename is seen, and a directory path itself, for the files inside it.
+// rename is seen, and a directory path itself, for the files inside it. When the parent does not
+// exist, its nearest existing ancestor is watched instead, until the parent appears.
 func (w *Watcher) watch(fw *fsnotify.Watcher, path string) error {
-	if dir := filepath.Dir(path); !slices.Contains(fw.WatchList(), dir) {
-		if err := fw.Add(dir); err != nil {
-			return fmt.Errorf("watch %s: %w", dir, err)
+	dir := filepath.Dir(path)
+	anchor := dir
+	for {
+		if info, err := os.Stat(anchor); err == nil && info.IsDir() {
+			break
+		}
+		up := filepath.Dir(anchor)
+		if up == anchor {
+			return fmt.Errorf("watch %s: no directory above it exists", path)
+		}
+		anchor = up
+	}
+	if !slices.Contains(fw.WatchList(), anchor) {
+		if err := fw.Add(anchor); err != nil {
+			return fmt.Errorf("watch %s: %w", anchor, err)
 		}
 	}
-	w.watchIfDir(fw, path)
+	if anchor == dir {
+		w.watchIfDir(fw, path)
+	}
 	return nil
+}
+
+// isAncestor reports whether dir is a directory above path.
+func isAncestor(dir, path string) bool {
+	return strings.HasPrefix(path, dir+string(filepath.Separator)) && dir != path
 }
 
 func (w *Watcher) watchIfDir(fw *fsnotify.Watcher, path string) {
@@ -215,6 +249,8 @@ func (w *Watcher) match(name string) []string {
 			out = append(out, p)
 		case filepath.Dir(name) == filepath.Dir(p) && strings.HasPrefix(filepath.Base(name), ".."):
 			out = append(out, p)
+		case isAncestor(name, filepath.Dir(p)) || name == filepath.Dir(p):
+			out = append(out, p) // a directory on the way to p appeared or went away
 		}
 	}
 	return out

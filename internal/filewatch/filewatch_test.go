@@ -161,20 +161,16 @@ func TestAddWhileRunning(t *testing.T) {
 	if !slices.Contains(got, key) {
 		t.Fatalf("a ..data swap reported %v, want both files of the secret", got)
 	}
-	if err := h.watcher.Add(t.Context(), filepath.Join(t.TempDir(), "no", "parent")); err == nil {
-		t.Fatal("Add accepted a path whose parent does not exist")
+	// A path whose directory does not exist yet is watched through its nearest ancestor.
+	late := filepath.Join(t.TempDir(), "no", "parent")
+	if err := h.watcher.Add(t.Context(), late); err != nil {
+		t.Fatalf("Add of a path whose parent does not exist yet: %v", err)
 	}
-}
-
-func TestMissingParentFailsRun(t *testing.T) {
-	t.Parallel()
-	w, err := New(Config{Paths: []string{filepath.Join(t.TempDir(), "no", "such", "file")}})
-	if err != nil {
+	if err := os.Mkdir(filepath.Dir(late), 0o700); err != nil {
 		t.Fatal(err)
 	}
-	if err := w.Run(t.Context(), func([]string) {}); err == nil {
-		t.Fatal("Run watched a path whose parent does not exist")
-	}
+	write(t, late, "x")
+	h.until(t, late)
 }
 
 // mountSecret publishes tls.crt holding content as generation version of a kubelet-style volume
@@ -183,4 +179,59 @@ func mountSecret(t *testing.T, dir, version, content string) {
 	t.Helper()
 	testutil.WriteFiles(t, filepath.Join(dir, version), map[string][]byte{"tls.crt": []byte(content)})
 	testutil.NewSecretVolume(t, dir).Swap(version)
+}
+
+// A file whose directories do not exist yet is reported once they and it appear, whether the
+// directories are made one by one or a whole tree is renamed into place.
+func TestFileInDirectoriesThatDoNotExistYet(t *testing.T) {
+	t.Parallel()
+	t.Run("made one by one", func(t *testing.T) {
+		t.Parallel()
+		base := t.TempDir()
+		file := filepath.Join(base, "a", "b", "cert.pem")
+		h := start(t, file)
+		if err := os.MkdirAll(filepath.Join(base, "a", "b"), 0o700); err != nil {
+			t.Fatal(err)
+		}
+		write(t, file, "one")
+		h.until(t, file)
+		// Watched directly now: a rewrite is seen.
+		write(t, file, "two")
+		h.until(t, file)
+	})
+	t.Run("tree renamed into place", func(t *testing.T) {
+		t.Parallel()
+		base := t.TempDir()
+		file := filepath.Join(base, "certs", "sub", "cert.pem")
+		h := start(t, file)
+		staged := filepath.Join(t.TempDir(), "certs")
+		if err := os.MkdirAll(filepath.Join(staged, "sub"), 0o700); err != nil {
+			t.Fatal(err)
+		}
+		write(t, filepath.Join(staged, "sub", "cert.pem"), "one")
+		if err := os.Rename(staged, filepath.Join(base, "certs")); err != nil {
+			t.Fatal(err)
+		}
+		h.until(t, file)
+	})
+	t.Run("directory removed and made again", func(t *testing.T) {
+		t.Parallel()
+		base := t.TempDir()
+		dir := filepath.Join(base, "certs")
+		file := filepath.Join(dir, "cert.pem")
+		if err := os.Mkdir(dir, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		write(t, file, "one")
+		h := start(t, file)
+		if err := os.RemoveAll(dir); err != nil {
+			t.Fatal(err)
+		}
+		h.until(t, file)
+		if err := os.Mkdir(dir, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		write(t, file, "two")
+		h.until(t, file)
+	})
 }

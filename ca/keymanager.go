@@ -66,7 +66,8 @@ type KeyManagerConfig struct {
 
 	// RootCheckInterval is how often the self-signed root's remaining life is checked (±5%).
 	RootCheckInterval time.Duration
-	// RootRotationThreshold is the share of a self-signed root's lifetime left at which it is renewed.
+	// RootRotationThreshold is the share of a self-signed root's lifetime left at which it is
+	// renewed; the lifetime is the one the root was issued with, its backdating not counted.
 	RootRotationThreshold float64
 	// TrustBundleOverlap is how long a replaced root stays trusted; 0 keeps it until it expires.
 	TrustBundleOverlap time.Duration
@@ -358,11 +359,10 @@ func (m *KeyManager) rotateIfDue(now time.Time) []Event {
 	}
 
 	root := current.signingCert
-	lifetime := root.NotAfter.Sub(root.NotBefore)
-	left := root.NotAfter.Sub(now)
-	if float64(left) > m.cfg.RootRotationThreshold*float64(lifetime) {
+	if now.Before(renewalTime(root, m.cfg.RootRotationThreshold)) {
 		return events
 	}
+	left := root.NotAfter.Sub(now)
 	renewed, err := RenewRoot(root, current.signer, m.cfg.SelfSigned.TTL, now)
 	if err != nil {
 		m.log.Error("cannot renew the self-signed root", logkey.Error, err.Error())
@@ -385,6 +385,19 @@ func (m *KeyManager) rotateIfDue(now time.Time) []Event {
 	m.log.Info("self-signed root rotated; the old root stays trusted",
 		logkey.OldNotAfter, root.NotAfter, logkey.NotAfter, renewed.NotAfter, logkey.Left, left.Round(time.Second))
 	return append(events, Event{Kind: EventRotated})
+}
+
+// renewalTime is when only threshold of root's lifetime is left. The lifetime counts from when
+// the root was issued, not from its NotBefore, which selfSignRoot backdates: with the backdate
+// counted, a root whose TTL is short next to the backdate would be due as soon as it is made, and
+// its successor too, at every check.
+func renewalTime(root *x509.Certificate, threshold float64) time.Time {
+	issued := root.NotBefore.Add(Backdate)
+	if !issued.Before(root.NotAfter) {
+		issued = root.NotBefore // not backdated by us: its whole validity is its lifetime
+	}
+	lifetime := root.NotAfter.Sub(issued)
+	return root.NotAfter.Add(-time.Duration(threshold * float64(lifetime)))
 }
 
 // forgetAllBut drops the retirement times of roots no longer retained.

@@ -719,7 +719,7 @@ func TestSelfSignedRootRotation(t *testing.T) {
 			if share == 0 {
 				share = ca.DefaultRootRotationThreshold
 			}
-			threshold := time.Duration(share * float64(old.NotAfter.Sub(old.NotBefore)))
+			threshold := time.Duration(share * float64(old.NotAfter.Sub(old.NotBefore.Add(ca.Backdate))))
 			quiet := 0
 			for {
 				at := h.nextCheck
@@ -774,6 +774,72 @@ func TestSelfSignedRootRotation(t *testing.T) {
 			// Same key and subject: each root vouches for the leaves of the other.
 			verifyPath(t, []*x509.Certificate{before.Leaf}, []*x509.Certificate{renewed}, h.clock.Now())
 			verifyPath(t, []*x509.Certificate{after.Leaf}, []*x509.Certificate{old}, h.clock.Now())
+		})
+	}
+}
+
+// A root's NotBefore is backdated for lagging peers, but the threshold is a share of the lifetime
+// the root was issued with: a short-lived root is not due at once, and once renewed it is not due
+// again at the next check.
+func TestShortLivedSelfSignedRootRotatesOnceWhenDue(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		name      string
+		ttl       time.Duration
+		threshold float64 // 0 takes the default
+	}{
+		{"20s root, default threshold", 20 * time.Second, 0},
+		{"1m root, threshold 0.5", time.Minute, 0.5},
+		{"10m root, threshold 0.9", 10 * time.Minute, 0.9},
+		{"1h root, default threshold", time.Hour, 0},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			now := baseTime()
+			cfg := keyManagerConfig(t)
+			cfg.SelfSigned.TTL = tt.ttl
+			cfg.RootRotationThreshold = tt.threshold
+			// 7.5% of the lifetime: no check lands exactly on a threshold of these cases.
+			cfg.RootCheckInterval = tt.ttl * 3 / 40
+			h := newKeyManager(t, cfg, now)
+			h.run(t)
+			if evs := h.drain(); len(evs) != 0 {
+				t.Fatalf("the start-up check reported %v, want nothing", kinds(evs))
+			}
+			old := h.authority.Bundle().SigningCert()
+			share := tt.threshold
+			if share == 0 {
+				share = ca.DefaultRootRotationThreshold
+			}
+			due := old.NotAfter.Add(-time.Duration(share * float64(tt.ttl)))
+
+			for {
+				at := h.nextCheck
+				evs := h.checkAt(t, at)
+				if at.Before(due) {
+					if len(evs) != 0 {
+						t.Fatalf("root check with %s left reported %v, want nothing (due with %s left)",
+							old.NotAfter.Sub(at), kinds(evs), old.NotAfter.Sub(due))
+					}
+					continue
+				}
+				if len(evs) != 1 || evs[0].Kind != ca.EventRotated || evs[0].Err != nil {
+					t.Fatalf("root check with %s left reported %v, want [rotated]", old.NotAfter.Sub(at), evs)
+				}
+				break
+			}
+			renewed := h.authority.Bundle().SigningCert()
+			if got := renewed.NotAfter.Sub(h.clock.Now()); got > tt.ttl || got < tt.ttl-time.Second {
+				t.Fatalf("renewed root has %s left, want the TTL %s", got, tt.ttl)
+			}
+			// The renewed root is fresh: the next check leaves it alone.
+			if evs := h.checkAt(t, h.nextCheck); len(evs) != 0 {
+				t.Fatalf("the check after the rotation reported %v, want nothing", kinds(evs))
+			}
+			if !h.authority.Bundle().SigningCert().Equal(renewed) {
+				t.Fatal("the renewed root was replaced at the next check")
+			}
 		})
 	}
 }

@@ -231,7 +231,8 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 	g, ctx := errgroup.WithContext(ctx)
 	g.Go(func() error { return c.keys.Run(ctx) })
 	g.Go(func() error {
-		if err := c.grpc.Serve(c.grpcLis); err != nil {
+		// ErrServerStopped: the context ended and the stop ran before Serve began.
+		if err := c.grpc.Serve(c.grpcLis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
 			return fmt.Errorf("serve gRPC: %w", err)
 		}
 		return nil

@@ -332,3 +332,20 @@ func readFile(t *testing.T, path string) string {
 	}
 	return string(data)
 }
+
+// A control plane stopped as soon as it starts (a signal during start-up) stops cleanly, however
+// its goroutines are scheduled: Serve may run after the stop.
+func TestRunStoppedAtOnce(t *testing.T) {
+	t.Parallel()
+	for i := range 20 {
+		cp, err := controlplane.New(testConfig(t.TempDir()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(t.Context())
+		cancel()
+		if err := cp.Run(ctx); err != nil {
+			t.Fatalf("run %d: Run with its context done = %v, want nil", i, err)
+		}
+	}
+}

@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
-	"os"
 	"path/filepath"
 	"sync"
 	"time"
@@ -60,7 +59,7 @@ type Event struct {
 type KeyManagerConfig struct {
 	// Authority receives every new bundle.
 	Authority  *Authority
-	CACertsDir string // optional; watched
+	CACertsDir string // optional; must exist (empty is fine), see CheckCACertsDir; watched
 	StateDir   string
 	SelfSigned SelfSignedConfig
 
@@ -120,11 +119,6 @@ func NewKeyManager(cfg KeyManagerConfig) (*KeyManager, error) {
 	}
 	if cfg.Jitter == nil {
 		cfg.Jitter = rand.Float64
-	}
-	if cfg.CACertsDir != "" {
-		if info, err := os.Stat(filepath.Dir(filepath.Clean(cfg.CACertsDir))); err != nil || !info.IsDir() {
-			return nil, fmt.Errorf("the parent of the cacerts dir %s must exist to be watched", cfg.CACertsDir)
-		}
 	}
 	m := &KeyManager{
 		cfg:     cfg,

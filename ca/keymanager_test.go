@@ -639,7 +639,8 @@ func TestPluggedInCAAppearingTakesOver(t *testing.T) {
 	t.Parallel()
 	now := baseTime()
 	cfg := keyManagerConfig(t)
-	cfg.CACertsDir = filepath.Join(t.TempDir(), "cacerts") // its parent exists, it does not
+	// Empty, as Kubernetes mounts an optional secret that does not exist yet.
+	cfg.CACertsDir = t.TempDir()
 	h := newKeyManager(t, cfg, now)
 	if h.Origin() != ca.OriginGenerated {
 		t.Fatalf("origin %q, want a new self-signed CA", h.Origin())
@@ -649,14 +650,10 @@ func TestPluggedInCAAppearingTakesOver(t *testing.T) {
 	selfSignedPEM := readBytes(t, filepath.Join(cfg.StateDir, ca.CACertFile))
 	before := h.sign(t)
 
-	// The directory appears whole, as a volume mounted late does.
+	// The files appear, as the kubelet fills the volume once the secret is created.
 	root := testutil.NewRootCA(t, caOpts("corp root", now, 3*year))
 	inter := root.NewIntermediate(t, caOpts("mesh intermediate", now, year))
-	staged := filepath.Join(t.TempDir(), "cacerts")
-	testutil.WriteFiles(t, staged, istioFiles(t, inter, root))
-	if err := os.Rename(staged, cfg.CACertsDir); err != nil {
-		t.Fatal(err)
-	}
+	mountSecret(t, cfg.CACertsDir, 1, istioFiles(t, inter, root))
 	h.until(t, ca.EventReloaded, ca.EventRejected)
 
 	b := h.authority.Bundle()
@@ -1010,6 +1007,8 @@ func TestExpiredSelfSignedRootAtStartup(t *testing.T) {
 
 func TestNewKeyManagerRefusals(t *testing.T) {
 	t.Parallel()
+	aFile := filepath.Join(t.TempDir(), ca.CACertFile)
+	testutil.WriteFiles(t, filepath.Dir(aFile), map[string][]byte{ca.CACertFile: []byte("x")})
 	tests := []struct {
 		name    string
 		modify  func(cfg *ca.KeyManagerConfig)
@@ -1020,9 +1019,11 @@ func TestNewKeyManagerRefusals(t *testing.T) {
 		{"threshold of 1", func(c *ca.KeyManagerConfig) { c.RootRotationThreshold = 1 }, "threshold"},
 		{"negative threshold", func(c *ca.KeyManagerConfig) { c.RootRotationThreshold = -0.1 }, "threshold"},
 		{"negative overlap", func(c *ca.KeyManagerConfig) { c.TrustBundleOverlap = -time.Hour }, "overlap"},
-		{"cacerts dir without a parent", func(c *ca.KeyManagerConfig) {
-			c.CACertsDir = filepath.Join(c.StateDir+"-missing", "parent", "cacerts")
-		}, "parent"},
+		// A typo must not fall back to a self-signed CA silently.
+		{"cacerts dir that does not exist", func(c *ca.KeyManagerConfig) {
+			c.CACertsDir = filepath.Join(filepath.Dir(c.StateDir), "cacerts-typo")
+		}, "cacerts-typo: file does not exist"},
+		{"cacerts dir that is a file", func(c *ca.KeyManagerConfig) { c.CACertsDir = aFile }, "is not a directory"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -6,7 +6,9 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
+	"os"
 	"path/filepath"
 	"strings"
 	"time"
@@ -37,6 +39,23 @@ func tlsLayout() []string   { return []string{TLSCertFile, TLSKeyFile, TLSCAFile
 
 // ErrNoPluggedInCA reports a cacerts directory that holds none of the files of either layout.
 var ErrNoPluggedInCA = errors.New("no plugged-in CA files")
+
+// CheckCACertsDir refuses a plugged-in CA directory that does not exist or is not a directory,
+// which is most likely a typo that would otherwise fall back to a self-signed CA unnoticed. An
+// empty directory is fine: Kubernetes mounts an optional secret that does not exist yet as one,
+// and files that appear in it later take over.
+func CheckCACertsDir(dir string) error {
+	info, err := os.Stat(dir)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return fmt.Errorf("plugged-in CA directory %s: %w (an empty directory is fine)", dir, fs.ErrNotExist)
+	case err != nil:
+		return fmt.Errorf("plugged-in CA directory: %w", err)
+	case !info.IsDir():
+		return fmt.Errorf("plugged-in CA directory %s is not a directory", dir)
+	}
+	return nil
+}
 
 // LoadPluggedIn reads a plugged-in CA from dir, in either layout:
 //   - ca-cert.pem (signing cert), ca-key.pem, cert-chain.pem (its chain, may end with the root),
@@ -244,7 +263,7 @@ const (
 
 // StartupConfig configures LoadOrCreate.
 type StartupConfig struct {
-	CACertsDir string // optional
+	CACertsDir string // optional; must exist (empty is fine), see CheckCACertsDir
 	StateDir   string
 	SelfSigned SelfSignedConfig
 	Now        time.Time
@@ -255,11 +274,17 @@ type StartupConfig struct {
 const lockFile = ".lock"
 
 // LoadOrCreate finds the CA's key material in Istio's start-up order: a complete plugged-in
-// bundle in CACertsDir, else the self-signed CA persisted in StateDir (renewed with the same key
+// bundle in CACertsDir (a missing CACertsDir is refused before anything is written; an empty one
+// holds no bundle), else the self-signed CA persisted in StateDir (renewed with the same key
 // if it has expired), else a new self-signed root, persisted there. Roots that the previous
 // root-cert.pem trusted and that have not expired stay trusted, as retained roots. It then writes
 // the trust bundle to StateDir/root-cert.pem for clients. Replicas sharing StateDir take turns.
 func LoadOrCreate(cfg StartupConfig) (*Bundle, Origin, error) {
+	if cfg.CACertsDir != "" {
+		if err := CheckCACertsDir(cfg.CACertsDir); err != nil {
+			return nil, "", err
+		}
+	}
 	if err := fsutil.EnsureDir(cfg.StateDir, fsutil.PrivateDirMode); err != nil {
 		return nil, "", err
 	}

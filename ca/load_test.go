@@ -743,7 +743,7 @@ func TestLoadOrCreateStartupOrder(t *testing.T) {
 	t.Run("plugged-in CA wins over the persisted self-signed CA", func(t *testing.T) {
 		t.Parallel()
 		now := baseTime()
-		stateDir, cacerts := filepath.Join(t.TempDir(), "state"), filepath.Join(t.TempDir(), "cacerts")
+		stateDir, cacerts := filepath.Join(t.TempDir(), "state"), t.TempDir() // empty until plugged in
 		cfg := ca.StartupConfig{CACertsDir: cacerts, StateDir: stateDir, Now: now}
 		self, origin, err := ca.LoadOrCreate(cfg)
 		if err != nil {
@@ -806,34 +806,34 @@ func TestLoadOrCreateStartupOrder(t *testing.T) {
 		}
 	})
 
-	for _, tc := range []struct {
-		name   string
-		create bool
-	}{
-		{name: "empty cacerts dir falls back to self-signed", create: true},
-		{name: "missing cacerts dir falls back to self-signed", create: false},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			t.Parallel()
-			cacerts := filepath.Join(t.TempDir(), "cacerts")
-			if tc.create {
-				if err := os.Mkdir(cacerts, 0o700); err != nil {
-					t.Fatal(err)
-				}
-			}
-			stateDir := t.TempDir()
-			b, origin, err := ca.LoadOrCreate(ca.StartupConfig{CACertsDir: cacerts, StateDir: stateDir, Now: baseTime()})
-			if err != nil {
-				t.Fatal(err)
-			}
-			if origin != ca.OriginGenerated || b.Source() != ca.SourceSelfSigned {
-				t.Fatalf("origin = %q, source = %q; want a new self-signed CA", origin, b.Source())
-			}
-			if got := readCerts(t, filepath.Join(stateDir, ca.CACertFile)); !sameCerts(got, []*x509.Certificate{b.Root()}) {
-				t.Errorf("state ca-cert.pem holds %v, want the generated root", names(got))
-			}
-		})
-	}
+	t.Run("empty cacerts dir falls back to self-signed", func(t *testing.T) {
+		t.Parallel()
+		cacerts := t.TempDir()
+		stateDir := t.TempDir()
+		b, origin, err := ca.LoadOrCreate(ca.StartupConfig{CACertsDir: cacerts, StateDir: stateDir, Now: baseTime()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if origin != ca.OriginGenerated || b.Source() != ca.SourceSelfSigned {
+			t.Fatalf("origin = %q, source = %q; want a new self-signed CA", origin, b.Source())
+		}
+		if got := readCerts(t, filepath.Join(stateDir, ca.CACertFile)); !sameCerts(got, []*x509.Certificate{b.Root()}) {
+			t.Errorf("state ca-cert.pem holds %v, want the generated root", names(got))
+		}
+	})
+
+	t.Run("missing cacerts dir is refused, not a fallback", func(t *testing.T) {
+		t.Parallel()
+		cacerts := filepath.Join(t.TempDir(), "cacerts")
+		stateDir := filepath.Join(t.TempDir(), "state")
+		_, _, err := ca.LoadOrCreate(ca.StartupConfig{CACertsDir: cacerts, StateDir: stateDir, Now: baseTime()})
+		if !errors.Is(err, os.ErrNotExist) || !strings.Contains(err.Error(), cacerts) {
+			t.Fatalf("error %v, want ErrNotExist naming %s", err, cacerts)
+		}
+		if _, err := os.Stat(stateDir); !errors.Is(err, os.ErrNotExist) {
+			t.Fatalf("the refused start created the state dir (stat: %v)", err)
+		}
+	})
 
 	t.Run("partial cacerts dir is an error, not a fallback", func(t *testing.T) {
 		t.Parallel()

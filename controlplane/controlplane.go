@@ -54,6 +54,11 @@ func New(cfg Config) (*ControlPlane, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
+	if cfg.CACertsDir != "" {
+		if err := ca.CheckCACertsDir(cfg.CACertsDir); err != nil {
+			return nil, fmt.Errorf("--cacerts-dir: %w", err)
+		}
+	}
 	log := cfg.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)

@@ -22,6 +22,7 @@ import (
 	"google.golang.org/grpc/status"
 	pb "istio.io/api/security/v1alpha1"
 
+	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/ca/token"
 	"github.com/meshid/meshid/controlplane"
 	"github.com/meshid/meshid/controlplane/controlplanetest"
@@ -347,5 +348,30 @@ func TestRunStoppedAtOnce(t *testing.T) {
 		if err := cp.Run(ctx); err != nil {
 			t.Fatalf("run %d: Run with its context done = %v, want nil", i, err)
 		}
+	}
+}
+
+// A typo in --cacerts-dir is refused before anything is written, not taken for "no plugged-in CA".
+func TestNewRefusesMissingCACertsDir(t *testing.T) {
+	t.Parallel()
+	base := t.TempDir()
+	cfg := testConfig(filepath.Join(base, "state"))
+	cfg.CACertsDir = filepath.Join(base, "cacerts-typo")
+	_, err := controlplane.New(cfg)
+	if err == nil || !strings.Contains(err.Error(), "--cacerts-dir") || !strings.Contains(err.Error(), cfg.CACertsDir) {
+		t.Fatalf("error %v, want one naming --cacerts-dir and %s", err, cfg.CACertsDir)
+	}
+	if _, err := os.Stat(cfg.StateDir); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("the refused start left a state dir behind (stat: %v)", err)
+	}
+
+	// An existing empty directory is an optional secret volume whose secret does not exist yet:
+	// the self-signed CA serves meanwhile.
+	if err := os.Mkdir(cfg.CACertsDir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	cp := start(t, cfg)
+	if src := cp.Authority().Bundle().Source(); src != ca.SourceSelfSigned {
+		t.Fatalf("serving a %s CA with an empty --cacerts-dir, want self-signed", src)
 	}
 }

@@ -27,6 +27,7 @@ import (
 	caserver "github.com/meshid/meshid/ca/server"
 	"github.com/meshid/meshid/ca/token"
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/version"
@@ -48,9 +49,10 @@ type ControlPlane struct {
 	readyCh   chan struct{} // closed once Run serves
 }
 
-// New loads or creates the CA's key material, builds the servers and opens their listeners, so
-// that the bound addresses are known before Run. It starts no goroutines; call Run.
-func New(cfg Config) (*ControlPlane, error) {
+// New opens the listeners, so that the bound addresses are known before Run, then loads or
+// creates the CA's key material and builds the servers. It starts no goroutines; call Run, or
+// Close if Run will not be called.
+func New(cfg Config) (_ *ControlPlane, err error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -66,6 +68,22 @@ func New(cfg Config) (*ControlPlane, error) {
 	clk := clock.OrReal(cfg.Clock)
 	if cfg.SelfSigned.Org == "" {
 		cfg.SelfSigned.Org = cfg.TrustDomain
+	}
+
+	// Bind first: a port in use fails the start before anything is written to the state dir.
+	cp := &ControlPlane{log: log, readyCh: make(chan struct{})}
+	if cp.grpcLis, err = listen(cfg.GRPCAddr); err != nil {
+		return nil, fmt.Errorf("listen for gRPC on %s: %w", cfg.GRPCAddr, err)
+	}
+	defer func() {
+		if err != nil {
+			cp.Close()
+		}
+	}()
+	if cfg.MonitoringAddr != "" {
+		if cp.monLis, err = net.Listen("tcp", cfg.MonitoringAddr); err != nil {
+			return nil, fmt.Errorf("listen for monitoring on %s: %w", cfg.MonitoringAddr, err)
+		}
 	}
 
 	registry := prometheus.NewRegistry()
@@ -133,15 +151,8 @@ func New(cfg Config) (*ControlPlane, error) {
 		Logger:  log.With(logkey.Component, "ca-server"),
 	}))
 
-	cp := &ControlPlane{log: log, authority: authority, keys: keys, grpc: grpcServer, readyCh: make(chan struct{})}
-	if cp.grpcLis, err = listen(cfg.GRPCAddr); err != nil {
-		return nil, fmt.Errorf("listen for gRPC on %s: %w", cfg.GRPCAddr, err)
-	}
-	if cfg.MonitoringAddr != "" {
-		if cp.monLis, err = net.Listen("tcp", cfg.MonitoringAddr); err != nil {
-			_ = cp.grpcLis.Close()
-			return nil, fmt.Errorf("listen for monitoring on %s: %w", cfg.MonitoringAddr, err)
-		}
+	cp.authority, cp.keys, cp.grpc = authority, keys, grpcServer
+	if cp.monLis != nil {
 		cp.monitor = &http.Server{Handler: cp.monitoringHandler(registry), ReadHeaderTimeout: 10 * time.Second}
 	}
 	log.Info("CA serving certificate hosts", logkey.Hosts, serving.Hosts(), logkey.TrustDomain, cfg.TrustDomain)
@@ -181,11 +192,15 @@ func newTokenVerifier(cfg Config, clk clock.Clock, log *slog.Logger) (*token.Ver
 }
 
 // listen opens a TCP address, or a private Unix socket for "unix:///path" (a stale socket file
-// is replaced).
+// is replaced, a missing directory created private).
 func listen(addr string) (net.Listener, error) {
 	path, ok := strings.CutPrefix(addr, unixScheme)
 	if !ok {
 		return net.Listen("tcp", addr)
+	}
+	// The embedding agent puts the socket in the state dir, which a first start has not made yet.
+	if err := fsutil.EnsureDir(filepath.Dir(path), fsutil.PrivateDirMode); err != nil {
+		return nil, err
 	}
 	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return nil, err

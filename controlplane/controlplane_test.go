@@ -375,3 +375,43 @@ func TestNewRefusesMissingCACertsDir(t *testing.T) {
 		t.Fatalf("serving a %s CA with an empty --cacerts-dir, want self-signed", src)
 	}
 }
+
+// A start that fails binding its ports writes nothing to the state dir, and a start that fails
+// after binding releases what it bound.
+func TestNewBindsBeforeWriting(t *testing.T) {
+	t.Parallel()
+	busy, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = busy.Close() })
+	tests := []struct {
+		name       string
+		modify     func(c *controlplane.Config)
+		want       string
+		stateAfter bool // the state dir may exist after the failure
+	}{
+		{"gRPC port in use", func(c *controlplane.Config) { c.GRPCAddr = busy.Addr().String() }, busy.Addr().String(), false},
+		{"monitoring port in use", func(c *controlplane.Config) { c.MonitoringAddr = busy.Addr().String() }, busy.Addr().String(), false},
+		{"missing jwt keys file, after binding", func(c *controlplane.Config) { c.JWTKeysFile = filepath.Join(c.StateDir+"-none", "keys.pem") }, "token keys", true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			cfg := testConfig(filepath.Join(t.TempDir(), "state"))
+			// A socket file shows whether the gRPC listener was closed: closing removes it.
+			socket := filepath.Join(testutil.ShortTempDir(t), "ca.sock")
+			cfg.GRPCAddr = "unix://" + socket
+			tt.modify(&cfg)
+			if _, err := controlplane.New(cfg); err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("error %v, want one naming %q", err, tt.want)
+			}
+			if _, err := os.Stat(cfg.StateDir); !tt.stateAfter && !errors.Is(err, os.ErrNotExist) {
+				t.Fatalf("the failed start wrote the state dir (stat: %v)", err)
+			}
+			if _, err := os.Lstat(socket); !errors.Is(err, os.ErrNotExist) {
+				t.Fatalf("the failed start left its gRPC socket open (stat: %v)", err)
+			}
+		})
+	}
+}

@@ -121,6 +121,10 @@ func secondsToDuration(s int64) time.Duration {
 	}
 }
 
+// internalMessage is all a caller learns of an unexpected failure: its error may name files,
+// key backends or other internals, so it goes to the log only.
+const internalMessage = "internal error in the CA; its log has the details"
+
 // refuse logs a refusal once, counts it, and returns it as a gRPC status. The error texts never
 // contain the token: golang-jwt's errors describe claims, not the raw token.
 func (s *Server) refuse(ctx context.Context, caller Caller, err error) error {
@@ -134,6 +138,11 @@ func (s *Server) refuse(ctx context.Context, caller Caller, err error) error {
 	}
 	if p, ok := peer.FromContext(ctx); ok && p.Addr != nil {
 		attrs = append(attrs, logkey.Peer, p.Addr.String())
+	}
+	if code == codes.Internal {
+		// The CA's fault, not the caller's.
+		s.log.Error("certificate request refused", attrs...)
+		return status.Error(code, internalMessage)
 	}
 	s.log.Warn("certificate request refused", attrs...)
 	return status.Error(code, err.Error())

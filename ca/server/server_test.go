@@ -13,6 +13,7 @@ import (
 	"encoding/json"
 	"encoding/pem"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net"
 	"net/url"
@@ -57,6 +58,7 @@ type harness struct {
 type harnessOptions struct {
 	enabledByDefault *bool
 	maxTTL           time.Duration
+	signer           server.Signer // nil: the harness's authority
 }
 
 func newHarness(t testing.TB, opts harnessOptions) *harness {
@@ -99,8 +101,12 @@ func newHarness(t testing.TB, opts harnessOptions) *harness {
 		enabled = *opts.enabledByDefault
 	}
 	logs := &testutil.SyncBuffer{}
+	var signer server.Signer = authority
+	if opts.signer != nil {
+		signer = opts.signer
+	}
 	srv := server.New(server.Config{
-		Signer: authority,
+		Signer: signer,
 		Authenticators: []server.Authenticator{
 			server.NewJWTAuthenticator(verifier, trustDomain),
 			server.NewMTLSAuthenticator(authority, trustDomain, clk),
@@ -625,5 +631,35 @@ func TestCreateCertificateTargetingUnavailable(t *testing.T) {
 	_, err := srv.CreateCertificate(ctx, request(t, p256(t), nil, nil, 0))
 	if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "namespace store unreachable") {
 		t.Fatalf("error %v, want Unavailable naming the cause", err)
+	}
+}
+
+// failingSigner fails as a broken key backend might, with details meant for the operator only.
+type failingSigner struct{ err error }
+
+func (f failingSigner) SignWorkload(context.Context, ca.WorkloadRequest) (*ca.Issued, error) {
+	return nil, f.err
+}
+
+// An unexpected failure reaches the caller as Internal with a fixed message; its text, which may
+// name files or backends, stays in the CA's log.
+func TestCreateCertificateInternalErrorText(t *testing.T) {
+	t.Parallel()
+	const detail = "pkcs11 slot 3: pin rejected by /var/lib/meshid/hsm.conf"
+	h := newHarness(t, harnessOptions{signer: failingSigner{err: fmt.Errorf("sign: %w", errors.New(detail))}})
+	_, err := h.dial(t, nil).CreateCertificate(withToken(t.Context(), h.token(t, mintOptions{})), request(t, p256(t), []string{demoID()}, nil, 0))
+	st, _ := status.FromError(err)
+	if st.Code() != codes.Internal {
+		t.Fatalf("code = %v (%v), want Internal", st.Code(), err)
+	}
+	if st.Message() == "" || strings.Contains(st.Message(), "pin rejected") || strings.Contains(st.Message(), "hsm.conf") {
+		t.Fatalf("the caller was told %q, want a fixed message without the inner error", st.Message())
+	}
+	if got := strings.Count(h.logs.String(), detail); got != 1 {
+		t.Fatalf("the inner error is logged %d times, want once:\n%s", got, h.logs.String())
+	}
+	labels := map[string]string{"reason": "internal", "code": codes.Internal.String()}
+	if got := promtest.ToFloat64(counter(t, h.registry, "meshid_ca_requests_refused_total", labels)); got != 1 {
+		t.Fatalf("refusal counted %v times under %v, want 1", got, labels)
 	}
 }

@@ -165,6 +165,7 @@ func rules() []rule {
 		{jwt.ErrTokenInvalidAudience, codes.Unauthenticated, "token_audience"},
 		{jwt.ErrTokenInvalidIssuer, codes.Unauthenticated, "token_issuer"},
 		{token.ErrUnknownKey, codes.Unauthenticated, "token_unknown_key"},
+		{token.ErrNoKeyID, codes.Unauthenticated, "token_no_kid"},
 		{jwt.ErrTokenMalformed, codes.Unauthenticated, "token_malformed"},
 		{jwt.ErrTokenSignatureInvalid, codes.Unauthenticated, "token_signature"},
 		{jwt.ErrTokenUnverifiable, codes.Unauthenticated, "token_signature"},

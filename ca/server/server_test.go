@@ -58,7 +58,8 @@ type harness struct {
 type harnessOptions struct {
 	enabledByDefault *bool
 	maxTTL           time.Duration
-	signer           server.Signer // nil: the harness's authority
+	signer           server.Signer      // nil: the harness's authority
+	moreTokenKeys    []crypto.PublicKey // trusted besides the harness's token key
 }
 
 func newHarness(t testing.TB, opts harnessOptions) *harness {
@@ -83,7 +84,7 @@ func newHarness(t testing.TB, opts harnessOptions) *harness {
 	if err != nil {
 		t.Fatal(err)
 	}
-	keys, err := token.NewKeySet(tokenKey.Public())
+	keys, err := token.NewKeySet(append([]crypto.PublicKey{tokenKey.Public()}, opts.moreTokenKeys...)...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -661,5 +662,40 @@ func TestCreateCertificateInternalErrorText(t *testing.T) {
 	labels := map[string]string{"reason": "internal", "code": codes.Internal.String()}
 	if got := promtest.ToFloat64(counter(t, h.registry, "meshid_ca_requests_refused_total", labels)); got != 1 {
 		t.Fatalf("refusal counted %v times under %v, want 1", got, labels)
+	}
+}
+
+// A token without kid names its key only when the CA trusts a single one; with several it is
+// refused as the other token errors are, not tried against each key.
+func TestCreateCertificateTokenWithoutKid(t *testing.T) {
+	t.Parallel()
+	single := newHarness(t, harnessOptions{})
+	several := newHarness(t, harnessOptions{moreTokenKeys: []crypto.PublicKey{p256(t).Public()}})
+	for _, tt := range []struct {
+		name string
+		h    *harness
+		code codes.Code
+	}{
+		{"single key", single, codes.OK},
+		{"several keys", several, codes.Unauthenticated},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			noKid := signClaims(t, tt.h.tokenKey, jwt.MapClaims(goodClaims(tt.h.clock.Now())))
+			_, err := tt.h.dial(t, nil).CreateCertificate(withToken(t.Context(), noKid), request(t, p256(t), []string{demoID()}, nil, 0))
+			if got := status.Code(err); got != tt.code {
+				t.Fatalf("code = %v (%v), want %v", got, err, tt.code)
+			}
+			if tt.code == codes.OK {
+				return
+			}
+			if !strings.Contains(err.Error(), "kid") {
+				t.Fatalf("refused with %q, want a message about the missing kid", err)
+			}
+			labels := map[string]string{"reason": "token_no_kid", "code": tt.code.String()}
+			if got := promtest.ToFloat64(counter(t, tt.h.registry, "meshid_ca_requests_refused_total", labels)); got != 1 {
+				t.Fatalf("refusal counted %v times under %v, want 1", got, labels)
+			}
+		})
 	}
 }

@@ -29,6 +29,10 @@ const DefaultLeeway = time.Minute
 // ErrUnknownKey reports a token signed with a key the verifier does not hold.
 var ErrUnknownKey = errors.New("token signed by an unknown key")
 
+// ErrNoKeyID reports a token without a kid header checked by a verifier that holds several keys,
+// which cannot tell which of them is meant to have signed it.
+var ErrNoKeyID = errors.New("token has no kid header but several issuer keys are trusted")
+
 // KeySet holds the public keys of trusted token issuers, by key ID.
 type KeySet struct {
 	keys map[string]crypto.PublicKey
@@ -221,7 +225,8 @@ func NewVerifier(cfg VerifierConfig) (*Verifier, error) {
 }
 
 // Verify checks raw's signature, algorithm, audience, issuer and validity window, and returns its claims.
-// Errors wrap golang-jwt's (jwt.ErrTokenExpired, jwt.ErrTokenInvalidAudience, ...) or ErrUnknownKey.
+// Errors wrap golang-jwt's (jwt.ErrTokenExpired, jwt.ErrTokenInvalidAudience, ...), ErrUnknownKey or
+// ErrNoKeyID.
 func (v *Verifier) Verify(raw string) (*Claims, error) {
 	claims := &Claims{}
 	if _, err := v.parser.ParseWithClaims(raw, claims, v.keyFor); err != nil {
@@ -230,8 +235,9 @@ func (v *Verifier) Verify(raw string) (*Claims, error) {
 	return claims, nil
 }
 
-// keyFor picks the key named by the header's kid; a token without kid is tried against every key,
-// which for the usual single-key set is that key.
+// keyFor picks the key named by the header's kid. A token without kid is checked against the
+// only key when there is one; with several it is refused rather than tried against each, so
+// that which key vouches for a token never depends on trial and error (DESIGN.md, Tokens).
 func (v *Verifier) keyFor(t *jwt.Token) (any, error) {
 	kid, hasKid := t.Header["kid"].(string)
 	if hasKid && kid != "" {
@@ -241,9 +247,8 @@ func (v *Verifier) keyFor(t *jwt.Token) (any, error) {
 		}
 		return key, nil
 	}
-	set := jwt.VerificationKeySet{}
-	for _, id := range v.keys.ids {
-		set.Keys = append(set.Keys, v.keys.keys[id])
+	if n := len(v.keys.ids); n != 1 {
+		return nil, fmt.Errorf("%w (%d keys)", ErrNoKeyID, n)
 	}
-	return set, nil
+	return v.keys.keys[v.keys.ids[0]], nil
 }

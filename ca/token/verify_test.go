@@ -224,10 +224,13 @@ func TestVerifierKeySelection(t *testing.T) {
 		{name: "single key, numeric kid", keys: one, token: sign(t, jwt.SigningMethodES256, a, 42, goodClaims())},
 		{name: "JWKS, kid of first", keys: jwks, token: mint(t, a, nil)},
 		{name: "JWKS, kid of second", keys: jwks, token: mint(t, b, nil)},
-		{name: "JWKS, no kid, first key", keys: jwks, token: sign(t, jwt.SigningMethodES256, a, nil, goodClaims())},
-		{name: "JWKS, no kid, second key", keys: jwks, token: sign(t, jwt.SigningMethodES256, b, nil, goodClaims())},
+		// With several keys a token must say which one signed it (DESIGN.md, Tokens).
+		{name: "JWKS, no kid, first key", keys: jwks, token: sign(t, jwt.SigningMethodES256, a, nil, goodClaims()), want: token.ErrNoKeyID},
+		{name: "JWKS, no kid, second key", keys: jwks, token: sign(t, jwt.SigningMethodES256, b, nil, goodClaims()), want: token.ErrNoKeyID},
+		{name: "JWKS, empty kid", keys: jwks, token: sign(t, jwt.SigningMethodES256, a, "", goodClaims()), want: token.ErrNoKeyID},
 		{name: "JWKS, kid names the other key", keys: jwks, token: sign(t, jwt.SigningMethodES256, a, keyID(t, b.Public()), goodClaims()), want: jwt.ErrTokenSignatureInvalid},
-		{name: "JWKS, no kid, unknown key", keys: jwks, token: sign(t, jwt.SigningMethodES256, c, nil, goodClaims()), want: jwt.ErrTokenSignatureInvalid},
+		{name: "JWKS, no kid, unknown key", keys: jwks, token: sign(t, jwt.SigningMethodES256, c, nil, goodClaims()), want: token.ErrNoKeyID},
+		{name: "single key, no kid, unknown key", keys: one, token: sign(t, jwt.SigningMethodES256, c, nil, goodClaims()), want: jwt.ErrTokenSignatureInvalid},
 		{name: "JWKS, kid of unknown key", keys: jwks, token: mint(t, c, nil), want: token.ErrUnknownKey},
 	}
 	for _, tc := range tests {
@@ -354,8 +357,8 @@ func TestParseKeySetJWKS(t *testing.T) {
 	}{
 		{name: "EC by JWKS kid", token: sign(t, jwt.SigningMethodES256, ec, "ec-1", goodClaims())},
 		{name: "RSA by JWKS kid", token: sign(t, jwt.SigningMethodRS256, rsaKey, "rsa-1", goodClaims())},
-		{name: "EC without kid", token: sign(t, jwt.SigningMethodES256, ec, nil, goodClaims())},
-		{name: "RSA without kid", token: sign(t, jwt.SigningMethodRS256, rsaKey, nil, goodClaims())},
+		{name: "EC without kid", token: sign(t, jwt.SigningMethodES256, ec, nil, goodClaims()), want: token.ErrNoKeyID},
+		{name: "RSA without kid", token: sign(t, jwt.SigningMethodRS256, rsaKey, nil, goodClaims()), want: token.ErrNoKeyID},
 		{name: "derived kid is not the JWKS kid", token: mint(t, ec, nil), want: token.ErrUnknownKey},
 		{name: "EC signature under the RSA kid", token: sign(t, jwt.SigningMethodES256, ec, "rsa-1", goodClaims()), want: jwt.ErrTokenSignatureInvalid},
 		{name: "RSA signature under the EC kid", token: sign(t, jwt.SigningMethodRS256, rsaKey, "ec-1", goodClaims()), want: jwt.ErrTokenSignatureInvalid},

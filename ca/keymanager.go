@@ -28,6 +28,16 @@ const (
 	DefaultRootRotationThreshold = 0.2
 )
 
+// ValidateRootRotationThreshold checks a root rotation threshold: the share of a self-signed
+// root's lifetime left when it is renewed, strictly between 0 and 1. NaN, which every comparison
+// would let through and which would renew the root at every check, is refused too.
+func ValidateRootRotationThreshold(threshold float64) error {
+	if !(threshold > 0 && threshold < 1) {
+		return fmt.Errorf("root rotation threshold %v must be above 0 and below 1 (the share of the root's lifetime left when it is renewed)", threshold)
+	}
+	return nil
+}
+
 // EventKind names what the key manager did.
 type EventKind string
 
@@ -111,8 +121,8 @@ func NewKeyManager(cfg KeyManagerConfig) (*KeyManager, error) {
 	if cfg.RootRotationThreshold == 0 {
 		cfg.RootRotationThreshold = DefaultRootRotationThreshold
 	}
-	if cfg.RootRotationThreshold <= 0 || cfg.RootRotationThreshold >= 1 {
-		return nil, fmt.Errorf("root rotation threshold %v must be between 0 and 1", cfg.RootRotationThreshold)
+	if err := ValidateRootRotationThreshold(cfg.RootRotationThreshold); err != nil {
+		return nil, err
 	}
 	if cfg.TrustBundleOverlap < 0 {
 		return nil, fmt.Errorf("trust bundle overlap %s must not be negative", cfg.TrustBundleOverlap)

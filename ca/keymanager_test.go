@@ -7,6 +7,7 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
+	"math"
 	"os"
 	"path/filepath"
 	"strings"
@@ -1018,6 +1019,7 @@ func TestNewKeyManagerRefusals(t *testing.T) {
 		{"threshold above 1", func(c *ca.KeyManagerConfig) { c.RootRotationThreshold = 1.5 }, "threshold"},
 		{"threshold of 1", func(c *ca.KeyManagerConfig) { c.RootRotationThreshold = 1 }, "threshold"},
 		{"negative threshold", func(c *ca.KeyManagerConfig) { c.RootRotationThreshold = -0.1 }, "threshold"},
+		{"NaN threshold", func(c *ca.KeyManagerConfig) { c.RootRotationThreshold = math.NaN() }, "threshold"},
 		{"negative overlap", func(c *ca.KeyManagerConfig) { c.TrustBundleOverlap = -time.Hour }, "overlap"},
 		// A typo must not fall back to a self-signed CA silently.
 		{"cacerts dir that does not exist", func(c *ca.KeyManagerConfig) {

@@ -115,8 +115,8 @@ func (c *Config) Validate() error {
 	if c.RootCheckInterval <= 0 {
 		errs = append(errs, fmt.Errorf("--root-check-interval %s must be positive", c.RootCheckInterval))
 	}
-	if c.RootRotationThreshold <= 0 || c.RootRotationThreshold >= 1 {
-		errs = append(errs, fmt.Errorf("--root-rotation-threshold %v must be between 0 and 1 (a share of the root's lifetime)", c.RootRotationThreshold))
+	if err := ca.ValidateRootRotationThreshold(c.RootRotationThreshold); err != nil {
+		errs = append(errs, fmt.Errorf("--root-rotation-threshold: %w", err))
 	}
 	if c.TrustBundleOverlap < 0 {
 		errs = append(errs, fmt.Errorf("--trust-bundle-overlap %s must not be negative", c.TrustBundleOverlap))

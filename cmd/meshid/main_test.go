@@ -113,6 +113,7 @@ func TestBadInputIsRefusedBeforeRunning(t *testing.T) {
 		{"log format", []string{"version", "--log-format", "xml"}, "--log-format"},
 		{"grpc addr", []string{"ca", "--grpc-addr", "nope"}, "--grpc-addr"},
 		{"rotation threshold", []string{"ca", "--root-rotation-threshold", "1.5"}, "--root-rotation-threshold"},
+		{"rotation threshold NaN", []string{"ca", "--root-rotation-threshold", "NaN"}, "--root-rotation-threshold"},
 		{"negative overlap", []string{"ca", "--trust-bundle-overlap", "-1h"}, "--trust-bundle-overlap"},
 		{"positional argument", []string{"ca", "extra"}, "unknown command"},
 		{"token without identity", []string{"token", "--state-dir", "/s"}, "--namespace and --service-account are required"},

@@ -132,12 +132,11 @@ func checkPublicKey(pub crypto.PublicKey) error {
 			return nil
 		}
 	case *rsa.PublicKey:
-		bits := k.N.BitLen()
-		if bits >= pki.MinRSAKeySize && bits <= pki.MaxRSAKeySize {
+		if pki.ValidateRSAKeySize(k.N.BitLen()) == nil {
 			return nil
 		}
 	}
-	return fmt.Errorf("%w: %s (want RSA 2048 to 8192 bits, ECDSA P-256 or P-384)", ErrUnsupportedKey, pki.DescribeKey(pub))
+	return fmt.Errorf("%w: %s (want RSA %d to %d bits, ECDSA P-256 or P-384)", ErrUnsupportedKey, pki.DescribeKey(pub), pki.MinRSAKeySize, pki.MaxRSAKeySize)
 }
 
 // SignWorkload checks the request against policy, signs a leaf for the caller's identity with the

@@ -20,6 +20,7 @@ import (
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/filewatch"
 	"github.com/meshid/meshid/internal/fsutil"
+	"github.com/meshid/meshid/internal/pki"
 )
 
 // Defaults of the key manager, as in Istio's self-signed root rotator.
@@ -123,6 +124,12 @@ func NewKeyManager(cfg KeyManagerConfig) (*KeyManager, error) {
 	}
 	if err := ValidateRootRotationThreshold(cfg.RootRotationThreshold); err != nil {
 		return nil, err
+	}
+	// Checked now: GenerateKey would refuse the size only after the state dir was made.
+	if cfg.SelfSigned.KeyAlgorithm == pki.RSA && cfg.SelfSigned.RSAKeySize != 0 {
+		if err := pki.ValidateRSAKeySize(cfg.SelfSigned.RSAKeySize); err != nil {
+			return nil, fmt.Errorf("self-signed root key: %w", err)
+		}
 	}
 	if cfg.TrustBundleOverlap < 0 {
 		return nil, fmt.Errorf("trust bundle overlap %s must not be negative", cfg.TrustBundleOverlap)

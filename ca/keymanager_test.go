@@ -1020,6 +1020,9 @@ func TestNewKeyManagerRefusals(t *testing.T) {
 		{"threshold of 1", func(c *ca.KeyManagerConfig) { c.RootRotationThreshold = 1 }, "threshold"},
 		{"negative threshold", func(c *ca.KeyManagerConfig) { c.RootRotationThreshold = -0.1 }, "threshold"},
 		{"NaN threshold", func(c *ca.KeyManagerConfig) { c.RootRotationThreshold = math.NaN() }, "threshold"},
+		{"RSA key size out of range", func(c *ca.KeyManagerConfig) {
+			c.SelfSigned.KeyAlgorithm, c.SelfSigned.RSAKeySize = pki.RSA, 1024
+		}, "RSA key size 1024 out of range"},
 		{"negative overlap", func(c *ca.KeyManagerConfig) { c.TrustBundleOverlap = -time.Hour }, "overlap"},
 		// A typo must not fall back to a self-signed CA silently.
 		{"cacerts dir that does not exist", func(c *ca.KeyManagerConfig) {

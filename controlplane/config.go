@@ -124,8 +124,8 @@ func (c *Config) Validate() error {
 	switch c.SelfSigned.KeyAlgorithm {
 	case pki.ECDSA:
 	case pki.RSA:
-		if c.SelfSigned.RSAKeySize < pki.MinRSAKeySize || c.SelfSigned.RSAKeySize > pki.MaxRSAKeySize {
-			errs = append(errs, fmt.Errorf("--key-size %d out of range [%d, %d]", c.SelfSigned.RSAKeySize, pki.MinRSAKeySize, pki.MaxRSAKeySize))
+		if err := pki.ValidateRSAKeySize(c.SelfSigned.RSAKeySize); err != nil {
+			errs = append(errs, fmt.Errorf("--key-size: %w", err))
 		}
 	default:
 		errs = append(errs, fmt.Errorf("--key-algorithm %q: want ECDSA or RSA", c.SelfSigned.KeyAlgorithm))

@@ -79,7 +79,7 @@ func TestCAKeyFlags(t *testing.T) {
 		{"key size implies RSA", []string{"--key-size", "4096"}, pki.RSA, 4096, ""},
 		{"explicit RSA", []string{"--key-algorithm", "rsa"}, pki.RSA, 2048, ""},
 		{"ECDSA with a key size", []string{"--key-algorithm", "ECDSA", "--key-size", "4096"}, "", 0, "applies to RSA keys only"},
-		{"RSA too small", []string{"--key-size", "1024"}, "", 0, "--key-size 1024"},
+		{"RSA too small", []string{"--key-size", "1024"}, "", 0, "--key-size: RSA key size 1024 out of range [2048, 8192]"},
 		{"unknown algorithm", []string{"--key-algorithm", "dsa"}, "", 0, "unknown key algorithm"},
 	}
 	for _, tt := range tests {

@@ -29,6 +29,15 @@ const (
 	DefaultRSAKeySize = 2048
 )
 
+// ValidateRSAKeySize checks that an RSA key of bits is one this project generates or accepts:
+// from MinRSAKeySize to MaxRSAKeySize bits, both included.
+func ValidateRSAKeySize(bits int) error {
+	if bits < MinRSAKeySize || bits > MaxRSAKeySize {
+		return fmt.Errorf("RSA key size %d out of range [%d, %d]", bits, MinRSAKeySize, MaxRSAKeySize)
+	}
+	return nil
+}
+
 // ParseKeyAlgorithm accepts ECDSA (also EC, ECC, P256) and RSA, in any case.
 func ParseKeyAlgorithm(s string) (KeyAlgorithm, error) {
 	switch strings.ToUpper(strings.TrimSpace(s)) {
@@ -54,8 +63,8 @@ func GenerateKey(alg KeyAlgorithm, rsaBits int) (crypto.Signer, error) {
 		if rsaBits == 0 {
 			rsaBits = DefaultRSAKeySize
 		}
-		if rsaBits < MinRSAKeySize || rsaBits > MaxRSAKeySize {
-			return nil, fmt.Errorf("RSA key size %d out of range [%d, %d]", rsaBits, MinRSAKeySize, MaxRSAKeySize)
+		if err := ValidateRSAKeySize(rsaBits); err != nil {
+			return nil, err
 		}
 		key, err := rsa.GenerateKey(rand.Reader, rsaBits)
 		if err != nil {

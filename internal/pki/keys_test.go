@@ -10,6 +10,8 @@ import (
 	"crypto/x509"
 	"encoding/base64"
 	"regexp"
+	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/meshid/meshid/internal/pki"
@@ -53,6 +55,34 @@ func TestGenerateKey(t *testing.T) {
 				t.Fatalf("GenerateKey(%q, %d) = %s, want %s", tc.alg, tc.bits, got, tc.want)
 			}
 		})
+	}
+}
+
+func TestValidateRSAKeySize(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		bits int
+		ok   bool
+	}{
+		{pki.MinRSAKeySize, true},
+		{3072, true},
+		{pki.MaxRSAKeySize, true},
+		{pki.MinRSAKeySize - 1, false},
+		{pki.MaxRSAKeySize + 1, false},
+		{1024, false},
+		{0, false},
+		{-2048, false},
+	} {
+		err := pki.ValidateRSAKeySize(tc.bits)
+		if tc.ok {
+			if err != nil {
+				t.Errorf("ValidateRSAKeySize(%d) = %v, want nil", tc.bits, err)
+			}
+			continue
+		}
+		if err == nil || !strings.Contains(err.Error(), "[2048, 8192]") || !strings.Contains(err.Error(), strconv.Itoa(tc.bits)) {
+			t.Errorf("ValidateRSAKeySize(%d) = %v, want an error naming the size and the range [2048, 8192]", tc.bits, err)
+		}
 	}
 }
 

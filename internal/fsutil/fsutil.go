@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 )
 
 // Modes for files and directories that hold key material and for public files next to them.
@@ -15,12 +16,17 @@ const (
 	PrivateDirMode  os.FileMode = 0o700
 )
 
+// tempInfix is in the name of every temporary file of WriteFileAtomic: "." + base + tempInfix +
+// the random digits of os.CreateTemp.
+const tempInfix = ".tmp-"
+
 // WriteFileAtomic replaces path with data so that a reader sees either the old content or the new,
 // never a mix: it writes a temporary file in the same directory with mode perm, syncs it, renames
-// it over path, and syncs the directory so that the rename survives a crash.
+// it over path, and syncs the directory so that the rename survives a crash. A process killed
+// before the rename leaves the temporary file behind; see RemoveTempFiles.
 func WriteFileAtomic(path string, data []byte, perm os.FileMode) (err error) {
 	dir := filepath.Dir(path)
-	tmp, err := os.CreateTemp(dir, "."+filepath.Base(path)+".tmp-*")
+	tmp, err := os.CreateTemp(dir, "."+filepath.Base(path)+tempInfix+"*")
 	if err != nil {
 		return fmt.Errorf("create temporary file for %s: %w", path, err)
 	}
@@ -47,6 +53,57 @@ func WriteFileAtomic(path string, data []byte, perm os.FileMode) (err error) {
 		return fmt.Errorf("rename %s to %s: %w", tmp.Name(), path, err)
 	}
 	return SyncDir(dir)
+}
+
+// RemoveTempFiles removes the temporary files of WriteFileAtomic left in dir by a process killed
+// while writing, and returns their paths. It removes only regular files named as WriteFileAtomic
+// names them, and follows no symlink. Call it when no WriteFileAtomic into dir can be running
+// (under the lock of the processes sharing dir): it cannot tell a leftover from a file in use.
+// It goes on past a file it cannot remove, and reports every failure.
+func RemoveTempFiles(dir string) ([]string, error) {
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, fmt.Errorf("list %s: %w", dir, err)
+	}
+	var removed []string
+	var errs []error
+	for _, e := range entries {
+		// Type comes from the directory entry (lstat, not stat): a symlink is not regular.
+		if !e.Type().IsRegular() || !isTempName(e.Name()) {
+			continue
+		}
+		path := filepath.Join(dir, e.Name())
+		if err := os.Remove(path); err != nil {
+			if !errors.Is(err, os.ErrNotExist) {
+				errs = append(errs, fmt.Errorf("remove %s: %w", path, err))
+			}
+			continue
+		}
+		removed = append(removed, path)
+	}
+	return removed, errors.Join(errs...)
+}
+
+// isTempName reports whether name is "." + base + tempInfix + digits, with base not empty.
+func isTempName(name string) bool {
+	rest, ok := strings.CutPrefix(name, ".")
+	if !ok {
+		return false
+	}
+	i := strings.LastIndex(rest, tempInfix)
+	if i <= 0 {
+		return false
+	}
+	digits := rest[i+len(tempInfix):]
+	if digits == "" {
+		return false
+	}
+	for _, c := range digits {
+		if c < '0' || c > '9' {
+			return false
+		}
+	}
+	return true
 }
 
 // WritePrivateFile atomically writes data readable by the owner only.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"syscall"
 	"testing"
 )
@@ -107,5 +108,78 @@ func TestLockIsExclusive(t *testing.T) {
 	}
 	if info.Mode().Perm() != PrivateFileMode {
 		t.Fatalf("lock file mode %v", info.Mode().Perm())
+	}
+}
+
+func TestRemoveTempFiles(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	outside := filepath.Join(t.TempDir(), "target")
+	write := func(name string) {
+		t.Helper()
+		if err := os.WriteFile(filepath.Join(dir, name), []byte("x"), PrivateFileMode); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.WriteFile(outside, []byte("keep"), PrivateFileMode); err != nil {
+		t.Fatal(err)
+	}
+	// What a killed WriteFileAtomic leaves, named by os.CreateTemp itself.
+	tmp, err := os.CreateTemp(dir, "."+"root-cert.pem"+".tmp-*")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = tmp.Close()
+	removable := []string{tmp.Name(), filepath.Join(dir, ".ca-key.pem.tmp-123"), filepath.Join(dir, "..lock.tmp-4294967295")}
+	for _, p := range removable[1:] {
+		write(filepath.Base(p))
+	}
+	kept := []string{
+		"ca-key.pem",
+		"ca-key.pem.tmp-123",  // no leading dot
+		".ca-key.pem.tmp-",    // no random part
+		".ca-key.pem.tmp-12a", // not digits
+		".tmp-123",            // no base name
+		".ca-key.pem.tmp-1.bak",
+	}
+	for _, name := range kept {
+		write(name)
+	}
+	if err := os.Symlink(outside, filepath.Join(dir, ".link.pem.tmp-7")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(filepath.Join(dir, ".sub.pem.tmp-8"), PrivateDirMode); err != nil {
+		t.Fatal(err)
+	}
+	kept = append(kept, ".link.pem.tmp-7", ".sub.pem.tmp-8")
+
+	removed, err := RemoveTempFiles(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	slices.Sort(removed)
+	slices.Sort(removable)
+	if !slices.Equal(removed, removable) {
+		t.Fatalf("removed %q, want %q", removed, removable)
+	}
+	for _, p := range removable {
+		if _, err := os.Lstat(p); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("%s is still there (%v)", p, err)
+		}
+	}
+	for _, name := range kept {
+		if _, err := os.Lstat(filepath.Join(dir, name)); err != nil {
+			t.Errorf("%s was removed: %v", name, err)
+		}
+	}
+	if data, err := os.ReadFile(outside); err != nil || string(data) != "keep" {
+		t.Fatalf("the symlink's target was touched: %q, %v", data, err)
+	}
+
+	if removed, err := RemoveTempFiles(dir); err != nil || len(removed) != 0 {
+		t.Fatalf("second sweep removed %q (%v), want nothing", removed, err)
+	}
+	if _, err := RemoveTempFiles(filepath.Join(dir, "missing")); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("sweep of a missing dir: %v, want ErrNotExist", err)
 	}
 }

@@ -58,12 +58,16 @@ const (
 	EventAdopted EventKind = "adopted"
 	// EventPruned: retained roots expired or outlived the overlap and left the trust bundle.
 	EventPruned EventKind = "pruned"
+	// EventTempFileRemoved: at start-up, a temporary file left in the state dir by an interrupted
+	// write was removed.
+	EventTempFileRemoved EventKind = "temp_file_removed"
 )
 
 // Event reports one thing the key manager did.
 type Event struct {
 	Kind EventKind
-	Err  error // why files were rejected, or what failed
+	Err  error  // why files were rejected, or what failed
+	Path string // the file removed (EventTempFileRemoved)
 }
 
 // KeyManagerConfig configures a KeyManager. Zero durations take the defaults.
@@ -157,11 +161,12 @@ func NewKeyManager(cfg KeyManagerConfig) (*KeyManager, error) {
 	}
 	now := m.clock.Now()
 	b, origin, err := LoadOrCreate(StartupConfig{
-		CACertsDir: cfg.CACertsDir,
-		StateDir:   cfg.StateDir,
-		SelfSigned: cfg.SelfSigned,
-		Now:        now,
-		Logger:     m.log,
+		CACertsDir:        cfg.CACertsDir,
+		StateDir:          cfg.StateDir,
+		SelfSigned:        cfg.SelfSigned,
+		Now:               now,
+		Logger:            m.log,
+		OnTempFileRemoved: func(path string) { m.emit(Event{Kind: EventTempFileRemoved, Path: path}) },
 	})
 	if err != nil {
 		return nil, err

@@ -1082,3 +1082,36 @@ func TestRotationRestoresDeletedStateFiles(t *testing.T) {
 		t.Fatalf("ca-key.pem: %v, mode %v", err, info)
 	}
 }
+
+// A SIGKILL between WriteFileAtomic's temporary file and its rename leaves the temporary file
+// behind, a copy of a private key included. The next start removes it under the state dir lock.
+func TestStartupRemovesLeftoverTempFiles(t *testing.T) {
+	t.Parallel()
+	cfg := keyManagerConfig(t)
+	leftover := filepath.Join(cfg.StateDir, ".ca-key.pem.tmp-123")
+	unrelated := filepath.Join(cfg.StateDir, "notes.tmp-123")
+	testutil.WriteFiles(t, cfg.StateDir, map[string][]byte{
+		filepath.Base(leftover):  testutil.KeyPEM(t, newKey(t)),
+		filepath.Base(unrelated): []byte("not ours"),
+	})
+	h := newKeyManager(t, cfg, baseTime())
+	if _, err := os.Lstat(leftover); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("%s survived the start (stat: %v)", leftover, err)
+	}
+	if _, err := os.Stat(unrelated); err != nil {
+		t.Fatalf("a file not named as WriteFileAtomic names its temporary files was touched: %v", err)
+	}
+	evs := h.drain()
+	if len(evs) != 1 || evs[0].Kind != ca.EventTempFileRemoved || evs[0].Path != leftover {
+		t.Fatalf("start-up reported %+v, want one %s event for %s", evs, ca.EventTempFileRemoved, leftover)
+	}
+	if h.Origin() != ca.OriginGenerated {
+		t.Fatalf("origin %q, want a new self-signed CA (the leftover is no key pair)", h.Origin())
+	}
+
+	// A later start has nothing to remove.
+	again := newKeyManager(t, cfg, baseTime())
+	if evs := again.drain(); len(evs) != 0 {
+		t.Fatalf("the next start reported %v, want nothing", kinds(evs))
+	}
+}

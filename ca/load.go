@@ -268,6 +268,9 @@ type StartupConfig struct {
 	SelfSigned SelfSignedConfig
 	Now        time.Time
 	Logger     *slog.Logger
+	// OnTempFileRemoved, when set, is told of each temporary file left by an interrupted write
+	// that LoadOrCreate removed from StateDir.
+	OnTempFileRemoved func(path string)
 }
 
 // lockFile serialises replicas that share a state dir while they create or rotate the root.
@@ -293,6 +296,10 @@ func LoadOrCreate(cfg StartupConfig) (*Bundle, Origin, error) {
 		return nil, "", err
 	}
 	defer unlock()
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	removeTempFiles(cfg)
 	b, origin, err := loadOrCreate(cfg)
 	if err != nil {
 		return nil, "", err
@@ -308,11 +315,25 @@ func LoadOrCreate(cfg StartupConfig) (*Bundle, Origin, error) {
 	return b, origin, nil
 }
 
+// removeTempFiles removes what a CA killed in the middle of an atomic write (during its first
+// start, say) left in the state dir: a copy of a key, possibly. Replicas create and rotate the
+// root under the lock the caller holds, so none of theirs is in flight.
+func removeTempFiles(cfg StartupConfig) {
+	removed, err := fsutil.RemoveTempFiles(cfg.StateDir)
+	for _, path := range removed {
+		cfg.Logger.Warn("removed a temporary file left by an interrupted write", logkey.Path, path)
+		if cfg.OnTempFileRemoved != nil {
+			cfg.OnTempFileRemoved(path)
+		}
+	}
+	if err != nil {
+		// Not fatal: a leftover harms nothing but the disk, and the state files are read by name.
+		cfg.Logger.Warn("cannot remove the temporary files left by an interrupted write", logkey.Error, err.Error())
+	}
+}
+
 func loadOrCreate(cfg StartupConfig) (*Bundle, Origin, error) {
 	log := cfg.Logger
-	if log == nil {
-		log = slog.New(slog.DiscardHandler)
-	}
 	if cfg.CACertsDir != "" {
 		b, err := LoadPluggedIn(cfg.CACertsDir, cfg.Now)
 		if err == nil {

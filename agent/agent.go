@@ -16,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"golang.org/x/sync/errgroup"
 
+	"github.com/meshid/meshid/ca/token"
 	"github.com/meshid/meshid/caclient"
 	"github.com/meshid/meshid/controlplane"
 	"github.com/meshid/meshid/internal/clock"
@@ -26,6 +27,9 @@ import (
 )
 
 const embeddedSocket = "ca.sock"
+
+// embeddedTokenTTL is the life of the token minted for each request to the embedded CA.
+const embeddedTokenTTL = 5 * time.Minute
 
 // Source names where the agent's certificates come from, as chosen at start-up.
 type Source string
@@ -218,11 +222,23 @@ func (a *Agent) embed(caCfg *caclient.Config, cfg Config, id pki.SPIFFEID, clk c
 		return fmt.Errorf("embedded control plane: %w", err)
 	}
 	a.controlPlane = cp
+	// New has created the token key: read it once, and mint a short-lived token per request.
+	minter, err := token.LoadMinter(controlplane.TokenKeyPath(stateDir))
+	if err != nil {
+		return fmt.Errorf("embedded control plane: %w", err)
+	}
 	caCfg.Address = cp.GRPCAddr()
 	caCfg.RootCertFile = filepath.Join(stateDir, "root-cert.pem")
 	caCfg.TokenPath = ""
 	caCfg.Token = func(context.Context) (string, error) {
-		return controlplane.LocalToken(stateDir, id.Namespace, id.ServiceAccount, clk.Now())
+		return minter.Mint(token.MintParams{
+			Issuer:         token.DefaultIssuer,
+			Audiences:      []string{token.DefaultAudience},
+			Namespace:      id.Namespace,
+			ServiceAccount: id.ServiceAccount,
+			TTL:            embeddedTokenTTL,
+			Now:            clk.Now(),
+		})
 	}
 	return nil
 }

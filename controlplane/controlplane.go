@@ -169,7 +169,7 @@ func newTokenVerifier(cfg Config, clk clock.Clock, log *slog.Logger) (*token.Ver
 		keys = ks
 		log.Info("trusting token issuer keys", logkey.Path, cfg.JWTKeysFile, logkey.Keys, ks.Len())
 	} else {
-		path := filepath.Join(cfg.StateDir, ca.TokenKeyFile)
+		path := TokenKeyPath(cfg.StateDir)
 		key, created, err := token.LoadOrCreateKey(path)
 		if err != nil {
 			return nil, err
@@ -326,54 +326,8 @@ func (c *ControlPlane) monitoringHandler(registry *prometheus.Registry) http.Han
 	return mux
 }
 
-// Defaults of `meshid token`, as kube-apiserver sets them.
-const (
-	DefaultTokenIssuer   = token.DefaultIssuer
-	DefaultTokenAudience = token.DefaultAudience
-	DefaultTokenTTL      = token.DefaultTTL
-)
-
-// TokenRequest describes a token for MintToken.
-type TokenRequest struct {
-	// KeyPath is the signing key; empty means StateDir/token-key.pem.
-	KeyPath  string
-	StateDir string
-	token.MintParams
-}
-
-// MintToken signs a Kubernetes-style service-account token with the CA's local token key, or
-// with the key at KeyPath.
-func MintToken(req TokenRequest) (string, error) {
-	path := req.KeyPath
-	if path == "" {
-		if req.StateDir == "" {
-			return "", errors.New("give --key or --state-dir")
-		}
-		path = filepath.Join(req.StateDir, ca.TokenKeyFile)
-	}
-	key, err := token.LoadKey(path)
-	if err != nil {
-		if req.KeyPath == "" {
-			return "", fmt.Errorf("%w (start `meshid ca --state-dir %s` once to create it, or pass --key)", err, req.StateDir)
-		}
-		return "", err
-	}
-	return token.Mint(key, req.MintParams)
-}
-
-// localTokenTTL is the life of a token minted for each request of an embedding agent.
-const localTokenTTL = 5 * time.Minute
-
-// LocalToken mints a short-lived token for namespace/serviceAccount with the local token key of
-// the control plane whose state dir is stateDir: what an agent that embeds it presents, minted
-// afresh for every request so that none expires in use.
-func LocalToken(stateDir, namespace, serviceAccount string, now time.Time) (string, error) {
-	return MintToken(TokenRequest{StateDir: stateDir, MintParams: token.MintParams{
-		Issuer:         DefaultTokenIssuer,
-		Audiences:      []string{DefaultTokenAudience},
-		Namespace:      namespace,
-		ServiceAccount: serviceAccount,
-		TTL:            localTokenTTL,
-		Now:            now,
-	}})
+// TokenKeyPath is where the control plane whose state dir is stateDir keeps its local token
+// signing key: what `meshid token` and an embedding agent mint with (see token.LoadMinter).
+func TokenKeyPath(stateDir string) string {
+	return filepath.Join(stateDir, ca.TokenKeyFile)
 }

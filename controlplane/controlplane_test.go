@@ -297,17 +297,6 @@ func TestNewFailsClearly(t *testing.T) {
 	}
 }
 
-func TestMintTokenWithoutKeySaysHowToGetOne(t *testing.T) {
-	t.Parallel()
-	dir := t.TempDir()
-	_, err := controlplane.MintToken(controlplane.TokenRequest{StateDir: dir, MintParams: token.MintParams{
-		Audiences: []string{"istio-ca"}, Namespace: "default", ServiceAccount: "demo", TTL: time.Hour, Now: time.Now(),
-	}})
-	if err == nil || !strings.Contains(err.Error(), "meshid ca --state-dir "+dir) {
-		t.Fatalf("error %v, want a hint to start meshid ca", err)
-	}
-}
-
 // runBriefly starts a control plane on cfg and stops it once it serves, as a first start would.
 func runBriefly(t *testing.T, cfg controlplane.Config) {
 	t.Helper()

@@ -10,6 +10,7 @@ import (
 	"crypto/rsa"
 	"errors"
 	"fmt"
+	"io/fs"
 	"strings"
 	"time"
 
@@ -90,9 +91,48 @@ type MintParams struct {
 	Now               time.Time
 }
 
-// Mint signs a bound service-account token with key. The header carries the key's ID (as
-// kube-apiserver derives it) and the algorithm that fits the key: ES256/ES384 or RS256.
+// Minter signs bound service-account tokens with one key, read and checked once.
+type Minter struct {
+	key    crypto.Signer
+	method jwt.SigningMethod
+	kid    string
+}
+
+// NewMinter returns a Minter signing with key: ECDSA P-256/P-384 or RSA.
+func NewMinter(key crypto.Signer) (*Minter, error) {
+	method, err := signingMethod(key.Public())
+	if err != nil {
+		return nil, err
+	}
+	kid, err := pki.KeyID(key.Public())
+	if err != nil {
+		return nil, err
+	}
+	return &Minter{key: key, method: method, kid: kid}, nil
+}
+
+// LoadMinter reads the signing key at path (see LoadKey) and returns a Minter for it. A missing
+// key is an error wrapping fs.ErrNotExist.
+func LoadMinter(path string) (*Minter, error) {
+	key, err := LoadKey(path)
+	if err != nil {
+		return nil, err
+	}
+	return NewMinter(key)
+}
+
+// Mint signs a bound service-account token with key; a Minter does the same for many tokens.
 func Mint(key crypto.Signer, p MintParams) (string, error) {
+	m, err := NewMinter(key)
+	if err != nil {
+		return "", err
+	}
+	return m.Mint(p)
+}
+
+// Mint signs a bound service-account token. The header carries the key's ID (as kube-apiserver
+// derives it) and the algorithm that fits the key: ES256/ES384 or RS256.
+func (m *Minter) Mint(p MintParams) (string, error) {
 	if err := pki.ValidateNamespace(p.Namespace); err != nil {
 		return "", err
 	}
@@ -104,14 +144,6 @@ func Mint(key crypto.Signer, p MintParams) (string, error) {
 	}
 	if len(p.Audiences) == 0 {
 		return "", errors.New("token needs at least one audience")
-	}
-	method, err := signingMethod(key.Public())
-	if err != nil {
-		return "", err
-	}
-	kid, err := pki.KeyID(key.Public())
-	if err != nil {
-		return "", err
 	}
 	uid := p.ServiceAccountUID
 	if uid == "" {
@@ -137,9 +169,9 @@ func Mint(key crypto.Signer, p MintParams) (string, error) {
 			ServiceAccount: Ref{Name: p.ServiceAccount, UID: uid},
 		},
 	}
-	tok := jwt.NewWithClaims(method, claims)
-	tok.Header["kid"] = kid
-	signed, err := tok.SignedString(key)
+	tok := jwt.NewWithClaims(m.method, claims)
+	tok.Header["kid"] = m.kid
+	signed, err := tok.SignedString(m.key)
 	if err != nil {
 		return "", fmt.Errorf("sign token: %w", err)
 	}
@@ -168,7 +200,7 @@ func LoadKey(path string) (crypto.Signer, error) {
 		return nil, err
 	}
 	if !ok {
-		return nil, fmt.Errorf("token signing key %s does not exist", path)
+		return nil, fmt.Errorf("token signing key %s: %w", path, fs.ErrNotExist)
 	}
 	key, err := pki.ParsePrivateKey(data)
 	if err != nil {

@@ -12,6 +12,7 @@ import (
 	"encoding/json"
 	"encoding/pem"
 	"errors"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -283,6 +284,54 @@ func TestLoadOrCreateKeyRefusesUnusableFile(t *testing.T) {
 	}
 	if _, _, err := token.LoadOrCreateKey(filepath.Join(dir, "missing-dir", "key.pem")); err == nil {
 		t.Fatal("LoadOrCreateKey() in a missing directory succeeded")
+	}
+}
+
+// A Minter reads its key once: tokens keep coming, all under the key's ID, after the file is gone.
+func TestLoadMinter(t *testing.T) {
+	t.Parallel()
+	key := newKey(t)
+	path := filepath.Join(t.TempDir(), "token-key.pem")
+	testutil.WriteFiles(t, filepath.Dir(path), map[string][]byte{filepath.Base(path): testutil.KeyPEM(t, key)})
+	m, err := token.LoadMinter(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(path); err != nil {
+		t.Fatal(err)
+	}
+	v, err := token.NewVerifier(token.VerifierConfig{Keys: keySet(t, key.Public()), Audience: token.DefaultAudience, Now: testNow})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, sa := range []string{"a", "b"} {
+		p := params()
+		p.ServiceAccount = sa
+		tok, err := m.Mint(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := segment(t, tok, 0)["kid"]; got != keyID(t, key.Public()) {
+			t.Fatalf("kid %v, want the key's ID", got)
+		}
+		claims, err := v.Verify(tok)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, name, err := claims.ServiceAccount(); err != nil || name != sa {
+			t.Fatalf("token for %q (%v), want %q", name, err, sa)
+		}
+	}
+
+	if _, err := token.LoadMinter(path); !errors.Is(err, fs.ErrNotExist) || !strings.Contains(err.Error(), path) {
+		t.Fatalf("LoadMinter of a missing key: %v, want ErrNotExist naming %s", err, path)
+	}
+	_, edKey, err := ed25519.GenerateKey(rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := token.NewMinter(edKey); err == nil {
+		t.Fatal("NewMinter accepted an Ed25519 key")
 	}
 }
 

@@ -185,9 +185,20 @@ func TestTokenCommand(t *testing.T) {
 	}
 	checkToken(string(data), "vm", "web")
 
-	if _, _, _, err := execute(t, "token", "--state-dir", t.TempDir(), "--namespace", "a", "--service-account", "b"); err == nil ||
-		!strings.Contains(err.Error(), "start `meshid ca") {
-		t.Fatalf("missing key: %v, want a hint to start meshid ca", err)
+	empty := t.TempDir()
+	if _, _, _, err := execute(t, "token", "--state-dir", empty, "--namespace", "a", "--service-account", "b"); err == nil ||
+		!strings.Contains(err.Error(), "start `meshid ca --state-dir "+empty+"` once") {
+		t.Fatalf("missing key: %v, want a hint to start meshid ca on %s", err, empty)
+	}
+	// The hint is for a state dir without a key, not for a bad key nor for --key.
+	if err := os.WriteFile(filepath.Join(empty, "token-key.pem"), []byte("not a key"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, args := range [][]string{{"--state-dir", empty}, {"--key", filepath.Join(empty, "missing.pem")}} {
+		_, _, _, err := execute(t, append([]string{"token", "--namespace", "a", "--service-account", "b"}, args...)...)
+		if err == nil || strings.Contains(err.Error(), "start `meshid ca") {
+			t.Fatalf("token %v: %v, want an error without the hint", args, err)
+		}
 	}
 }
 

@@ -3,25 +3,29 @@ package main
 import (
 	"errors"
 	"fmt"
+	"io/fs"
 	"time"
-
-	"github.com/meshid/meshid/internal/logkey"
 
 	"github.com/spf13/cobra"
 
+	"github.com/meshid/meshid/ca/token"
 	"github.com/meshid/meshid/cmd/internal/cli"
 	"github.com/meshid/meshid/controlplane"
 	"github.com/meshid/meshid/internal/fsutil"
+	"github.com/meshid/meshid/internal/logkey"
 )
 
 func newTokenCommand(g *cli.Globals) *cobra.Command {
 	var (
-		req    = controlplane.TokenRequest{StateDir: controlplane.DefaultStateDir}
+		keyPath  string
+		stateDir = controlplane.DefaultStateDir
+		params   = token.MintParams{
+			Issuer:    token.DefaultIssuer,
+			Audiences: []string{token.DefaultAudience},
+			TTL:       token.DefaultTTL,
+		}
 		output string
 	)
-	req.Issuer = controlplane.DefaultTokenIssuer
-	req.Audiences = []string{controlplane.DefaultTokenAudience}
-	req.TTL = controlplane.DefaultTokenTTL
 	cmd := &cobra.Command{
 		Use:   "token",
 		Short: "Mint a Kubernetes-style service-account token (for VMs, demos and tests)",
@@ -33,17 +37,21 @@ spiffe://<trust-domain>/ns/<namespace>/sa/<service-account>.`,
 		Example: `  meshid token --state-dir ./ca-state --namespace default --service-account demo -o ./istio-token`,
 		Args:    cobra.NoArgs,
 		PreRunE: func(*cobra.Command, []string) error {
-			if req.Namespace == "" || req.ServiceAccount == "" {
+			if params.Namespace == "" || params.ServiceAccount == "" {
 				return errors.New("--namespace and --service-account are required")
 			}
-			if req.TTL <= 0 {
-				return fmt.Errorf("--ttl %s must be positive", req.TTL)
+			if params.TTL <= 0 {
+				return fmt.Errorf("--ttl %s must be positive", params.TTL)
 			}
 			return nil
 		},
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			req.Now = time.Now()
-			jwt, err := controlplane.MintToken(req)
+			minter, err := loadMinter(keyPath, stateDir)
+			if err != nil {
+				return err
+			}
+			params.Now = time.Now()
+			jwt, err := minter.Mint(params)
 			if err != nil {
 				return err
 			}
@@ -54,20 +62,36 @@ spiffe://<trust-domain>/ns/<namespace>/sa/<service-account>.`,
 			if err := fsutil.WritePrivateFile(output, []byte(jwt)); err != nil {
 				return err
 			}
-			g.Logger().Info("token written", logkey.Path, output, logkey.Namespace, req.Namespace, logkey.ServiceAccount, req.ServiceAccount,
-				logkey.Expires, req.Now.Add(req.TTL).UTC().Format(time.RFC3339))
+			g.Logger().Info("token written", logkey.Path, output, logkey.Namespace, params.Namespace, logkey.ServiceAccount, params.ServiceAccount,
+				logkey.Expires, params.Now.Add(params.TTL).UTC().Format(time.RFC3339))
 			return nil
 		},
 	}
 	f := cmd.Flags()
-	f.StringVar(&req.KeyPath, "key", "", "PEM private key to sign with (ECDSA P-256/P-384 or RSA); default: <state-dir>/token-key.pem")
-	f.StringVar(&req.StateDir, "state-dir", req.StateDir, "state directory of \"meshid ca\", whose token-key.pem signs the token")
-	f.StringVar(&req.Namespace, "namespace", "", "namespace of the service account (required)")
-	f.StringVar(&req.ServiceAccount, "service-account", "", "name of the service account (required)")
-	f.StringVar(&req.ServiceAccountUID, "uid", "", "UID of the service account (default: random)")
-	f.StringSliceVar(&req.Audiences, "audience", req.Audiences, "audiences of the token, comma-separated")
-	f.StringVar(&req.Issuer, "issuer", req.Issuer, "issuer (iss) of the token")
-	f.DurationVar(&req.TTL, "ttl", req.TTL, "lifetime of the token")
+	f.StringVar(&keyPath, "key", "", "PEM private key to sign with (ECDSA P-256/P-384 or RSA); default: <state-dir>/token-key.pem")
+	f.StringVar(&stateDir, "state-dir", stateDir, "state directory of \"meshid ca\", whose token-key.pem signs the token")
+	f.StringVar(&params.Namespace, "namespace", "", "namespace of the service account (required)")
+	f.StringVar(&params.ServiceAccount, "service-account", "", "name of the service account (required)")
+	f.StringVar(&params.ServiceAccountUID, "uid", "", "UID of the service account (default: random)")
+	f.StringSliceVar(&params.Audiences, "audience", params.Audiences, "audiences of the token, comma-separated")
+	f.StringVar(&params.Issuer, "issuer", params.Issuer, "issuer (iss) of the token")
+	f.DurationVar(&params.TTL, "ttl", params.TTL, "lifetime of the token")
 	f.StringVarP(&output, "output", "o", "", "write the token to this file (mode 0600) instead of stdout")
 	return cmd
+}
+
+// loadMinter loads the key of --key, or else the local token key of the CA whose state dir is
+// --state-dir, which a first start of `meshid ca` creates.
+func loadMinter(keyPath, stateDir string) (*token.Minter, error) {
+	if keyPath != "" {
+		return token.LoadMinter(keyPath)
+	}
+	if stateDir == "" {
+		return nil, errors.New("give --key or --state-dir")
+	}
+	minter, err := token.LoadMinter(controlplane.TokenKeyPath(stateDir))
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, fmt.Errorf("%w (start `meshid ca --state-dir %s` once to create it, or pass --key)", err, stateDir)
+	}
+	return minter, err
 }

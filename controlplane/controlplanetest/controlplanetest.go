@@ -51,10 +51,14 @@ func Start(t testing.TB, cfg controlplane.Config) *controlplane.ControlPlane {
 // the control plane whose state dir is stateDir.
 func Token(t testing.TB, stateDir, ns, sa string, now time.Time, ttl time.Duration) string {
 	t.Helper()
-	tok, err := controlplane.MintToken(controlplane.TokenRequest{StateDir: stateDir, MintParams: token.MintParams{
+	minter, err := token.LoadMinter(controlplane.TokenKeyPath(stateDir))
+	if err != nil {
+		t.Fatal(err)
+	}
+	tok, err := minter.Mint(token.MintParams{
 		Issuer: token.DefaultIssuer, Audiences: []string{token.DefaultAudience},
 		Namespace: ns, ServiceAccount: sa, TTL: ttl, Now: now,
-	}})
+	})
 	if err != nil {
 		t.Fatal(err)
 	}

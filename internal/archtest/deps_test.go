@@ -16,8 +16,10 @@ const module = "github.com/meshid/meshid/"
 // import. The longest matching key applies. "internal/" means any internal helper.
 func allowed() map[string][]string {
 	return map[string][]string{
-		"cmd/":                          {"cmd/internal/", "agent", "controlplane", "ca/controller/kube", "internal/"},
-		"agent":                         {"sds", "secretmanager", "caclient", "xdsproxy", "controlplane", "internal/"},
+		// ca/token (minting service-account tokens, a leaf over internal/*) serves `meshid token`
+		// and the embedding agent's per-request tokens.
+		"cmd/":                          {"cmd/internal/", "agent", "controlplane", "ca/controller/kube", "ca/token", "internal/"},
+		"agent":                         {"sds", "secretmanager", "caclient", "xdsproxy", "controlplane", "ca/token", "internal/"},
 		"controlplane":                  {"ca", "ca/", "discovery", "internal/"},
 		"controlplane/controlplanetest": {"controlplane", "ca/token"},
 		"ca/server":                     {"ca", "ca/token", "internal/"},

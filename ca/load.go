@@ -317,7 +317,9 @@ func LoadOrCreate(cfg StartupConfig) (*Bundle, Origin, error) {
 
 // removeTempFiles removes what a CA killed in the middle of an atomic write (during its first
 // start, say) left in the state dir: a copy of a key, possibly. Replicas create and rotate the
-// root under the lock the caller holds, so none of theirs is in flight.
+// root under the lock the caller holds, so none of those writes is in flight; a replica's
+// root-cert.pem rewrite after a plugged-in reload is not under it, and would fail (and be logged
+// there) in the rare case that it overlaps this sweep.
 func removeTempFiles(cfg StartupConfig) {
 	removed, err := fsutil.RemoveTempFiles(cfg.StateDir)
 	for _, path := range removed {
@@ -327,7 +329,8 @@ func removeTempFiles(cfg StartupConfig) {
 		}
 	}
 	if err != nil {
-		// Not fatal: a leftover harms nothing but the disk, and the state files are read by name.
+		// Not fatal: the state files are read by name, and a leftover is as private as the file
+		// it was written for.
 		cfg.Logger.Warn("cannot remove the temporary files left by an interrupted write", logkey.Error, err.Error())
 	}
 }

@@ -16,6 +16,7 @@ import (
 	"github.com/meshid/meshid/internal/logkey"
 
 	"github.com/meshid/meshid/internal/fsutil"
+	"github.com/meshid/meshid/internal/istio"
 	"github.com/meshid/meshid/internal/pki"
 )
 
@@ -23,8 +24,8 @@ import (
 const (
 	CACertFile    = "ca-cert.pem"
 	CAKeyFile     = "ca-key.pem"
-	CertChainFile = "cert-chain.pem"
-	RootCertFile  = "root-cert.pem"
+	CertChainFile = istio.CertChainFile
+	RootCertFile  = istio.RootCertFile
 
 	TLSCertFile = "tls.crt"
 	TLSKeyFile  = "tls.key"

@@ -14,6 +14,8 @@ import (
 	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/ca/token"
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/fsutil"
+	"github.com/meshid/meshid/internal/istio"
 	"github.com/meshid/meshid/internal/pki"
 )
 
@@ -21,8 +23,8 @@ import (
 const (
 	DefaultGRPCAddr       = ":15012"
 	DefaultMonitoringAddr = ":9093"
-	DefaultTrustDomain    = "cluster.local"
-	DefaultCANamespace    = "istio-system"
+	DefaultTrustDomain    = istio.DefaultTrustDomain
+	DefaultCANamespace    = istio.DefaultCANamespace
 	DefaultStateDir       = "/var/lib/meshid/ca"
 )
 
@@ -83,8 +85,8 @@ func (c *Config) Validate() error {
 		errs = append(errs, errors.New("--state-dir is required"))
 	}
 	if path, ok := strings.CutPrefix(c.GRPCAddr, unixScheme); ok {
-		if len(path) > maxSocketPath || !filepath.IsAbs(path) {
-			errs = append(errs, fmt.Errorf("--grpc-addr %q: a Unix socket needs an absolute path of at most %d bytes", c.GRPCAddr, maxSocketPath))
+		if len(path) > fsutil.MaxSocketPath || !filepath.IsAbs(path) {
+			errs = append(errs, fmt.Errorf("--grpc-addr %q: a Unix socket needs an absolute path of at most %d bytes", c.GRPCAddr, fsutil.MaxSocketPath))
 		}
 	} else if err := validateListenAddr("--grpc-addr", c.GRPCAddr); err != nil {
 		errs = append(errs, err)
@@ -135,9 +137,6 @@ func (c *Config) Validate() error {
 
 // unixScheme marks a gRPC address that is a Unix socket path (the agent's embedded control plane).
 const unixScheme = "unix://"
-
-// maxSocketPath is the longest Unix socket path the kernel takes.
-const maxSocketPath = 107
 
 func validateListenAddr(flag, addr string) error {
 	if _, _, err := net.SplitHostPort(addr); err != nil {

@@ -10,13 +10,14 @@ import (
 
 	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/istio"
 	"github.com/meshid/meshid/internal/pki"
 )
 
 // DefaultServingHosts are always in the serving certificate: the name Istio's agents verify by
 // default (ISTIOD_SAN), Citadel's, and loopback.
 func DefaultServingHosts() []string {
-	return []string{"istiod.istio-system.svc", "istio-ca", "localhost", "127.0.0.1", "::1"}
+	return []string{istio.IstiodSAN, "istio-ca", "localhost", "127.0.0.1", "::1"}
 }
 
 // ServingSigner issues the CA endpoint's own TLS certificate.

@@ -144,3 +144,15 @@ func ReadOptional(path string) ([]byte, bool, error) {
 	}
 	return data, true, nil
 }
+
+// MaxSocketPath is the longest Unix socket path the kernel takes (sun_path holds 108 bytes with
+// the terminating NUL).
+const MaxSocketPath = 107
+
+// CheckSocketPath refuses a socket path the kernel cannot bind.
+func CheckSocketPath(path string) error {
+	if len(path) > MaxSocketPath {
+		return fmt.Errorf("socket path %s is %d bytes, over the kernel's limit of %d: choose a shorter directory", path, len(path), MaxSocketPath)
+	}
+	return nil
+}

@@ -183,3 +183,22 @@ func TestRemoveTempFiles(t *testing.T) {
 		t.Fatalf("sweep of a missing dir: %v, want ErrNotExist", err)
 	}
 }
+
+func TestTryLock(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "agent.lock")
+	unlock, err := TryLock(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// flock locks belong to open files: a second open, as a second process makes, is refused.
+	if _, err := TryLock(path); !errors.Is(err, ErrLocked) {
+		t.Fatalf("second lock: %v, want ErrLocked", err)
+	}
+	unlock()
+	again, err := TryLock(path)
+	if err != nil {
+		t.Fatalf("lock after unlock: %v", err)
+	}
+	again()
+}

@@ -55,4 +55,7 @@ const (
 	TookOverFrom      = "took_over_from"
 	TrustedRoots      = "trusted_roots"
 	RetryIn           = "retry_in"
+	Streams           = "streams"
+	Protocol          = "protocol"
+	Detail            = "detail"
 )

@@ -268,7 +268,7 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 	g.Go(func() error {
 		<-ctx.Done()
 		c.ready.Store(false)
-		c.stop()
+		c.stop(ctx)
 		return nil
 	})
 	g.Go(func() error {
@@ -287,7 +287,8 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 	return err
 }
 
-func (c *ControlPlane) stop() {
+// stop stops the servers once ctx has ended, giving in-flight requests shutdownGrace.
+func (c *ControlPlane) stop(ctx context.Context) {
 	stopped := make(chan struct{})
 	go func() {
 		c.grpc.GracefulStop()
@@ -299,9 +300,10 @@ func (c *ControlPlane) stop() {
 	case <-stopped:
 	case <-timer.C:
 		c.grpc.Stop()
+		<-stopped
 	}
 	if c.monitor != nil {
-		ctx, cancel := context.WithTimeout(context.Background(), shutdownGrace)
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), shutdownGrace)
 		defer cancel()
 		_ = c.monitor.Shutdown(ctx)
 	}

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -9,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -16,20 +18,21 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"golang.org/x/sync/errgroup"
 
-	"github.com/meshid/meshid/ca/token"
 	"github.com/meshid/meshid/caclient"
-	"github.com/meshid/meshid/controlplane"
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/fsutil"
+	"github.com/meshid/meshid/internal/istio"
 	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/sds"
 	"github.com/meshid/meshid/secretmanager"
 )
 
-const embeddedSocket = "ca.sock"
-
-// embeddedTokenTTL is the life of the token minted for each request to the embedded CA.
-const embeddedTokenTTL = 5 * time.Minute
+// Files of the embedded control plane in its state dir.
+const (
+	embeddedSocket = "ca.sock"
+	embeddedLock   = "agent.lock" // held by the agent that runs the embedded CA
+)
 
 // Source names where the agent's certificates come from, as chosen at start-up.
 type Source string
@@ -44,16 +47,18 @@ const (
 
 // Agent is a running meshid agent.
 type Agent struct {
-	log          *slog.Logger
-	source       Source
-	socketPath   string
-	controlPlane *controlplane.ControlPlane // embedded mode
-	secrets      *secretmanager.Manager     // nil with an external SDS server
-	sds          *sds.Server                // nil with an external SDS server
-	status       *http.Server
-	statusLis    net.Listener
-	debug        *http.Server
-	debugLis     net.Listener
+	log        *slog.Logger
+	source     Source
+	socketPath string
+	embedded   ControlPlane           // embedded mode
+	unlock     func()                 // releases the embedded state dir
+	ca         *caclient.Client       // CA modes
+	secrets    *secretmanager.Manager // nil with an external SDS server
+	sds        *sds.Server            // nil with an external SDS server
+	status     *http.Server
+	statusLis  net.Listener
+	debug      *http.Server
+	debugLis   net.Listener
 }
 
 // New runs the decision flow (a live external SDS socket, else credential files, else a CA —
@@ -81,7 +86,9 @@ func New(cfg Config) (*Agent, error) {
 
 func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *prometheus.Registry) (err error) {
 	var reason string
-	a.source, reason = decide(&cfg, a.socketPath)
+	if a.source, reason, err = decide(&cfg, a.socketPath); err != nil {
+		return err
+	}
 	log.Info("SDS source chosen", logkey.Source, string(a.source), logkey.Reason, reason)
 
 	if a.source != SourceExternalSDS {
@@ -114,56 +121,64 @@ func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *p
 	return nil
 }
 
-// decide applies the source decision flow and says why it chose as it did.
-func decide(cfg *Config, socketPath string) (Source, string) {
+// decide applies the source decision flow and says why it chose as it did. A credentials dir
+// holding some of the three files but not all is refused: it is a mistake, not a reason to fall
+// back to a CA.
+func decide(cfg *Config, socketPath string) (Source, string, error) {
 	if _, err := os.Lstat(socketPath); err == nil && sds.SocketServing(socketPath) {
-		return SourceExternalSDS, "another server answers on " + socketPath
+		return SourceExternalSDS, "another server answers on " + socketPath, nil
 	}
 	if cfg.FileMountedCerts {
-		return SourceFiles, "FILE_MOUNTED_CERTS is set: serving " + cfg.path(DefaultMountedCerts)
+		return SourceFiles, "FILE_MOUNTED_CERTS is set: serving " + cfg.path(DefaultMountedCerts), nil
 	}
-	if dir := cfg.credentialsDir(); credentialFilesPresent(dir) {
-		return SourceFiles, "credential files found in " + dir
+	dir := cfg.credentialsDir()
+	switch present, missing := credentialFiles(dir); {
+	case len(missing) == 0:
+		return SourceFiles, "credential files found in " + dir, nil
+	case len(present) > 0:
+		return "", "", fmt.Errorf("--credentials-dir %s holds %s but not %s: give all three files or none",
+			dir, strings.Join(present, ", "), strings.Join(missing, ", "))
 	}
 	if cfg.embedded() {
-		return SourceEmbeddedCA, "no CA address given: running the control plane in-process under " + cfg.path(DefaultEmbeddedDir)
+		if cfg.Embed == nil {
+			return "", "", fmt.Errorf("no credential files in %s and no --ca-addr (CA_ADDR): this binary carries no CA to run in-process (`meshid agent` does)", dir)
+		}
+		return SourceEmbeddedCA, "no CA address given: running the control plane in-process under " + cfg.path(DefaultEmbeddedDir), nil
 	}
-	return SourceCA, "no credential files in " + cfg.credentialsDir() + ": using the CA at " + cfg.CAAddress
+	return SourceCA, "no credential files in " + dir + ": using the CA at " + cfg.CAAddress, nil
 }
 
-func credentialFilesPresent(dir string) bool {
+// credentialFiles says which of the three credential files dir holds.
+func credentialFiles(dir string) (present, missing []string) {
 	for _, name := range []string{secretmanager.CertChainFile, secretmanager.KeyFile, secretmanager.RootCertFile} {
-		if _, err := os.Stat(filepath.Join(dir, name)); err != nil {
-			return false
+		if _, err := os.Stat(filepath.Join(dir, name)); err == nil {
+			present = append(present, name)
+		} else {
+			missing = append(missing, name)
 		}
 	}
-	return true
+	return present, missing
 }
 
 func (a *Agent) newSecretManager(cfg Config, clk clock.Clock, log *slog.Logger, registry *prometheus.Registry) (*secretmanager.Manager, error) {
 	smCfg := secretmanager.Config{
 		FileResourceDirs: cfg.fileResourceDirs(),
-		KeyAlgorithm:     cfg.KeyAlgorithm,
-		RSAKeySize:       cfg.RSAKeySize,
-		TTL:              cfg.SecretTTL,
-		GraceRatio:       cfg.GraceRatio,
-		GraceRatioJitter: cfg.GraceRatioJitter,
-		OutputDir:        cfg.OutputCerts,
+		Output:           secretmanager.Output{Dir: cfg.OutputCerts, GroupRead: cfg.OutputGroupRead, KeyGroupRead: cfg.OutputKeyGroupRead},
 		Clock:            clk,
 		Logger:           log.With(logkey.Component, "secretmanager"),
 		Registerer:       registry,
+		OnEvent:          cfg.OnEvent,
 	}
 	if a.source == SourceFiles {
 		dir := cfg.credentialsDir()
 		if cfg.FileMountedCerts {
 			dir = cfg.path(DefaultMountedCerts)
 		}
-		smCfg.WorkloadFiles = &secretmanager.FilePaths{
+		smCfg.Workload = &secretmanager.MountedFiles{
 			CertChain: filepath.Join(dir, secretmanager.CertChainFile),
 			Key:       filepath.Join(dir, secretmanager.KeyFile),
 			Root:      filepath.Join(dir, secretmanager.RootCertFile),
 		}
-		smCfg.OutputDir = ""
 		return secretmanager.New(smCfg)
 	}
 
@@ -171,16 +186,24 @@ func (a *Agent) newSecretManager(cfg Config, clk clock.Clock, log *slog.Logger, 
 	if err != nil {
 		return nil, err
 	}
+	var secrets *secretmanager.Manager // set below; the CA client asks it for the certificate held
+	provisioned := func() *tls.Certificate { return nil }
+	if cfg.ProvCert != "" {
+		provisioned = caclient.ProvisionedCertificate(cfg.ProvCert, clk, log.With(logkey.Component, "caclient"))
+	}
 	caCfg := caclient.Config{
 		Address:      cfg.CAAddress,
 		RootCertFile: cfg.caRootCert(),
 		ServerName:   cfg.CAServerName,
 		TokenPath:    cfg.TokenPath,
-		// A certificate we hold for our own identity authenticates renewals, so that they go on
-		// after a provisioned token expires; PROV_CERT is the operator's provisioned pair.
-		ClientCertificate: caclient.KeyPairFromDirs(clk,
-			caclient.KeyPairDir{Dir: cfg.OutputCerts, SPIFFEID: id.String()},
-			caclient.KeyPairDir{Dir: cfg.ProvCert}),
+		// The certificate held authenticates renewals, so that they go on after a provisioned
+		// token expires; PROV_CERT, the operator's provisioned pair, until there is one.
+		ClientCertificate: func() *tls.Certificate {
+			if cert := secrets.TLSCertificate(); cert != nil {
+				return cert
+			}
+			return provisioned()
+		},
 		ClusterID:  cfg.ClusterID,
 		Clock:      clk,
 		Logger:     log.With(logkey.Component, "caclient"),
@@ -192,54 +215,60 @@ func (a *Agent) newSecretManager(cfg Config, clk clock.Clock, log *slog.Logger, 
 		}
 	}
 	log.Info("CA source", logkey.CAAddress, caCfg.Address, logkey.CARoot, describePath(caCfg.RootCertFile, "the system roots"), logkey.Identity, id.String())
-	ca, err := caclient.New(caCfg)
-	if err != nil {
+	if a.ca, err = caclient.New(caCfg); err != nil {
 		return nil, err
 	}
-	smCfg.Signer = ca
-	smCfg.Identity = id
-	smCfg.RootCertFile = caCfg.RootCertFile
-	return secretmanager.New(smCfg)
+	smCfg.Workload = &secretmanager.Rotation{
+		Signer:           a.ca,
+		Identity:         id,
+		KeyAlgorithm:     cfg.KeyAlgorithm,
+		RSAKeySize:       cfg.RSAKeySize,
+		TTL:              cfg.SecretTTL,
+		GraceRatio:       cfg.GraceRatio,
+		GraceRatioJitter: cfg.GraceRatioJitter,
+		RootCertFile:     caCfg.RootCertFile,
+	}
+	secrets, err = secretmanager.New(smCfg)
+	return secrets, err
 }
 
-// embed builds the control plane in-process, serving on a private Unix socket under the root
-// dir, and points the CA client at it with tokens minted from its own key: the embedded pipeline
-// is the production pipeline.
+// embed starts the control plane in-process through the hook cmd/meshid supplies, serving on a
+// private Unix socket in the embedded state dir, which this agent locks for its life; the CA
+// client reaches it with tokens minted from its own key: the embedded pipeline is the
+// production pipeline.
 func (a *Agent) embed(caCfg *caclient.Config, cfg Config, id pki.SPIFFEID, clk clock.Clock, log *slog.Logger) error {
 	stateDir := cfg.path(DefaultEmbeddedDir)
-	if err := sds.CheckSocketPath(filepath.Join(stateDir, embeddedSocket)); err != nil {
+	socket := filepath.Join(stateDir, embeddedSocket)
+	if err := fsutil.CheckSocketPath(socket); err != nil {
 		return fmt.Errorf("the embedded CA's socket under --root-dir: %w", err)
 	}
-	cpCfg := controlplane.DefaultConfig()
-	cpCfg.StateDir = stateDir
-	cpCfg.GRPCAddr = "unix://" + filepath.Join(stateDir, embeddedSocket)
-	cpCfg.MonitoringAddr = ""
-	cpCfg.TrustDomain = cfg.TrustDomain
-	cpCfg.Clock = clk
-	cpCfg.Logger = log.With(logkey.Component, "embedded-ca")
-	cp, err := controlplane.New(cpCfg)
+	if err := fsutil.EnsureDir(stateDir, fsutil.PrivateDirMode); err != nil {
+		return err
+	}
+	unlock, err := fsutil.TryLock(filepath.Join(stateDir, embeddedLock))
+	if errors.Is(err, fsutil.ErrLocked) {
+		return fmt.Errorf("another agent runs the embedded CA in %s: give each agent its own --root-dir", stateDir)
+	}
+	if err != nil {
+		return err
+	}
+	a.unlock = unlock
+	e, err := cfg.Embed(EmbedConfig{
+		StateDir:    stateDir,
+		SocketPath:  socket,
+		TrustDomain: cfg.TrustDomain,
+		Identity:    id,
+		Clock:       clk,
+		Logger:      log.With(logkey.Component, "embedded-ca"),
+	})
 	if err != nil {
 		return fmt.Errorf("embedded control plane: %w", err)
 	}
-	a.controlPlane = cp
-	// New has created the token key: read it once, and mint a short-lived token per request.
-	minter, err := token.LoadMinter(controlplane.TokenKeyPath(stateDir))
-	if err != nil {
-		return fmt.Errorf("embedded control plane: %w", err)
-	}
-	caCfg.Address = cp.GRPCAddr()
-	caCfg.RootCertFile = filepath.Join(stateDir, "root-cert.pem")
+	a.embedded = e
+	caCfg.Address = e.GRPCAddr()
+	caCfg.RootCertFile = e.RootCertFile()
 	caCfg.TokenPath = ""
-	caCfg.Token = func(context.Context) (string, error) {
-		return minter.Mint(token.MintParams{
-			Issuer:         token.DefaultIssuer,
-			Audiences:      []string{token.DefaultAudience},
-			Namespace:      id.Namespace,
-			ServiceAccount: id.ServiceAccount,
-			TTL:            embeddedTokenTTL,
-			Now:            clk.Now(),
-		})
-	}
+	caCfg.Token = e.Token
 	return nil
 }
 
@@ -271,7 +300,7 @@ func provRoot(provCert string) string {
 	if provCert == "" {
 		return ""
 	}
-	return filepath.Join(provCert, caclient.RootCertFile)
+	return filepath.Join(provCert, istio.RootCertFile)
 }
 
 // Source returns where the certificates come from.
@@ -297,9 +326,10 @@ func (a *Agent) Secrets() *secretmanager.Manager { return a.secrets }
 // Run runs the agent until ctx ends, then stops: the SDS server stops accepting and ends its
 // streams after the drain duration; OUTPUT_CERTS are left as they are.
 func (a *Agent) Run(ctx context.Context) error {
+	defer a.release()
 	g, ctx := errgroup.WithContext(ctx)
-	if a.controlPlane != nil {
-		g.Go(func() error { return a.controlPlane.Run(ctx) })
+	if a.embedded != nil {
+		g.Go(func() error { return a.embedded.Run(ctx) })
 	}
 	if a.secrets != nil {
 		g.Go(func() error { return a.secrets.Run(ctx) })
@@ -330,6 +360,16 @@ func (a *Agent) Run(ctx context.Context) error {
 	return err
 }
 
+// release lets go of what outlives the servers: the CA connection and the embedded state dir.
+func (a *Agent) release() {
+	if a.ca != nil {
+		_ = a.ca.Close()
+	}
+	if a.unlock != nil {
+		a.unlock()
+	}
+}
+
 // close releases what build opened, for an agent that will not Run.
 func (a *Agent) close() {
 	for _, l := range []net.Listener{a.statusLis, a.debugLis} {
@@ -340,13 +380,14 @@ func (a *Agent) close() {
 	if a.sds != nil {
 		a.sds.Close()
 	}
-	if a.controlPlane != nil {
-		a.controlPlane.Close()
+	if a.embedded != nil {
+		a.embedded.Close()
 	}
+	a.release()
 }
 
-// ready reports whether Envoy can get its certificate: a valid one held, or, when another
-// server serves SDS, that server answering on the socket.
+// ready reports whether Envoy can get its certificate: a valid one held (and written to
+// OUTPUT_CERTS, when asked), or, when another server serves SDS, that server answering.
 func (a *Agent) ready() (bool, string) {
 	if a.source == SourceExternalSDS {
 		if sds.SocketServing(a.socketPath) {
@@ -354,10 +395,7 @@ func (a *Agent) ready() (bool, string) {
 		}
 		return false, "the external SDS socket " + a.socketPath + " does not accept connections"
 	}
-	if !a.secrets.Ready() {
-		return false, "no valid workload certificate"
-	}
-	return true, ""
+	return a.secrets.Ready()
 }
 
 func (a *Agent) statusHandler(registry *prometheus.Registry) http.Handler {

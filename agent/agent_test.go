@@ -2,7 +2,7 @@ package agent_test
 
 import (
 	"context"
-	"io"
+	"encoding/json"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -11,147 +11,23 @@ import (
 	"time"
 
 	"github.com/meshid/meshid/agent"
-	"github.com/meshid/meshid/controlplane"
-	"github.com/meshid/meshid/controlplane/controlplanetest"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
+	"github.com/meshid/meshid/sds/sdstest"
 	"github.com/meshid/meshid/secretmanager"
 )
-
-const demoID = "spiffe://cluster.local/ns/default/sa/demo"
-
-// env is a real CA on 127.0.0.1:0 and a directory for one workload, on a shared fake clock.
-type env struct {
-	clock    *testutil.FakeClock
-	ca       *controlplane.ControlPlane
-	stateDir string
-	dir      string
-}
-
-func newEnv(t *testing.T) *env {
-	t.Helper()
-	e := &env{clock: testutil.NewFakeClock(time.Now().Truncate(time.Second)), stateDir: t.TempDir(), dir: t.TempDir()}
-	cfg := controlplane.DefaultConfig()
-	cfg.StateDir = e.stateDir
-	cfg.GRPCAddr = "127.0.0.1:0"
-	cfg.MonitoringAddr = ""
-	cfg.Clock = e.clock
-	// The CA checks its root once an hour; the tests step the clock by less between renewals.
-	e.ca = controlplanetest.Start(t, cfg)
-	return e
-}
-
-func (e *env) tokenFile(t *testing.T) string {
-	t.Helper()
-	tok := controlplanetest.Token(t, e.stateDir, "default", "demo", e.clock.Now(), time.Hour)
-	path := filepath.Join(e.dir, "istio-token")
-	if err := os.WriteFile(path, []byte(tok), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	return path
-}
-
-func (e *env) config(t *testing.T, tokenPath string) agent.Config {
-	cfg := agent.DefaultConfig(e.dir)
-	cfg.Namespace, cfg.ServiceAccount = "default", "demo"
-	cfg.CAAddress = e.ca.GRPCAddr()
-	cfg.CARootCert = filepath.Join(e.stateDir, "root-cert.pem")
-	cfg.TokenPath = tokenPath
-	cfg.OutputCerts = filepath.Join(e.dir, "out")
-	cfg.SecretTTL = 30 * time.Minute
-	cfg.GraceRatioJitter = 0
-	cfg.StatusAddr = "127.0.0.1:0"
-	cfg.DebugAddr = "127.0.0.1:0"
-	cfg.WorkloadSocketDir = testutil.ShortTempDir(t)
-	cfg.Clock = e.clock
-	return cfg
-}
-
-// start runs an agent until stop is called or the test ends, and returns a channel of the
-// workload certificates it puts in service.
-func start(t *testing.T, cfg agent.Config) (*agent.Agent, <-chan *secretmanager.Secret, func()) {
-	t.Helper()
-	a, err := agent.New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	issued := make(chan *secretmanager.Secret, 8)
-	a.Secrets().Subscribe(func(s *secretmanager.Secret) {
-		if s.Name == secretmanager.WorkloadCertName {
-			issued <- s
-		}
-	})
-	stop := runUntilCleanup(t, a.Run, nil)
-	return a, issued, stop
-}
-
-func runUntilCleanup(t *testing.T, run func(context.Context) error, ready <-chan struct{}) (stop func()) {
-	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- run(ctx) }()
-	stopped := false
-	stop = func() {
-		if stopped {
-			return
-		}
-		stopped = true
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Run: %v", err)
-		}
-	}
-	t.Cleanup(stop)
-	if ready != nil {
-		select {
-		case <-ready:
-		case err := <-done:
-			t.Fatalf("Run ended early: %v", err)
-		}
-	}
-	return stop
-}
-
-func httpGet(t *testing.T, url string) (int, string) {
-	t.Helper()
-	resp, err := http.Get(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = resp.Body.Close() }()
-	body, _ := io.ReadAll(resp.Body)
-	return resp.StatusCode, string(body)
-}
-
-func readPair(t *testing.T, dir string) (leafURI, serial string) {
-	t.Helper()
-	chainPEM, err := os.ReadFile(filepath.Join(dir, "cert-chain.pem"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	keyPEM, err := os.ReadFile(filepath.Join(dir, "key.pem"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	chain, err := pki.ParseCertificates(chainPEM)
-	if err != nil {
-		t.Fatal(err)
-	}
-	key, err := pki.ParsePrivateKey(keyPEM)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !pki.KeyMatchesCertificate(key, chain[0]) {
-		t.Fatal("OUTPUT_CERTS holds a key that does not match its certificate")
-	}
-	return chain[0].URIs[0].String(), chain[0].SerialNumber.Text(16)
-}
 
 func TestAgentKeepsOutputCertsFreshAndReportsStatus(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	a, issued, _ := start(t, e.config(t, e.tokenFile(t)))
-	first := <-issued
+	ev := newEvents()
+	a := newAgent(t, e.config(t, e.tokenFile(t, "default", "demo"), ev))
+	certs := issued(t, a)
+	runAgent(t, a)
+	first := receive(t, certs, "first certificate")
+	ev.await(t, "OUTPUT_CERTS written", func(x secretmanager.Event) bool {
+		return x.Kind == secretmanager.EventOutputWritten && x.Version == first.Version
+	})
 	if uri, serial := readPair(t, filepath.Join(e.dir, "out")); uri != demoID || serial != first.Version {
 		t.Fatalf("OUTPUT_CERTS holds %s %s, want %s %s", uri, serial, demoID, first.Version)
 	}
@@ -160,49 +36,60 @@ func TestAgentKeepsOutputCertsFreshAndReportsStatus(t *testing.T) {
 		t.Fatalf("/healthz/ready = %d %q", code, body)
 	}
 	// Nobody asks for the certificate; it is renewed anyway, and OUTPUT_CERTS follows.
-	second := testutil.Drive(t, e.clock, time.Minute, 1, issued)
+	written := ev.channel(t, func(x secretmanager.Event) bool {
+		return x.Kind == secretmanager.EventOutputWritten && x.Version != first.Version
+	})
+	second := testutil.Drive(t, e.clock, time.Minute, 1, certs)
 	if second.Version == first.Version {
 		t.Fatal("renewal kept the same serial")
 	}
-	if got := second.CreatedAt.Sub(first.CreatedAt); got < 14*time.Minute || got > 16*time.Minute {
+	if got := second.Received.Sub(first.Received); got < 14*time.Minute || got > 16*time.Minute {
 		t.Fatalf("renewed %s after the first, want about half of the 30m lifetime", got)
 	}
+	receive(t, written, "OUTPUT_CERTS rewritten")
 	if _, serial := readPair(t, filepath.Join(e.dir, "out")); serial != second.Version {
 		t.Fatal("OUTPUT_CERTS not rewritten on renewal")
 	}
-	_, metrics := httpGet(t, base+"/metrics")
-	for _, want := range []string{
-		"meshid_agent_cert_rotations_total 2",
-		"meshid_agent_cert_renewal_failures_total 0",
-		"meshid_agent_cert_expiry_timestamp_seconds ",
-		`meshid_agent_ca_request_duration_seconds_count{code="OK"} 2`,
+	for series, want := range map[string]string{
+		"meshid_agent_cert_rotations_total":                         "2",
+		"meshid_agent_cert_renewal_failures_total":                  "0",
+		"meshid_agent_cert_valid":                                   "1",
+		`meshid_agent_ca_request_duration_seconds_count{code="OK"}`: "2",
+		"meshid_agent_output_certs_write_failures_total":            "0",
 	} {
-		if !strings.Contains(metrics, want) {
-			t.Errorf("/metrics lacks %q", want)
+		if got := metric(t, a, series); got != want {
+			t.Errorf("%s = %q, want %s", series, got, want)
 		}
 	}
 }
 
-// A VM whose provisioned token is gone keeps renewing with the certificate it holds.
+// A VM whose provisioned token is gone keeps renewing with the certificate it holds, after a
+// restart too.
 func TestAgentRenewsOverMTLSAfterTokenIsGone(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	tokenPath := e.tokenFile(t)
-	cfg := e.config(t, tokenPath)
-	_, issued, stop := start(t, cfg)
-	first := <-issued
-	stop()
+	tokenPath := e.tokenFile(t, "default", "demo")
+	cfg := e.config(t, tokenPath, nil)
+	a := newAgent(t, cfg)
+	certs := issued(t, a)
+	stop := runAgent(t, a)
+	first := receive(t, certs, "first certificate")
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
 
 	if err := os.Remove(tokenPath); err != nil {
 		t.Fatal(err)
 	}
-	_, issued, _ = start(t, cfg)
-	restored := <-issued
-	if restored.Source != "output-certs" || restored.Version != first.Version {
+	a = newAgent(t, cfg)
+	certs = issued(t, a)
+	runAgent(t, a)
+	restored := receive(t, certs, "certificate after the restart")
+	if restored.Source != secretmanager.SourceOutputCerts || restored.Version != first.Version {
 		t.Fatalf("after restart: %s from %s, want %s from output-certs, served at once", restored.Version, restored.Source, first.Version)
 	}
-	renewed := testutil.Drive(t, e.clock, time.Minute, 1, issued)
-	if renewed.Source != "ca" || renewed.Version == first.Version {
+	renewed := testutil.Drive(t, e.clock, time.Minute, 1, certs)
+	if renewed.Source != secretmanager.SourceCA || renewed.Version == first.Version {
 		t.Fatalf("no renewal over mTLS: %s from %s", renewed.Version, renewed.Source)
 	}
 	if uri, _ := readPair(t, filepath.Join(e.dir, "out")); uri != demoID {
@@ -210,15 +97,243 @@ func TestAgentRenewsOverMTLSAfterTokenIsGone(t *testing.T) {
 	}
 }
 
-// Without a token or a certificate, the CA refuses; the agent keeps running and says not ready.
+// The certificate held in memory authenticates renewals: nothing on disk is needed once the
+// token is gone (the agent used to present only what OUTPUT_CERTS held).
+func TestAgentRenewsOverMTLSWithoutOutputCerts(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	tokenPath := e.tokenFile(t, "default", "demo")
+	cfg := e.config(t, tokenPath, nil)
+	cfg.OutputCerts = ""
+	a := newAgent(t, cfg)
+	certs := issued(t, a)
+	runAgent(t, a)
+	first := receive(t, certs, "first certificate")
+	if err := os.Remove(tokenPath); err != nil {
+		t.Fatal(err)
+	}
+	rotate(t, e.clock, a)
+	renewed := receive(t, certs, "renewed certificate")
+	if renewed.Source != secretmanager.SourceCA || renewed.Version == first.Version {
+		t.Fatalf("no renewal over mTLS: %s from %s", renewed.Version, renewed.Source)
+	}
+	if got := metric(t, a, "meshid_agent_cert_renewal_failures_total"); got != "0" {
+		t.Errorf("%s renewals failed, want none", got)
+	}
+}
+
+// Without a token or a certificate, no request is sent; the agent keeps running, says why it is
+// not ready, and /debug/secrets says the same.
 func TestAgentNotReadyWithoutCertificate(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	cfg := e.config(t, filepath.Join(e.dir, "no-token"))
-	a, _, _ := start(t, cfg)
+	ev := newEvents()
+	missing := filepath.Join(e.dir, "no-token")
+	a := newAgent(t, e.config(t, missing, ev))
+	runAgent(t, a)
+	ev.await(t, "the state of default", func(x secretmanager.Event) bool {
+		return x.Kind == secretmanager.EventChanged && x.Name == "default" && x.Err != nil
+	})
 	code, body := httpGet(t, "http://"+a.StatusAddr()+"/healthz/ready")
-	if code != http.StatusServiceUnavailable || !strings.Contains(body, "no valid workload certificate") {
-		t.Fatalf("/healthz/ready = %d %q, want 503", code, body)
+	if code != http.StatusServiceUnavailable || !strings.Contains(body, "no valid workload certificate") || !strings.Contains(body, missing) {
+		t.Fatalf("/healthz/ready = %d %q, want 503 naming the token file", code, body)
+	}
+	st := debugSecret(t, a, "default")
+	if st.Valid || !strings.Contains(st.Error, missing) {
+		t.Fatalf("/debug/secrets default: %+v, want not valid, naming the token file", st)
+	}
+}
+
+// A CA that refuses from the start: /healthz/ready and /debug/secrets agree on why.
+func TestReadyAndDebugAgreeWhenTheCARefuses(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	ev := newEvents()
+	a := newAgent(t, e.config(t, e.tokenFile(t, "kube-system", "demo"), ev)) // not our namespace
+	runAgent(t, a)
+	ev.await(t, "the state of default", func(x secretmanager.Event) bool {
+		return x.Kind == secretmanager.EventChanged && x.Name == "default" && x.Err != nil
+	})
+	code, body := httpGet(t, "http://"+a.StatusAddr()+"/healthz/ready")
+	if code != http.StatusServiceUnavailable || !strings.Contains(body, "PermissionDenied") {
+		t.Fatalf("/healthz/ready = %d %q, want 503 with the CA's refusal", code, body)
+	}
+	st := debugSecret(t, a, "default")
+	if st.Valid || !strings.Contains(st.Error, "PermissionDenied") {
+		t.Fatalf("/debug/secrets default: %+v, want not valid with the CA's refusal", st)
+	}
+	if got := metric(t, a, "meshid_agent_cert_valid"); got != "0" {
+		t.Errorf("meshid_agent_cert_valid %q, want 0", got)
+	}
+}
+
+// OUTPUT_CERTS is the VM's product: while it cannot be written the agent is not ready (SDS still
+// serves), and the write is retried until it succeeds.
+func TestUnwritableOutputCertsKeepTheAgentNotReady(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	ev := newEvents()
+	cfg := e.config(t, e.tokenFile(t, "default", "demo"), ev)
+	blocker := filepath.Join(e.dir, "not-a-dir")
+	if err := os.WriteFile(blocker, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cfg.OutputCerts = filepath.Join(blocker, "out")
+	a := newAgent(t, cfg)
+	runAgent(t, a)
+	ev.await(t, "a failed write", func(x secretmanager.Event) bool { return x.Kind == secretmanager.EventOutputFailed })
+
+	code, body := httpGet(t, "http://"+a.StatusAddr()+"/healthz/ready")
+	if code != http.StatusServiceUnavailable || !strings.Contains(body, "OUTPUT_CERTS") || !strings.Contains(body, cfg.OutputCerts) {
+		t.Fatalf("/healthz/ready = %d %q, want 503 naming OUTPUT_CERTS", code, body)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), wait)
+	defer cancel()
+	got, err := sdstest.Dial(t, a.SocketPath()).Fetch(ctx, "default")
+	if err != nil || got["default"] == nil {
+		t.Fatalf("SDS while OUTPUT_CERTS fails: %v", err)
+	}
+
+	if err := os.Remove(blocker); err != nil {
+		t.Fatal(err)
+	}
+	written := ev.channel(t, func(x secretmanager.Event) bool { return x.Kind == secretmanager.EventOutputWritten })
+	// The CA's root check and the renewal are the long-lived timers; the retry is the third.
+	testutil.Drive(t, e.clock, time.Second, 2, written)
+	if code, body := httpGet(t, "http://"+a.StatusAddr()+"/healthz/ready"); code != http.StatusOK {
+		t.Fatalf("/healthz/ready after the write = %d %q", code, body)
+	}
+	if uri, _ := readPair(t, cfg.OutputCerts); uri != demoID {
+		t.Fatalf("OUTPUT_CERTS holds %s", uri)
+	}
+	if got := metric(t, a, "meshid_agent_output_certs_write_failures_total"); got == "0" || got == "" {
+		t.Errorf("write failures counted %q", got)
+	}
+}
+
+// --output-certs-group-read: the group reads the certificates, and the key only when asked.
+func TestOutputCertsGroupModes(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name               string
+		group, key         bool
+		dir, cert, keyMode os.FileMode
+	}{
+		{"private", false, false, 0o700, 0o644, 0o600},
+		{"certificates", true, false, 0o750, 0o640, 0o600},
+		{"all", true, true, 0o750, 0o640, 0o640},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t)
+			ev := newEvents()
+			cfg := e.config(t, e.tokenFile(t, "default", "demo"), ev)
+			cfg.OutputGroupRead, cfg.OutputKeyGroupRead = tc.group, tc.key
+			runAgent(t, newAgent(t, cfg))
+			ev.await(t, "OUTPUT_CERTS written", func(x secretmanager.Event) bool { return x.Kind == secretmanager.EventOutputWritten })
+			generation, err := filepath.EvalSymlinks(filepath.Join(cfg.OutputCerts, "..data"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			for path, want := range map[string]os.FileMode{
+				cfg.OutputCerts: tc.dir, generation: tc.dir,
+				filepath.Join(generation, "cert-chain.pem"): tc.cert,
+				filepath.Join(generation, "root-cert.pem"):  tc.cert,
+				filepath.Join(generation, "key.pem"):        tc.keyMode,
+			} {
+				info, err := os.Stat(path)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if got := info.Mode().Perm(); got != want {
+					t.Errorf("%s: mode %v, want %v", path, got, want)
+				}
+			}
+		})
+	}
+}
+
+// debugStatus is one secret of /debug/secrets, as an operator's script reads it.
+type debugStatus struct {
+	Name         string    `json:"name"`
+	Valid        bool      `json:"valid"`
+	Error        string    `json:"error"`
+	SPIFFEID     string    `json:"spiffe_id"`
+	Serial       string    `json:"serial"`
+	NotAfter     time.Time `json:"not_after"`
+	NextRotation time.Time `json:"next_rotation"`
+	Roots        int       `json:"roots"`
+	Source       string    `json:"source"`
+	Streams      int       `json:"subscribed_streams"`
+}
+
+// debugSecrets reads /debug/secrets.
+func debugSecrets(t *testing.T, a *agent.Agent) (source string, secrets []debugStatus) {
+	t.Helper()
+	code, body := httpGet(t, "http://"+a.DebugAddr()+"/debug/secrets")
+	if code != http.StatusOK {
+		t.Fatalf("/debug/secrets = %d %q", code, body)
+	}
+	var got struct {
+		Source  string        `json:"source"`
+		Secrets []debugStatus `json:"secrets"`
+	}
+	if err := json.Unmarshal([]byte(body), &got); err != nil {
+		t.Fatalf("/debug/secrets is not JSON: %v\n%s", err, body)
+	}
+	return got.Source, got.Secrets
+}
+
+func debugSecret(t *testing.T, a *agent.Agent, name string) debugStatus {
+	t.Helper()
+	_, all := debugSecrets(t, a)
+	for _, s := range all {
+		if s.Name == name {
+			return s
+		}
+	}
+	t.Fatalf("/debug/secrets lacks %s: %+v", name, all)
+	return debugStatus{}
+}
+
+// A credentials dir with some of the three files is a mistake, not a reason to use a CA.
+func TestPartialCredentialsDirIsRefused(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	testutil.WriteFiles(t, dir, map[string][]byte{"cert-chain.pem": []byte("x")})
+	cfg := testConfig(t, newFakeClock(), nil, nil)
+	cfg.CredentialsDir = dir
+	_, err := agent.New(cfg)
+	if err == nil {
+		t.Fatal("an agent started with a credentials dir missing key.pem and root-cert.pem")
+	}
+	for _, want := range []string{dir, "cert-chain.pem", "key.pem", "root-cert.pem"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not mention %q", err, want)
+		}
+	}
+}
+
+// Two agents on one root dir: the second is refused, and the first keeps its embedded CA (the
+// second used to take over its socket and delete it on exit).
+func TestSecondAgentOnOneRootDirIsRefused(t *testing.T) {
+	t.Parallel()
+	clk := newFakeClock()
+	cfg := testConfig(t, clk, newLogSink(t), nil)
+	first := newAgent(t, cfg)
+	certs := issued(t, first)
+	runAgent(t, first)
+	serial0 := receive(t, certs, "first certificate").Version
+
+	second := cfg
+	second.WorkloadSocketDir = testutil.ShortTempDir(t)
+	second.StatusAddr, second.DebugAddr = "127.0.0.1:0", ""
+	if _, err := agent.New(second); err == nil || !strings.Contains(err.Error(), "another agent") || !strings.Contains(err.Error(), "--root-dir") {
+		t.Fatalf("second agent on the same root dir: %v, want a refusal naming --root-dir", err)
+	}
+	rotate(t, clk, first)
+	if renewed := receive(t, certs, "renewal after the refusal"); renewed.Version == serial0 {
+		t.Fatal("no new certificate")
 	}
 }
 
@@ -276,7 +391,9 @@ func TestConfigValidate(t *testing.T) {
 		modify func(*agent.Config)
 		want   string
 	}{
-		{"no namespace", func(c *agent.Config) { c.Namespace = "" }, "POD_NAMESPACE"},
+		{"no namespace", func(c *agent.Config) { c.Namespace = "" }, "--namespace (POD_NAMESPACE) is required"},
+		{"no service account", func(c *agent.Config) { c.ServiceAccount = "" }, "--service-account (SERVICE_ACCOUNT) is required"},
+		{"group-readable key alone", func(c *agent.Config) { c.OutputKeyGroupRead = true }, "group-readable"},
 		{"bad service account", func(c *agent.Config) { c.ServiceAccount = "Bad_Name" }, "SERVICE_ACCOUNT"},
 		{"debug server off loopback", func(c *agent.Config) { c.DebugAddr = "0.0.0.0:15004" }, "loopback only"},
 		{"socket path too long", func(c *agent.Config) { c.WorkloadSocketDir = "/" + strings.Repeat("d", 120) }, "kernel's limit"},

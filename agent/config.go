@@ -3,6 +3,7 @@
 package agent
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -12,8 +13,11 @@ import (
 	"time"
 
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/fsutil"
+	"github.com/meshid/meshid/internal/istio"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/sds"
+	"github.com/meshid/meshid/secretmanager"
 )
 
 // Defaults of `meshid agent`; paths are relative to RootDir.
@@ -27,13 +31,13 @@ const (
 	// Identity of the workload when the agent runs its own CA and none is given.
 	DefaultEmbeddedNamespace      = "default"
 	DefaultEmbeddedServiceAccount = "default"
-	DefaultTrustDomain            = "cluster.local"
+	DefaultTrustDomain            = istio.DefaultTrustDomain
 	DefaultTokenPath              = "var/run/secrets/tokens/istio-token" //nolint:gosec // a path, not a credential
 	DefaultCARootCert             = "var/run/secrets/istio/root-cert.pem"
-	DefaultSecretTTL              = 24 * time.Hour
-	DefaultGraceRatio             = 0.5
-	DefaultGraceJitter            = 0.01
-	DefaultCAServerName           = "istiod.istio-system.svc"
+	DefaultSecretTTL              = istio.DefaultSecretTTL
+	DefaultGraceRatio             = istio.DefaultGraceRatio
+	DefaultGraceJitter            = istio.DefaultGraceRatioJitter
+	DefaultCAServerName           = istio.IstiodSAN
 )
 
 // Config is everything an agent needs; cmd builds it from flags and environment and validates it.
@@ -54,12 +58,19 @@ type Config struct {
 	TokenPath    string
 	ProvCert     string // PROV_CERT: a key pair for mTLS to the CA
 
+	// Embed starts a CA in-process when no CA address is given; cmd/meshid supplies it, and
+	// meshid-agent, which links no CA, does not.
+	Embed EmbedFunc
+
 	KeyAlgorithm     pki.KeyAlgorithm
 	RSAKeySize       int
 	SecretTTL        time.Duration
 	GraceRatio       float64
 	GraceRatioJitter float64
 	OutputCerts      string // OUTPUT_CERTS
+	// OutputGroupRead makes OUTPUT_CERTS' directories and certificate files readable by the
+	// agent's group; OutputKeyGroupRead the key too.
+	OutputGroupRead, OutputKeyGroupRead bool
 
 	// WorkloadSocketDir holds the SDS socket; CredentialsDir may hold cert-chain.pem, key.pem and
 	// root-cert.pem to serve instead of a CA's; FileMountedCerts serves <root>/etc/certs/ instead.
@@ -78,6 +89,35 @@ type Config struct {
 
 	Logger *slog.Logger
 	Clock  clock.Clock
+	// OnEvent, when set, is told of the secret manager's events: certificates obtained, failed
+	// renewals, OUTPUT_CERTS written or not, secrets changing state.
+	OnEvent func(secretmanager.Event)
+}
+
+// EmbedFunc starts a control plane in-process for an agent given no CA address.
+type EmbedFunc func(EmbedConfig) (ControlPlane, error)
+
+// EmbedConfig is what an embedded control plane is given: a state dir the agent has locked, the
+// private socket to serve the CA protocol on, and the workload's identity to mint tokens for.
+type EmbedConfig struct {
+	StateDir    string
+	SocketPath  string
+	TrustDomain string
+	Identity    pki.SPIFFEID
+	Clock       clock.Clock
+	Logger      *slog.Logger
+}
+
+// ControlPlane is a control plane run in-process, as the agent uses it.
+type ControlPlane interface {
+	// GRPCAddr (unix:///path) and RootCertFile are where the CA client finds and verifies it.
+	GRPCAddr() string
+	RootCertFile() string
+	// Token mints the workload's token for a request.
+	Token(ctx context.Context) (string, error)
+	// Run serves until ctx ends; Close releases a control plane that will not Run.
+	Run(ctx context.Context) error
+	Close()
 }
 
 // DefaultConfig returns the configuration `meshid agent` starts from (paths under rootDir).
@@ -149,10 +189,23 @@ func (c *Config) Identity() (pki.SPIFFEID, error) {
 // Validate reports every problem with the configuration at once.
 func (c *Config) Validate() error {
 	var errs []error
-	if _, err := c.Identity(); err != nil {
-		errs = append(errs, fmt.Errorf("workload identity (--trust-domain, --namespace/POD_NAMESPACE, --service-account/SERVICE_ACCOUNT): %w", err))
+	switch {
+	case !c.embedded() && (c.Namespace == "" || c.ServiceAccount == ""):
+		if c.Namespace == "" {
+			errs = append(errs, errors.New("--namespace (POD_NAMESPACE) is required with --ca-addr: the CA signs for the workload's own namespace"))
+		}
+		if c.ServiceAccount == "" {
+			errs = append(errs, errors.New("--service-account (SERVICE_ACCOUNT) is required with --ca-addr: the CA signs for the workload's own service account"))
+		}
+	default:
+		if _, err := c.Identity(); err != nil {
+			errs = append(errs, fmt.Errorf("workload identity (--trust-domain/TRUST_DOMAIN, --namespace/POD_NAMESPACE, --service-account/SERVICE_ACCOUNT): %w", err))
+		}
 	}
-	if err := sds.CheckSocketPath(filepath.Join(c.socketDir(), sds.SocketName)); err != nil {
+	if c.OutputKeyGroupRead && !c.OutputGroupRead {
+		errs = append(errs, errors.New("a group-readable OUTPUT_CERTS key needs group-readable directories too"))
+	}
+	if err := fsutil.CheckSocketPath(filepath.Join(c.socketDir(), sds.SocketName)); err != nil {
 		errs = append(errs, fmt.Errorf("--workload-socket-dir: %w", err))
 	}
 	if c.DebugAddr != "" {
@@ -168,8 +221,8 @@ func (c *Config) Validate() error {
 	switch c.KeyAlgorithm {
 	case pki.ECDSA:
 	case pki.RSA:
-		if c.RSAKeySize < pki.MinRSAKeySize || c.RSAKeySize > pki.MaxRSAKeySize {
-			errs = append(errs, fmt.Errorf("RSA key size %d (WORKLOAD_RSA_KEY_SIZE) out of range [%d, %d]", c.RSAKeySize, pki.MinRSAKeySize, pki.MaxRSAKeySize))
+		if err := pki.ValidateRSAKeySize(c.RSAKeySize); err != nil {
+			errs = append(errs, fmt.Errorf("--workload-rsa-key-size (WORKLOAD_RSA_KEY_SIZE): %w", err))
 		}
 	default:
 		errs = append(errs, fmt.Errorf("--key-algorithm %q: want ECDSA or RSA", c.KeyAlgorithm))
@@ -177,11 +230,8 @@ func (c *Config) Validate() error {
 	if c.SecretTTL <= 0 {
 		errs = append(errs, fmt.Errorf("--secret-ttl %s must be positive", c.SecretTTL))
 	}
-	if c.GraceRatio <= 0 || c.GraceRatio >= 1 {
-		errs = append(errs, fmt.Errorf("--grace-period-ratio %v must be between 0 and 1", c.GraceRatio))
-	}
-	if c.GraceRatioJitter < 0 || c.GraceRatioJitter >= c.GraceRatio || c.GraceRatio+c.GraceRatioJitter >= 1 {
-		errs = append(errs, fmt.Errorf("--grace-period-ratio-jitter %v must keep the ratio %v within (0, 1)", c.GraceRatioJitter, c.GraceRatio))
+	if err := secretmanager.ValidateGrace(c.GraceRatio, c.GraceRatioJitter); err != nil {
+		errs = append(errs, fmt.Errorf("--grace-period-ratio (SECRET_GRACE_PERIOD_RATIO), --grace-period-ratio-jitter: %w", err))
 	}
 	if _, _, err := net.SplitHostPort(c.StatusAddr); err != nil {
 		errs = append(errs, fmt.Errorf("--status-addr %q: want HOST:PORT: %w", c.StatusAddr, err))

@@ -6,20 +6,25 @@ import (
 	"time"
 
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/secretmanager"
 )
 
 // secretStatus is one secret as /debug/secrets shows it.
 type secretStatus struct {
-	Name         string    `json:"name"`
+	Name string `json:"name"`
+	// Valid says whether it is served now (as /healthz/ready judges "default"); Error why not, or
+	// why the last attempt to replace it failed.
+	Valid        bool      `json:"valid"`
+	Error        string    `json:"error,omitempty"`
 	SPIFFEID     string    `json:"spiffe_id,omitempty"`
 	Serial       string    `json:"serial,omitempty"`
-	Version      string    `json:"version"`
+	Version      string    `json:"version,omitempty"`
 	NotBefore    time.Time `json:"not_before,omitzero"`
 	NotAfter     time.Time `json:"not_after,omitzero"`
 	NextRotation time.Time `json:"next_rotation,omitzero"`
 	TimeLeft     string    `json:"time_left,omitempty"`
 	Roots        int       `json:"roots,omitempty"`
-	Source       string    `json:"source"`
+	Source       string    `json:"source,omitempty"`
 	Streams      int       `json:"subscribed_streams"`
 }
 
@@ -29,18 +34,8 @@ func (a *Agent) debugHandler(clk clock.Clock) http.Handler {
 		out := []secretStatus{}
 		if a.secrets != nil {
 			subscribed := a.sds.Subscriptions()
-			for _, s := range a.secrets.Snapshot() {
-				st := secretStatus{Name: s.Name, Version: s.Version, Source: s.Source, Roots: len(s.Roots), Streams: subscribed[s.Name]}
-				if len(s.Chain) > 0 {
-					leaf := s.Chain[0]
-					if len(leaf.URIs) == 1 {
-						st.SPIFFEID = leaf.URIs[0].String()
-					}
-					st.Serial = leaf.SerialNumber.Text(16)
-					st.NotBefore, st.NotAfter, st.NextRotation = leaf.NotBefore, leaf.NotAfter, s.RenewAt
-					st.TimeLeft = leaf.NotAfter.Sub(clk.Now()).Round(time.Second).String()
-				}
-				out = append(out, st)
+			for _, st := range a.secrets.Snapshot() {
+				out = append(out, describe(st.Name, st.Valid, st.Error, st.Secret, subscribed[st.Name], clk.Now()))
 			}
 		}
 		w.Header().Set("Content-Type", "application/json")
@@ -49,4 +44,25 @@ func (a *Agent) debugHandler(clk clock.Clock) http.Handler {
 		_ = enc.Encode(map[string]any{"source": a.source, "sds_socket": a.socketPath, "secrets": out})
 	})
 	return mux
+}
+
+func describe(name string, valid bool, why string, s *secretmanager.Secret, streams int, now time.Time) secretStatus {
+	st := secretStatus{Name: name, Valid: valid, Error: why, Streams: streams}
+	if s == nil {
+		return st
+	}
+	st.Version, st.Source = s.Version, string(s.Source)
+	if s.Bundle != nil {
+		st.Roots = len(s.Bundle.Roots)
+	}
+	if s.KeyPair != nil {
+		leaf := s.KeyPair.Leaf()
+		if len(leaf.URIs) == 1 {
+			st.SPIFFEID = leaf.URIs[0].String()
+		}
+		st.Serial = leaf.SerialNumber.Text(16)
+		st.NotBefore, st.NotAfter, st.NextRotation = leaf.NotBefore, leaf.NotAfter, s.RenewAt
+		st.TimeLeft = leaf.NotAfter.Sub(now).Round(time.Second).String()
+	}
+	return st
 }

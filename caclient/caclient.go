@@ -1,10 +1,13 @@
 // Package caclient is the client of Istio's CA protocol (IstioCertificateService): CSR in, chain
-// out, authenticated by a service-account token re-read on every call and, when the workload
-// already holds a valid certificate, by mTLS with it. Transient failures are retried with backoff.
+// out, authenticated by a service-account token read afresh for every call and, when the workload
+// holds a valid certificate, by mTLS with it. It keeps one connection to the CA and dials again
+// only when what it verifies the CA with, or the certificate it presents, changes. Transient
+// failures are retried with backoff.
 package caclient
 
 import (
 	"context"
+	"crypto/sha256"
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/pem"
@@ -13,14 +16,14 @@ import (
 	"log/slog"
 	"os"
 	"strings"
+	"sync"
 	"time"
-
-	"github.com/meshid/meshid/internal/logkey"
 
 	"github.com/cenkalti/backoff/v4"
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/connectivity"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
@@ -28,13 +31,15 @@ import (
 	pb "istio.io/api/security/v1alpha1"
 
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/istio"
+	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/internal/pki"
 )
 
 // Defaults of the client.
 const (
 	// DefaultServerName is the name Istio's agents expect in the CA's certificate (ISTIOD_SAN).
-	DefaultServerName  = "istiod.istio-system.svc"
+	DefaultServerName  = istio.IstiodSAN
 	DefaultCallTimeout = 10 * time.Second
 	DefaultMaxAttempts = 3
 )
@@ -51,19 +56,20 @@ var (
 type Config struct {
 	// Address of the CA: HOST:PORT, or unix:///path for a local socket.
 	Address string
-	// RootCertFile holds the roots that verify the CA's certificate; it is read at every
-	// connection, so a rotated root is picked up. Empty means the system roots.
+	// RootCertFile holds the roots that verify the CA's certificate; it is read before every call
+	// and a change dials the CA again, so a rotated root is picked up. Empty means the system roots.
 	RootCertFile string
 	// ServerName is the name verified in the CA's certificate (ISTIOD_SAN).
 	ServerName string
-	// TokenPath is the service-account token, read at every call; a missing file sends none.
+	// TokenPath is the service-account token, read for every call. A missing, empty or unreadable
+	// file fails the call before anything is sent, unless a client certificate authenticates it.
 	TokenPath string
 	// Token, when set instead, is called for the token at every call (an embedded CA's agent
 	// mints its own).
 	Token func(ctx context.Context) (string, error)
-	// ClientCertificate, when set, is asked at every TLS handshake for a certificate to present;
-	// it returns nil when there is none.
-	ClientCertificate func() (*tls.Certificate, error)
+	// ClientCertificate, when set, is asked before every call for a certificate to present over
+	// mTLS; it returns nil when there is none. A different certificate dials the CA again.
+	ClientCertificate func() *tls.Certificate
 	// ClusterID is sent as the ClusterID header and request metadata (ISTIO_META_CLUSTER_ID).
 	ClusterID string
 	// CallTimeout bounds one attempt; MaxAttempts bounds the attempts at transient failures.
@@ -81,10 +87,17 @@ type Client struct {
 	clock   clock.Clock
 	log     *slog.Logger
 	latency *prometheus.HistogramVec
+
+	mu       sync.Mutex
+	conn     *grpc.ClientConn
+	material [sha256.Size]byte // of the roots and client certificate conn was dialed with
+	closed   bool
 }
 
-// New returns a Client. It opens no connection: each Sign connects afresh, with the root file and
-// client certificate as they are at that moment.
+// ErrNoCredentials reports a call that has neither a token nor a certificate to present.
+var ErrNoCredentials = errors.New("no credentials for the CA")
+
+// New returns a Client. It opens no connection until the first Sign; call Close when done.
 func New(cfg Config) (*Client, error) {
 	if cfg.Address == "" {
 		return nil, errors.New("CA address is empty")
@@ -158,61 +171,142 @@ func (c *Client) Sign(ctx context.Context, csrDER []byte, ttl time.Duration) ([]
 	return parseChain(resp.GetCertChain())
 }
 
+// Close closes the connection to the CA; Sign fails after it.
+func (c *Client) Close() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.closed = true
+	if c.conn == nil {
+		return nil
+	}
+	err := c.conn.Close()
+	c.conn = nil
+	return err
+}
+
 func (c *Client) call(ctx context.Context, req *pb.IstioCertificateRequest) (*pb.IstioCertificateResponse, error) {
-	tlsConfig, err := c.tlsConfig()
+	var cert *tls.Certificate
+	if c.cfg.ClientCertificate != nil {
+		cert = c.cfg.ClientCertificate()
+	}
+	token, err := c.token(ctx)
+	switch {
+	case err != nil && cert == nil:
+		return nil, fmt.Errorf("%w: %w, and no valid certificate to present", ErrNoCredentials, err)
+	case err != nil:
+		c.log.Debug("no token; the certificate held authenticates the request", logkey.Reason, err.Error())
+		token = ""
+	}
+	conn, err := c.connection(cert)
 	if err != nil {
 		return nil, err
 	}
-	opts := []grpc.DialOption{grpc.WithTransportCredentials(credentials.NewTLS(tlsConfig))}
-	switch {
-	case c.cfg.Token != nil:
-		opts = append(opts, grpc.WithPerRPCCredentials(tokenFunc(c.cfg.Token)))
-	case c.cfg.TokenPath != "":
-		opts = append(opts, grpc.WithPerRPCCredentials(tokenFile(c.cfg.TokenPath)))
-	}
-	conn, err := grpc.NewClient(c.cfg.Address, opts...)
-	if err != nil {
-		return nil, fmt.Errorf("CA address %q: %w", c.cfg.Address, err)
-	}
-	defer func() { _ = conn.Close() }()
-
 	ctx, cancel := context.WithTimeout(ctx, c.cfg.CallTimeout)
 	defer cancel()
+	if token != "" {
+		ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+token)
+	}
 	if c.cfg.ClusterID != "" {
 		ctx = metadata.AppendToOutgoingContext(ctx, "ClusterID", c.cfg.ClusterID)
 	}
 	start := time.Now()
 	resp, err := pb.NewIstioCertificateServiceClient(conn).CreateCertificate(ctx, req)
 	c.latency.WithLabelValues(status.Code(err).String()).Observe(time.Since(start).Seconds())
+	if status.Code(err) == codes.Unavailable && conn.GetState() == connectivity.TransientFailure {
+		// The retries wait on our own backoff (and clock): the next attempt dials afresh rather
+		// than fail at once until grpc's own reconnection backoff, up to two minutes, runs out.
+		c.drop(conn)
+	}
 	return resp, err
 }
 
-func (c *Client) tlsConfig() (*tls.Config, error) {
-	cfg := &tls.Config{MinVersion: tls.VersionTLS12, ServerName: c.cfg.ServerName}
+// drop closes conn and forgets it, if it is still the one in use.
+func (c *Client) drop(conn *grpc.ClientConn) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.conn == conn {
+		_ = c.conn.Close()
+		c.conn = nil
+	}
+}
+
+// token returns the token to send, or why there is none.
+func (c *Client) token(ctx context.Context) (string, error) {
+	switch {
+	case c.cfg.Token != nil:
+		tok, err := c.cfg.Token(ctx)
+		if err != nil {
+			return "", fmt.Errorf("cannot get a token: %w", err)
+		}
+		return tok, nil
+	case c.cfg.TokenPath == "":
+		return "", errors.New("no token configured")
+	}
+	data, err := os.ReadFile(c.cfg.TokenPath)
+	if err != nil {
+		return "", fmt.Errorf("the token file: %w", err) // the error names the path
+	}
+	tok := strings.TrimSpace(string(data))
+	if tok == "" {
+		return "", fmt.Errorf("the token file %s is empty", c.cfg.TokenPath)
+	}
+	return tok, nil
+}
+
+// connection returns the connection to the CA, dialing it again when the roots that verify it or
+// the certificate presented changed since it was dialed.
+func (c *Client) connection(cert *tls.Certificate) (*grpc.ClientConn, error) {
+	var rootsPEM []byte
 	if c.cfg.RootCertFile != "" {
 		data, err := os.ReadFile(c.cfg.RootCertFile)
 		if err != nil {
 			return nil, fmt.Errorf("read the CA root: %w", err)
 		}
+		rootsPEM = data
+	}
+	h := sha256.New()
+	h.Write(rootsPEM)
+	if cert != nil {
+		for _, der := range cert.Certificate {
+			h.Write(der)
+		}
+	}
+	var material [sha256.Size]byte
+	h.Sum(material[:0])
+
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return nil, errors.New("the CA client is closed")
+	}
+	if c.conn != nil && c.material == material {
+		return c.conn, nil
+	}
+	// The CA's certificate is checked on our clock, the one every other validity decision uses.
+	cfg := &tls.Config{MinVersion: tls.VersionTLS12, ServerName: c.cfg.ServerName, Time: c.clock.Now}
+	if rootsPEM != nil {
 		pool := x509.NewCertPool()
-		if !pool.AppendCertsFromPEM(data) {
+		if !pool.AppendCertsFromPEM(rootsPEM) {
 			return nil, fmt.Errorf("the CA root file %s holds no certificate", c.cfg.RootCertFile)
 		}
 		cfg.RootCAs = pool
 	}
-	if get := c.cfg.ClientCertificate; get != nil {
-		cfg.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) {
-			cert, err := get()
-			if err != nil || cert == nil {
-				if err != nil {
-					c.log.Debug("no usable client certificate; relying on the token", logkey.Reason, err.Error())
-				}
-				return &tls.Certificate{}, nil //nolint:nilerr // present none: the token may authenticate
-			}
-			return cert, nil
-		}
+	if cert != nil {
+		// Presented whatever CAs the server names: it checks the chain itself, per call.
+		cfg.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) { return cert, nil }
 	}
-	return cfg, nil
+	conn, err := grpc.NewClient(c.cfg.Address, grpc.WithTransportCredentials(credentials.NewTLS(cfg)))
+	if err != nil {
+		return nil, fmt.Errorf("CA address %q: %w", c.cfg.Address, err)
+	}
+	if c.conn != nil {
+		// A call still on the old connection (Sign is not called concurrently by the agent)
+		// would fail and be retried on the new one.
+		_ = c.conn.Close()
+		c.log.Debug("dialing the CA again: its roots or our certificate changed", logkey.CAAddress, c.cfg.Address)
+	}
+	c.conn, c.material = conn, material
+	return conn, nil
 }
 
 func transient(err error) bool {
@@ -260,37 +354,3 @@ func parseChain(elements []string) ([]*x509.Certificate, error) {
 	}
 	return chain, nil
 }
-
-// tokenFile is per-RPC credentials that read the token file at every call (istio#26225: a token
-// cached at start-up expired and broke rotation).
-type tokenFile string
-
-func (t tokenFile) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
-	data, err := os.ReadFile(string(t))
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, nil // no token: a client certificate may still authenticate
-	}
-	if err != nil {
-		return nil, status.Errorf(codes.FailedPrecondition, "cannot read the token file %s: %s", string(t), err.Error())
-	}
-	tok := strings.TrimSpace(string(data))
-	if tok == "" {
-		return nil, nil
-	}
-	return map[string]string{"authorization": "Bearer " + tok}, nil
-}
-
-func (tokenFile) RequireTransportSecurity() bool { return true }
-
-// tokenFunc is per-RPC credentials that ask a function for the token at every call.
-type tokenFunc func(ctx context.Context) (string, error)
-
-func (t tokenFunc) GetRequestMetadata(ctx context.Context, _ ...string) (map[string]string, error) {
-	tok, err := t(ctx)
-	if err != nil {
-		return nil, status.Errorf(codes.FailedPrecondition, "cannot get a token: %s", err.Error())
-	}
-	return map[string]string{"authorization": "Bearer " + tok}, nil
-}
-
-func (tokenFunc) RequireTransportSecurity() bool { return true }

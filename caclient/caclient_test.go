@@ -24,6 +24,7 @@ import (
 	"github.com/meshid/meshid/controlplane"
 	"github.com/meshid/meshid/controlplane/controlplanetest"
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/istio"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
 )
@@ -63,10 +64,16 @@ func startCA(t *testing.T) *realCA {
 // serves.
 func startCAIn(t *testing.T, stateDir, grpcAddr string) *realCA {
 	t.Helper()
-	cp := controlplanetest.Start(t, caConfig(stateDir, grpcAddr))
+	return startCAWith(t, caConfig(stateDir, grpcAddr))
+}
+
+// startCAWith runs a control plane configured by cfg until the test ends.
+func startCAWith(t *testing.T, cfg controlplane.Config) *realCA {
+	t.Helper()
+	cp := controlplanetest.Start(t, cfg)
 	return &realCA{
-		stateDir:   stateDir,
-		rootFile:   filepath.Join(stateDir, caclient.RootCertFile),
+		stateDir:   cfg.StateDir,
+		rootFile:   filepath.Join(cfg.StateDir, istio.RootCertFile),
 		addr:       cp.GRPCAddr(),
 		monitoring: cp.MonitoringAddr(),
 	}
@@ -178,14 +185,20 @@ type testClient struct {
 	clock *countingClock
 }
 
+// newClient returns a client for cfg on a counting fake clock, closed when the test ends. A
+// configuration without credentials gets a fixed token, for the CAs that do not check it.
 func newClient(t *testing.T, cfg caclient.Config) *testClient {
 	t.Helper()
 	clk := &countingClock{FakeClock: testutil.NewFakeClock(time.Now())}
 	cfg.Clock = clk
+	if cfg.Token == nil && cfg.TokenPath == "" && cfg.ClientCertificate == nil {
+		cfg.Token = func(context.Context) (string, error) { return "unchecked-token", nil }
+	}
 	c, err := caclient.New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(func() { _ = c.Close() })
 	return &testClient{Client: c, clock: clk}
 }
 
@@ -334,26 +347,49 @@ func TestTokenFileIsReadOnEveryCall(t *testing.T) {
 	}
 }
 
-func TestMissingTokenFileSendsNoToken(t *testing.T) {
+// A token that cannot be read fails the call before anything is sent, naming the file, when no
+// certificate can authenticate it instead (grpc used to turn it into an opaque Internal error).
+func TestTokenProblemsFailBeforeDialing(t *testing.T) {
 	t.Parallel()
 	ca := startCA(t)
-	cfg := ca.config()
-	cfg.TokenPath = filepath.Join(t.TempDir(), "absent")
-	c := newClient(t, cfg)
-	csr, _ := newCSR(t, pki.ECDSA, spiffeID("ns1", "sa1"))
-
-	res := c.sign(t, csr, time.Hour)
-	if outcomeOf(res.err) != rejected || status.Code(res.err) != codes.Unauthenticated {
-		t.Fatalf("error %v, want ErrRejected with Unauthenticated", res.err)
+	dir := t.TempDir()
+	empty := filepath.Join(dir, "empty-token")
+	writeFile(t, empty, " \n")
+	tests := []struct {
+		name, path string
+		want       []string
+	}{
+		{"missing", filepath.Join(dir, "absent"), []string{filepath.Join(dir, "absent"), "no such file"}},
+		{"empty", empty, []string{empty, "is empty"}},
+		{"unreadable", dir, []string{dir, "is a directory"}},
 	}
-	if !strings.Contains(res.err.Error(), "did not accept the token or client certificate") {
-		t.Errorf("error %q does not say the credentials were refused", res.err)
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			cfg := ca.config()
+			cfg.TokenPath = tt.path
+			c := newClient(t, cfg)
+			csr, _ := newCSR(t, pki.ECDSA, spiffeID("ns1", "sa1"))
+			res := c.sign(t, csr, time.Hour)
+			if !errors.Is(res.err, caclient.ErrNoCredentials) {
+				t.Fatalf("error %v, want ErrNoCredentials", res.err)
+			}
+			if status.Code(res.err) == codes.Internal {
+				t.Errorf("error %v is an Internal status", res.err)
+			}
+			for _, want := range tt.want {
+				if !strings.Contains(res.err.Error(), want) {
+					t.Errorf("error %q does not mention %q", res.err, want)
+				}
+			}
+			if res.backoffs != 0 {
+				t.Errorf("a local credential problem was retried %d times", res.backoffs)
+			}
+		})
 	}
-	if res.backoffs != 0 {
-		t.Errorf("a refusal was retried %d times", res.backoffs)
-	}
-	if got := ca.metric(t, `meshid_ca_requests_refused_total{code="Unauthenticated",reason="no_credentials"}`); got != "1" {
-		t.Errorf("the CA counted %q requests without credentials, want 1", got)
+	// Nothing reached the CA.
+	if got := ca.metric(t, `meshid_ca_requests_refused_total{code="Unauthenticated",reason="no_credentials"}`); got != "" {
+		t.Errorf("the CA counted %q requests without credentials, want none sent", got)
 	}
 }
 
@@ -497,7 +533,7 @@ func TestRetryUntilTheCAStarts(t *testing.T) {
 	addr := closedAddr(t)
 
 	c := newClient(t, caclient.Config{
-		Address: addr, RootCertFile: filepath.Join(stateDir, caclient.RootCertFile),
+		Address: addr, RootCertFile: filepath.Join(stateDir, istio.RootCertFile),
 		TokenPath: tokenPath, MaxAttempts: 5,
 	})
 	csr, _ := newCSR(t, pki.ECDSA, spiffeID("ns1", "sa1"))
@@ -520,7 +556,7 @@ func TestRetryUntilTheCAStarts(t *testing.T) {
 	}
 }
 
-func TestRootFileIsReadAtEachConnection(t *testing.T) {
+func TestRootFileIsReadBeforeEachCall(t *testing.T) {
 	t.Parallel()
 	ca := startCA(t)
 	rootFile := filepath.Join(t.TempDir(), "root-cert.pem")
@@ -545,6 +581,34 @@ func TestRootFileIsReadAtEachConnection(t *testing.T) {
 	writeFile(t, rootFile, string(testutil.CertPEM(ca.root(t))))
 	if got := leafID(t, c.mustSign(t, csr, time.Hour)); got != spiffeID("ns1", "sa1").String() {
 		t.Errorf("leaf names %s", got)
+	}
+}
+
+// The CA's serving certificate is verified on the client's clock: a CA and an agent that share a
+// clock ahead of the machine's (as every test with a fake clock does after a rotation) agree.
+func TestCACertificateIsVerifiedOnTheClientsClock(t *testing.T) {
+	t.Parallel()
+	ahead := testutil.NewFakeClock(time.Now().Add(48 * time.Hour))
+	cfg := caConfig(t.TempDir(), "127.0.0.1:0")
+	cfg.Clock = ahead
+	ca := startCAWith(t, cfg)
+	c, err := caclient.New(caclient.Config{
+		Address: ca.addr, RootCertFile: ca.rootFile, Clock: ahead, MaxAttempts: 1,
+		Token: func(context.Context) (string, error) {
+			return ca.token(t, "ns1", "sa1", ahead.Now(), time.Hour), nil
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	csr, _ := newCSR(t, pki.ECDSA, spiffeID("ns1", "sa1"))
+	chain, err := c.Sign(t.Context(), csr, time.Hour)
+	if err != nil {
+		t.Fatalf("Sign with the CA and the client on one clock: %v", err)
+	}
+	if !chain[0].NotAfter.After(ahead.Now()) {
+		t.Fatalf("leaf expires %s, before the shared clock's now %s", chain[0].NotAfter, ahead.Now())
 	}
 }
 

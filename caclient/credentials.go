@@ -2,74 +2,53 @@ package caclient
 
 import (
 	"crypto/tls"
-	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/istio"
+	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/internal/pki"
 )
 
-// Names of the files of a workload key pair (OUTPUT_CERTS, PROV_CERT).
-const (
-	CertChainFile = "cert-chain.pem"
-	KeyFile       = "key.pem"
-	RootCertFile  = "root-cert.pem"
-)
-
-// KeyPairDir is a directory that may hold a key pair (cert-chain.pem, key.pem) to present to the
-// CA; when SPIFFEID is set, only a certificate naming it is used.
-type KeyPairDir struct {
-	Dir      string
-	SPIFFEID string
-}
-
-// KeyPairFromDirs returns a ClientCertificate callback that presents the first usable key pair
-// found in dirs, read afresh at each handshake: the key matches the leaf and the leaf is valid now
-// (and names the SPIFFE ID, if one is given). This is how a VM keeps renewing over mTLS after its
-// provisioned token has expired: OUTPUT_CERTS first, then PROV_CERT.
-func KeyPairFromDirs(clk clock.Clock, dirs ...KeyPairDir) func() (*tls.Certificate, error) {
+// ProvisionedCertificate returns a ClientCertificate source that reads the key pair in dir
+// (PROV_CERT: cert-chain.pem and key.pem) before every call and presents it while the key matches
+// the leaf and the leaf is valid; it returns nil otherwise, saying why at debug level.
+func ProvisionedCertificate(dir string, clk clock.Clock, log *slog.Logger) func() *tls.Certificate {
 	clk = clock.OrReal(clk)
-	return func() (*tls.Certificate, error) {
-		var errs []error
-		for _, d := range dirs {
-			if d.Dir == "" {
-				continue
-			}
-			cert, err := LoadKeyPair(d.Dir, d.SPIFFEID, clk)
-			if err == nil {
-				return cert, nil
-			}
-			errs = append(errs, err)
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	return func() *tls.Certificate {
+		cert, err := LoadKeyPair(dir, "", clk)
+		if err != nil {
+			log.Debug("the provisioned certificate is not usable", logkey.Dir, dir, logkey.Reason, err.Error())
+			return nil
 		}
-		return nil, errors.Join(errs...)
+		return cert
 	}
 }
 
-// LoadKeyPair reads and checks the key pair in dir (see KeyPairFromDirs).
+// LoadKeyPair reads the key pair in dir and checks it: the key matches the leaf, the leaf is
+// valid now and, when spiffeID is set, names it.
 func LoadKeyPair(dir, spiffeID string, clk clock.Clock) (*tls.Certificate, error) {
-	// A directory published through a "..data" symlink (OUTPUT_CERTS, a mounted secret) is read
-	// from one generation, so that a swap between the two reads cannot pair a key with another
-	// generation's certificate.
-	if generation, err := filepath.EvalSymlinks(filepath.Join(dir, "..data")); err == nil {
-		dir = generation
-	}
-	certPEM, err := os.ReadFile(filepath.Join(dir, CertChainFile))
+	certPEM, err := os.ReadFile(filepath.Join(dir, istio.CertChainFile))
 	if err != nil {
 		return nil, err
 	}
-	keyPEM, err := os.ReadFile(filepath.Join(dir, KeyFile))
+	keyPEM, err := os.ReadFile(filepath.Join(dir, istio.KeyFile))
 	if err != nil {
 		return nil, err
 	}
 	chain, err := pki.ParseCertificates(certPEM)
 	if err != nil {
-		return nil, fmt.Errorf("%s: %w", filepath.Join(dir, CertChainFile), err)
+		return nil, fmt.Errorf("%s: %w", filepath.Join(dir, istio.CertChainFile), err)
 	}
 	key, err := pki.ParsePrivateKey(keyPEM)
 	if err != nil {
-		return nil, fmt.Errorf("%s: %w", filepath.Join(dir, KeyFile), err)
+		return nil, fmt.Errorf("%s: %w", filepath.Join(dir, istio.KeyFile), err)
 	}
 	if err := pki.CheckKeyPair(chain, key, spiffeID, clock.OrReal(clk).Now()); err != nil {
 		return nil, fmt.Errorf("%s: %w", dir, err)

@@ -2,11 +2,13 @@ package caclient_test
 
 import (
 	"crypto"
+	"crypto/tls"
 	"crypto/x509"
 	"errors"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -14,6 +16,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/meshid/meshid/caclient"
+	"github.com/meshid/meshid/internal/istio"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
 )
@@ -22,8 +25,8 @@ import (
 func writePair(t *testing.T, dir string, chain []*x509.Certificate, key crypto.Signer) {
 	t.Helper()
 	testutil.WriteFiles(t, dir, map[string][]byte{
-		caclient.CertChainFile: testutil.CertPEM(chain...),
-		caclient.KeyFile:       testutil.KeyPEM(t, key),
+		istio.CertChainFile: testutil.CertPEM(chain...),
+		istio.KeyFile:       testutil.KeyPEM(t, key),
 	})
 }
 
@@ -55,57 +58,57 @@ func TestLoadKeyPair(t *testing.T) {
 	}{
 		{
 			name:     "valid pair for our identity",
-			files:    map[string][]byte{caclient.CertChainFile: testutil.CertPEM(mine.chain...), caclient.KeyFile: testutil.KeyPEM(t, mine.key)},
+			files:    map[string][]byte{istio.CertChainFile: testutil.CertPEM(mine.chain...), istio.KeyFile: testutil.KeyPEM(t, mine.key)},
 			spiffeID: me.String(),
 		},
 		{
 			name:  "any identity when none is asked for",
-			files: map[string][]byte{caclient.CertChainFile: testutil.CertPEM(theirs.chain...), caclient.KeyFile: testutil.KeyPEM(t, theirs.key)},
+			files: map[string][]byte{istio.CertChainFile: testutil.CertPEM(theirs.chain...), istio.KeyFile: testutil.KeyPEM(t, theirs.key)},
 		},
 		{
 			name:     "another identity",
-			files:    map[string][]byte{caclient.CertChainFile: testutil.CertPEM(theirs.chain...), caclient.KeyFile: testutil.KeyPEM(t, theirs.key)},
+			files:    map[string][]byte{istio.CertChainFile: testutil.CertPEM(theirs.chain...), istio.KeyFile: testutil.KeyPEM(t, theirs.key)},
 			spiffeID: me.String(),
 			wantErr:  []string{"does not name " + me.String()},
 		},
 		{
 			name:     "expired",
-			files:    map[string][]byte{caclient.CertChainFile: testutil.CertPEM(mine.chain...), caclient.KeyFile: testutil.KeyPEM(t, mine.key)},
+			files:    map[string][]byte{istio.CertChainFile: testutil.CertPEM(mine.chain...), istio.KeyFile: testutil.KeyPEM(t, mine.key)},
 			spiffeID: me.String(),
 			now:      leaf.NotAfter.Add(time.Minute),
 			wantErr:  []string{"valid from", "not at"},
 		},
 		{
 			name:     "not yet valid",
-			files:    map[string][]byte{caclient.CertChainFile: testutil.CertPEM(mine.chain...), caclient.KeyFile: testutil.KeyPEM(t, mine.key)},
+			files:    map[string][]byte{istio.CertChainFile: testutil.CertPEM(mine.chain...), istio.KeyFile: testutil.KeyPEM(t, mine.key)},
 			spiffeID: me.String(),
 			now:      leaf.NotBefore.Add(-time.Minute),
 			wantErr:  []string{"valid from", "not at"},
 		},
 		{
 			name:     "mismatched key",
-			files:    map[string][]byte{caclient.CertChainFile: testutil.CertPEM(mine.chain...), caclient.KeyFile: testutil.KeyPEM(t, theirs.key)},
+			files:    map[string][]byte{istio.CertChainFile: testutil.CertPEM(mine.chain...), istio.KeyFile: testutil.KeyPEM(t, theirs.key)},
 			spiffeID: me.String(),
 			wantErr:  []string{"key does not match"},
 		},
 		{
 			name:    "missing directory",
-			wantErr: []string{caclient.CertChainFile, "no such file"},
+			wantErr: []string{istio.CertChainFile, "no such file"},
 		},
 		{
 			name:    "missing key",
-			files:   map[string][]byte{caclient.CertChainFile: testutil.CertPEM(mine.chain...)},
-			wantErr: []string{caclient.KeyFile, "no such file"},
+			files:   map[string][]byte{istio.CertChainFile: testutil.CertPEM(mine.chain...)},
+			wantErr: []string{istio.KeyFile, "no such file"},
 		},
 		{
 			name:    "garbage certificate",
-			files:   map[string][]byte{caclient.CertChainFile: []byte("garbage"), caclient.KeyFile: testutil.KeyPEM(t, mine.key)},
-			wantErr: []string{caclient.CertChainFile, "no PEM"},
+			files:   map[string][]byte{istio.CertChainFile: []byte("garbage"), istio.KeyFile: testutil.KeyPEM(t, mine.key)},
+			wantErr: []string{istio.CertChainFile, "no PEM"},
 		},
 		{
 			name:    "garbage key",
-			files:   map[string][]byte{caclient.CertChainFile: testutil.CertPEM(mine.chain...), caclient.KeyFile: []byte("garbage")},
-			wantErr: []string{caclient.KeyFile},
+			files:   map[string][]byte{istio.CertChainFile: testutil.CertPEM(mine.chain...), istio.KeyFile: []byte("garbage")},
+			wantErr: []string{istio.KeyFile},
 		},
 	}
 	for _, tt := range tests {
@@ -147,56 +150,35 @@ func TestLoadKeyPair(t *testing.T) {
 	}
 }
 
-func TestKeyPairFromDirs(t *testing.T) {
+func (p testPair) tlsCertificate() *tls.Certificate {
+	cert := &tls.Certificate{PrivateKey: p.key, Leaf: p.chain[0]}
+	for _, c := range p.chain {
+		cert.Certificate = append(cert.Certificate, c.Raw)
+	}
+	return cert
+}
+
+func TestProvisionedCertificate(t *testing.T) {
 	t.Parallel()
 	root := testutil.NewRootCA(t, testutil.CAOptions{})
-	me, other := spiffeID("ns1", "me"), spiffeID("ns1", "other")
+	me := spiffeID("ns1", "me")
 	base := t.TempDir()
-	missing := filepath.Join(base, "missing")
 	mismatched := filepath.Join(base, "mismatched")
 	writePair(t, mismatched, newTestPair(t, root, me).chain, newTestPair(t, root, me).key)
-	goodTheirs := filepath.Join(base, "good-theirs")
-	p := newTestPair(t, root, other)
-	writePair(t, goodTheirs, p.chain, p.key)
 	mineDir := filepath.Join(base, "mine")
 	mine := newTestPair(t, root, me)
 	writePair(t, mineDir, mine.chain, mine.key)
 
 	tests := []struct {
 		name     string
-		dirs     []caclient.KeyPairDir
+		dir      string
 		now      time.Time         // zero: now
 		wantLeaf *x509.Certificate // nil: none
-		wantErr  []string
 	}{
-		{
-			name: "skips unusable, takes the first usable",
-			dirs: []caclient.KeyPairDir{
-				{Dir: ""}, {Dir: missing}, {Dir: mismatched}, {Dir: goodTheirs, SPIFFEID: me.String()},
-				{Dir: mineDir, SPIFFEID: me.String()}, {Dir: goodTheirs},
-			},
-			wantLeaf: mine.chain[0],
-		},
-		{
-			name:     "a pair for another identity when no SPIFFE ID is set",
-			dirs:     []caclient.KeyPairDir{{Dir: goodTheirs, SPIFFEID: me.String()}, {Dir: goodTheirs}, {Dir: mineDir}},
-			wantLeaf: p.chain[0],
-		},
-		{
-			name:    "none usable: every reason",
-			dirs:    []caclient.KeyPairDir{{Dir: missing}, {Dir: mismatched}, {Dir: goodTheirs, SPIFFEID: me.String()}},
-			wantErr: []string{missing, "no such file", mismatched, "key does not match", goodTheirs, "does not name " + me.String()},
-		},
-		{
-			name:    "expired",
-			dirs:    []caclient.KeyPairDir{{Dir: mineDir, SPIFFEID: me.String()}},
-			now:     mine.chain[0].NotAfter,
-			wantErr: []string{mineDir, "valid from"},
-		},
-		{
-			name: "no directories",
-			dirs: []caclient.KeyPairDir{{Dir: ""}},
-		},
+		{name: "usable", dir: mineDir, wantLeaf: mine.chain[0]},
+		{name: "missing", dir: filepath.Join(base, "missing")},
+		{name: "key does not match", dir: mismatched},
+		{name: "expired", dir: mineDir, now: mine.chain[0].NotAfter},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -205,36 +187,19 @@ func TestKeyPairFromDirs(t *testing.T) {
 			if now.IsZero() {
 				now = time.Now()
 			}
-			cert, err := caclient.KeyPairFromDirs(testutil.NewFakeClock(now), tt.dirs...)()
+			cert := caclient.ProvisionedCertificate(tt.dir, testutil.NewFakeClock(now), nil)()
 			switch {
-			case tt.wantLeaf != nil:
-				if err != nil {
-					t.Fatal(err)
-				}
-				if cert == nil || !cert.Leaf.Equal(tt.wantLeaf) {
-					t.Fatal("the callback did not return the expected pair")
-				}
-			case tt.wantErr != nil:
-				if cert != nil || err == nil {
-					t.Fatalf("certificate %v, error %v; want no certificate and an error", cert, err)
-				}
-				for _, want := range tt.wantErr {
-					if !strings.Contains(err.Error(), want) {
-						t.Errorf("error %q does not mention %q", err, want)
-					}
-				}
-			default:
-				if cert != nil || err != nil {
-					t.Fatalf("certificate %v, error %v; want neither", cert, err)
-				}
+			case tt.wantLeaf == nil && cert != nil:
+				t.Fatal("an unusable pair was presented")
+			case tt.wantLeaf != nil && (cert == nil || !cert.Leaf.Equal(tt.wantLeaf)):
+				t.Fatal("the usable pair was not presented")
 			}
 		})
 	}
 }
 
-// issuedPair has the real CA issue a key pair for ns/sa (with a token) and writes it into a new
-// directory, as OUTPUT_CERTS or PROV_CERT would hold it.
-func (c *realCA) issuedPair(t *testing.T, ns, sa string) (chain []*x509.Certificate, key crypto.Signer) {
+// issuedPair has the real CA issue a key pair for ns/sa (with a token).
+func (c *realCA) issuedPair(t *testing.T, ns, sa string) testPair {
 	t.Helper()
 	cfg := c.config()
 	cfg.TokenPath = c.tokenFile(t, ns, sa)
@@ -244,72 +209,30 @@ func (c *realCA) issuedPair(t *testing.T, ns, sa string) (chain []*x509.Certific
 	if res.err != nil {
 		t.Fatal(res.err)
 	}
-	return res.chain, key
+	return testPair{chain: res.chain, key: key}
 }
 
+// The certificate the agent holds authenticates renewals, with or without a token.
 func TestSignOverMTLS(t *testing.T) {
 	t.Parallel()
 	ca := startCA(t)
 	me, other := spiffeID("ns1", "vm"), spiffeID("ns1", "other")
-	mineChain, mineKey := ca.issuedPair(t, "ns1", "vm")
-	otherChain, otherKey := ca.issuedPair(t, "ns1", "other")
+	mine, theirs := ca.issuedPair(t, "ns1", "vm"), ca.issuedPair(t, "ns1", "other")
 	base := t.TempDir()
-	mine, theirs := filepath.Join(base, "mine"), filepath.Join(base, "theirs")
-	writePair(t, mine, mineChain, mineKey)
-	writePair(t, theirs, otherChain, otherKey)
 	expiredToken := filepath.Join(base, "expired-token")
 	writeFile(t, expiredToken, ca.token(t, "ns1", "vm", time.Now().Add(-2*time.Hour), time.Hour))
-	afterExpiry := testutil.NewFakeClock(mineChain[0].NotAfter.Add(time.Minute))
 
 	tests := []struct {
 		name      string
-		tokenPath string              // "" means a path where no file exists
-		pairClock *testutil.FakeClock // judges the pair's validity; nil: now
-		dirs      []caclient.KeyPairDir
+		tokenPath string // "" means a path where no file exists
+		pair      *testPair
 		csrFor    pki.SPIFFEID
-		wantLeaf  pki.SPIFFEID // zero: refused as unauthenticated
+		wantLeaf  pki.SPIFFEID // zero: refused
 	}{
-		{
-			name:     "valid pair, no token file",
-			dirs:     []caclient.KeyPairDir{{Dir: mine, SPIFFEID: me.String()}},
-			csrFor:   me,
-			wantLeaf: me,
-		},
-		{
-			name:      "valid pair, expired token",
-			tokenPath: expiredToken,
-			dirs:      []caclient.KeyPairDir{{Dir: mine, SPIFFEID: me.String()}},
-			csrFor:    me,
-			wantLeaf:  me,
-		},
-		{
-			name:   "pair for another identity skipped when the SPIFFE ID is set",
-			dirs:   []caclient.KeyPairDir{{Dir: theirs, SPIFFEID: me.String()}},
-			csrFor: me,
-		},
-		{
-			name:     "pair for another identity used when the SPIFFE ID is empty",
-			dirs:     []caclient.KeyPairDir{{Dir: theirs}},
-			csrFor:   other,
-			wantLeaf: other,
-		},
-		{
-			name:      "expired pair skipped",
-			pairClock: afterExpiry,
-			dirs:      []caclient.KeyPairDir{{Dir: mine, SPIFFEID: me.String()}},
-			csrFor:    me,
-		},
-		{
-			name:   "missing directory skipped",
-			dirs:   []caclient.KeyPairDir{{Dir: filepath.Join(base, "absent"), SPIFFEID: me.String()}},
-			csrFor: me,
-		},
-		{
-			name:     "first usable of several",
-			dirs:     []caclient.KeyPairDir{{Dir: filepath.Join(base, "absent")}, {Dir: theirs, SPIFFEID: me.String()}, {Dir: mine, SPIFFEID: me.String()}, {Dir: theirs}},
-			csrFor:   me,
-			wantLeaf: me,
-		},
+		{name: "valid pair, no token file", pair: &mine, csrFor: me, wantLeaf: me},
+		{name: "valid pair, expired token", tokenPath: expiredToken, pair: &mine, csrFor: me, wantLeaf: me},
+		{name: "another identity's pair signs only for it", pair: &theirs, csrFor: other, wantLeaf: other},
+		{name: "a pair does not sign for another identity", pair: &theirs, csrFor: me},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -319,18 +242,14 @@ func TestSignOverMTLS(t *testing.T) {
 			if cfg.TokenPath == "" {
 				cfg.TokenPath = filepath.Join(t.TempDir(), "no-token")
 			}
-			pairClock := tt.pairClock
-			if pairClock == nil {
-				pairClock = testutil.NewFakeClock(time.Now())
-			}
-			cfg.ClientCertificate = caclient.KeyPairFromDirs(pairClock, tt.dirs...)
+			cfg.ClientCertificate = tt.pair.tlsCertificate
 			c := newClient(t, cfg)
 			csr, _ := newCSR(t, pki.ECDSA, tt.csrFor)
 
 			res := c.sign(t, csr, time.Hour)
 			if tt.wantLeaf == (pki.SPIFFEID{}) {
-				if !errors.Is(res.err, caclient.ErrRejected) || status.Code(res.err) != codes.Unauthenticated {
-					t.Fatalf("error %v, want ErrRejected with Unauthenticated: no certificate should be presented", res.err)
+				if !errors.Is(res.err, caclient.ErrRejected) || status.Code(res.err) != codes.PermissionDenied {
+					t.Fatalf("error %v, want ErrRejected with PermissionDenied", res.err)
 				}
 				return
 			}
@@ -344,59 +263,46 @@ func TestSignOverMTLS(t *testing.T) {
 	}
 }
 
-func TestClientCertificateIsReadAtEachHandshake(t *testing.T) {
+// The client keeps one connection and dials again only when the roots that verify the CA or the
+// certificate it presents change (it used to dial and handshake for every attempt).
+func TestConnectionIsKeptUntilItsMaterialChanges(t *testing.T) {
 	t.Parallel()
-	ca := startCA(t)
-	first, second := spiffeID("ns1", "first"), spiffeID("ns1", "second")
-	firstChain, firstKey := ca.issuedPair(t, "ns1", "first")
-	secondChain, secondKey := ca.issuedPair(t, "ns1", "second")
-	dir := filepath.Join(t.TempDir(), "certs")
-	writePair(t, dir, firstChain, firstKey)
-
-	cfg := ca.config()
-	cfg.TokenPath = filepath.Join(t.TempDir(), "no-token")
-	cfg.ClientCertificate = caclient.KeyPairFromDirs(nil, caclient.KeyPairDir{Dir: dir})
-	c := newClient(t, cfg)
-
-	csr, _ := newCSR(t, pki.ECDSA, first)
-	if got := leafID(t, c.mustSign(t, csr, time.Hour)); got != first.String() {
-		t.Fatalf("first leaf names %s", got)
-	}
-	// With the first pair still presented, the CA would refuse a CSR for the second identity.
-	if err := os.RemoveAll(dir); err != nil {
-		t.Fatal(err)
-	}
-	writePair(t, dir, secondChain, secondKey)
-	csr, _ = newCSR(t, pki.ECDSA, second)
-	if got := leafID(t, c.mustSign(t, csr, time.Hour)); got != second.String() {
-		t.Fatalf("second leaf names %s, want the identity of the replaced pair", got)
-	}
-}
-
-// A directory published through "..data" (OUTPUT_CERTS, a mounted secret) is read from a single
-// generation, even when a visible name still points into an older one mid-swap.
-func TestLoadKeyPairReadsOneGeneration(t *testing.T) {
-	t.Parallel()
+	chain := newTestChain(t)
+	f := startFake(t, answer(chain.pem...), caclient.DefaultServerName)
 	root := testutil.NewRootCA(t, testutil.CAOptions{})
 	id := spiffeID("ns1", "sa1")
-	dir := t.TempDir()
-	old, current := newTestPair(t, root, id), newTestPair(t, root, id)
-	writePair(t, filepath.Join(dir, "..gen1"), old.chain, old.key)
-	writePair(t, filepath.Join(dir, "..gen2"), current.chain, current.key)
-	for _, link := range []struct{ name, target string }{
-		{"..data", "..gen2"},
-		{caclient.CertChainFile, filepath.Join("..gen1", caclient.CertChainFile)}, // not yet relinked
-		{caclient.KeyFile, filepath.Join("..data", caclient.KeyFile)},
-	} {
-		if err := os.Symlink(link.target, filepath.Join(dir, link.name)); err != nil {
-			t.Fatal(err)
+	first, second := newTestPair(t, root, id), newTestPair(t, root, id)
+	var presented atomic.Pointer[testPair]
+	presented.Store(&first)
+	c := newClient(t, caclient.Config{Address: f.addr, RootCertFile: f.rootFile, ClientCertificate: func() *tls.Certificate {
+		return presented.Load().tlsCertificate()
+	}})
+	signTimes := func(n int) {
+		t.Helper()
+		for range n {
+			csr, _ := newCSR(t, pki.ECDSA, id)
+			if res := c.sign(t, csr, time.Hour); res.err != nil {
+				t.Fatal(res.err)
+			}
 		}
 	}
-	cert, err := caclient.LoadKeyPair(dir, id.String(), nil)
-	if err != nil {
-		t.Fatalf("a pair split across generations was read: %v", err)
+	signTimes(3)
+	if got := f.connections(); got != 1 {
+		t.Fatalf("%d connections for 3 calls with nothing changed, want 1", got)
 	}
-	if !cert.Leaf.Equal(current.chain[0]) {
-		t.Fatal("LoadKeyPair did not read the generation ..data points at")
+	presented.Store(&second)
+	signTimes(2)
+	if got := f.connections(); got != 2 {
+		t.Fatalf("%d connections after the certificate changed, want 2", got)
+	}
+	// The root file gains a root (a rotation starting): dial again, with both.
+	rootPEM, err := os.ReadFile(f.rootFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	writeFile(t, f.rootFile, string(rootPEM)+string(testutil.CertPEM(root.Cert)))
+	signTimes(2)
+	if got := f.connections(); got != 3 {
+		t.Fatalf("%d connections after the root file changed, want 3", got)
 	}
 }

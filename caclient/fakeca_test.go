@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -32,8 +33,27 @@ type fakeCA struct {
 	rootFile string // verifies the fake's serving certificate
 	respond  func(ctx context.Context, call int) (*pb.IstioCertificateResponse, error)
 
+	accepted *atomic.Int64 // connections accepted
+
 	mu    sync.Mutex
 	calls []fakeCall
+}
+
+// connections counts the connections the fake accepted.
+func (f *fakeCA) connections() int64 { return f.accepted.Load() }
+
+// countingListener counts the connections it accepts.
+type countingListener struct {
+	net.Listener
+	accepted *atomic.Int64
+}
+
+func (l countingListener) Accept() (net.Conn, error) {
+	conn, err := l.Listener.Accept()
+	if err == nil {
+		l.accepted.Add(1)
+	}
+	return conn, err
 }
 
 type fakeCall struct {
@@ -95,7 +115,8 @@ func serveFake(t *testing.T, lis net.Listener, respond func(context.Context, int
 		KeyUsage:    x509.KeyUsageDigitalSignature,
 		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
 	}, key.Public())
-	f := &fakeCA{rootFile: filepath.Join(t.TempDir(), "root-cert.pem"), respond: respond}
+	f := &fakeCA{rootFile: filepath.Join(t.TempDir(), "root-cert.pem"), respond: respond, accepted: &atomic.Int64{}}
+	lis = countingListener{Listener: lis, accepted: f.accepted}
 	writeFile(t, f.rootFile, string(testutil.CertPEM(root.Cert)))
 
 	srv := grpc.NewServer(grpc.Creds(credentials.NewTLS(&tls.Config{
@@ -141,7 +162,7 @@ func TestRequestOnTheWire(t *testing.T) {
 	tests := []struct {
 		name          string
 		clusterID     string
-		token         *string // nil: no token file
+		token         *string // nil: no token file, a client certificate instead
 		callTimeout   time.Duration
 		wantAuth      []string
 		wantClusterID []string
@@ -155,13 +176,8 @@ func TestRequestOnTheWire(t *testing.T) {
 			wantClusterID: []string{"Kubernetes-east"},
 		},
 		{
-			name:        "no cluster ID, no token file, default deadline",
+			name:        "no cluster ID, a certificate instead of a token, default deadline",
 			callTimeout: 0,
-		},
-		{
-			name:        "empty token file",
-			token:       ptr(" \n"),
-			callTimeout: time.Minute,
 		},
 	}
 	for _, tt := range tests {
@@ -172,10 +188,15 @@ func TestRequestOnTheWire(t *testing.T) {
 			if tt.token != nil {
 				writeFile(t, tokenPath, *tt.token)
 			}
-			c := newClient(t, caclient.Config{
+			cfg := caclient.Config{
 				Address: f.addr, RootCertFile: f.rootFile, TokenPath: tokenPath,
 				ClusterID: tt.clusterID, CallTimeout: tt.callTimeout,
-			})
+			}
+			if tt.token == nil {
+				pair := newTestPair(t, testutil.NewRootCA(t, testutil.CAOptions{}), id)
+				cfg.ClientCertificate = pair.tlsCertificate
+			}
+			c := newClient(t, cfg)
 			csr, key := newCSR(t, pki.ECDSA, id)
 			if res := c.sign(t, csr, 90*time.Minute); res.err != nil {
 				t.Fatal(res.err)

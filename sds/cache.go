@@ -10,8 +10,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
-
-	"github.com/meshid/meshid/internal/logkey"
+	"time"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/v3"
@@ -20,21 +19,22 @@ import (
 	"google.golang.org/protobuf/types/known/anypb"
 
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/secretmanager"
 )
 
-// Secrets is what the SDS server needs of the secret manager.
+// Secrets is what the SDS server needs of the secret manager: one subscription per name, told of
+// the name's state now and at every change after.
 type Secrets interface {
-	// GenerateSecret returns the named secret, waiting until one is available or ctx ends.
-	GenerateSecret(ctx context.Context, name string) (*secretmanager.Secret, error)
-	// Subscribe registers fn to be told of every new secret.
-	Subscribe(fn func(*secretmanager.Secret)) (unsubscribe func())
-	// CheckName reports whether a name can be served (ErrUnknownSecret, ErrForbiddenPath).
-	CheckName(name string) error
+	// Subscribe calls fn with the named secret's state, at once if it is known and at every
+	// change after: the secret to serve, or nil and why there is none. It refuses a name it cannot
+	// serve (secretmanager.ErrUnknownSecret, ErrForbiddenPath, ErrTooManyFiles).
+	Subscribe(name string, fn func(*secretmanager.Secret, error)) (cancel func(), err error)
 }
 
 // secretCache is go-control-plane's cache.Cache for SDS, built for secrets made on demand and
-// pushed per name (STYLE.md habit 9). A watch answers at most once, and only with the subscribed
+// pushed per name (STYLE.md habit 9). It subscribes once to each name asked for and keeps what
+// the secret manager last said of it. A watch answers at most once, and only with the subscribed
 // names whose current version differs from what the stream was last sent (its returned
 // resources), never because of the request's version_info: so a NACK gets no reply, an ACK gets
 // none, and a rotation reaches only the streams subscribed to that name.
@@ -42,12 +42,27 @@ type secretCache struct {
 	secrets Secrets
 	clock   clock.Clock
 	log     *slog.Logger
-	ctx     context.Context // bounds the generation of secrets; set by start
 
-	mu       sync.Mutex
-	entries  map[string]*entry
-	pending  map[string]bool // generation in flight
-	watchers map[string]map[*watch]struct{}
+	// subscribeMu makes first uses of names subscribe one at a time; taken before mu, never
+	// inside it.
+	subscribeMu sync.Mutex
+
+	mu      sync.Mutex
+	entries map[string]*entry
+	cancels map[string]func() // the subscription of each name, ended by close
+	closed  bool
+}
+
+// entry is what the secret manager last said of one name, as Envoy receives it.
+type entry struct {
+	// The secret to send, marshaled once and shared by every stream; nil when there is none.
+	resource *anypb.Any
+	version  string
+	notAfter time.Time // a key pair's expiry; zero for a trust bundle
+	// err says why there is no secret to send; nil while none is known yet.
+	err     error
+	known   chan struct{} // closed once a secret or an error has come
+	watches map[*watch]struct{}
 }
 
 // watch is one open SotW or delta watch.
@@ -63,29 +78,114 @@ type watch struct {
 
 var _ cache.Cache = (*secretCache)(nil)
 
+// errClosed answers a request that comes while the server stops.
+var errClosed = status.Error(codes.Unavailable, "the SDS server is stopping")
+
 func newSecretCache(secrets Secrets, clk clock.Clock, log *slog.Logger) *secretCache {
 	return &secretCache{
-		secrets:  secrets,
-		clock:    clk,
-		log:      log,
-		ctx:      context.Background(),
-		entries:  map[string]*entry{},
-		pending:  map[string]bool{},
-		watchers: map[string]map[*watch]struct{}{},
+		secrets: secrets,
+		clock:   clk,
+		log:     log,
+		entries: map[string]*entry{},
+		cancels: map[string]func(){},
 	}
 }
 
-// start ties the generation of secrets to ctx and follows the secret manager's updates.
-func (c *secretCache) start(ctx context.Context) (stop func()) {
+// subscribe makes sure the cache follows name, subscribing on its first use; it returns the
+// secret manager's refusal. The manager tells the current state through update before Subscribe
+// returns, so c.mu is not held across the call; subscribeMu is, so that two first uses at once
+// make one subscription: the second waits and finds it made.
+func (c *secretCache) subscribe(name string) error {
+	if done, err := c.subscribed(name); done {
+		return err
+	}
+	c.subscribeMu.Lock()
+	defer c.subscribeMu.Unlock()
+	if done, err := c.subscribed(name); done {
+		return err
+	}
+	cancel, err := c.secrets.Subscribe(name, func(s *secretmanager.Secret, err error) { c.update(name, s, err) })
+	if err != nil {
+		return err
+	}
 	c.mu.Lock()
-	c.ctx = ctx
+	closed := c.closed
+	if !closed {
+		c.cancels[name] = cancel
+	}
 	c.mu.Unlock()
-	return c.secrets.Subscribe(c.update)
+	if closed {
+		cancel()
+		return errClosed
+	}
+	return nil
+}
+
+// subscribed reports whether subscribe has nothing to do for name: it is followed already, or the
+// cache is closed (errClosed).
+func (c *secretCache) subscribed(name string) (bool, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return true, errClosed
+	}
+	_, ok := c.cancels[name]
+	return ok, nil
+}
+
+// close ends every subscription; later requests are refused.
+func (c *secretCache) close() {
+	c.mu.Lock()
+	c.closed = true
+	cancels := slices.Collect(maps.Values(c.cancels))
+	clear(c.cancels)
+	c.mu.Unlock()
+	for _, cancel := range cancels {
+		cancel()
+	}
+}
+
+// subscribeAll subscribes to each name and returns them sorted, without the wildcard (SDS serves
+// named secrets only).
+func (c *secretCache) subscribeAll(subscribed map[string]struct{}) ([]string, error) {
+	names := make([]string, 0, len(subscribed))
+	for name := range subscribed {
+		if name == "*" {
+			continue
+		}
+		if err := c.subscribe(name); err != nil {
+			return nil, refusalStatus(name, err)
+		}
+		names = append(names, name)
+	}
+	sort.Strings(names)
+	return names, nil
+}
+
+// refusalStatus maps the secret manager's refusal of a name to the status Envoy gets.
+func refusalStatus(name string, err error) error {
+	if _, ok := status.FromError(err); ok {
+		return err
+	}
+	return status.Errorf(refusalCode(err), "secret %q: %s", name, err.Error())
+}
+
+func refusalCode(err error) codes.Code {
+	switch {
+	case errors.Is(err, secretmanager.ErrForbiddenPath):
+		return codes.PermissionDenied
+	case errors.Is(err, secretmanager.ErrTooManyFiles):
+		return codes.ResourceExhausted
+	case errors.Is(err, secretmanager.ErrUnknownSecret):
+		return codes.InvalidArgument
+	default:
+		return status.Code(err)
+	}
 }
 
 // CreateWatch implements cache.ConfigWatcher for state-of-the-world streams.
 func (c *secretCache) CreateWatch(req *cache.Request, sub cache.Subscription, ch chan cache.Response) (func(), error) {
-	names, err := c.checkNames(sub.SubscribedResources())
+	names, err := c.subscribeAll(sub.SubscribedResources())
 	if err != nil {
 		return nil, err
 	}
@@ -94,36 +194,46 @@ func (c *secretCache) CreateWatch(req *cache.Request, sub cache.Subscription, ch
 
 // CreateDeltaWatch implements cache.ConfigWatcher for delta streams.
 func (c *secretCache) CreateDeltaWatch(req *cache.DeltaRequest, sub cache.Subscription, ch chan cache.DeltaResponse) (func(), error) {
-	names, err := c.checkNames(sub.SubscribedResources())
+	names, err := c.subscribeAll(sub.SubscribedResources())
 	if err != nil {
 		return nil, err
 	}
 	return c.open(&watch{names: names, known: maps.Clone(sub.ReturnedResources()), deltaReq: req, deltaCh: ch}), nil
 }
 
-// Fetch implements cache.ConfigFetcher: it waits for each requested secret (until ctx ends).
+// Fetch implements cache.ConfigFetcher: it answers with each requested secret as soon as the
+// secret manager has said what it has, or with Unavailable and the reason when it has none.
 func (c *secretCache) Fetch(ctx context.Context, req *cache.Request) (cache.Response, error) {
 	subscribed := map[string]struct{}{}
 	for _, n := range req.GetResourceNames() {
 		subscribed[n] = struct{}{}
 	}
-	names, err := c.checkNames(subscribed)
+	names, err := c.subscribeAll(subscribed)
 	if err != nil {
 		return nil, err
 	}
 	var resources []*anypb.Any
 	versions := map[string]string{}
 	for _, name := range names {
-		s, err := c.secrets.GenerateSecret(ctx, name)
-		if err != nil {
-			return nil, status.Errorf(codes.Unavailable, "secret %s: %s", name, err.Error())
+		c.mu.Lock()
+		e := c.entryLocked(name)
+		c.mu.Unlock()
+		select {
+		case <-e.known:
+		case <-ctx.Done():
+			return nil, status.Errorf(codes.DeadlineExceeded, "secret %q: nothing known of it yet", name)
 		}
-		e, err := toEntry(s, c.clock.Now())
-		if err != nil {
-			return nil, status.Errorf(codes.Unavailable, "secret %s is not usable: %s", name, err.Error())
+		c.mu.Lock()
+		resource, version, notAfter, why := e.resource, e.version, e.notAfter, e.err
+		c.mu.Unlock()
+		if resource == nil || (!notAfter.IsZero() && !c.clock.Now().Before(notAfter)) {
+			if why == nil {
+				why = secretmanager.ErrExpired
+			}
+			return nil, status.Errorf(codes.Unavailable, "secret %q: %s", name, why.Error())
 		}
-		resources = append(resources, e.resource)
-		versions[name] = e.version
+		resources = append(resources, resource)
+		versions[name] = version
 	}
 	return &cache.PassthroughResponse{
 		Request:           req,
@@ -132,32 +242,53 @@ func (c *secretCache) Fetch(ctx context.Context, req *cache.Request) (cache.Resp
 	}, nil
 }
 
-// checkNames returns the subscribed names, sorted, refusing an unknown name with InvalidArgument
-// and a file outside the allowed directories with PermissionDenied.
-func (c *secretCache) checkNames(subscribed map[string]struct{}) ([]string, error) {
-	names := make([]string, 0, len(subscribed))
-	for name := range subscribed {
-		if name == "*" { // wildcard: SDS serves named secrets only
-			continue
-		}
-		if err := c.secrets.CheckName(name); err != nil {
-			code := codes.InvalidArgument
-			switch {
-			case errors.Is(err, secretmanager.ErrForbiddenPath):
-				code = codes.PermissionDenied
-			case errors.Is(err, secretmanager.ErrTooManyFiles):
-				code = codes.ResourceExhausted
-			}
-			return nil, status.Errorf(code, "secret %q: %s", name, err.Error())
-		}
-		names = append(names, name)
+func (c *secretCache) entryLocked(name string) *entry {
+	e := c.entries[name]
+	if e == nil {
+		e = &entry{known: make(chan struct{}), watches: map[*watch]struct{}{}}
+		c.entries[name] = e
 	}
-	sort.Strings(names)
-	return names, nil
+	return e
 }
 
-// open answers w at once if it can, or indexes it under its names and starts generating the
-// secrets that do not exist yet. CreateWatch runs on the stream's goroutine, so it never waits.
+// update takes what the secret manager says of name and answers every open watch it concerns.
+func (c *secretCache) update(name string, s *secretmanager.Secret, why error) {
+	var (
+		resource *anypb.Any
+		notAfter time.Time
+	)
+	if s != nil {
+		var err error
+		if resource, notAfter, err = toResource(s, c.clock.Now()); err != nil {
+			// Nothing invalid is ever sent: the streams keep what they have.
+			c.log.Error("not sending an invalid secret", logkey.Secret, name, logkey.Version, s.Version, logkey.Error, err.Error())
+			s, why = nil, fmt.Errorf("the secret manager gave an unusable secret: %w", err)
+		}
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	e := c.entryLocked(name)
+	select {
+	case <-e.known:
+	default:
+		close(e.known)
+	}
+	if s == nil {
+		// Streams that have a secret keep it; new ones wait for the next.
+		e.resource, e.version, e.notAfter, e.err = nil, "", time.Time{}, why
+		return
+	}
+	if e.resource != nil && e.version == s.Version {
+		return
+	}
+	e.resource, e.version, e.notAfter, e.err = resource, s.Version, notAfter, nil
+	for w := range e.watches {
+		c.answerLocked(w)
+	}
+}
+
+// open answers w at once if it can, or indexes it under its names until a secret it waits for
+// comes. CreateWatch runs on the stream's goroutine, so it never waits.
 func (c *secretCache) open(w *watch) (cancel func()) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -165,61 +296,12 @@ func (c *secretCache) open(w *watch) (cancel func()) {
 		return func() {}
 	}
 	for _, name := range w.names {
-		if c.watchers[name] == nil {
-			c.watchers[name] = map[*watch]struct{}{}
-		}
-		c.watchers[name][w] = struct{}{}
-		if c.entries[name] == nil && !c.pending[name] {
-			c.pending[name] = true
-			go c.generate(c.ctx, name)
-		}
+		c.entryLocked(name).watches[w] = struct{}{}
 	}
 	return func() {
 		c.mu.Lock()
 		defer c.mu.Unlock()
 		c.closeLocked(w)
-	}
-}
-
-func (c *secretCache) generate(ctx context.Context, name string) {
-	s, err := c.secrets.GenerateSecret(ctx, name)
-	c.mu.Lock()
-	delete(c.pending, name)
-	c.mu.Unlock()
-	if err != nil {
-		if ctx.Err() == nil {
-			c.log.Warn("cannot generate secret", logkey.Secret, name, logkey.Error, err.Error())
-		}
-		return
-	}
-	c.install(s, true)
-}
-
-// update takes a new secret and answers every open watch subscribed to it.
-func (c *secretCache) update(s *secretmanager.Secret) { c.install(s, false) }
-
-// install caches s and answers the watches subscribed to it. A generated secret (generated) is
-// taken only if no secret of that name came meanwhile: one that came through Subscribe while
-// GenerateSecret returned is at least as new.
-func (c *secretCache) install(s *secretmanager.Secret, generated bool) {
-	e, err := toEntry(s, c.clock.Now())
-	if err != nil {
-		c.log.Error("not sending an invalid secret; the previous one stays", logkey.Secret, s.Name, logkey.Version, s.Version, logkey.Error, err.Error())
-		return
-	}
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	old := c.entries[s.Name]
-	if generated && old != nil {
-		c.log.Debug("generated secret superseded by a newer one", logkey.Secret, s.Name, logkey.Version, s.Version, logkey.Current, old.version)
-		return
-	}
-	if old != nil && old.version == e.version {
-		return
-	}
-	c.entries[s.Name] = e
-	for w := range c.watchers[s.Name] {
-		c.answerLocked(w)
 	}
 }
 
@@ -232,9 +314,8 @@ func (c *secretCache) answerLocked(w *watch) bool {
 	var changed []string
 	now := c.clock.Now()
 	for _, name := range w.names {
-		// A key pair that expired in the cache (its renewal failed) is not sent to a stream
-		// that does not have it: it waits for the next one.
-		if e := c.entries[name]; e != nil && w.known[name] != e.version && (e.notAfter.IsZero() || now.Before(e.notAfter)) {
+		// A key pair that expired in the cache is not sent to a stream that does not have it.
+		if e := c.entries[name]; e != nil && e.resource != nil && w.known[name] != e.version && (e.notAfter.IsZero() || now.Before(e.notAfter)) {
 			changed = append(changed, name)
 		}
 	}
@@ -286,9 +367,8 @@ func (c *secretCache) closeLocked(w *watch) {
 	}
 	w.done = true
 	for _, name := range w.names {
-		delete(c.watchers[name], w)
-		if len(c.watchers[name]) == 0 {
-			delete(c.watchers, name)
+		if e := c.entries[name]; e != nil {
+			delete(e.watches, w)
 		}
 	}
 }

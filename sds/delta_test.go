@@ -11,6 +11,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/meshid/meshid/sds"
+	"github.com/meshid/meshid/sds/sdstest"
 	"github.com/meshid/meshid/secretmanager"
 )
 
@@ -23,34 +24,34 @@ func TestDelta(t *testing.T) {
 	}
 	h := startServer(t, f)
 
-	d := h.openDelta(t)
-	d.send(&discovery.DeltaDiscoveryRequest{Node: &core.Node{Id: nodeID}, ResourceNamesSubscribe: []string{dflt, rootCA}})
-	first, versions, got := d.recvAll(dflt, rootCA)
+	d := h.delta()
+	d.Subscribe(dflt, rootCA)
+	first, versions, got := d.RecvAll(dflt, rootCA)
 	checkAll(t, got, d1, r1)
 	if versions[dflt] != d1.Version || versions[rootCA] != r1.Version {
 		t.Fatalf("per-resource versions %v, want default=%s ROOTCA=%s", versions, d1.Version, r1.Version)
 	}
 
 	// ACK (without the node, as Envoy sends it): no response; the next one is the rotation.
-	d.ack(first)
+	d.Ack(first)
 	d2 := p.workload(t)
 	f.Publish(d2)
-	rotated := d.recv()
+	rotated := d.Recv()
 	expect(t, rotated, d2)
 
 	// A subscription change is honoured whatever nonce it carries (here an old one).
-	d.send(&discovery.DeltaDiscoveryRequest{ResponseNonce: first.nonce, ResourceNamesSubscribe: []string{spare}, ResourceNamesUnsubscribe: []string{rootCA}})
-	added := d.recv()
+	d.Update(first, []string{spare}, []string{rootCA})
+	added := d.Recv()
 	expect(t, added, sp)
 
 	// NACK: no re-send. ROOTCA, unsubscribed, is not pushed either: the next response is d3.
 	const detail = "Failed to load trusted CA certificates from <inline>: test rejection"
-	d.send(&discovery.DeltaDiscoveryRequest{ResponseNonce: added.nonce, ErrorDetail: status.New(codes.InvalidArgument, detail).Proto()})
+	d.Nack(added, detail)
 	r2 := p.roots(t, rootCA)
 	f.Publish(r2)
 	d3 := p.workload(t)
 	f.Publish(d3)
-	expect(t, d.recv(), d3)
+	expect(t, d.Recv(), d3)
 	if n := h.nacks(t); n != 1 {
 		t.Fatalf("meshid_sds_nacks_total = %v, want 1", n)
 	}
@@ -60,15 +61,16 @@ func TestDelta(t *testing.T) {
 
 	// A stream that already holds the current versions (an Envoy reconnecting) gets nothing
 	// until one changes.
-	e := h.openDelta(t)
-	e.send(&discovery.DeltaDiscoveryRequest{
+	e := h.delta()
+	e.Send(&discovery.DeltaDiscoveryRequest{
 		Node:                    &core.Node{Id: nodeID},
 		ResourceNamesSubscribe:  []string{dflt, rootCA},
 		InitialResourceVersions: map[string]string{dflt: d3.Version, rootCA: r2.Version},
 	})
 	d4 := p.workload(t)
 	f.Publish(d4)
-	expect(t, e.recv(), d4)
+	expect(t, e.Recv(), d4)
+	checkRefusals(t, h, map[string]float64{})
 }
 
 func TestFetch(t *testing.T) {
@@ -98,7 +100,7 @@ func TestFetch(t *testing.T) {
 			t.Parallel()
 			ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
 			defer cancel()
-			resp, err := h.client.FetchSecrets(ctx, &discovery.DiscoveryRequest{Node: &core.Node{Id: nodeID}, ResourceNames: tc.names, TypeUrl: sds.SecretTypeURL})
+			resp, err := h.envoy.Client.FetchSecrets(ctx, &discovery.DiscoveryRequest{Node: &core.Node{Id: nodeID}, ResourceNames: tc.names, TypeUrl: sds.SecretTypeURL})
 			if tc.code != codes.OK {
 				st := status.Convert(err)
 				if st.Code() != tc.code || !strings.Contains(st.Message(), tc.named) {
@@ -112,7 +114,7 @@ func TestFetch(t *testing.T) {
 			if resp.GetVersionInfo() == "" {
 				t.Fatal("response without version_info")
 			}
-			checkAll(t, decode(t, nil, resp.GetResources()), tc.want...)
+			checkAll(t, sdstest.Decode(t, nil, resp.GetResources()), tc.want...)
 		})
 	}
 }

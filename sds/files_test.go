@@ -15,6 +15,7 @@ import (
 	"github.com/meshid/meshid/internal/filewatch"
 	"github.com/meshid/meshid/internal/testutil"
 	"github.com/meshid/meshid/sds"
+	"github.com/meshid/meshid/sds/sdstest"
 	"github.com/meshid/meshid/secretmanager"
 )
 
@@ -47,7 +48,7 @@ func startFileSetup(t *testing.T) *fileSetup {
 	}
 
 	m, err := secretmanager.New(secretmanager.Config{
-		WorkloadFiles: &secretmanager.FilePaths{
+		Workload: &secretmanager.MountedFiles{
 			CertChain: filepath.Join(workload, "cert-chain.pem"),
 			Key:       filepath.Join(workload, "key.pem"),
 			Root:      filepath.Join(workload, "root-cert.pem"),
@@ -68,11 +69,20 @@ func startFileSetup(t *testing.T) *fileSetup {
 		}
 	})
 	// The manager reads the workload files once its watches are in place: from then on, a
-	// change is seen.
-	waitCtx, stop := context.WithTimeout(ctx, waitLimit)
-	defer stop()
-	if _, err := m.GenerateSecret(waitCtx, secretmanager.WorkloadCertName); err != nil {
+	// change is seen. The first state it tells of "default" says that it has read them.
+	read := make(chan error, 1)
+	stop, err := m.Subscribe(secretmanager.WorkloadCertName, func(s *secretmanager.Secret, err error) {
+		select {
+		case read <- err:
+		default:
+		}
+	})
+	if err != nil {
 		t.Fatal(err)
+	}
+	defer stop()
+	if err := receive(t, read); err != nil {
+		t.Fatalf("the workload files: %v", err)
 	}
 	fs.h = startServer(t, m)
 	return fs
@@ -82,8 +92,8 @@ func startFileSetup(t *testing.T) *fileSetup {
 func (fs *fileSetup) writePair(t *testing.T, dir, cert, key string) *secretmanager.Secret {
 	t.Helper()
 	leaf, k := fs.ca.IssueWorkload(t, workloadID, time.Hour)
-	s := &secretmanager.Secret{ChainPEM: testutil.CertPEM(leaf, fs.ca.Cert), KeyPEM: testutil.KeyPEM(t, k)}
-	for name, data := range map[string][]byte{cert: s.ChainPEM, key: s.KeyPEM} {
+	s := &secretmanager.Secret{KeyPair: &secretmanager.KeyPair{ChainPEM: testutil.CertPEM(leaf, fs.ca.Cert), KeyPEM: testutil.KeyPEM(t, k)}}
+	for name, data := range map[string][]byte{cert: s.KeyPair.ChainPEM, key: s.KeyPair.KeyPEM} {
 		tmp := filepath.Join(dir, "."+name+".tmp")
 		if err := os.WriteFile(tmp, data, 0o600); err != nil {
 			t.Fatal(err)
@@ -101,8 +111,8 @@ func (fs *fileSetup) read(t *testing.T, name, cert, key string) *secretmanager.S
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := &secretmanager.Secret{Name: name, ChainPEM: chain}
-	if s.KeyPEM, err = os.ReadFile(key); err != nil {
+	s := &secretmanager.Secret{Name: name, KeyPair: &secretmanager.KeyPair{ChainPEM: chain}}
+	if s.KeyPair.KeyPEM, err = os.ReadFile(key); err != nil {
 		t.Fatal(err)
 	}
 	return s
@@ -142,27 +152,27 @@ func TestFileResources(t *testing.T) {
 			t.Parallel()
 			fs := startFileSetup(t)
 			name := tc.resource(fs.allowed, fs.outside)
-			s := fs.h.openSotW(t)
-			s.subscribe(name)
+			s := fs.h.sotw()
+			s.Subscribe(name)
 			if tc.code != codes.OK {
-				st := s.recvErr()
+				st := s.RecvErr()
 				if st.Code() != tc.code || !strings.Contains(st.Message(), name) {
 					t.Fatalf("stream ended with %v %q, want %v naming %s", st.Code(), st.Message(), tc.code, name)
 				}
 				return
 			}
-			got := s.recv()
+			got := s.Recv()
 			if strings.HasPrefix(name, secretmanager.FileRootPrefix) {
 				root, err := os.ReadFile(filepath.Join(fs.allowed, "root.pem"))
 				if err != nil {
 					t.Fatal(err)
 				}
-				expect(t, got, &secretmanager.Secret{Name: name, Roots: []*x509.Certificate{fs.ca.Cert}, RootsPEM: root})
+				expect(t, got, &secretmanager.Secret{Name: name, Bundle: &secretmanager.TrustBundle{Roots: []*x509.Certificate{fs.ca.Cert}, PEM: root}, Version: got.Version})
 				return
 			}
 			want := fs.read(t, name, filepath.Join(fs.allowed, "cert.pem"), filepath.Join(fs.allowed, "key.pem"))
-			if err := checkSecret(got.secrets[name], want); err != nil || len(got.secrets) != 1 {
-				t.Fatalf("pushed %v: %v", got.names(), err)
+			if err := checkSecret(got.Secrets[name], want); err != nil || len(got.Secrets) != 1 {
+				t.Fatalf("pushed %v: %v", got.Names(), err)
 			}
 		})
 	}
@@ -175,13 +185,13 @@ func TestFileSwapIsPushed(t *testing.T) {
 	fs := startFileSetup(t)
 	cert, key := filepath.Join(fs.allowed, "cert.pem"), filepath.Join(fs.allowed, "key.pem")
 	name := "file-cert:" + cert + "~" + key
-	s := fs.h.openSotW(t)
-	s.subscribe(name)
-	first := s.recv()
-	if err := checkSecret(first.secrets[name], fs.read(t, name, cert, key)); err != nil {
+	s := fs.h.sotw()
+	s.Subscribe(name)
+	first := s.Recv()
+	if err := checkSecret(first.Secrets[name], fs.read(t, name, cert, key)); err != nil {
 		t.Fatal(err)
 	}
-	s.ack(first, name)
+	s.Ack(first, name)
 
 	type result struct {
 		resp *discovery.DiscoveryResponse
@@ -189,18 +199,18 @@ func TestFileSwapIsPushed(t *testing.T) {
 	}
 	pushed := make(chan result, 1)
 	go func() {
-		resp, err := s.stream.Recv()
+		resp, err := s.Stream.Recv()
 		pushed <- result{resp, err}
 	}()
 	want := fs.writePair(t, fs.allowed, "cert.pem", "key.pem")
 	want.Name = name
-	// Baseline 0: in file mode the manager keeps no long-lived timers; every pending one is the
-	// file watcher's debounce.
-	r := testutil.Drive(t, fs.clock, filewatch.DefaultDebounce, 0, pushed)
+	// Baseline 1: in file mode the manager's one long-lived timer is the expiry of the key pairs
+	// it holds; every other pending one is the file watcher's debounce.
+	r := testutil.Drive(t, fs.clock, filewatch.DefaultDebounce, 1, pushed)
 	if r.err != nil {
 		t.Fatalf("Recv: %v", r.err)
 	}
-	got := decode(t, nil, r.resp.GetResources())
+	got := sdstest.Decode(t, nil, r.resp.GetResources())
 	if len(got) != 1 {
 		t.Fatalf("pushed %d secrets, want 1", len(got))
 	}

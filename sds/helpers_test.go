@@ -16,29 +16,21 @@ import (
 	"testing"
 	"time"
 
-	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	tlsv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/transport_sockets/tls/v3"
-	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
-	secretservice "github.com/envoyproxy/go-control-plane/envoy/service/secret/v3"
 	"github.com/prometheus/client_golang/prometheus"
-	rpcstatus "google.golang.org/genproto/googleapis/rpc/status"
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
-	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/types/known/anypb"
 
 	"github.com/meshid/meshid/internal/testutil"
 	"github.com/meshid/meshid/sds"
+	"github.com/meshid/meshid/sds/sdstest"
 	"github.com/meshid/meshid/secretmanager"
 )
 
 // waitLimit only bounds how long a broken test hangs (a push that never comes fails the test when
 // the stream's deadline passes); no test waits on the real clock otherwise.
-const waitLimit = 30 * time.Second
+const waitLimit = sdstest.WaitLimit
 
 const (
-	nodeID     = "sidecar~10.0.0.1~cart-1.shop~shop.svc.cluster.local"
+	nodeID     = sdstest.NodeID
 	dflt       = secretmanager.WorkloadCertName
 	rootCA     = secretmanager.RootCertName
 	workloadID = "spiffe://cluster.local/ns/shop/sa/cart"
@@ -48,125 +40,167 @@ const (
 	spare = "file-root:/etc/certs/root.pem"
 )
 
-// fakeSecrets is the secret manager behind the server: the test publishes secrets (valid or not)
-// and refuses the names it chooses.
+// fakeSecrets is the secret manager behind the server, as the one-method sds.Secrets sees it:
+// the test publishes secrets (valid or not) and failures, refuses the names it chooses, and reads
+// how many subscriptions each name got. Like the real manager, it tells each subscriber the
+// current state before Subscribe returns, then every change, one call at a time and in order.
 type fakeSecrets struct {
+	// publishMu orders the calls to subscribers, as the manager's does: a subscriber's first
+	// call and every later one happen one at a time, in the order of the publications.
+	publishMu sync.Mutex
+
 	mu      sync.Mutex
-	current map[string]*secretmanager.Secret
-	changed chan struct{} // closed and replaced at every publication
-	subs    map[int]func(*secretmanager.Secret)
+	states  map[string]fakeState
+	subs    map[string]map[int]func(*secretmanager.Secret, error)
 	nextSub int
+	calls   map[string]int // Subscribe calls per name, refused ones included
 	refuse  map[string]error
-	calls   chan string                           // told of every GenerateSecret call, when set
-	hold    map[string]chan struct{}              // GenerateSecret for the name returns only once closed
-	held    map[string]chan *secretmanager.Secret // told what a held call is about to return
+	hold    map[string]*heldSubscribe
+	changed chan struct{} // closed and replaced whenever a subscription begins or ends
+}
+
+// fakeState is what the fake says of a name: a secret, or why there is none.
+type fakeState struct {
+	secret *secretmanager.Secret
+	err    error
+}
+
+// heldSubscribe makes one Subscribe wait, once it has told the current state, until released.
+type heldSubscribe struct {
+	inside  chan struct{}
+	release chan struct{}
 }
 
 func newFakeSecrets() *fakeSecrets {
 	return &fakeSecrets{
-		current: map[string]*secretmanager.Secret{},
-		changed: make(chan struct{}),
-		subs:    map[int]func(*secretmanager.Secret){},
+		states:  map[string]fakeState{},
+		subs:    map[string]map[int]func(*secretmanager.Secret, error){},
+		calls:   map[string]int{},
 		refuse:  map[string]error{},
-		hold:    map[string]chan struct{}{},
-		held:    map[string]chan *secretmanager.Secret{},
+		hold:    map[string]*heldSubscribe{},
+		changed: make(chan struct{}),
 	}
 }
+
+var _ sds.Secrets = (*fakeSecrets)(nil)
 
 // Publish makes s the current secret of its name and tells the subscribers at once, as the secret
 // manager does after a rotation.
-func (f *fakeSecrets) Publish(s *secretmanager.Secret) {
+func (f *fakeSecrets) Publish(s *secretmanager.Secret) { f.set(s.Name, fakeState{secret: s}) }
+
+// Fail says that name has no valid secret, and why, as the manager does when a renewal fails and
+// the last certificate has expired.
+func (f *fakeSecrets) Fail(name string, err error) { f.set(name, fakeState{err: err}) }
+
+func (f *fakeSecrets) set(name string, st fakeState) {
+	f.publishMu.Lock()
+	defer f.publishMu.Unlock()
 	f.mu.Lock()
-	f.current[s.Name] = s
-	close(f.changed)
-	f.changed = make(chan struct{})
-	subs := slices.Collect(maps.Values(f.subs))
+	f.states[name] = st
+	subs := slices.Collect(maps.Values(f.subs[name]))
 	f.mu.Unlock()
 	for _, fn := range subs {
-		fn(s)
+		fn(st.secret, st.err)
 	}
 }
 
-// Refuse makes CheckName refuse name with err (ErrUnknownSecret or ErrForbiddenPath).
+// Refuse makes Subscribe refuse name with err (ErrUnknownSecret, ErrForbiddenPath or
+// ErrTooManyFiles).
 func (f *fakeSecrets) Refuse(name string, err error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.refuse[name] = err
 }
 
-// Hold makes the next GenerateSecret for name find its secret, report it on the returned channel,
-// and return it only once release is called.
-func (f *fakeSecrets) Hold(name string) (found <-chan *secretmanager.Secret, release func()) {
+// Hold makes the next Subscribe of name, once it has told the current state, close inside and
+// wait for release before it returns. The test ends by releasing it.
+func (f *fakeSecrets) Hold(t *testing.T, name string) (inside <-chan struct{}, release func()) {
+	t.Helper()
+	h := &heldSubscribe{inside: make(chan struct{}), release: make(chan struct{})}
 	f.mu.Lock()
-	defer f.mu.Unlock()
-	gate, ch := make(chan struct{}), make(chan *secretmanager.Secret, 1)
-	f.hold[name], f.held[name] = gate, ch
-	return ch, sync.OnceFunc(func() { close(gate) })
+	f.hold[name] = h
+	f.mu.Unlock()
+	release = sync.OnceFunc(func() { close(h.release) })
+	t.Cleanup(release)
+	return h.inside, release
 }
 
-// Calls returns a channel told of every later GenerateSecret call.
-func (f *fakeSecrets) Calls() <-chan string {
+// Subscribe implements sds.Secrets.
+func (f *fakeSecrets) Subscribe(name string, fn func(*secretmanager.Secret, error)) (func(), error) {
 	f.mu.Lock()
-	defer f.mu.Unlock()
-	f.calls = make(chan string, 64)
-	return f.calls
-}
+	f.calls[name]++
+	refused, held := f.refuse[name], f.hold[name]
+	delete(f.hold, name)
+	f.mu.Unlock()
+	if refused != nil {
+		return nil, fmt.Errorf("%w: %q", refused, name)
+	}
 
-func (f *fakeSecrets) Subscribe(fn func(*secretmanager.Secret)) func() {
+	f.publishMu.Lock()
 	f.mu.Lock()
-	defer f.mu.Unlock()
 	id := f.nextSub
 	f.nextSub++
-	f.subs[id] = fn
-	return func() {
+	if f.subs[name] == nil {
+		f.subs[name] = map[int]func(*secretmanager.Secret, error){}
+	}
+	f.subs[name][id] = fn
+	st, known := f.states[name]
+	f.changedLocked()
+	f.mu.Unlock()
+	if known {
+		fn(st.secret, st.err)
+	}
+	f.publishMu.Unlock()
+
+	if held != nil {
+		close(held.inside)
+		<-held.release
+	}
+	return sync.OnceFunc(func() {
 		f.mu.Lock()
 		defer f.mu.Unlock()
-		delete(f.subs, id)
-	}
+		delete(f.subs[name], id)
+		f.changedLocked()
+	}), nil
 }
 
-func (f *fakeSecrets) CheckName(name string) error {
+func (f *fakeSecrets) changedLocked() {
+	close(f.changed)
+	f.changed = make(chan struct{})
+}
+
+// Calls counts the Subscribe calls of name so far, refused ones included.
+func (f *fakeSecrets) Calls(name string) int {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if err := f.refuse[name]; err != nil {
-		return fmt.Errorf("%w: %q", err, name)
-	}
-	return nil
+	return f.calls[name]
 }
 
-// GenerateSecret waits until a secret of that name is published or ctx ends.
-func (f *fakeSecrets) GenerateSecret(ctx context.Context, name string) (*secretmanager.Secret, error) {
+// Active counts the subscriptions of name that are not cancelled.
+func (f *fakeSecrets) Active(name string) int {
 	f.mu.Lock()
-	calls, gate, held := f.calls, f.hold[name], f.held[name]
-	delete(f.hold, name)
-	delete(f.held, name)
-	f.mu.Unlock()
-	if calls != nil {
-		select {
-		case calls <- name:
-		case <-ctx.Done():
-			return nil, ctx.Err()
-		}
-	}
+	defer f.mu.Unlock()
+	return len(f.subs[name])
+}
+
+// awaitActive waits until name has n subscriptions that are not cancelled: from then on, what is
+// published reaches the server. It wakes on every subscription and cancellation, and fails the
+// test after waitLimit.
+func (f *fakeSecrets) awaitActive(t *testing.T, name string, n int) {
+	t.Helper()
+	limit := time.NewTimer(waitLimit)
+	defer limit.Stop()
 	for {
 		f.mu.Lock()
-		s, changed := f.current[name], f.changed
+		got, changed := len(f.subs[name]), f.changed
 		f.mu.Unlock()
-		if s != nil {
-			if gate != nil {
-				held <- s
-				select {
-				case <-gate:
-				case <-ctx.Done():
-					return nil, ctx.Err()
-				}
-			}
-			return s, nil
+		if got == n {
+			return
 		}
 		select {
 		case <-changed:
-		case <-ctx.Done():
-			return nil, ctx.Err()
+		case <-limit.C:
+			t.Fatalf("%s has %d subscriptions, want %d", name, got, n)
 		}
 	}
 }
@@ -184,7 +218,13 @@ func newPKI(t *testing.T) *testPKI {
 // workload returns a new, valid "default" key pair.
 func (p *testPKI) workload(t *testing.T) *secretmanager.Secret {
 	t.Helper()
-	leaf, key := p.root.IssueWorkload(t, workloadID, time.Hour)
+	return p.workloadFor(t, time.Hour)
+}
+
+// workloadFor returns a new "default" key pair valid from an hour ago until ttl from now.
+func (p *testPKI) workloadFor(t *testing.T, ttl time.Duration) *secretmanager.Secret {
+	t.Helper()
+	leaf, key := p.root.IssueWorkload(t, workloadID, ttl)
 	return keyPair(t, dflt, []*x509.Certificate{leaf, p.root.Cert}, key)
 }
 
@@ -193,35 +233,36 @@ func (p *testPKI) roots(t *testing.T, name string) *secretmanager.Secret {
 	t.Helper()
 	cert := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "root " + name}).Cert
 	return &secretmanager.Secret{
-		Name:     name,
-		Roots:    []*x509.Certificate{cert},
-		RootsPEM: testutil.CertPEM(cert),
-		Version:  cert.SerialNumber.Text(16),
+		Name:    name,
+		Bundle:  &secretmanager.TrustBundle{Roots: []*x509.Certificate{cert}, PEM: testutil.CertPEM(cert)},
+		Version: cert.SerialNumber.Text(16),
+		Source:  secretmanager.SourceCA,
 	}
 }
 
-// keyPair builds a key-pair secret as the secret manager does: Version is the leaf's serial.
+// keyPair builds a key-pair secret as the secret manager does; Version is the leaf's serial.
+// A nil key or an empty chain makes an invalid one, for the tests that the server never sends it.
 func keyPair(t *testing.T, name string, chain []*x509.Certificate, key crypto.Signer) *secretmanager.Secret {
 	t.Helper()
-	s := &secretmanager.Secret{Name: name, Chain: chain, ChainPEM: testutil.CertPEM(chain...), Key: key}
+	kp := &secretmanager.KeyPair{Chain: chain, ChainPEM: testutil.CertPEM(chain...), Key: key}
 	if key != nil {
-		s.KeyPEM = testutil.KeyPEM(t, key)
+		kp.KeyPEM = testutil.KeyPEM(t, key)
 	}
+	s := &secretmanager.Secret{Name: name, KeyPair: kp, Source: secretmanager.SourceCA, Received: time.Now()}
 	if len(chain) > 0 {
 		s.Version = chain[0].SerialNumber.Text(16)
-		s.ExpiresAt = chain[0].NotAfter
 	}
 	return s
 }
 
-// harness is a running SDS server on a Unix socket in a short temp dir, and a connection to it.
+// harness is a running SDS server on a Unix socket in a short temp dir, and an Envoy connected to
+// it.
 type harness struct {
 	socket string
 	server *sds.Server
 	reg    *prometheus.Registry
 	logs   *testutil.SyncBuffer
-	conn   *grpc.ClientConn
-	client secretservice.SecretDiscoveryServiceClient
+	envoy  *sdstest.Envoy
 	cancel context.CancelFunc // ends Run's context
 	done   chan error         // Run's result
 }
@@ -237,7 +278,7 @@ func startServer(t *testing.T, secrets sds.Secrets, adjust ...func(*sds.Config))
 	cfg := sds.Config{
 		SocketPath: h.socket,
 		Secrets:    secrets,
-		Logger:     slog.New(slog.NewTextHandler(h.logs, nil)),
+		Logger:     slog.New(slog.NewTextHandler(h.logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
 		Registerer: h.reg,
 	}
 	for _, fn := range adjust {
@@ -256,79 +297,87 @@ func startServer(t *testing.T, secrets sds.Secrets, adjust ...func(*sds.Config))
 			t.Errorf("Run: %v", err)
 		}
 	})
-	h.conn = dial(t, h.socket)
-	h.client = secretservice.NewSecretDiscoveryServiceClient(h.conn)
+	h.envoy = sdstest.Dial(t, h.socket)
 	return h
 }
 
 // wait returns Run's result, failing after waitLimit.
 func (h *harness) wait() error {
+	limit := time.NewTimer(waitLimit)
+	defer limit.Stop()
 	select {
 	case err := <-h.done:
 		h.done <- err // for the next caller
 		return err
-	case <-time.After(waitLimit):
+	case <-limit.C:
 		return errors.New("Run did not return")
 	}
 }
 
-func dial(t *testing.T, socket string) *grpc.ClientConn {
+// stop ends Run's context and waits for Run to return.
+func (h *harness) stop(t *testing.T) {
 	t.Helper()
-	conn, err := grpc.NewClient("unix://"+socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
+	h.cancel()
+	if err := h.wait(); err != nil {
+		t.Fatalf("Run: %v", err)
 	}
-	t.Cleanup(func() { _ = conn.Close() })
-	return conn
 }
 
-// nacks reads meshid_sds_nacks_total.
-func (h *harness) nacks(t *testing.T) float64 {
+func (h *harness) sotw() *sdstest.Stream       { return h.envoy.StreamSecrets() }
+func (h *harness) delta() *sdstest.DeltaStream { return h.envoy.DeltaSecrets() }
+
+// counter reads a counter (or gauge) of the server's registry: its value for each label set, keyed
+// by the label values joined with "/"; an unlabelled metric is keyed "".
+func (h *harness) counter(t *testing.T, name string) map[string]float64 {
 	t.Helper()
 	families, err := h.reg.Gather()
 	if err != nil {
 		t.Fatal(err)
 	}
+	out := map[string]float64{}
 	for _, f := range families {
-		if f.GetName() == "meshid_sds_nacks_total" {
-			return f.GetMetric()[0].GetCounter().GetValue()
+		if f.GetName() != name {
+			continue
 		}
-	}
-	t.Fatal("meshid_sds_nacks_total is not registered")
-	return 0
-}
-
-// push is one response as the client saw it.
-type push struct {
-	version  string // version_info (SotW) or system_version_info (delta)
-	nonce    string
-	secrets  map[string]*tlsv3.Secret
-	versions map[string]string // per resource (delta only)
-}
-
-func (p push) names() []string { return slices.Sorted(maps.Keys(p.secrets)) }
-
-// decode reads the secrets of a response: delta resources, or SotW ones (anys).
-func decode(t testing.TB, resources []*discovery.Resource, anys []*anypb.Any) map[string]*tlsv3.Secret {
-	t.Helper()
-	out := map[string]*tlsv3.Secret{}
-	for _, r := range resources {
-		anys = append(anys, r.GetResource())
-	}
-	for _, a := range anys {
-		if a.GetTypeUrl() != sds.SecretTypeURL {
-			t.Fatalf("resource of type %s", a.GetTypeUrl())
+		for _, m := range f.GetMetric() {
+			var labels []string
+			for _, l := range m.GetLabel() {
+				labels = append(labels, l.GetValue())
+			}
+			v := m.GetCounter().GetValue()
+			if m.GetGauge() != nil {
+				v = m.GetGauge().GetValue()
+			}
+			out[strings.Join(labels, "/")] = v
 		}
-		s := &tlsv3.Secret{}
-		if err := a.UnmarshalTo(s); err != nil {
-			t.Fatal(err)
-		}
-		if _, dup := out[s.GetName()]; dup {
-			t.Fatalf("secret %s twice in one response", s.GetName())
-		}
-		out[s.GetName()] = s
 	}
 	return out
+}
+
+// nacks reads meshid_sds_nacks_total.
+func (h *harness) nacks(t *testing.T) float64 {
+	t.Helper()
+	return h.counter(t, "meshid_sds_nacks_total")[""]
+}
+
+// refusals reads meshid_sds_refusals_total, keyed "reason/code" (the registry sorts labels by
+// name, code first).
+func (h *harness) refusals(t *testing.T) map[string]float64 {
+	t.Helper()
+	out := map[string]float64{}
+	for key, v := range h.counter(t, "meshid_sds_refusals_total") {
+		code, reason, _ := strings.Cut(key, "/")
+		out[reason+"/"+code] = v
+	}
+	return out
+}
+
+// checkRefusals fails unless meshid_sds_refusals_total holds exactly want ("reason/code" → count).
+func checkRefusals(t *testing.T, h *harness, want map[string]float64) {
+	t.Helper()
+	if got := h.refusals(t); !maps.Equal(got, want) {
+		t.Fatalf("meshid_sds_refusals_total = %v, want %v", got, want)
+	}
 }
 
 // checkSecret reports how got differs from the secret want, as Envoy would read it.
@@ -339,12 +388,12 @@ func checkSecret(got *tlsv3.Secret, want *secretmanager.Secret) error {
 	if got.GetName() != want.Name {
 		return fmt.Errorf("secret named %q, want %q", got.GetName(), want.Name)
 	}
-	if len(want.Roots) > 0 {
+	if want.Bundle != nil {
 		vc := got.GetValidationContext()
 		if vc == nil {
 			return fmt.Errorf("secret %s: no validation_context in %v", want.Name, got)
 		}
-		if !bytes.Equal(vc.GetTrustedCa().GetInlineBytes(), want.RootsPEM) {
+		if !bytes.Equal(vc.GetTrustedCa().GetInlineBytes(), want.Bundle.PEM) {
 			return fmt.Errorf("secret %s: trusted_ca is not the published roots (version %s)", want.Name, want.Version)
 		}
 		return nil
@@ -353,213 +402,45 @@ func checkSecret(got *tlsv3.Secret, want *secretmanager.Secret) error {
 	if tc == nil {
 		return fmt.Errorf("secret %s: no tls_certificate in %v", want.Name, got)
 	}
-	if !bytes.Equal(tc.GetCertificateChain().GetInlineBytes(), want.ChainPEM) {
+	if !bytes.Equal(tc.GetCertificateChain().GetInlineBytes(), want.KeyPair.ChainPEM) {
 		return fmt.Errorf("secret %s: certificate_chain is not the published chain (version %s)", want.Name, want.Version)
 	}
-	if !bytes.Equal(tc.GetPrivateKey().GetInlineBytes(), want.KeyPEM) {
+	if !bytes.Equal(tc.GetPrivateKey().GetInlineBytes(), want.KeyPair.KeyPEM) {
 		return fmt.Errorf("secret %s: private_key is not the published key (version %s)", want.Name, want.Version)
 	}
 	return nil
 }
 
-// expect fails unless p carries exactly want, each with its content.
-func expect(t *testing.T, p push, want ...*secretmanager.Secret) {
+// expect fails unless p carries exactly want, each with its content and version.
+func expect(t *testing.T, p sdstest.Push, want ...*secretmanager.Secret) {
 	t.Helper()
 	var names []string
 	for _, s := range want {
 		names = append(names, s.Name)
 	}
 	slices.Sort(names)
-	if !slices.Equal(p.names(), names) {
-		t.Fatalf("pushed %v (version %q), want %v", p.names(), p.version, names)
+	if !slices.Equal(p.Names(), names) {
+		t.Fatalf("pushed %v (version %q), want %v", p.Names(), p.Version, names)
 	}
 	for _, s := range want {
-		if err := checkSecret(p.secrets[s.Name], s); err != nil {
+		if err := checkSecret(p.Secrets[s.Name], s); err != nil {
 			t.Fatal(err)
 		}
-		if p.versions != nil && p.versions[s.Name] != s.Version {
-			t.Fatalf("secret %s pushed as version %q, want %q", s.Name, p.versions[s.Name], s.Version)
+		if p.Versions != nil && p.Versions[s.Name] != s.Version {
+			t.Fatalf("secret %s pushed as version %q, want %q", s.Name, p.Versions[s.Name], s.Version)
 		}
 	}
-	if p.nonce == "" {
+	if p.Nonce == "" {
 		t.Fatal("response without a nonce")
 	}
-	if p.version == "" {
+	if p.Version == "" {
 		t.Fatal("response without a version")
 	}
 	for _, s := range want {
-		if !strings.Contains(p.version, s.Version) {
-			t.Fatalf("version %q does not carry %s's version %s", p.version, s.Name, s.Version)
+		if !strings.Contains(p.Version, s.Version) {
+			t.Fatalf("version %q does not carry %s's version %s", p.Version, s.Name, s.Version)
 		}
 	}
-}
-
-// sotwStream is an Envoy-style StreamSecrets client; the test chooses every nonce and version.
-type sotwStream struct {
-	t      *testing.T
-	stream secretservice.SecretDiscoveryService_StreamSecretsClient
-	cancel context.CancelFunc
-}
-
-// openSotW opens a stream with a deadline: a push that never comes fails the test then.
-func (h *harness) openSotW(t *testing.T) *sotwStream {
-	t.Helper()
-	return openSotWOn(t, h.client)
-}
-
-func openSotWOn(t *testing.T, client secretservice.SecretDiscoveryServiceClient) *sotwStream {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
-	t.Cleanup(cancel)
-	st, err := client.StreamSecrets(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return &sotwStream{t: t, stream: st, cancel: cancel}
-}
-
-func (s *sotwStream) send(req *discovery.DiscoveryRequest) {
-	s.t.Helper()
-	if req.TypeUrl == "" {
-		req.TypeUrl = sds.SecretTypeURL
-	}
-	if err := s.stream.Send(req); err != nil {
-		s.t.Fatalf("Send: %v", err)
-	}
-}
-
-// subscribe sends a stream's first request: the node, and the names.
-func (s *sotwStream) subscribe(names ...string) {
-	s.t.Helper()
-	s.send(&discovery.DiscoveryRequest{Node: &core.Node{Id: nodeID}, ResourceNames: names})
-}
-
-// ack accepts p and (re)states the names, as Envoy does, without the node.
-func (s *sotwStream) ack(p push, names ...string) {
-	s.t.Helper()
-	s.send(&discovery.DiscoveryRequest{VersionInfo: p.version, ResponseNonce: p.nonce, ResourceNames: names})
-}
-
-// nack rejects p, naming the last accepted version.
-func (s *sotwStream) nack(p push, accepted, detail string, names ...string) {
-	s.t.Helper()
-	s.send(&discovery.DiscoveryRequest{
-		VersionInfo: accepted, ResponseNonce: p.nonce, ResourceNames: names,
-		ErrorDetail: &rpcstatus.Status{Code: int32(codes.InvalidArgument), Message: detail},
-	})
-}
-
-func (s *sotwStream) recv() push {
-	s.t.Helper()
-	resp, err := s.stream.Recv()
-	if err != nil {
-		s.t.Fatalf("Recv: %v", err)
-	}
-	if resp.GetTypeUrl() != sds.SecretTypeURL {
-		s.t.Fatalf("response of type %s", resp.GetTypeUrl())
-	}
-	return push{version: resp.GetVersionInfo(), nonce: resp.GetNonce(), secrets: decode(s.t, nil, resp.GetResources())}
-}
-
-// recvAll receives pushes, acknowledging each, until every name has come; it returns the last
-// push (not yet acknowledged) and every secret received.
-func (s *sotwStream) recvAll(names ...string) (last push, got map[string]*tlsv3.Secret) {
-	s.t.Helper()
-	got = map[string]*tlsv3.Secret{}
-	for {
-		last = s.recv()
-		maps.Copy(got, last.secrets)
-		if len(got) >= len(names) {
-			return last, got
-		}
-		s.ack(last, names...)
-	}
-}
-
-// recvErr waits for the stream to end and returns its status.
-func (s *sotwStream) recvErr() *status.Status {
-	s.t.Helper()
-	resp, err := s.stream.Recv()
-	if err == nil {
-		s.t.Fatalf("got a response (%d resources), want the stream to end", len(resp.GetResources()))
-	}
-	return status.Convert(err)
-}
-
-// deltaStream is an Envoy-style DeltaSecrets client.
-type deltaStream struct {
-	t      *testing.T
-	stream secretservice.SecretDiscoveryService_DeltaSecretsClient
-}
-
-func (h *harness) openDelta(t *testing.T) *deltaStream {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
-	t.Cleanup(cancel)
-	st, err := h.client.DeltaSecrets(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return &deltaStream{t: t, stream: st}
-}
-
-func (d *deltaStream) send(req *discovery.DeltaDiscoveryRequest) {
-	d.t.Helper()
-	if req.TypeUrl == "" {
-		req.TypeUrl = sds.SecretTypeURL
-	}
-	if err := d.stream.Send(req); err != nil {
-		d.t.Fatalf("Send: %v", err)
-	}
-}
-
-func (d *deltaStream) recv() push {
-	d.t.Helper()
-	resp, err := d.stream.Recv()
-	if err != nil {
-		d.t.Fatalf("Recv: %v", err)
-	}
-	if resp.GetTypeUrl() != sds.SecretTypeURL {
-		d.t.Fatalf("response of type %s", resp.GetTypeUrl())
-	}
-	p := push{version: resp.GetSystemVersionInfo(), nonce: resp.GetNonce(), secrets: decode(d.t, resp.GetResources(), nil), versions: map[string]string{}}
-	for _, r := range resp.GetResources() {
-		if r.GetName() == "" || r.GetVersion() == "" {
-			d.t.Fatalf("delta resource without a name or version: %v", r)
-		}
-		p.versions[r.GetName()] = r.GetVersion()
-	}
-	return p
-}
-
-func (d *deltaStream) ack(p push) {
-	d.t.Helper()
-	d.send(&discovery.DeltaDiscoveryRequest{ResponseNonce: p.nonce})
-}
-
-// recvAll receives pushes, acknowledging each, until every name has come; the last push is not
-// acknowledged.
-func (d *deltaStream) recvAll(names ...string) (last push, versions map[string]string, got map[string]*tlsv3.Secret) {
-	d.t.Helper()
-	versions, got = map[string]string{}, map[string]*tlsv3.Secret{}
-	for {
-		last = d.recv()
-		maps.Copy(got, last.secrets)
-		maps.Copy(versions, last.versions)
-		if len(got) >= len(names) {
-			return last, versions, got
-		}
-		d.ack(last)
-	}
-}
-
-func (d *deltaStream) recvErr() *status.Status {
-	d.t.Helper()
-	resp, err := d.stream.Recv()
-	if err == nil {
-		d.t.Fatalf("got a response (%d resources), want the stream to end", len(resp.GetResources()))
-	}
-	return status.Convert(err)
 }
 
 // checkAll fails unless got holds exactly want.
@@ -572,5 +453,19 @@ func checkAll(t *testing.T, got map[string]*tlsv3.Secret, want ...*secretmanager
 		if err := checkSecret(got[s.Name], s); err != nil {
 			t.Fatal(err)
 		}
+	}
+}
+
+// receive returns the next value from ch, failing after waitLimit.
+func receive[T any](t *testing.T, ch <-chan T) T {
+	t.Helper()
+	limit := time.NewTimer(waitLimit)
+	defer limit.Stop()
+	select {
+	case v := <-ch:
+		return v
+	case <-limit.C:
+		t.Fatal("nothing came")
+		panic("unreachable")
 	}
 }

@@ -3,9 +3,10 @@ package sds
 import "github.com/prometheus/client_golang/prometheus"
 
 type metrics struct {
-	streams *prometheus.GaugeVec
-	pushes  prometheus.Counter
-	nacks   prometheus.Counter
+	streams  *prometheus.GaugeVec
+	pushes   prometheus.Counter
+	nacks    prometheus.Counter
+	refusals *prometheus.CounterVec
 }
 
 func newMetrics() *metrics {
@@ -22,11 +23,15 @@ func newMetrics() *metrics {
 			Namespace: "meshid", Subsystem: "sds", Name: "nacks_total",
 			Help: "Responses Envoy rejected.",
 		}),
+		refusals: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "meshid", Subsystem: "sds", Name: "refusals_total",
+			Help: "Requests refused, by reason and the gRPC code the stream ended with (\"dropped\": the request was ignored and the stream went on).",
+		}, []string{"reason", "code"}),
 	}
 }
 
 func (m *metrics) register(reg prometheus.Registerer) error {
-	for _, c := range []prometheus.Collector{m.streams, m.pushes, m.nacks} {
+	for _, c := range []prometheus.Collector{m.streams, m.pushes, m.nacks, m.refusals} {
 		if err := reg.Register(c); err != nil {
 			return err
 		}

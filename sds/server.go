@@ -12,6 +12,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -30,15 +31,13 @@ import (
 
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/fsutil"
+	"github.com/meshid/meshid/secretmanager"
 )
 
 // Defaults of the SDS server.
 const (
 	SocketName        = "socket"
 	DefaultSocketMode = 0o660
-	// MaxSocketPath is the longest Unix socket path the kernel takes (sun_path holds 108 bytes
-	// with the terminating NUL).
-	MaxSocketPath = 107
 )
 
 // ErrSocketInUse reports a socket path that another server already answers on.
@@ -62,31 +61,20 @@ type Config struct {
 type Server struct {
 	cfg     Config
 	log     *slog.Logger
+	clock   clock.Clock
 	cache   *secretCache
-	grpc    *grpc.Server
 	lis     net.Listener
 	metrics *metrics
 
 	mu sync.Mutex
-	// streams holds the names each stream subscribes to. The SotW and delta servers number
-	// their streams separately, so the protocol is part of the key.
-	streams map[streamKey][]string
-	// deltaNodes holds the node of each delta stream: the delta server hands the callback a
-	// request without the node that only the stream's first request carried.
-	deltaNodes map[int64]*core.Node
+	// streams holds what each open stream subscribes to: the one record of subscriptions. The
+	// SotW and delta servers number their streams separately, so the protocol is part of the key.
+	streams map[streamKey]*stream
 }
 
 type streamKey struct {
 	protocol string
 	id       int64
-}
-
-// CheckSocketPath refuses a socket path the kernel cannot bind.
-func CheckSocketPath(path string) error {
-	if len(path) > MaxSocketPath {
-		return fmt.Errorf("socket path %s is %d bytes, over the kernel's limit of %d: choose a shorter directory", path, len(path), MaxSocketPath)
-	}
-	return nil
 }
 
 // SocketServing reports whether something accepts connections on the Unix socket at path.
@@ -105,7 +93,7 @@ func New(cfg Config) (*Server, error) {
 	if cfg.Secrets == nil {
 		return nil, errors.New("SDS server needs secrets to serve")
 	}
-	if err := CheckSocketPath(cfg.SocketPath); err != nil {
+	if err := fsutil.CheckSocketPath(cfg.SocketPath); err != nil {
 		return nil, err
 	}
 	if cfg.SocketMode == 0 {
@@ -136,14 +124,14 @@ func New(cfg Config) (*Server, error) {
 		return nil, fmt.Errorf("set the mode of %s: %w", cfg.SocketPath, err)
 	}
 	s := &Server{
-		cfg:        cfg,
-		log:        log,
-		cache:      newSecretCache(cfg.Secrets, clock.OrReal(cfg.Clock), log),
-		lis:        lis,
-		metrics:    newMetrics(),
-		streams:    map[streamKey][]string{},
-		deltaNodes: map[int64]*core.Node{},
+		cfg:     cfg,
+		log:     log,
+		clock:   clock.OrReal(cfg.Clock),
+		lis:     lis,
+		metrics: newMetrics(),
+		streams: map[streamKey]*stream{},
 	}
+	s.cache = newSecretCache(cfg.Secrets, s.clock, log)
 	if cfg.Registerer != nil {
 		if err := s.metrics.register(cfg.Registerer); err != nil {
 			_ = lis.Close()
@@ -156,24 +144,25 @@ func New(cfg Config) (*Server, error) {
 // Run serves until ctx ends; then it stops accepting, lets open streams go on for the drain
 // duration, and ends them.
 func (s *Server) Run(ctx context.Context) error {
-	serveCtx, cancel := context.WithCancel(context.Background())
+	defer s.cache.close()
+	// The streams outlive ctx by the drain duration; serveCtx ends them.
+	serveCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancel()
-	stopUpdates := s.cache.start(serveCtx)
-	defer stopUpdates()
 
-	s.grpc = grpc.NewServer()
-	xds := serverv3.NewServer(serveCtx, s.cache, s.callbacks(), sotw.DeactivateLegacyWildcard())
-	secretservice.RegisterSecretDiscoveryServiceServer(s.grpc, staleNonceFilter{xds})
+	grpcServer := grpc.NewServer()
+	xds := serverv3.NewServer(serveCtx, s.cache, s.callbacks(), sotw.DeactivateLegacyWildcard(), sotw.WithLogger(xdsLogger{s.log}))
+	secretservice.RegisterSecretDiscoveryServiceServer(grpcServer, staleNonceFilter{Server: xds, refuse: s.refuse})
 
 	served := make(chan error, 1)
-	go func() { served <- s.grpc.Serve(s.lis) }()
+	go func() { served <- grpcServer.Serve(s.lis) }()
 	s.log.Info("SDS serving", logkey.Socket, s.cfg.SocketPath)
 	select {
 	case err := <-served:
 		return fmt.Errorf("serve SDS: %w", err)
 	case <-ctx.Done():
 	}
-	s.drain()
+	s.drain(grpcServer)
+	cancel()
 	if err := <-served; err != nil && !errors.Is(err, grpc.ErrServerStopped) {
 		return fmt.Errorf("serve SDS: %w", err)
 	}
@@ -181,14 +170,16 @@ func (s *Server) Run(ctx context.Context) error {
 	return nil
 }
 
-func (s *Server) drain() {
+func (s *Server) drain(grpcServer *grpc.Server) {
 	stopped := make(chan struct{})
 	go func() {
-		s.grpc.GracefulStop() // stops accepting at once; returns when the streams end
+		grpcServer.GracefulStop() // stops accepting at once; returns when the streams end
 		close(stopped)
 	}()
 	if s.cfg.DrainDuration > 0 {
-		timer := clock.OrReal(s.cfg.Clock).NewTimer(s.cfg.DrainDuration)
+		s.log.Info("SDS draining: no new connections; open streams end when Envoy closes them or the drain ends",
+			logkey.Duration, s.cfg.DrainDuration, logkey.Streams, s.openStreams())
+		timer := s.clock.NewTimer(s.cfg.DrainDuration)
 		defer timer.Stop()
 		select {
 		case <-stopped:
@@ -196,7 +187,7 @@ func (s *Server) drain() {
 		case <-timer.C():
 		}
 	}
-	s.grpc.Stop()
+	grpcServer.Stop()
 	<-stopped
 }
 
@@ -210,12 +201,24 @@ func (s *Server) Subscriptions() map[string]int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	counts := map[string]int{}
-	for _, names := range s.streams {
-		for _, n := range names {
+	for _, st := range s.streams {
+		for _, n := range st.names {
 			counts[n]++
 		}
 	}
 	return counts
+}
+
+func (s *Server) openStreams() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.streams)
+}
+
+// stream is what the server knows of one open stream: its node and the names it subscribes to.
+type stream struct {
+	node  string
+	names []string
 }
 
 func (s *Server) callbacks() serverv3.Callbacks {
@@ -223,7 +226,7 @@ func (s *Server) callbacks() serverv3.Callbacks {
 		return func(_ context.Context, id int64, _ string) error {
 			s.metrics.streams.WithLabelValues(protocol).Inc()
 			s.mu.Lock()
-			s.streams[streamKey{protocol, id}] = nil
+			s.streams[streamKey{protocol, id}] = &stream{}
 			s.mu.Unlock()
 			return nil
 		}
@@ -233,9 +236,6 @@ func (s *Server) callbacks() serverv3.Callbacks {
 			s.metrics.streams.WithLabelValues(protocol).Dec()
 			s.mu.Lock()
 			delete(s.streams, streamKey{protocol, id})
-			if protocol == "delta" {
-				delete(s.deltaNodes, id)
-			}
 			s.mu.Unlock()
 		}
 	}
@@ -246,18 +246,25 @@ func (s *Server) callbacks() serverv3.Callbacks {
 		DeltaStreamClosedFunc: closed("delta"),
 		StreamRequestFunc: func(id int64, req *discovery.DiscoveryRequest) error {
 			// The SotW server has already filled in the node of the stream's first request.
-			if err := s.onRequest(id, req.GetNode(), req.GetErrorDetail(), req.GetResourceNames(), req.GetVersionInfo()); err != nil {
+			key := streamKey{"sotw", id}
+			if err := s.onRequest(key, req.GetNode(), req.GetErrorDetail(), req.GetResourceNames(), req.GetVersionInfo()); err != nil {
 				return err
 			}
-			s.setSubscription(streamKey{"sotw", id}, req.GetResourceNames())
+			s.setSubscription(key, req.GetResourceNames(), nil, true)
 			return nil
 		},
 		StreamDeltaRequestFunc: func(id int64, req *discovery.DeltaDiscoveryRequest) error {
-			if err := s.onRequest(id, s.deltaNode(id, req.GetNode()), req.GetErrorDetail(), req.GetResourceNamesSubscribe(), ""); err != nil {
+			// The delta server hands over a request without the node that only the stream's first
+			// request carried: the stream remembers it.
+			key := streamKey{"delta", id}
+			if err := s.onRequest(key, req.GetNode(), req.GetErrorDetail(), req.GetResourceNamesSubscribe(), ""); err != nil {
 				return err
 			}
-			s.updateSubscription(streamKey{"delta", id}, req.GetResourceNamesSubscribe(), req.GetResourceNamesUnsubscribe())
+			s.setSubscription(key, req.GetResourceNamesSubscribe(), req.GetResourceNamesUnsubscribe(), false)
 			return nil
+		},
+		FetchRequestFunc: func(_ context.Context, req *discovery.DiscoveryRequest) error {
+			return s.check(streamKey{"fetch", 0}, req.GetNode().GetId(), req.GetResourceNames())
 		},
 		StreamResponseFunc: func(_ context.Context, _ int64, _ *discovery.DiscoveryRequest, resp *discovery.DiscoveryResponse) {
 			s.metrics.pushes.Add(float64(len(resp.GetResources())))
@@ -268,59 +275,114 @@ func (s *Server) callbacks() serverv3.Callbacks {
 	}
 }
 
-// deltaNode returns the node of a delta stream's request: the one it carries, else the one its
-// stream's first request carried.
-func (s *Server) deltaNode(id int64, node *core.Node) *core.Node {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if first, ok := s.deltaNodes[id]; ok {
-		if node == nil {
-			return first
-		}
-		return node
-	}
-	if node.GetId() != "" {
-		s.deltaNodes[id] = node
-	}
-	return node
-}
-
-// onRequest checks what every request must carry and logs a NACK once, with Envoy's reason; the
+// onRequest checks a stream's request, refusing it (and so ending the stream) when it lacks a
+// node or names a secret that cannot be served, and logs a NACK once, with Envoy's reason; the
 // cache then sends nothing until the secret changes (istio#21111).
-func (s *Server) onRequest(id int64, node *core.Node, nack *rpcstatus.Status, names []string, version string) error {
-	if node.GetId() == "" {
-		return status.Error(codes.InvalidArgument, "the first request on a stream must carry a node with an id")
+func (s *Server) onRequest(key streamKey, node *core.Node, nack *rpcstatus.Status, names []string, version string) error {
+	s.mu.Lock()
+	st := s.streams[key]
+	if st != nil && st.node == "" {
+		st.node = node.GetId()
+	}
+	nodeID := node.GetId()
+	if st != nil && nodeID == "" {
+		nodeID = st.node
+	}
+	s.mu.Unlock()
+	if err := s.check(key, nodeID, names); err != nil {
+		return err
 	}
 	if nack != nil {
 		s.metrics.nacks.Inc()
 		s.log.Warn("Envoy rejected secrets (NACK); not sending them again until they change",
-			logkey.Node, node.GetId(), logkey.Stream, id, logkey.Secrets, names, logkey.Version, version, logkey.ErrorDetail, nack.GetMessage())
+			logkey.Node, nodeID, logkey.Stream, key.id, logkey.Secrets, names, logkey.Version, version, logkey.ErrorDetail, nack.GetMessage())
 	}
 	return nil
 }
 
-func (s *Server) setSubscription(id streamKey, names []string) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.streams[id] = append([]string(nil), names...)
+// check refuses a request without a node, or naming a secret that cannot be served.
+func (s *Server) check(key streamKey, nodeID string, names []string) error {
+	if nodeID == "" {
+		return s.refuse(key, "", "", reasonMissingNode,
+			status.Error(codes.InvalidArgument, "the first request on a stream must carry a node with an id"))
+	}
+	for _, name := range names {
+		if name == "*" {
+			continue
+		}
+		if err := s.cache.subscribe(name); err != nil {
+			return s.refuse(key, nodeID, name, refusalReason(err), refusalStatus(name, err))
+		}
+	}
+	return nil
 }
 
-func (s *Server) updateSubscription(id streamKey, subscribe, unsubscribe []string) {
+// Why requests are refused, as counted in meshid_sds_refusals_total.
+const (
+	reasonMissingNode = "missing_node"
+	reasonUnknownName = "unknown_name"
+	reasonForbidden   = "forbidden_path"
+	reasonTooMany     = "too_many_secrets"
+	reasonStaleNonce  = "stale_nonce"
+	reasonStopping    = "stopping"
+	// codeDropped counts a request ignored while its stream goes on.
+	codeDropped = "dropped"
+)
+
+func refusalReason(err error) string {
+	switch {
+	case errors.Is(err, secretmanager.ErrForbiddenPath):
+		return reasonForbidden
+	case errors.Is(err, secretmanager.ErrTooManyFiles):
+		return reasonTooMany
+	case errors.Is(err, secretmanager.ErrUnknownSecret):
+		return reasonUnknownName
+	default:
+		return reasonStopping
+	}
+}
+
+// refuse logs a refused request once, with who asked and why, counts it, and returns the status
+// that ends the stream (nil for a dropped request).
+func (s *Server) refuse(key streamKey, node, name, reason string, st error) error {
+	code := codeDropped
+	if st != nil {
+		code = status.Code(st).String()
+	}
+	s.metrics.refusals.WithLabelValues(reason, code).Inc()
+	attrs := []any{logkey.Node, node, logkey.Protocol, key.protocol, logkey.Reason, reason, logkey.Code, code}
+	if key.id != 0 {
+		attrs = append(attrs, logkey.Stream, key.id)
+	}
+	if name != "" {
+		attrs = append(attrs, logkey.Secret, name)
+	}
+	if st != nil {
+		attrs = append(attrs, logkey.Error, status.Convert(st).Message())
+	}
+	s.log.Warn("SDS request refused", attrs...)
+	return st
+}
+
+// setSubscription records the names a stream subscribes to: all of them (SotW), or those added
+// and removed (delta).
+func (s *Server) setSubscription(key streamKey, subscribe, unsubscribe []string, replace bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	names := s.streams[id]
+	st := s.streams[key]
+	if st == nil {
+		return
+	}
+	if replace {
+		st.names = slices.Clone(subscribe)
+		return
+	}
 	for _, n := range subscribe {
-		if !slices.Contains(names, n) {
-			names = append(names, n)
+		if !slices.Contains(st.names, n) {
+			st.names = append(st.names, n)
 		}
 	}
-	kept := names[:0]
-	for _, n := range names {
-		if !slices.Contains(unsubscribe, n) {
-			kept = append(kept, n)
-		}
-	}
-	s.streams[id] = kept
+	st.names = slices.DeleteFunc(st.names, func(n string) bool { return slices.Contains(unsubscribe, n) })
 }
 
 // staleNonceFilter drops the SotW requests that answer an older response than the last one the
@@ -330,16 +392,19 @@ func (s *Server) updateSubscription(id streamKey, subscribe, unsubscribe []strin
 // reconnects to a restarted agent, spire#813).
 type staleNonceFilter struct {
 	serverv3.Server
+	refuse func(key streamKey, node, name, reason string, st error) error
 }
 
 func (f staleNonceFilter) StreamSecrets(stream secretservice.SecretDiscoveryService_StreamSecretsServer) error {
-	return f.Server.StreamSecrets(&nonceCheckedStream{SecretDiscoveryService_StreamSecretsServer: stream})
+	return f.Server.StreamSecrets(&nonceCheckedStream{SecretDiscoveryService_StreamSecretsServer: stream, refuse: f.refuse})
 }
 
 // nonceCheckedStream remembers the last nonce sent. Send runs on the stream's goroutine and Recv
 // on the server's reader goroutine, hence the mutex.
 type nonceCheckedStream struct {
 	secretservice.SecretDiscoveryService_StreamSecretsServer
+	refuse    func(key streamKey, node, name, reason string, st error) error
+	node      string // of the first request, for the log
 	mu        sync.Mutex
 	lastNonce string
 }
@@ -357,11 +422,36 @@ func (s *nonceCheckedStream) Recv() (*discovery.DiscoveryRequest, error) {
 		if err != nil {
 			return nil, err
 		}
+		if s.node == "" {
+			s.node = req.GetNode().GetId()
+		}
 		s.mu.Lock()
 		last := s.lastNonce
 		s.mu.Unlock()
 		if last == "" || req.GetResponseNonce() == last {
 			return req, nil
 		}
+		// The stream's id is the server's; the nonces say which exchange this was.
+		_ = s.refuse(streamKey{protocol: "sotw"}, s.node, strings.Join(req.GetResourceNames(), ","), reasonStaleNonce, nil)
 	}
+}
+
+// xdsLogger puts go-control-plane's own messages in our logs.
+type xdsLogger struct{ log *slog.Logger }
+
+func (l xdsLogger) Debugf(format string, args ...any) {
+	l.log.Debug("go-control-plane", logkey.Detail, fmt.Sprintf(format, args...))
+}
+
+// Infof is debug too: go-control-plane's info messages repeat per request what we log ourselves.
+func (l xdsLogger) Infof(format string, args ...any) {
+	l.log.Debug("go-control-plane", logkey.Detail, fmt.Sprintf(format, args...))
+}
+
+func (l xdsLogger) Warnf(format string, args ...any) {
+	l.log.Warn("go-control-plane", logkey.Detail, fmt.Sprintf(format, args...))
+}
+
+func (l xdsLogger) Errorf(format string, args ...any) {
+	l.log.Error("go-control-plane", logkey.Detail, fmt.Sprintf(format, args...))
 }

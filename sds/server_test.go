@@ -2,81 +2,89 @@ package sds_test
 
 import (
 	"context"
-	"crypto/x509"
 	"errors"
 	"fmt"
 	"io"
-	"log/slog"
 	"net"
 	"os"
 	"path/filepath"
+	"runtime"
+	"runtime/pprof"
 	"strings"
 	"testing"
 	"time"
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	tlsv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/transport_sockets/tls/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	secretservice "github.com/envoyproxy/go-control-plane/envoy/service/secret/v3"
 	"golang.org/x/sync/errgroup"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/anypb"
 
+	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/testutil"
 	"github.com/meshid/meshid/sds"
+	"github.com/meshid/meshid/sds/sdstest"
 	"github.com/meshid/meshid/secretmanager"
 )
-
-// receive returns the next value from ch, failing after waitLimit.
-func receive[T any](t *testing.T, ch <-chan T) T {
-	t.Helper()
-	select {
-	case v := <-ch:
-		return v
-	case <-time.After(waitLimit):
-		t.Fatal("nothing came")
-		panic("unreachable")
-	}
-}
 
 func TestShutdown(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
 		name  string
 		drain time.Duration
-		// clientsEnd: the streams end on their own once Run's context is cancelled, before the
-		// drain duration; otherwise the server ends them.
+		// clientsEnd: the streams end on their own once the drain has begun; otherwise the
+		// server ends them (at once, or when the drain runs out on its clock).
 		clientsEnd bool
 	}{
 		{name: "no drain: streams end at once"},
-		{name: "drain: Run returns when the streams end", drain: time.Hour, clientsEnd: true},
-		// A drain that runs out on real time: it is the server's own timer.
-		{name: "drain runs out: streams are ended", drain: 10 * time.Millisecond},
+		{name: "drain: streams are served until they end", drain: time.Hour, clientsEnd: true},
+		{name: "drain runs out: streams are ended", drain: time.Hour},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
 			p, f := newPKI(t), newFakeSecrets()
 			d1 := p.workload(t)
 			f.Publish(d1)
-			h := startServer(t, f, func(c *sds.Config) { c.DrainDuration = tc.drain })
-			streams := make([]*sotwStream, 3)
+			clk := testutil.NewFakeClock(time.Now())
+			h := startServer(t, f, func(c *sds.Config) { c.DrainDuration, c.Clock = tc.drain, clk })
+			streams := make([]*sdstest.Stream, 3)
 			for i := range streams {
-				streams[i] = openSotWOn(t, secretservice.NewSecretDiscoveryServiceClient(dial(t, h.socket)))
-				streams[i].subscribe(dflt)
-				expect(t, streams[i].recv(), d1)
+				streams[i] = sdstest.Dial(t, h.socket).StreamSecrets()
+				streams[i].Subscribe(dflt)
+				first := streams[i].Recv()
+				expect(t, first, d1)
+				streams[i].Ack(first, dflt)
 			}
 			h.cancel()
-			if tc.clientsEnd {
-				for _, s := range streams {
-					if err := s.stream.CloseSend(); err != nil {
-						t.Fatal(err)
-					}
+			if tc.drain > 0 {
+				// The drain has begun once its timer is set: the server's only timer.
+				ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
+				defer cancel()
+				if err := clk.WaitForTimers(ctx, 1); err != nil {
+					t.Fatalf("the drain did not begin: %v", err)
 				}
+			}
+			switch {
+			case tc.clientsEnd:
+				// Still served: a rotation reaches every open stream.
+				d2 := p.workload(t)
+				f.Publish(d2)
+				for _, s := range streams {
+					expect(t, s.Recv(), d2)
+					s.CloseSend()
+				}
+			case tc.drain > 0:
+				clk.Advance(tc.drain)
 			}
 			if err := h.wait(); err != nil {
 				t.Fatalf("Run: %v", err)
 			}
 			for i, s := range streams {
-				_, err := s.stream.Recv()
+				_, err := s.Stream.Recv()
 				if tc.clientsEnd && !errors.Is(err, io.EOF) {
 					t.Fatalf("stream %d: %v, want its end", i, err)
 				}
@@ -87,7 +95,162 @@ func TestShutdown(t *testing.T) {
 			if _, err := os.Lstat(h.socket); !errors.Is(err, os.ErrNotExist) {
 				t.Fatalf("socket left behind: %v", err)
 			}
+			if n := f.Active(dflt); n != 0 {
+				t.Fatalf("%d subscriptions to default outlive Run", n)
+			}
 		})
+	}
+}
+
+// Run returns only once every goroutine it started has: stream handlers (SotW, delta, a fetch
+// that waits), the gRPC server's, the drain's. Not parallel: it counts the goroutines of the
+// whole process, so nothing else may run meanwhile (parallel tests wait until every sequential
+// top-level test has finished).
+func TestRunLeavesNoGoroutines(t *testing.T) {
+	for _, tc := range []struct {
+		name       string
+		drain      time.Duration
+		clientsEnd bool
+	}{
+		{name: "no drain"},
+		{name: "drain: clients end", drain: time.Hour, clientsEnd: true},
+		{name: "drain runs out", drain: time.Hour},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			const pending = "file-root:/etc/certs/pending.pem" // nothing is ever known of it
+			p, f := newPKI(t), newFakeSecrets()
+			d1, r1 := p.workload(t), p.roots(t, rootCA)
+			f.Publish(d1)
+			f.Publish(r1)
+			f.Fail(spare, errors.New("the CA is unreachable"))
+			clk := testutil.NewFakeClock(time.Now())
+			ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
+			defer cancel()
+
+			before := runtime.NumGoroutine()
+			h := startServer(t, f, func(c *sds.Config) { c.DrainDuration, c.Clock = tc.drain, clk })
+			s := h.sotw()
+			s.Subscribe(dflt, spare) // spare's state is an error: the stream waits for it
+			first := s.Recv()
+			expect(t, first, d1)
+			s.Ack(first, dflt, spare)
+			d := h.delta()
+			d.Subscribe(rootCA)
+			expect(t, d.Recv(), r1)
+			fetchCtx, cancelFetch := context.WithCancel(ctx)
+			defer cancelFetch()
+			fetched := make(chan error, 1)
+			go func() {
+				_, err := h.envoy.Client.FetchSecrets(fetchCtx, &discovery.DiscoveryRequest{
+					Node: &core.Node{Id: nodeID}, ResourceNames: []string{pending}, TypeUrl: sdstest.TypeURL,
+				})
+				fetched <- err
+			}()
+			// The fetch is in the server, waiting, once the server follows its name.
+			f.awaitActive(t, pending, 1)
+
+			h.cancel()
+			if tc.drain > 0 {
+				if err := clk.WaitForTimers(ctx, 1); err != nil {
+					t.Fatalf("the drain did not begin: %v", err)
+				}
+			}
+			switch {
+			case tc.clientsEnd:
+				s.CloseSend()
+				d.CloseSend()
+				cancelFetch()
+			case tc.drain > 0:
+				clk.Advance(tc.drain)
+			}
+			if err := h.wait(); err != nil {
+				t.Fatalf("Run: %v", err)
+			}
+			if err := receive(t, fetched); status.Code(err) != codes.Unavailable && status.Code(err) != codes.Canceled {
+				t.Fatalf("the waiting fetch ended with %v, want Unavailable (server stopped) or Canceled", err)
+			}
+			for _, name := range []string{dflt, rootCA, spare, pending} {
+				if n := f.Active(name); n != 0 {
+					t.Fatalf("%d subscriptions to %s outlive Run", n, name)
+				}
+			}
+			// The client's own goroutines end with its connection.
+			h.envoy.Close()
+			settleGoroutines(t, before)
+		})
+	}
+}
+
+// settleGoroutines waits until no more than want goroutines run. Goroutines that have been told
+// to end take a moment to do so; the real-time limit only fails a test in which some never do.
+func settleGoroutines(t *testing.T, want int) {
+	t.Helper()
+	limit := time.Now().Add(waitLimit)
+	for runtime.NumGoroutine() > want {
+		if time.Now().After(limit) {
+			var dump strings.Builder
+			_ = pprof.Lookup("goroutine").WriteTo(&dump, 1)
+			t.Fatalf("%d goroutines still run, want at most %d:\n%s", runtime.NumGoroutine(), want, dump.String())
+		}
+		runtime.Gosched()
+	}
+}
+
+// However many streams ask for a name, SotW, delta or fetch, the server subscribes to it once,
+// even when they all ask while its first subscription is being made; Run cancels it.
+func TestOneSubscriptionPerName(t *testing.T) {
+	t.Parallel()
+	const streams = 50
+	p, f := newPKI(t), newFakeSecrets()
+	d1 := p.workload(t)
+	f.Publish(d1)
+	h := startServer(t, f)
+	// The first subscription is held open while the other streams ask.
+	inside, release := f.Hold(t, dflt)
+	sotw := make([]*sdstest.Stream, streams)
+	for i := range sotw {
+		sotw[i] = h.sotw()
+		sotw[i].Subscribe(dflt)
+	}
+	delta := h.delta()
+	delta.Subscribe(dflt)
+	receive(t, inside)
+	release()
+	for _, s := range sotw {
+		first := s.Recv()
+		expect(t, first, d1)
+		s.Ack(first, dflt)
+	}
+	first := delta.Recv()
+	expect(t, first, d1)
+	delta.Ack(first)
+	ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
+	defer cancel()
+	got, err := h.envoy.Fetch(ctx, dflt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkAll(t, got, d1)
+	if n := f.Calls(dflt); n != 1 {
+		t.Fatalf("the server subscribed to default %d times, want once", n)
+	}
+	if n := h.server.Subscriptions()[dflt]; n != streams+1 {
+		t.Fatalf("Subscriptions()[default] = %d, want %d", n, streams+1)
+	}
+
+	// The one subscription carries a rotation to every stream.
+	d2 := p.workload(t)
+	f.Publish(d2)
+	for _, s := range sotw {
+		expect(t, s.Recv(), d2)
+	}
+	expect(t, delta.Recv(), d2)
+	if n := f.Calls(dflt); n != 1 {
+		t.Fatalf("the server subscribed to default %d times, want once", n)
+	}
+	h.stop(t)
+	if n := f.Active(dflt); n != 0 {
+		t.Fatalf("%d subscriptions to default outlive Run", n)
 	}
 }
 
@@ -102,14 +265,17 @@ func TestThousandStreams(t *testing.T) {
 	h := startServer(t, f)
 	clients := make([]secretservice.SecretDiscoveryServiceClient, conns)
 	for i := range clients {
-		clients[i] = secretservice.NewSecretDiscoveryServiceClient(dial(t, h.socket))
+		clients[i] = sdstest.Dial(t, h.socket).Client
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
 	defer cancel()
 
 	// Each stream is driven from its own goroutine, which returns errors rather than failing.
 	check := func(resp *discovery.DiscoveryResponse, want *secretmanager.Secret) error {
-		got := decode(t, nil, resp.GetResources())
+		got, err := sdstest.Parse(nil, resp.GetResources())
+		if err != nil {
+			return err
+		}
 		if len(got) != 1 {
 			return fmt.Errorf("pushed %d secrets, want 1", len(got))
 		}
@@ -144,6 +310,9 @@ func TestThousandStreams(t *testing.T) {
 	served := time.Since(start)
 	if n := h.server.Subscriptions()[dflt]; n != streams {
 		t.Fatalf("Subscriptions()[default] = %d, want %d", n, streams)
+	}
+	if n := f.Calls(dflt); n != 1 {
+		t.Fatalf("the server subscribed to default %d times, want once", n)
 	}
 
 	start = time.Now()
@@ -212,7 +381,7 @@ func TestNewSocket(t *testing.T) {
 			return path
 		}},
 		{name: "path too long", errAny: true, prepare: func(_ *testing.T, dir string) string {
-			return dir + "/" + strings.Repeat("s", sds.MaxSocketPath-len(dir))
+			return dir + "/" + strings.Repeat("s", fsutil.MaxSocketPath-len(dir))
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -248,15 +417,18 @@ func TestNewSocket(t *testing.T) {
 			}
 		})
 	}
+	if n := f.Calls(dflt); n != 0 {
+		t.Fatalf("New subscribed to default %d times; it must wait for a request", n)
+	}
 }
 
 func TestCheckSocketPath(t *testing.T) {
 	t.Parallel()
-	if err := sds.CheckSocketPath("/" + strings.Repeat("s", sds.MaxSocketPath-1)); err != nil {
-		t.Fatalf("a %d-byte path: %v", sds.MaxSocketPath, err)
+	if err := fsutil.CheckSocketPath("/" + strings.Repeat("s", fsutil.MaxSocketPath-1)); err != nil {
+		t.Fatalf("a %d-byte path: %v", fsutil.MaxSocketPath, err)
 	}
-	long := "/" + strings.Repeat("s", sds.MaxSocketPath)
-	if err := sds.CheckSocketPath(long); err == nil {
+	long := "/" + strings.Repeat("s", fsutil.MaxSocketPath)
+	if err := fsutil.CheckSocketPath(long); err == nil {
 		t.Fatalf("a %d-byte path was accepted", len(long))
 	}
 	if _, err := sds.New(sds.Config{SocketPath: long, Secrets: newFakeSecrets()}); err == nil {
@@ -291,32 +463,28 @@ func TestSubscriptions(t *testing.T) {
 		}
 	}
 
-	a, b := h.openSotW(t), h.openSotW(t)
-	a.subscribe(dflt)
-	expect(t, a.recv(), d1)
-	b.subscribe(dflt, rootCA)
-	b.recvAll(dflt, rootCA)
-	c := h.openDelta(t)
-	c.send(&discovery.DeltaDiscoveryRequest{Node: &core.Node{Id: nodeID}, ResourceNamesSubscribe: []string{rootCA, spare}})
-	last, _, _ := c.recvAll(rootCA, spare)
+	a, b := h.sotw(), h.sotw()
+	a.Subscribe(dflt)
+	expect(t, a.Recv(), d1)
+	b.Subscribe(dflt, rootCA)
+	b.RecvAll(dflt, rootCA)
+	c := h.delta()
+	c.Subscribe(rootCA, spare)
+	last, _, _ := c.RecvAll(rootCA, spare)
 	check(map[string]int{dflt: 2, rootCA: 2, spare: 1})
 
 	// The end of a stream is seen by the server before the client reads it.
-	if err := a.stream.CloseSend(); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := a.stream.Recv(); !errors.Is(err, io.EOF) {
+	a.CloseSend()
+	if _, err := a.Stream.Recv(); !errors.Is(err, io.EOF) {
 		t.Fatalf("Recv: %v, want the end of the stream", err)
 	}
 	check(map[string]int{dflt: 1, rootCA: 2, spare: 1})
 
-	c.send(&discovery.DeltaDiscoveryRequest{ResponseNonce: last.nonce, ResourceNamesSubscribe: []string{fileCert}, ResourceNamesUnsubscribe: []string{rootCA}})
-	expect(t, c.recv(), fc)
+	c.Update(last, []string{fileCert}, []string{rootCA})
+	expect(t, c.Recv(), fc)
 	check(map[string]int{dflt: 1, rootCA: 1, spare: 1, fileCert: 1})
-	if err := c.stream.CloseSend(); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := c.stream.Recv(); !errors.Is(err, io.EOF) {
+	c.CloseSend()
+	if _, err := c.Stream.Recv(); !errors.Is(err, io.EOF) {
 		t.Fatalf("Recv: %v, want the end of the stream", err)
 	}
 	check(map[string]int{dflt: 1, rootCA: 1})
@@ -324,17 +492,18 @@ func TestSubscriptions(t *testing.T) {
 
 func TestGet(t *testing.T) {
 	t.Parallel()
+	const failing = "file-root:/etc/certs/failing.pem"
 	p, f := newPKI(t), newFakeSecrets()
 	d1, r1 := p.workload(t), p.roots(t, rootCA)
 	f.Publish(d1)
 	f.Publish(r1)
 	f.Refuse("nonexistent", secretmanager.ErrUnknownSecret)
+	f.Fail(failing, errors.New("root file unreadable"))
 	h := startServer(t, f)
 	ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
 	defer cancel()
 
-	// The first call finds the server's cache cold (the secrets may come in two responses);
-	// the second finds it warm (both in one).
+	// The first call finds the server's cache cold, the second warm.
 	for range 2 {
 		got, err := sds.Get(ctx, h.socket, nodeID, dflt, rootCA)
 		if err != nil {
@@ -346,91 +515,224 @@ func TestGet(t *testing.T) {
 	if _, err := sds.Get(ctx, h.socket, nodeID, dflt, "nonexistent"); status.Code(errors.Unwrap(err)) != codes.InvalidArgument || !strings.Contains(err.Error(), "nonexistent") {
 		t.Fatalf("Get of an unknown name: %v, want InvalidArgument naming it", err)
 	}
+	// A name with no valid secret is reported at once, with the manager's reason.
+	if _, err := sds.Get(ctx, h.socket, nodeID, dflt, failing); status.Code(errors.Unwrap(err)) != codes.Unavailable || !strings.Contains(err.Error(), "root file unreadable") {
+		t.Fatalf("Get of a failing name: %v, want Unavailable with the reason", err)
+	}
 	if _, err := sds.Get(ctx, filepath.Join(testutil.ShortTempDir(t), "none"), nodeID, dflt); err == nil {
 		t.Fatal("Get with no server answered")
 	}
 }
 
-// hookHandler logs to next and tells a channel of each record with a given message.
-type hookHandler struct {
-	slog.Handler
-	msg  string
-	seen chan struct{}
+// streamOnlySDS is an SDS server without FetchSecrets, as Istio's agent is: it sends each secret
+// in a response of its own and waits for the ACK of one before sending the next.
+type streamOnlySDS struct {
+	secretservice.UnimplementedSecretDiscoveryServiceServer
+	secrets []*tlsv3.Secret
 }
 
-// Enabled lets every level through: the awaited record may be a debug one.
-func (hookHandler) Enabled(context.Context, slog.Level) bool { return true }
-
-func (h hookHandler) Handle(ctx context.Context, r slog.Record) error {
-	if r.Message == h.msg {
-		select {
-		case h.seen <- struct{}{}:
-		default:
+func (s streamOnlySDS) StreamSecrets(st secretservice.SecretDiscoveryService_StreamSecretsServer) error {
+	req, err := st.Recv()
+	if err != nil {
+		return err
+	}
+	if req.GetNode().GetId() == "" {
+		return status.Error(codes.InvalidArgument, "no node")
+	}
+	for i, secret := range s.secrets {
+		res, err := anypb.New(secret)
+		if err != nil {
+			return err
+		}
+		nonce := fmt.Sprint(i + 1)
+		if err := st.Send(&discovery.DiscoveryResponse{VersionInfo: nonce, Nonce: nonce, Resources: []*anypb.Any{res}, TypeUrl: sdstest.TypeURL}); err != nil {
+			return err
+		}
+		ack, err := st.Recv()
+		if err != nil {
+			return err
+		}
+		if ack.GetResponseNonce() != nonce || ack.GetErrorDetail() != nil {
+			return status.Errorf(codes.InvalidArgument, "request %v does not acknowledge nonce %s", ack, nonce)
 		}
 	}
-	return h.Handler.Handle(ctx, r)
+	<-st.Context().Done()
+	return nil
 }
 
-func (h hookHandler) WithAttrs(attrs []slog.Attr) slog.Handler {
-	return hookHandler{Handler: h.Handler.WithAttrs(attrs), msg: h.msg, seen: h.seen}
-}
-
-func (h hookHandler) WithGroup(name string) slog.Handler {
-	return hookHandler{Handler: h.Handler.WithGroup(name), msg: h.msg, seen: h.seen}
-}
-
-// A secret the server generated for a stream's first request never replaces a newer one that
-// was published while it was being generated.
-func TestRotationDuringFirstGeneration(t *testing.T) {
+// Get asks a server without FetchSecrets over StreamSecrets, acknowledging as Envoy does, until
+// every name has come.
+func TestGetOverStream(t *testing.T) {
 	t.Parallel()
-	const late = "file-root:/etc/certs/late.pem"
+	inline := func(b []byte) *core.DataSource {
+		return &core.DataSource{Specifier: &core.DataSource_InlineBytes{InlineBytes: b}}
+	}
+	p := newPKI(t)
+	d1, r1 := p.workload(t), p.roots(t, rootCA)
+	socket := filepath.Join(testutil.ShortTempDir(t), sds.SocketName)
+	lis, err := net.Listen("unix", socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := grpc.NewServer()
+	secretservice.RegisterSecretDiscoveryServiceServer(srv, streamOnlySDS{secrets: []*tlsv3.Secret{
+		{Name: dflt, Type: &tlsv3.Secret_TlsCertificate{TlsCertificate: &tlsv3.TlsCertificate{
+			CertificateChain: inline(d1.KeyPair.ChainPEM), PrivateKey: inline(d1.KeyPair.KeyPEM),
+		}}},
+		{Name: rootCA, Type: &tlsv3.Secret_ValidationContext{ValidationContext: &tlsv3.CertificateValidationContext{
+			TrustedCa: inline(r1.Bundle.PEM),
+		}}},
+	}})
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(lis) }()
+	t.Cleanup(func() {
+		srv.Stop()
+		if err := <-served; err != nil {
+			t.Errorf("Serve: %v", err)
+		}
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
+	defer cancel()
+	got, err := sds.Get(ctx, socket, nodeID, dflt, rootCA)
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkAll(t, got, d1, r1)
+}
+
+// What the manager says of a name while a stream subscribes to it is neither lost nor sent out
+// of order: the secret manager tells the new subscriber the current state, and more may come
+// before Subscribe returns.
+func TestStateDuringSubscribe(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name string
+		// before is what the manager says of default before the stream subscribes; during, while
+		// it subscribes (after telling the current state), returning the secret the stream must
+		// get first, if any; after, once the stream has had ROOTCA alone.
+		before, during, after func(t *testing.T, p *testPKI, f *fakeSecrets) *secretmanager.Secret
+	}{
+		{
+			name:   "a rotation",
+			before: publish, during: publish,
+		},
+		{
+			name:   "a failure",
+			before: publish, during: fail, after: publish,
+		},
+		{
+			name:   "a recovery",
+			before: fail, during: publish,
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			p, f := newPKI(t), newFakeSecrets()
+			r1 := p.roots(t, rootCA)
+			f.Publish(r1)
+			h := startServer(t, f)
+			tc.before(t, p, f)
+			inside, release := f.Hold(t, dflt)
+			s := h.sotw()
+			s.Subscribe(dflt, rootCA)
+			receive(t, inside)
+			want := tc.during(t, p, f)
+			release()
+			first := s.Recv()
+			if want != nil {
+				expect(t, first, want, r1)
+				return
+			}
+			// Nothing valid: ROOTCA comes alone, and default once the manager has it.
+			expect(t, first, r1)
+			s.Ack(first, dflt, rootCA)
+			later := tc.after(t, p, f)
+			expect(t, s.Recv(), later)
+		})
+	}
+}
+
+// publish publishes a new default key pair and returns it.
+func publish(t *testing.T, p *testPKI, f *fakeSecrets) *secretmanager.Secret {
+	t.Helper()
+	s := p.workload(t)
+	f.Publish(s)
+	return s
+}
+
+// fail makes default fail and returns nil.
+func fail(_ *testing.T, _ *testPKI, f *fakeSecrets) *secretmanager.Secret {
+	f.Fail(dflt, errors.New("the CA refused to sign"))
+	return nil
+}
+
+// A name whose state is an error: FetchSecrets answers at once with Unavailable and the manager's
+// reason; a stream gets nothing until a valid secret comes, then gets it; a stream that has a
+// secret keeps it when the state turns to an error.
+func TestNoValidSecret(t *testing.T) {
+	t.Parallel()
+	const reason = "the CA at ca.example:15012 is unreachable"
 	p, f := newPKI(t), newFakeSecrets()
+	r1 := p.roots(t, rootCA)
+	f.Publish(r1)
+	f.Fail(dflt, errors.New(reason))
+	h := startServer(t, f)
+	// The deadline only bounds a failure: a server that waits for a secret fails with
+	// DeadlineExceeded, far later than the answer it owes.
+	fetchUnavailable := func(t *testing.T, reason string) {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_, err := h.envoy.Fetch(ctx, dflt, rootCA)
+		if st := status.Convert(err); st.Code() != codes.Unavailable || !strings.Contains(st.Message(), reason) || !strings.Contains(st.Message(), dflt) {
+			t.Fatalf("FetchSecrets: %v, want Unavailable naming default, with %q", err, reason)
+		}
+	}
+	fetchUnavailable(t, reason)
+
+	a, d := h.sotw(), h.delta()
+	a.Subscribe(dflt, rootCA)
+	d.Subscribe(dflt, rootCA)
+	firstA, firstD := a.Recv(), d.Recv()
+	expect(t, firstA, r1)
+	expect(t, firstD, r1)
+	a.Ack(firstA, dflt, rootCA)
+	d.Ack(firstD)
+
 	d1 := p.workload(t)
 	f.Publish(d1)
-	dropped := make(chan struct{}, 1)
-	h := startServer(t, f, func(c *sds.Config) {
-		c.Logger = slog.New(hookHandler{Handler: c.Logger.Handler(), msg: "generated secret superseded by a newer one", seen: dropped})
-	})
-	found, release := f.Hold(dflt)
-
-	s := h.openSotW(t)
-	s.subscribe(dflt)
-	if got := receive(t, found); got != d1 {
-		t.Fatalf("generating %s, want %s", got.Version, d1.Version)
+	pushedA, pushedD := a.Recv(), d.Recv()
+	expect(t, pushedA, d1)
+	expect(t, pushedD, d1)
+	a.Ack(pushedA, dflt, rootCA)
+	d.Ack(pushedD)
+	ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
+	defer cancel()
+	got, err := h.envoy.Fetch(ctx, dflt)
+	if err != nil {
+		t.Fatal(err)
 	}
-	// d2 comes while d1 is still on its way out of GenerateSecret.
+	checkAll(t, got, d1)
+
+	// The state turns to an error: the streams keep d1 (nothing is sent), a new one waits.
+	const again = "renewal failed: the CA refused to sign"
+	f.Fail(dflt, errors.New(again))
+	fetchUnavailable(t, again)
+	b := h.sotw()
+	b.Subscribe(dflt, rootCA)
+	firstB := b.Recv()
+	expect(t, firstB, r1)
+	b.Ack(firstB, dflt, rootCA)
 	d2 := p.workload(t)
 	f.Publish(d2)
-	first := s.recv()
-	expect(t, first, d2)
-	// The stream now also waits for a secret that does not exist yet; once the server
-	// generates it, the stream's watch is in place.
-	calls := f.Calls()
-	s.ack(first, dflt, late)
-	if name := receive(t, calls); name != late {
-		t.Fatalf("generating %s, want %s", name, late)
+	for _, s := range []*sdstest.Stream{a, b} {
+		expect(t, s.Recv(), d2)
 	}
-
-	pushed := make(chan *discovery.DiscoveryResponse, 1)
-	go func() {
-		resp, _ := s.stream.Recv()
-		pushed <- resp
-	}()
-	release()
-	select {
-	case <-dropped:
-	case resp := <-pushed:
-		t.Fatalf("the stale secret was pushed: %v", push{secrets: decode(t, nil, resp.GetResources())}.names())
-	case <-time.After(waitLimit):
-		t.Fatal("the generated secret was neither dropped nor pushed")
-	}
-	lt := p.roots(t, late)
-	f.Publish(lt)
-	resp := receive(t, pushed)
-	checkAll(t, decode(t, nil, resp.GetResources()), lt)
+	expect(t, d.Recv(), d2)
 }
 
-// A secret that expired while cached is not sent to a stream that subscribes afterwards.
+// A secret that expired while cached is not sent to a stream that subscribes afterwards, nor
+// fetched.
 func TestExpiredCachedSecretIsNotSent(t *testing.T) {
 	t.Parallel()
 	p, f := newPKI(t), newFakeSecrets()
@@ -439,18 +741,78 @@ func TestExpiredCachedSecretIsNotSent(t *testing.T) {
 	f.Publish(sp)
 	clk := testutil.NewFakeClock(time.Now())
 	h := startServer(t, f, func(c *sds.Config) { c.Clock = clk })
-	a := h.openSotW(t)
-	a.subscribe(dflt)
-	expect(t, a.recv(), d1)
+	a := h.sotw()
+	a.Subscribe(dflt)
+	expect(t, a.Recv(), d1)
 
-	clk.Advance(2 * time.Hour) // d1 has expired; the manager has not renewed it
-	b := h.openSotW(t)
-	b.subscribe(dflt, spare)
-	first := b.recv()
+	clk.Advance(2 * time.Hour) // d1 has expired; the manager has not said so
+	ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
+	defer cancel()
+	if _, err := h.envoy.Fetch(ctx, dflt); status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), secretmanager.ErrExpired.Error()) {
+		t.Fatalf("FetchSecrets of an expired secret: %v, want Unavailable: expired", err)
+	}
+	b := h.sotw()
+	b.Subscribe(dflt, spare)
+	first := b.Recv()
 	expect(t, first, sp)
-	b.ack(first, dflt, spare)
-	leaf, key := p.root.IssueWorkload(t, workloadID, 24*time.Hour)
-	d2 := keyPair(t, dflt, []*x509.Certificate{leaf, p.root.Cert}, key)
+	b.Ack(first, dflt, spare)
+	d2 := p.workloadFor(t, 24*time.Hour)
 	f.Publish(d2)
-	expect(t, b.recv(), d2)
+	expect(t, b.Recv(), d2)
+}
+
+// FetchSecrets waits only while the manager has said nothing of a name: its first word, a secret
+// or a failure, answers the call.
+func TestFetchWaitsWhileNothingIsKnown(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name string
+		// tell is the manager's first word on spare; it returns the secret Fetch must get, or nil
+		// for Unavailable with the reason.
+		tell func(t *testing.T, p *testPKI, f *fakeSecrets) *secretmanager.Secret
+	}{
+		{name: "a secret", tell: func(t *testing.T, p *testPKI, f *fakeSecrets) *secretmanager.Secret {
+			t.Helper()
+			s := p.roots(t, spare)
+			f.Publish(s)
+			return s
+		}},
+		{name: "a failure", tell: func(_ *testing.T, _ *testPKI, f *fakeSecrets) *secretmanager.Secret {
+			f.Fail(spare, errors.New("root file unreadable"))
+			return nil
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			p, f := newPKI(t), newFakeSecrets()
+			h := startServer(t, f)
+			ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
+			defer cancel()
+			type result struct {
+				resp *discovery.DiscoveryResponse
+				err  error
+			}
+			fetched := make(chan result, 1)
+			go func() {
+				resp, err := h.envoy.Client.FetchSecrets(ctx, &discovery.DiscoveryRequest{
+					Node: &core.Node{Id: nodeID}, ResourceNames: []string{spare}, TypeUrl: sdstest.TypeURL,
+				})
+				fetched <- result{resp, err}
+			}()
+			// The fetch waits in the server once the server follows the name.
+			f.awaitActive(t, spare, 1)
+			want := tc.tell(t, p, f)
+			r := receive(t, fetched)
+			if want == nil {
+				if st := status.Convert(r.err); st.Code() != codes.Unavailable || !strings.Contains(st.Message(), "root file unreadable") {
+					t.Fatalf("FetchSecrets: %v, want Unavailable with the manager's reason", r.err)
+				}
+				return
+			}
+			if r.err != nil {
+				t.Fatal(r.err)
+			}
+			checkAll(t, sdstest.Decode(t, nil, r.resp.GetResources()), want)
+		})
+	}
 }

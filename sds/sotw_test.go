@@ -1,6 +1,7 @@
 package sds_test
 
 import (
+	"context"
 	"crypto"
 	"crypto/x509"
 	"strings"
@@ -10,6 +11,7 @@ import (
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/secretmanager"
@@ -26,47 +28,46 @@ func TestSotWInitialACKAndNACK(t *testing.T) {
 	f.Publish(r1)
 	h := startServer(t, f)
 
-	s := h.openSotW(t)
-	s.subscribe(dflt, rootCA)
-	// On a cold cache the two may come in one response or two (each as soon as it exists).
-	last, got := s.recvAll(dflt, rootCA)
-	checkAll(t, got, d1, r1)
-	if last.nonce == "" || last.version == "" {
-		t.Fatalf("response without nonce (%q) or version_info (%q)", last.nonce, last.version)
-	}
+	s := h.sotw()
+	s.Subscribe(dflt, rootCA)
+	// Both are known: they come in one response.
+	last := s.Recv()
+	expect(t, last, d1, r1)
 
-	// A stream on a warm cache gets both in its first response.
-	warm := h.openSotW(t)
-	warm.subscribe(dflt, rootCA)
-	expect(t, warm.recv(), d1, r1)
+	// A second stream, on a cache that follows both names already, gets both at once too.
+	warm := h.sotw()
+	warm.Subscribe(dflt, rootCA)
+	expect(t, warm.Recv(), d1, r1)
 
 	// ACK: no response. The next one is the rotation alone.
-	s.ack(last, dflt, rootCA)
+	s.Ack(last, dflt, rootCA)
 	d2 := p.workload(t)
 	f.Publish(d2)
-	p2 := s.recv()
+	p2 := s.Recv()
 	expect(t, p2, d2)
-	if p2.version != d2.Version {
-		t.Fatalf("version_info %q, want %q", p2.version, d2.Version)
+	if p2.Version != d2.Version {
+		t.Fatalf("version_info %q, want %q", p2.Version, d2.Version)
 	}
-	if p2.nonce == last.nonce {
-		t.Fatalf("nonce %q reused", p2.nonce)
+	if p2.Nonce == last.Nonce {
+		t.Fatalf("nonce %q reused", p2.Nonce)
 	}
 
 	// NACK of d2 (previous version, latest nonce): d2 is not sent again; the next response is d3.
 	const detail = "Failed to load certificate chain from <inline>: test rejection"
-	s.nack(p2, last.version, detail, dflt, rootCA)
+	s.Nack(p2, last.Version, detail, dflt, rootCA)
 	d3 := p.workload(t)
 	f.Publish(d3)
-	expect(t, s.recv(), d3)
+	expect(t, s.Recv(), d3)
 
 	if n := h.nacks(t); n != 1 {
 		t.Fatalf("meshid_sds_nacks_total = %v, want 1", n)
 	}
+	// The NACK was logged before the request that carried it was answered with d3.
 	logs := h.logs.String()
 	if !strings.Contains(logs, `error_detail="`+detail+`"`) || !strings.Contains(logs, "NACK") {
 		t.Fatalf("the NACK was not logged with its error_detail:\n%s", logs)
 	}
+	checkRefusals(t, h, map[string]float64{})
 }
 
 func TestSotWResubscribe(t *testing.T) {
@@ -80,25 +81,25 @@ func TestSotWResubscribe(t *testing.T) {
 	}
 	h := startServer(t, f)
 
-	s := h.openSotW(t)
-	s.subscribe(dflt, rootCA)
-	last, got := s.recvAll(dflt, rootCA)
+	s := h.sotw()
+	s.Subscribe(dflt, rootCA)
+	last, got := s.RecvAll(dflt, rootCA)
 	checkAll(t, got, d1, r1)
 
 	// Add a file resource, drop ROOTCA: the added one comes, alone.
-	s.ack(last, dflt, fileCert)
-	added := s.recv()
+	s.Ack(last, dflt, fileCert)
+	added := s.Recv()
 	expect(t, added, fc)
 	if subs := h.server.Subscriptions(); subs[rootCA] != 0 || subs[dflt] != 1 || subs[fileCert] != 1 {
 		t.Fatalf("Subscriptions() = %v, want default and the file resource once, no ROOTCA", subs)
 	}
 
 	// ROOTCA changes: not pushed to this stream; the next response is the default rotation.
-	s.ack(added, dflt, fileCert)
+	s.Ack(added, dflt, fileCert)
 	f.Publish(p.roots(t, rootCA))
 	d2 := p.workload(t)
 	f.Publish(d2)
-	expect(t, s.recv(), d2)
+	expect(t, s.Recv(), d2)
 }
 
 func TestSotWStaleNonce(t *testing.T) {
@@ -120,33 +121,37 @@ func TestSotWStaleNonce(t *testing.T) {
 			h := startServer(t, f)
 			// Another stream brings ROOTCA into the cache, so that a request for it that
 			// were honoured would be answered at once.
-			other := h.openSotW(t)
-			other.subscribe(rootCA)
-			expect(t, other.recv(), r1)
+			other := h.sotw()
+			other.Subscribe(rootCA)
+			expect(t, other.Recv(), r1)
 
-			s := h.openSotW(t)
-			s.subscribe(dflt)
-			n1 := s.recv()
+			s := h.sotw()
+			s.Subscribe(dflt)
+			n1 := s.Recv()
 			expect(t, n1, d1)
-			s.ack(n1, dflt)
+			s.Ack(n1, dflt)
 			d2 := p.workload(t)
 			f.Publish(d2)
-			n2 := s.recv()
+			n2 := s.Recv()
 			expect(t, n2, d2)
 			if tc.ackLatest {
-				s.ack(n2, dflt)
+				s.Ack(n2, dflt)
 			}
 
 			// A request carrying N1 that adds ROOTCA is stale: ignored.
-			s.send(&discovery.DiscoveryRequest{VersionInfo: n1.version, ResponseNonce: n1.nonce, ResourceNames: []string{dflt, rootCA}})
+			s.Send(&discovery.DiscoveryRequest{VersionInfo: n1.Version, ResponseNonce: n1.Nonce, ResourceNames: []string{dflt, rootCA}})
 			// One carrying N2 that adds another name is honoured: the next response is that
 			// name, not ROOTCA.
-			s.send(&discovery.DiscoveryRequest{VersionInfo: n2.version, ResponseNonce: n2.nonce, ResourceNames: []string{dflt, spare}})
-			n3 := s.recv()
+			s.Send(&discovery.DiscoveryRequest{VersionInfo: n2.Version, ResponseNonce: n2.Nonce, ResourceNames: []string{dflt, spare}})
+			n3 := s.Recv()
 			expect(t, n3, sp)
+			// The stale request was counted as dropped (it was read before the one answered),
+			// and the stream went on.
+			checkRefusals(t, h, map[string]float64{"stale_nonce/dropped": 1})
 			// ROOTCA comes once a current request asks for it.
-			s.send(&discovery.DiscoveryRequest{VersionInfo: n3.version, ResponseNonce: n3.nonce, ResourceNames: []string{dflt, rootCA, spare}})
-			expect(t, s.recv(), r1)
+			s.Send(&discovery.DiscoveryRequest{VersionInfo: n3.Version, ResponseNonce: n3.Nonce, ResourceNames: []string{dflt, rootCA, spare}})
+			expect(t, s.Recv(), r1)
+			checkRefusals(t, h, map[string]float64{"stale_nonce/dropped": 1})
 		})
 	}
 }
@@ -160,12 +165,13 @@ func TestSotWFirstRequestWithUnknownNonce(t *testing.T) {
 	f.Publish(d1)
 	h := startServer(t, f)
 
-	s := h.openSotW(t)
-	s.send(&discovery.DiscoveryRequest{
+	s := h.sotw()
+	s.Send(&discovery.DiscoveryRequest{
 		Node: &core.Node{Id: nodeID}, ResourceNames: []string{dflt},
 		VersionInfo: "3f2a9c", ResponseNonce: "17",
 	})
-	expect(t, s.recv(), d1)
+	expect(t, s.Recv(), d1)
+	checkRefusals(t, h, map[string]float64{})
 }
 
 func TestSotWRotationReachesOnlySubscribers(t *testing.T) {
@@ -176,102 +182,88 @@ func TestSotWRotationReachesOnlySubscribers(t *testing.T) {
 	f.Publish(r1)
 	h := startServer(t, f)
 
-	a, b := h.openSotW(t), h.openSotW(t)
-	a.subscribe(dflt)
-	b.subscribe(rootCA)
-	pa, pb := a.recv(), b.recv()
+	a, b := h.sotw(), h.sotw()
+	a.Subscribe(dflt)
+	b.Subscribe(rootCA)
+	pa, pb := a.Recv(), b.Recv()
 	expect(t, pa, d1)
 	expect(t, pb, r1)
-	a.ack(pa, dflt)
-	b.ack(pb, rootCA)
+	a.Ack(pa, dflt)
+	b.Ack(pb, rootCA)
 
 	d2 := p.workload(t)
 	f.Publish(d2)
-	expect(t, a.recv(), d2)
+	expect(t, a.Recv(), d2)
 	// B's next response is its own ROOTCA change, not the default rotation.
 	r2 := p.roots(t, rootCA)
 	f.Publish(r2)
-	expect(t, b.recv(), r2)
+	expect(t, b.Recv(), r2)
 }
 
-func TestStreamRefusesNames(t *testing.T) {
+// Every refusal ends the stream (or the fetch) with its code, names the secret refused, and is
+// counted once in meshid_sds_refusals_total by reason and code. The stale nonce, which is dropped
+// while the stream goes on, is in TestSotWStaleNonce.
+func TestRefusals(t *testing.T) {
 	t.Parallel()
 	const (
 		unknown   = "spiffe://cluster.local/ns/shop/sa/other"
 		forbidden = "file-cert:/etc/shadow~/etc/ssh/ssh_host_ecdsa_key"
 		oneMore   = "file-root:/etc/certs/root-257.pem"
 	)
-	for _, tc := range []struct {
+	for _, r := range []struct {
 		name   string
-		delta  bool
-		secret string
+		secret string     // the name refused; "" for a missing node
+		node   *core.Node // sent instead of the Envoy's when secret is ""
 		code   codes.Code
+		reason string
 	}{
-		{name: "sotw unknown", secret: unknown, code: codes.InvalidArgument},
-		{name: "sotw forbidden file", secret: forbidden, code: codes.PermissionDenied},
-		{name: "delta unknown", delta: true, secret: unknown, code: codes.InvalidArgument},
-		{name: "delta forbidden file", delta: true, secret: forbidden, code: codes.PermissionDenied},
-		{name: "sotw file past the bound", secret: oneMore, code: codes.ResourceExhausted},
+		{name: "missing node", code: codes.InvalidArgument, reason: "missing_node"},
+		{name: "node without id", node: &core.Node{Cluster: "shop"}, code: codes.InvalidArgument, reason: "missing_node"},
+		{name: "unknown name", secret: unknown, code: codes.InvalidArgument, reason: "unknown_name"},
+		{name: "forbidden file", secret: forbidden, code: codes.PermissionDenied, reason: "forbidden_path"},
+		{name: "file past the bound", secret: oneMore, code: codes.ResourceExhausted, reason: "too_many_secrets"},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			t.Parallel()
-			f := newFakeSecrets()
-			f.Refuse(unknown, secretmanager.ErrUnknownSecret)
-			f.Refuse(forbidden, secretmanager.ErrForbiddenPath)
-			f.Refuse(oneMore, secretmanager.ErrTooManyFiles)
-			f.Publish(newPKI(t).workload(t))
-			h := startServer(t, f)
-			var st interface {
-				Code() codes.Code
-				Message() string
-			}
-			if tc.delta {
-				d := h.openDelta(t)
-				d.send(&discovery.DeltaDiscoveryRequest{Node: &core.Node{Id: nodeID}, ResourceNamesSubscribe: []string{dflt, tc.secret}})
-				st = d.recvErr()
-			} else {
-				s := h.openSotW(t)
-				s.subscribe(dflt, tc.secret)
-				st = s.recvErr()
-			}
-			if st.Code() != tc.code || !strings.Contains(st.Message(), tc.secret) {
-				t.Fatalf("stream ended with %v %q, want %v naming %s", st.Code(), st.Message(), tc.code, tc.secret)
-			}
-		})
-	}
-}
-
-func TestStreamNeedsNode(t *testing.T) {
-	t.Parallel()
-	for _, tc := range []struct {
-		name  string
-		delta bool
-		node  *core.Node
-	}{
-		{name: "sotw without node"},
-		{name: "sotw node without id", node: &core.Node{Cluster: "shop"}},
-		{name: "delta without node", delta: true},
-		{name: "delta node without id", delta: true, node: &core.Node{Cluster: "shop"}},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			t.Parallel()
-			f := newFakeSecrets()
-			f.Publish(newPKI(t).workload(t))
-			h := startServer(t, f)
-			var code codes.Code
-			if tc.delta {
-				d := h.openDelta(t)
-				d.send(&discovery.DeltaDiscoveryRequest{Node: tc.node, ResourceNamesSubscribe: []string{dflt}})
-				code = d.recvErr().Code()
-			} else {
-				s := h.openSotW(t)
-				s.send(&discovery.DiscoveryRequest{Node: tc.node, ResourceNames: []string{dflt}})
-				code = s.recvErr().Code()
-			}
-			if code != codes.InvalidArgument {
-				t.Fatalf("stream ended with %v, want InvalidArgument", code)
-			}
-		})
+		for _, protocol := range []string{"sotw", "delta", "fetch"} {
+			t.Run(protocol+"/"+r.name, func(t *testing.T) {
+				t.Parallel()
+				f := newFakeSecrets()
+				f.Refuse(unknown, secretmanager.ErrUnknownSecret)
+				f.Refuse(forbidden, secretmanager.ErrForbiddenPath)
+				f.Refuse(oneMore, secretmanager.ErrTooManyFiles)
+				d1 := newPKI(t).workload(t)
+				f.Publish(d1)
+				h := startServer(t, f)
+				names := []string{dflt}
+				if r.secret != "" {
+					names = append(names, r.secret)
+				} else {
+					h.envoy.Node = r.node
+				}
+				var st *status.Status
+				switch protocol {
+				case "sotw":
+					s := h.sotw()
+					s.Subscribe(names...)
+					st = s.RecvErr()
+				case "delta":
+					d := h.delta()
+					d.Subscribe(names...)
+					st = d.RecvErr()
+				case "fetch":
+					ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
+					defer cancel()
+					_, err := h.envoy.Fetch(ctx, names...)
+					if err == nil {
+						t.Fatal("FetchSecrets answered")
+					}
+					st = status.Convert(err)
+				}
+				if st.Code() != r.code || !strings.Contains(st.Message(), r.secret) {
+					t.Fatalf("ended with %v %q, want %v naming %q", st.Code(), st.Message(), r.code, r.secret)
+				}
+				checkRefusals(t, h, map[string]float64{r.reason + "/" + r.code.String(): 1})
+			})
+		}
 	}
 }
 
@@ -314,6 +306,9 @@ func TestInvalidSecretsAreNotPushed(t *testing.T) {
 			leaf, _ := issue(t, now.Add(-time.Hour), now.Add(time.Hour))
 			return keyPair(t, dflt, []*x509.Certificate{leaf}, nil)
 		}},
+		{name: "trust bundle without roots", secret: func(*testing.T) *secretmanager.Secret {
+			return &secretmanager.Secret{Name: dflt, Bundle: &secretmanager.TrustBundle{}, Version: "no-roots"}
+		}},
 		{name: "empty", secret: func(*testing.T) *secretmanager.Secret {
 			return &secretmanager.Secret{Name: dflt, Version: "empty"}
 		}},
@@ -324,37 +319,44 @@ func TestInvalidSecretsAreNotPushed(t *testing.T) {
 			d1 := p.workload(t)
 			f.Publish(d1)
 			h := startServer(t, f)
-			s := h.openSotW(t)
-			s.subscribe(dflt)
-			first := s.recv()
+			s := h.sotw()
+			s.Subscribe(dflt)
+			first := s.Recv()
 			expect(t, first, d1)
-			s.ack(first, dflt)
+			s.Ack(first, dflt)
 
 			bad := tc.secret(t)
 			f.Publish(bad)
-			d2 := p.workload(t)
-			f.Publish(d2)
-			expect(t, s.recv(), d2)
+			// Publish returns once the server has taken the state: the refusal is logged.
 			if logs := h.logs.String(); !strings.Contains(logs, "invalid secret") || !strings.Contains(logs, bad.Version) {
 				t.Fatalf("the refused secret %s was not logged:\n%s", bad.Version, logs)
 			}
+			d2 := p.workload(t)
+			f.Publish(d2)
+			expect(t, s.Recv(), d2)
 		})
 		t.Run(tc.name+"/first", func(t *testing.T) {
 			t.Parallel()
 			f := newFakeSecrets()
-			calls := f.Calls()
+			r1 := p.roots(t, rootCA)
+			f.Publish(r1)
 			h := startServer(t, f)
-			s := h.openSotW(t)
-			s.subscribe(dflt)
-			// The stream is waiting for default (its watch is in place) when the invalid one
-			// comes: it goes on waiting, and gets the valid one.
-			if name := <-calls; name != dflt {
-				t.Fatalf("generating %s, want %s", name, dflt)
-			}
+			s := h.sotw()
+			s.Subscribe(dflt, rootCA)
+			// ROOTCA alone: the stream waits for default, which the server follows.
+			first := s.Recv()
+			expect(t, first, r1)
+			s.Ack(first, dflt, rootCA)
 			f.Publish(tc.secret(t))
+			// Fetch is not given it either: it is told there is nothing to serve.
+			ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
+			defer cancel()
+			if _, err := h.envoy.Fetch(ctx, dflt); status.Code(err) != codes.Unavailable {
+				t.Fatalf("FetchSecrets after an invalid secret: %v, want Unavailable", err)
+			}
 			d1 := p.workload(t)
 			f.Publish(d1)
-			expect(t, s.recv(), d1)
+			expect(t, s.Recv(), d1)
 		})
 	}
 }

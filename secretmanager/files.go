@@ -2,18 +2,21 @@ package secretmanager
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
-	"maps"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
+	"time"
 
+	"golang.org/x/sync/errgroup"
+
+	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/filewatch"
 	"github.com/meshid/meshid/internal/logkey"
-
 	"github.com/meshid/meshid/internal/pki"
 )
 
@@ -24,59 +27,57 @@ const (
 	FileRootPrefix = "file-root:"
 )
 
-// ErrForbiddenPath reports a file resource outside the directories files may be served from.
-var ErrForbiddenPath = errors.New("path outside the directories files may be served from")
-
-// ErrTooManyFiles reports a file resource past MaxFileSecrets: each is watched and kept for the
-// agent's life, so a client may not ask for names without end.
-var ErrTooManyFiles = errors.New("too many file secrets")
-
 // MaxFileSecrets bounds the file resources one agent serves.
 const MaxFileSecrets = 256
 
-// FilePaths names the files of a workload key pair and trust bundle.
-type FilePaths struct {
-	CertChain string
-	Key       string
-	Root      string
+// fileResource is a secret read from files: a key pair (certChain and key) or a trust bundle
+// (root). Its paths must stay inside allowed (nil allows any: the operator's own files).
+type fileResource struct {
+	name           string
+	certChain, key string
+	root           string
+	allowed        []string
+	// deliver receives every read: the secret, or why the files are not usable.
+	deliver func(*Secret, error)
+
+	current *Secret // the last good read; owned by the loader's goroutine
+	failed  bool    // the last read failed; owned by the loader's goroutine
 }
 
-// fileSecret is a secret read from files, kept at its last valid content: a rewrite that leaves
-// the pair mismatched (a ..data swap caught half way) keeps serving the previous pair.
-type fileSecret struct {
-	name      string
-	certChain string // the key pair; empty for a trust bundle
-	key       string
-	root      string // the trust bundle; empty for a key pair
-	current   *Secret
-	lastErr   error
-}
-
-func (f *fileSecret) paths() []string {
-	if f.root != "" {
-		return []string{f.root}
+func (r *fileResource) paths() []string {
+	if r.root != "" {
+		return []string{r.root}
 	}
-	return []string{f.certChain, f.key}
+	return []string{r.certChain, r.key}
 }
 
-// parseFileResource splits a file resource name into its paths.
-func parseFileResource(name string) (*fileSecret, error) {
+// parseFileResource splits a file resource name into its paths and checks that they are inside
+// dirs.
+func parseFileResource(name string, dirs []string) (*fileResource, error) {
+	var r *fileResource
 	switch {
 	case strings.HasPrefix(name, FileCertPrefix):
 		cert, key, ok := strings.Cut(strings.TrimPrefix(name, FileCertPrefix), "~")
 		if !ok || cert == "" || key == "" {
 			return nil, fmt.Errorf("%w %q: want %s<cert-chain>~<key>", ErrUnknownSecret, name, FileCertPrefix)
 		}
-		return &fileSecret{name: name, certChain: cert, key: key}, nil
+		r = &fileResource{name: name, certChain: cert, key: key}
 	case strings.HasPrefix(name, FileRootPrefix):
 		root := strings.TrimPrefix(name, FileRootPrefix)
 		if root == "" {
 			return nil, fmt.Errorf("%w %q: want %s<roots>", ErrUnknownSecret, name, FileRootPrefix)
 		}
-		return &fileSecret{name: name, root: root}, nil
+		r = &fileResource{name: name, root: root}
 	default:
 		return nil, fmt.Errorf("%w %q: this agent serves %q, %q, %s… and %s…", ErrUnknownSecret, name, WorkloadCertName, RootCertName, FileCertPrefix, FileRootPrefix)
 	}
+	r.allowed = dirs
+	for _, p := range r.paths() {
+		if err := checkAllowed(p, dirs); err != nil {
+			return nil, err
+		}
+	}
+	return r, nil
 }
 
 // checkAllowed refuses a path that is not absolute or not inside one of dirs, as written and,
@@ -111,200 +112,288 @@ func inside(path string, dirs []string) bool {
 	})
 }
 
-// load reads f's files and, when they hold a usable secret, makes it current. It reports whether
-// the current secret changed.
-func (m *Manager) loadFileSecret(f *fileSecret) (changed bool, err error) {
-	var s *Secret
-	if f.root != "" {
-		s, err = m.readRoots(f)
-	} else {
-		s, err = m.readKeyPair(f)
-	}
-	if err != nil {
-		f.lastErr = err
-		return false, err
-	}
-	f.lastErr = nil
-	if f.current != nil && f.current.Version == s.Version {
-		return false, nil
-	}
-	f.current = s
-	return true, nil
-}
-
-func (m *Manager) readKeyPair(f *fileSecret) (*Secret, error) {
-	for _, p := range f.paths() {
-		if err := checkAllowed(p, m.allowedDirs(f)); err != nil {
-			return nil, err
+// read reads r's files into a secret, checking a key pair (the key matches the leaf, which is
+// valid at now).
+func (r *fileResource) read(now time.Time) (*Secret, error) {
+	if r.allowed != nil {
+		for _, p := range r.paths() {
+			if err := checkAllowed(p, r.allowed); err != nil {
+				return nil, err
+			}
 		}
 	}
-	chainPEM, err := os.ReadFile(f.certChain)
+	if r.root != "" {
+		data, err := os.ReadFile(r.root)
+		if err != nil {
+			return nil, err
+		}
+		roots, err := pki.ParseCertificates(data)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", r.root, err)
+		}
+		return &Secret{Name: r.name, Bundle: &TrustBundle{Roots: roots, PEM: pki.EncodeCertificates(roots...)},
+			Version: contentVersion(data), Source: SourceFiles}, nil
+	}
+	chainPEM, err := os.ReadFile(r.certChain)
 	if err != nil {
 		return nil, err
 	}
-	keyPEM, err := os.ReadFile(f.key)
+	keyPEM, err := os.ReadFile(r.key)
 	if err != nil {
 		return nil, err
 	}
 	chain, err := pki.ParseCertificates(chainPEM)
 	if err != nil {
-		return nil, fmt.Errorf("%s: %w", f.certChain, err)
+		return nil, fmt.Errorf("%s: %w", r.certChain, err)
 	}
 	key, err := pki.ParsePrivateKey(keyPEM)
 	if err != nil {
-		return nil, fmt.Errorf("%s: %w", f.key, err)
+		return nil, fmt.Errorf("%s: %w", r.key, err)
 	}
-	if err := pki.CheckKeyPair(chain, key, "", m.clock.Now()); err != nil {
-		return nil, fmt.Errorf("%s and %s: %w", f.certChain, f.key, err)
+	if err := pki.CheckKeyPair(chain, key, "", now); err != nil {
+		return nil, fmt.Errorf("%s and %s: %w", r.certChain, r.key, err)
 	}
 	return &Secret{
-		Name:      f.name,
-		Chain:     chain,
-		ChainPEM:  chainPEM,
-		Key:       key,
-		KeyPEM:    keyPEM,
-		Version:   contentVersion(chainPEM, keyPEM),
-		CreatedAt: m.clock.Now(),
-		ExpiresAt: chain[0].NotAfter,
-		Source:    "files",
+		Name:     r.name,
+		KeyPair:  &KeyPair{Chain: chain, ChainPEM: chainPEM, Key: key, KeyPEM: keyPEM},
+		Version:  contentVersion(chainPEM, keyPEM),
+		Source:   SourceFiles,
+		Received: now,
 	}, nil
 }
 
-func (m *Manager) readRoots(f *fileSecret) (*Secret, error) {
-	if err := checkAllowed(f.root, m.allowedDirs(f)); err != nil {
-		return nil, err
-	}
-	data, err := os.ReadFile(f.root)
+// fileLoader reads file resources and reads them again whenever their files change (a
+// Kubernetes "..data" swap included) or a key pair it serves expires. Files whose directories
+// do not exist yet are read once they appear. Every read happens on its Run's goroutine, never
+// under a lock that a reader of the secrets takes.
+type fileLoader struct {
+	clock   clock.Clock
+	log     *slog.Logger
+	watcher *filewatch.Watcher
+	wake    chan struct{} // buffered: a registration or a change to look at
+
+	mu        sync.Mutex
+	resources map[string]*fileResource
+	unwatched []*fileResource        // registered, not watched yet
+	stale     map[*fileResource]bool // to be read again
+}
+
+func newFileLoader(clk clock.Clock, log *slog.Logger) (*fileLoader, error) {
+	w, err := filewatch.New(filewatch.Config{Clock: clk, Logger: log})
 	if err != nil {
 		return nil, err
 	}
-	roots, err := pki.ParseCertificates(data)
-	if err != nil {
-		return nil, fmt.Errorf("%s: %w", f.root, err)
-	}
-	return &Secret{Name: f.name, Roots: roots, RootsPEM: pki.EncodeCertificates(roots...), Version: contentVersion(data), Source: "files"}, nil
+	return &fileLoader{
+		clock:     clk,
+		log:       log,
+		watcher:   w,
+		wake:      make(chan struct{}, 1),
+		resources: map[string]*fileResource{},
+		stale:     map[*fileResource]bool{},
+	}, nil
 }
 
-// allowedDirs are the directories f may read: those of the workload files in file mode (they are
-// the operator's own), else the file resource directories.
-func (m *Manager) allowedDirs(f *fileSecret) []string {
-	if wf := m.cfg.WorkloadFiles; wf != nil && (f.name == WorkloadCertName || f.name == RootCertName) {
-		return []string{filepath.Dir(wf.CertChain), filepath.Dir(wf.Key), filepath.Dir(wf.Root)}
-	}
-	return m.cfg.FileResourceDirs
+// add registers r; it is watched and read by Run. It reports false when a resource of that name
+// is there already.
+func (l *fileLoader) add(r *fileResource) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.addLocked(r)
 }
 
-func contentVersion(parts ...[]byte) string {
-	h := sha256.New()
-	for _, p := range parts {
-		h.Write(p)
+// addBounded registers r like add, unless limit resources are registered already (the check and
+// the registration under one lock, so that clients asking at once cannot overshoot the limit).
+// It returns how many are registered, and false when r was refused for the limit.
+func (l *fileLoader) addBounded(r *fileResource, limit int) (n int, ok bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if _, known := l.resources[r.name]; !known && len(l.resources) >= limit {
+		return len(l.resources), false
 	}
-	return hex.EncodeToString(h.Sum(nil)[:8])
+	l.addLocked(r)
+	return len(l.resources), true
 }
 
-// CheckName reports whether name is a secret this manager can serve: an error wrapping
-// ErrUnknownSecret for a name it does not know, ErrForbiddenPath for a file it may not read.
-func (m *Manager) CheckName(name string) error {
-	if name == WorkloadCertName || name == RootCertName {
+func (l *fileLoader) addLocked(r *fileResource) bool {
+	if _, ok := l.resources[r.name]; ok {
+		return false
+	}
+	l.resources[r.name] = r
+	l.unwatched = append(l.unwatched, r)
+	l.poke()
+	return true
+}
+
+func (l *fileLoader) has(name string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	_, ok := l.resources[name]
+	return ok
+}
+
+func (l *fileLoader) count() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return len(l.resources)
+}
+
+func (l *fileLoader) poke() {
+	select {
+	case l.wake <- struct{}{}:
+	default:
+	}
+}
+
+// run watches and reads until ctx ends.
+func (l *fileLoader) run(ctx context.Context) error {
+	g, ctx := errgroup.WithContext(ctx)
+	g.Go(func() error { return l.watcher.Run(ctx, l.filesChanged) })
+	g.Go(func() error { return l.loop(ctx) })
+	return g.Wait()
+}
+
+func (l *fileLoader) loop(ctx context.Context) error {
+	// Read only once the files are watched: a change made between a read and its watch would
+	// otherwise go unseen until the next one.
+	select {
+	case <-l.watcher.Ready():
+	case <-ctx.Done():
 		return nil
 	}
-	f, err := parseFileResource(name)
-	if err != nil {
-		return err
-	}
-	for _, p := range f.paths() {
-		if err := checkAllowed(p, m.cfg.FileResourceDirs); err != nil {
-			return err
+	var expiry clock.Timer
+	for {
+		if err := l.watchNew(ctx); err != nil {
+			return nil //nolint:nilerr // only ctx ends the watch of a running watcher
+		}
+		l.readStale()
+		var expired <-chan time.Time
+		if expiry != nil {
+			expiry.Stop()
+			expiry = nil
+		}
+		if next := l.nextExpiry(); !next.IsZero() {
+			expiry = l.clock.NewTimer(next.Sub(l.clock.Now()))
+			expired = expiry.C()
+		}
+		select {
+		case <-ctx.Done():
+			if expiry != nil {
+				expiry.Stop()
+			}
+			return nil
+		case <-l.wake:
+		case <-expired:
+			l.markExpired()
 		}
 	}
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if _, known := m.files[name]; !known && len(m.files) >= MaxFileSecrets {
-		return fmt.Errorf("%w: %d are served already", ErrTooManyFiles, len(m.files))
+}
+
+// watchNew watches the files of every resource registered since the last look and marks it to
+// be read.
+func (l *fileLoader) watchNew(ctx context.Context) error {
+	l.mu.Lock()
+	fresh := l.unwatched
+	l.unwatched = nil
+	l.mu.Unlock()
+	for _, r := range fresh {
+		var errs []error
+		for _, p := range r.paths() {
+			if err := l.watcher.Add(ctx, p); err != nil {
+				if ctx.Err() != nil {
+					return err
+				}
+				errs = append(errs, err)
+			}
+		}
+		if err := errors.Join(errs...); err != nil {
+			l.log.Warn("cannot watch the files of a secret; it is read when asked again", logkey.Secret, r.name, logkey.Error, err.Error())
+		}
+		l.mu.Lock()
+		l.stale[r] = true
+		l.mu.Unlock()
 	}
 	return nil
 }
 
-// fileSecretFor returns the file secret serving name, creating and watching it on first use.
-func (m *Manager) fileSecretFor(ctx context.Context, name string) (*fileSecret, error) {
-	m.mu.Lock()
-	f, ok := m.files[name]
-	m.mu.Unlock()
-	if ok {
-		return f, nil
+func (l *fileLoader) readStale() {
+	l.mu.Lock()
+	var todo []*fileResource
+	for r := range l.stale {
+		todo = append(todo, r)
 	}
-	if err := m.CheckName(name); err != nil {
-		return nil, err
+	clear(l.stale)
+	l.mu.Unlock()
+	slices.SortFunc(todo, func(a, b *fileResource) int { return strings.Compare(a.name, b.name) })
+	for _, r := range todo {
+		l.read(r)
 	}
-	f, err := parseFileResource(name)
-	if err != nil {
-		return nil, err
-	}
-	// Watch before the first read, so that no change between the two goes unseen.
-	for _, p := range f.paths() {
-		if err := m.watcher.Add(ctx, p); err != nil {
-			return nil, fmt.Errorf("watch %s: %w", p, err)
-		}
-	}
-	m.publishMu.Lock()
-	defer m.publishMu.Unlock()
-	m.mu.Lock()
-	if existing, ok := m.files[name]; ok {
-		m.mu.Unlock()
-		return existing, nil
-	}
-	m.files[name] = f
-	m.mu.Unlock()
-	m.reloadFileSecret(f)
-	return f, nil
 }
 
-// reloadFileSecret re-reads f and tells subscribers when its content changed. Called with
-// publishMu held.
-func (m *Manager) reloadFileSecret(f *fileSecret) {
-	m.mu.Lock()
-	changed, err := m.loadFileSecret(f)
-	current := f.current
-	m.mu.Unlock()
+func (l *fileLoader) read(r *fileResource) {
+	s, err := r.read(l.clock.Now())
 	if err != nil {
-		if current != nil {
-			m.log.Warn("files not usable; the last good secret keeps serving", logkey.Secret, f.name, logkey.Error, err.Error())
+		if r.current != nil {
+			l.log.Warn("files not usable; the last good secret keeps serving while it is valid", logkey.Secret, r.name, logkey.Error, err.Error())
 		} else {
-			m.log.Warn("files not usable yet", logkey.Secret, f.name, logkey.Error, err.Error())
+			l.log.Warn("files not usable yet; read again when they change", logkey.Secret, r.name, logkey.Error, err.Error())
+		}
+		if r.current != nil && !r.current.validAt(l.clock.Now()) {
+			r.current = nil
+		}
+		r.failed = true
+		r.deliver(nil, err)
+		return
+	}
+	if r.current != nil && r.current.Version == s.Version {
+		if r.failed {
+			// The files hold the pair in service again: clear the failure reported meanwhile.
+			r.failed = false
+			r.deliver(r.current, nil)
 		}
 		return
 	}
-	if changed {
-		m.log.Info("secret loaded from files", logkey.Secret, f.name, logkey.Version, current.Version, logkey.Paths, f.paths())
-		if f.name == WorkloadCertName {
-			m.metrics.expiry.Set(float64(current.ExpiresAt.Unix()))
+	r.current, r.failed = s, false
+	l.log.Info("secret loaded from files", logkey.Secret, r.name, logkey.Version, s.Version, logkey.Paths, r.paths())
+	r.deliver(s, nil)
+}
+
+// nextExpiry is when the first key pair read expires; zero when none is held.
+func (l *fileLoader) nextExpiry() time.Time {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var next time.Time
+	for _, r := range l.resources {
+		if r.current == nil || r.current.KeyPair == nil {
+			continue
 		}
-		m.notify(current)
+		if at := r.current.NotAfter(); next.IsZero() || at.Before(next) {
+			next = at
+		}
+	}
+	return next
+}
+
+// markExpired marks every resource whose key pair expired to be read again: files replaced
+// without an event are then seen, and an expired pair is reported as such.
+func (l *fileLoader) markExpired() {
+	now := l.clock.Now()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, r := range l.resources {
+		if r.current != nil && !r.current.validAt(now) {
+			l.stale[r] = true
+		}
 	}
 }
 
-// filesChanged reloads every file secret that reads one of the changed paths.
-func (m *Manager) filesChanged(changed []string) {
-	m.reloadFiles(func(f *fileSecret) bool {
-		return slices.ContainsFunc(f.paths(), func(p string) bool { return slices.Contains(changed, filepath.Clean(p)) })
-	})
-}
-
-// reloadAllFiles reloads every file secret.
-func (m *Manager) reloadAllFiles() { m.reloadFiles(func(*fileSecret) bool { return true }) }
-
-func (m *Manager) reloadFiles(affects func(*fileSecret) bool) {
-	m.publishMu.Lock()
-	defer m.publishMu.Unlock()
-	m.mu.Lock()
-	var affected []*fileSecret
-	for _, name := range slices.Sorted(maps.Keys(m.files)) {
-		if f := m.files[name]; affects(f) {
-			affected = append(affected, f)
+// filesChanged marks every resource that reads one of the changed paths to be read again.
+func (l *fileLoader) filesChanged(changed []string) {
+	l.mu.Lock()
+	for _, r := range l.resources {
+		if slices.ContainsFunc(r.paths(), func(p string) bool { return slices.Contains(changed, filepath.Clean(p)) }) {
+			l.stale[r] = true
 		}
 	}
-	m.mu.Unlock()
-	for _, f := range affected {
-		m.reloadFileSecret(f)
-	}
+	l.mu.Unlock()
+	l.poke()
 }

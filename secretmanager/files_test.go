@@ -1,13 +1,13 @@
 package secretmanager
 
 import (
-	"context"
 	"crypto/rand"
 	"crypto/sha256"
 	"crypto/x509"
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
 	"math/big"
 	"net/url"
@@ -15,10 +15,13 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
-	"github.com/meshid/meshid/internal/filewatch"
+	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
 )
@@ -80,14 +83,15 @@ func hashVersion(parts ...[]byte) string {
 // the PEM that would be sent to Envoy.
 func checkPair(t *testing.T, s *Secret) {
 	t.Helper()
-	if len(s.Chain) == 0 || s.Key == nil || !pki.KeyMatchesCertificate(s.Key, s.Chain[0]) {
-		t.Fatalf("%s version %s: the key does not match the leaf", s.Name, s.Version)
+	kp := s.KeyPair
+	if kp == nil || len(kp.Chain) == 0 || kp.Key == nil || !pki.KeyMatchesCertificate(kp.Key, kp.Leaf()) {
+		t.Fatalf("%s version %s: no key pair, or the key does not match the leaf", s.Name, s.Version)
 	}
-	chain, err := pki.ParseCertificates(s.ChainPEM)
+	chain, err := pki.ParseCertificates(kp.ChainPEM)
 	if err != nil {
 		t.Fatalf("%s version %s: ChainPEM: %v", s.Name, s.Version, err)
 	}
-	key, err := pki.ParsePrivateKey(s.KeyPEM)
+	key, err := pki.ParsePrivateKey(kp.KeyPEM)
 	if err != nil {
 		t.Fatalf("%s version %s: KeyPEM: %v", s.Name, s.Version, err)
 	}
@@ -100,34 +104,34 @@ func checkPair(t *testing.T, s *Secret) {
 func checkServes(t *testing.T, s *Secret, name string, kp keyPair) {
 	t.Helper()
 	checkPair(t, s)
-	if s.Name != name || s.Source != "files" {
+	if s.Name != name || s.Source != SourceFiles || s.Bundle != nil {
 		t.Fatalf("got %s from %q, want %s from files", s.Name, s.Source, name)
 	}
-	if !s.Chain[0].Equal(kp.leaf) {
-		t.Fatalf("%s serves serial %s, want %s", name, s.Chain[0].SerialNumber.Text(16), kp.leaf.SerialNumber.Text(16))
+	if !s.KeyPair.Leaf().Equal(kp.leaf) {
+		t.Fatalf("%s serves serial %s, want %s", name, s.KeyPair.Leaf().SerialNumber.Text(16), kp.leaf.SerialNumber.Text(16))
 	}
 	if want := hashVersion(kp.chainPEM, kp.keyPEM); s.Version != want {
 		t.Fatalf("%s version %q, want the content hash %q", name, s.Version, want)
 	}
-	if string(s.ChainPEM) != string(kp.chainPEM) || string(s.KeyPEM) != string(kp.keyPEM) {
+	if string(s.KeyPair.ChainPEM) != string(kp.chainPEM) || string(s.KeyPair.KeyPEM) != string(kp.keyPEM) {
 		t.Fatalf("%s does not carry the files' PEM as written", name)
 	}
-	if !s.ExpiresAt.Equal(kp.leaf.NotAfter) {
-		t.Fatalf("%s expires %s, want the leaf's NotAfter %s", name, s.ExpiresAt, kp.leaf.NotAfter)
+	if !s.NotAfter().Equal(kp.leaf.NotAfter) {
+		t.Fatalf("%s expires %s, want the leaf's NotAfter %s", name, s.NotAfter(), kp.leaf.NotAfter)
 	}
 }
 
 // checkRoots fails unless s is the trust bundle roots, read from files holding rootsPEM.
 func checkRoots(t *testing.T, s *Secret, name string, rootsPEM []byte, roots ...*x509.Certificate) {
 	t.Helper()
-	if s.Name != name || s.Source != "files" || s.Chain != nil || s.Key != nil {
-		t.Fatalf("got %s from %q (with a key pair: %v), want the roots %s from files", s.Name, s.Source, s.Chain != nil, name)
+	if s.Name != name || s.Source != SourceFiles || s.KeyPair != nil || s.Bundle == nil {
+		t.Fatalf("got %s from %q (with a key pair: %v), want the roots %s from files", s.Name, s.Source, s.KeyPair != nil, name)
 	}
-	if !sameCerts(s.Roots, roots) {
-		t.Fatalf("%s holds %s, want %s", name, names(s.Roots), names(roots))
+	if !sameCerts(s.Bundle.Roots, roots) {
+		t.Fatalf("%s holds %s, want %s", name, names(s.Bundle.Roots), names(roots))
 	}
-	if parsed, err := pki.ParseCertificates(s.RootsPEM); err != nil || !sameCerts(parsed, roots) {
-		t.Fatalf("%s: RootsPEM does not hold Roots (err %v)", name, err)
+	if parsed, err := pki.ParseCertificates(s.Bundle.PEM); err != nil || !sameCerts(parsed, roots) {
+		t.Fatalf("%s: the bundle's PEM does not hold its roots (err %v)", name, err)
 	}
 	if want := hashVersion(rootsPEM); s.Version != want {
 		t.Fatalf("%s version %q, want the content hash %q", name, s.Version, want)
@@ -142,145 +146,63 @@ func newVolume(t *testing.T, dir string, files map[string][]byte) *testutil.Secr
 	return v
 }
 
-// warning is a warning the manager logged.
-type warning struct{ msg, secret, err string }
-
-// logTap passes records on and copies each warning to ch, so that a test can wait until the
-// manager has looked at files it must refuse (refusing notifies nobody).
-type logTap struct {
-	slog.Handler
-	ch chan warning
-}
-
-func (h logTap) Handle(ctx context.Context, r slog.Record) error {
-	if r.Level >= slog.LevelWarn {
-		w := warning{msg: r.Message}
-		r.Attrs(func(a slog.Attr) bool {
-			switch a.Key {
-			case "secret":
-				w.secret = a.Value.String()
-			case "error":
-				w.err = a.Value.String()
-			}
-			return true
-		})
-		select {
-		case h.ch <- w:
-		default: // a test that waits for it fails by Drive's deadline
-		}
-	}
-	return h.Handler.Handle(ctx, r)
-}
-
-func (h logTap) WithAttrs(as []slog.Attr) slog.Handler {
-	return logTap{h.Handler.WithAttrs(as), h.ch}
-}
-
-func (h logTap) WithGroup(name string) slog.Handler { return logTap{h.Handler.WithGroup(name), h.ch} }
-
-// tapWarnings makes e's manager copy its warnings to the returned channel.
-func (e *env) tapWarnings() chan warning {
-	ch := make(chan warning, 1024)
-	e.cfg.Logger = slog.New(logTap{e.cfg.Logger.Handler(), ch})
-	return ch
-}
-
-// awaitWarning runs the fake clock (debounce steps, above baseline timers) until the manager
-// warns about secret, and returns the warning.
-func (e *env) awaitWarning(baseline int, warnings chan warning, secret string) warning {
-	e.t.Helper()
-	for {
-		if w := testutil.Drive(e.t, e.clock, filewatch.DefaultDebounce, baseline, warnings); w.secret == secret {
-			return w
-		}
-	}
-}
-
-func drain[T any](ch chan T) {
-	for {
-		select {
-		case <-ch:
-		default:
-			return
-		}
-	}
-}
-
-// subscribeNames subscribes to m and returns the secrets it announces under names, in order.
-func subscribeNames(t *testing.T, m *Manager, names ...string) chan *Secret {
-	ch := make(chan *Secret, 256)
-	m.Subscribe(func(s *Secret) {
-		if !slices.Contains(names, s.Name) {
-			return
-		}
-		select {
-		case ch <- s:
-		default:
-			t.Errorf("subscriber channel full at %s", s.Name)
-		}
-	})
-	return ch
-}
-
-// fileModeEnv is an env in file mode: no signer, the workload files in a Kubernetes volume
-// holding kp and ca's root.
-func fileModeEnv(t *testing.T, ca *testutil.CA, kp keyPair) (*env, *testutil.SecretVolume, chan warning) {
+// fileModeEnv is an env in file mode: the workload files in a Kubernetes volume holding kp and
+// ca's root.
+func fileModeEnv(t *testing.T, ca *testutil.CA, kp keyPair) (*env, *testutil.SecretVolume) {
 	t.Helper()
 	e := newEnv(t)
 	vol := newVolume(t, filepath.Join(t.TempDir(), "certs"), kp.files(testutil.CertPEM(ca.Cert)))
-	e.cfg.Signer = nil
-	e.cfg.WorkloadFiles = &FilePaths{CertChain: vol.Path(CertChainFile), Key: vol.Path(KeyFile), Root: vol.Path(RootCertFile)}
-	return e, vol, e.tapWarnings()
+	e.rot = nil
+	e.cfg.Workload = &MountedFiles{CertChain: vol.Path(CertChainFile), Key: vol.Path(KeyFile), Root: vol.Path(RootCertFile)}
+	return e, vol
+}
+
+// driveSecret drives the clock until sub is told of a secret, and returns it; errors on the way
+// (files appearing one by one) are skipped.
+func driveSecret(t *testing.T, e *env, sub *subscription) *Secret {
+	t.Helper()
+	for {
+		if u := drive(t, e.clock, sub.ch); u.s != nil {
+			return u.s
+		}
+	}
 }
 
 func TestFileModeServesAtOnce(t *testing.T) {
 	t.Parallel()
 	ca := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "files root"})
 	kp := validPair(t, ca)
-	e, _, _ := fileModeEnv(t, ca, kp)
+	e, _ := fileModeEnv(t, ca, kp)
 	m := e.newManager()
-	if m.Ready() {
-		t.Fatal("Ready before Run read the files")
-	}
+	ready(t, m, false, "no workload certificate yet")
 	r := e.run(m)
 
 	// No clock moves: the files are read as Run starts, not after a debounce or a timer.
 	s := r.next(t)
 	checkServes(t, s, WorkloadCertName, kp)
-	roots := recv(t, r.roots, "ROOTCA from the files")
+	roots := r.roots.next(t)
 	rootsPEM := testutil.CertPEM(ca.Cert)
 	checkRoots(t, roots, RootCertName, rootsPEM, ca.Cert)
-	if !m.Ready() {
-		t.Error("not Ready with a valid pair in the files")
+	ready(t, m, true)
+	if got := e.certValid(); got != 1 {
+		t.Errorf("meshid_agent_cert_valid = %v with a valid pair in the files", got)
 	}
-	if got, err := m.GenerateSecret(cancelledCtx(), WorkloadCertName); err != nil || got.Version != s.Version {
-		t.Errorf("GenerateSecret(default) = (%v, %v), want version %s", got, err, s.Version)
+	if got := current(t, m, WorkloadCertName); got.s != s {
+		t.Errorf("a new subscriber to default is told %s, want version %s", got, s.Version)
 	}
-	if got, err := m.GenerateSecret(cancelledCtx(), RootCertName); err != nil || got.Version != roots.Version {
-		t.Errorf("GenerateSecret(ROOTCA) = (%v, %v), want version %s", got, err, roots.Version)
+	if got := current(t, m, RootCertName); got.s != roots {
+		t.Errorf("a new subscriber to ROOTCA is told %s, want version %s", got, roots.Version)
 	}
 	var snap []string
-	for _, s := range m.Snapshot() {
-		snap = append(snap, s.Name+"@"+s.Source+"@"+s.Version)
+	for _, st := range m.Snapshot() {
+		snap = append(snap, fmt.Sprintf("%s@%s@%s valid=%v error=%q", st.Name, st.Secret.Source, st.Secret.Version, st.Valid, st.Error))
 	}
-	slices.Sort(snap)
-	if want := []string{RootCertName + "@files@" + roots.Version, WorkloadCertName + "@files@" + s.Version}; !slices.Equal(snap, want) {
-		t.Errorf("Snapshot = %q, want %q", snap, want)
+	want := []string{
+		fmt.Sprintf("%s@files@%s valid=true error=\"\"", RootCertName, roots.Version),
+		fmt.Sprintf("%s@files@%s valid=true error=\"\"", WorkloadCertName, s.Version),
 	}
-
-	files := e.cfg.WorkloadFiles
-	for _, tc := range []struct {
-		name string
-		cfg  Config
-	}{
-		{"both a signer and files", Config{Signer: e.signer, WorkloadFiles: files, Identity: testID}},
-		{"neither", Config{Identity: testID}},
-	} {
-		t.Run("New refuses "+tc.name, func(t *testing.T) {
-			if m, err := New(tc.cfg); err == nil || !strings.Contains(err.Error(), "either a signer or workload files") {
-				t.Fatalf("New = (%v, %v), want an error asking for either a signer or workload files", m, err)
-			}
-		})
+	if !slices.Equal(snap, want) {
+		t.Errorf("Snapshot = %q, want %q (sorted by name)", snap, want)
 	}
 }
 
@@ -293,11 +215,11 @@ func TestFileModeDataSwaps(t *testing.T) {
 	ca := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "files root"})
 	rootsPEM := testutil.CertPEM(ca.Cert)
 	kp := validPair(t, ca)
-	e, vol, warnings := fileModeEnv(t, ca, kp)
+	e, vol := fileModeEnv(t, ca, kp)
 	r := e.start()
 	last := r.next(t)
 	checkServes(t, last, WorkloadCertName, kp)
-	recv(t, r.roots, "ROOTCA from the files")
+	r.roots.next(t)
 
 	const swaps, splitEvery = 100, 4
 	splits := 0
@@ -306,57 +228,52 @@ func TestFileModeDataSwaps(t *testing.T) {
 		gen := vol.Stage(kp.files(rootsPEM))
 		if i%splitEvery == 1 {
 			splits++
-			drain(warnings)
 			first := CertChainFile // then the key, with ..data
 			if i%(2*splitEvery) == splitEvery+1 {
 				first = KeyFile
 			}
 			vol.Link(first, filepath.Join(gen, first))
-			w := e.awaitWarning(0, warnings, WorkloadCertName)
-			if !strings.Contains(w.msg, "last good") || !strings.Contains(w.err, "does not match") {
-				t.Fatalf("swap %d, half linked: warned %q (%s), want the last good pair kept over a key that does not match", i, w.msg, w.err)
+			e.reread("the half-linked pair is refused", func() bool {
+				return strings.Contains(status(t, r.m, WorkloadCertName).Error, "does not match")
+			})
+			if st := status(t, r.m, WorkloadCertName); !st.Valid || st.Secret.Version != last.Version {
+				t.Fatalf("swap %d, half linked: Snapshot %+v, want the last good version %s valid", i, st, last.Version)
 			}
-			select {
-			case s := <-r.workload:
-				t.Fatalf("swap %d: announced version %s while cert and key were from different generations", i, s.Version)
-			default:
+			r.workload.none(t, fmt.Sprintf("swap %d, while cert and key were from different generations", i))
+			if got := current(t, r.m, WorkloadCertName); got.s != last {
+				t.Fatalf("swap %d, half linked: a new subscriber is told %s, want the last good version %s", i, got, last.Version)
 			}
-			if got, err := r.m.GenerateSecret(cancelledCtx(), WorkloadCertName); err != nil || got.Version != last.Version {
-				t.Fatalf("swap %d, half linked: GenerateSecret = (%v, %v), want the last good version %s", i, got, err, last.Version)
-			}
-			if !r.m.Ready() {
-				t.Fatalf("swap %d, half linked: not Ready while the last good pair is valid", i)
-			}
+			ready(t, r.m, true)
 		}
 		vol.Swap(gen)
-		s := testutil.Drive(t, e.clock, filewatch.DefaultDebounce, 0, r.workload)
-		checkPair(t, s)
-		if want := hashVersion(kp.chainPEM, kp.keyPEM); s.Version != want {
-			t.Fatalf("swap %d: announced version %s (serial %s), want %s (serial %s), the pair just written",
-				i, s.Version, s.Chain[0].SerialNumber.Text(16), want, kp.leaf.SerialNumber.Text(16))
+		u := drive(t, e.clock, r.workload.ch)
+		if u.s == nil {
+			t.Fatalf("swap %d: told %v", i, u)
 		}
-		last = s
+		checkPair(t, u.s)
+		if want := hashVersion(kp.chainPEM, kp.keyPEM); u.s.Version != want {
+			t.Fatalf("swap %d: announced version %s (serial %s), want %s (serial %s), the pair just written",
+				i, u.s.Version, u.s.KeyPair.Leaf().SerialNumber.Text(16), want, kp.leaf.SerialNumber.Text(16))
+		}
+		last = u.s
 	}
 	checkServes(t, last, WorkloadCertName, kp)
-	if got, err := r.m.GenerateSecret(cancelledCtx(), WorkloadCertName); err != nil || got.Version != last.Version {
-		t.Fatalf("after %d swaps GenerateSecret = (%v, %v), want the last written version %s", swaps, got, err, last.Version)
+	if st := status(t, r.m, WorkloadCertName); !st.Valid || st.Secret != last || st.Error != "" {
+		t.Fatalf("after %d swaps Snapshot = %+v, want the last written version %s and no error", swaps, st, last.Version)
 	}
 	// A half-linked swap may be looked at more than once, but nothing else was ever refused.
-	unusable := 0
-	for line := range strings.Lines(e.logs.String()) {
-		if strings.Contains(line, "files not usable") {
-			unusable++
-			if !strings.Contains(line, "does not match") {
-				t.Errorf("refused files that were not half linked: %s", line)
-			}
+	refused := e.logs.matching(func(rec logRecord) bool {
+		return rec.level >= slog.LevelWarn && rec.attrs[logkey.Secret] == WorkloadCertName
+	})
+	for _, rec := range refused {
+		if !strings.Contains(rec.attrs[logkey.Error], "does not match") {
+			t.Errorf("refused files that were not half linked: %q %v", rec.msg, rec.attrs)
 		}
 	}
-	if unusable < splits {
-		t.Errorf("%d warnings about unusable files, want one for each of the %d half-linked swaps", unusable, splits)
+	if len(refused) < splits {
+		t.Errorf("%d warnings about unusable files, want one for each of the %d half-linked swaps", len(refused), splits)
 	}
-	if len(r.roots) != 0 {
-		t.Errorf("ROOTCA announced %d times though root-cert.pem never changed", len(r.roots))
-	}
+	r.roots.none(t, "root-cert.pem never changed")
 }
 
 func TestFileModeInvalidPairs(t *testing.T) {
@@ -367,7 +284,7 @@ func TestFileModeInvalidPairs(t *testing.T) {
 	badPairs := []struct {
 		name string
 		make func(t *testing.T) keyPair
-		want string // in the warning and in GenerateSecret's error
+		want string // in the error subscribers, Ready and Snapshot give
 	}{
 		{"garbage key", func(t *testing.T) keyPair {
 			kp := validPair(t, ca)
@@ -395,76 +312,70 @@ func TestFileModeInvalidPairs(t *testing.T) {
 	t.Run("becomes invalid", func(t *testing.T) {
 		t.Parallel()
 		good := validPair(t, ca)
-		e, vol, warnings := fileModeEnv(t, ca, good)
+		e, vol := fileModeEnv(t, ca, good)
 		r := e.start()
 		served := r.next(t)
 		checkServes(t, served, WorkloadCertName, good)
+		r.roots.next(t)
+		previous := ""
 		for _, bad := range badPairs {
-			drain(warnings)
 			vol.Update(bad.make(t).files(rootsPEM))
-			w := e.awaitWarning(0, warnings, WorkloadCertName)
-			if !strings.Contains(w.msg, "last good") || !strings.Contains(w.err, bad.want) {
-				t.Fatalf("%s: warned %q (%s), want the last good pair kept, saying %q", bad.name, w.msg, w.err, bad.want)
+			e.reread(bad.name+" is refused", func() bool {
+				st := status(t, r.m, WorkloadCertName)
+				return st.Error != previous && strings.Contains(st.Error, bad.want)
+			})
+			st := status(t, r.m, WorkloadCertName)
+			previous = st.Error
+			if !st.Valid || st.Secret != served {
+				t.Fatalf("%s: Snapshot %+v, want the last good pair, valid", bad.name, st)
 			}
-			select {
-			case s := <-r.workload:
-				t.Fatalf("%s: announced version %s", bad.name, s.Version)
-			default:
+			r.workload.none(t, bad.name)
+			if got := current(t, r.m, WorkloadCertName); got.s != served {
+				t.Fatalf("%s: a new subscriber is told %s, want the last good pair", bad.name, got)
 			}
-			got, err := r.m.GenerateSecret(cancelledCtx(), WorkloadCertName)
-			if err != nil {
-				t.Fatalf("%s: GenerateSecret = %v, want the last good pair", bad.name, err)
-			}
-			checkServes(t, got, WorkloadCertName, good)
-			if !r.m.Ready() {
-				t.Fatalf("%s: not Ready while the last good pair is valid", bad.name)
-			}
+			ready(t, r.m, true)
 		}
-		// A good pair again is taken at once.
+		// The same good pair again: nothing to tell subscribers, and nothing wrong any more.
+		vol.Update(good.files(rootsPEM))
+		e.reread("the good pair is read again", func() bool { return status(t, r.m, WorkloadCertName).Error == "" })
+		if st := status(t, r.m, WorkloadCertName); !st.Valid || st.Secret != served {
+			t.Fatalf("Snapshot %+v, want the good pair", st)
+		}
+		r.workload.none(t, "the same pair was mounted again")
+		// A new good pair is taken at once.
 		next := validPair(t, ca)
 		vol.Update(next.files(rootsPEM))
-		checkServes(t, testutil.Drive(t, e.clock, filewatch.DefaultDebounce, 0, r.workload), WorkloadCertName, next)
+		checkServes(t, driveSecret(t, e, r.workload), WorkloadCertName, next)
+		if n := e.errorLogs(); n != 0 {
+			t.Errorf("%d errors logged while a valid pair was held", n)
+		}
 	})
 
 	for _, bad := range badPairs {
 		t.Run("invalid from the start/"+bad.name, func(t *testing.T) {
 			t.Parallel()
-			e, vol, warnings := fileModeEnv(t, ca, bad.make(t))
+			e, vol := fileModeEnv(t, ca, bad.make(t))
 			r := e.start()
-			w := recv(t, warnings, "a warning about the files")
-			if w.secret != WorkloadCertName || !strings.Contains(w.msg, "not usable yet") || !strings.Contains(w.err, bad.want) {
-				t.Fatalf("warned %q for %q (%s), want default not usable yet, saying %q", w.msg, w.secret, w.err, bad.want)
+			if err := r.workload.nextErr(t); !strings.Contains(err.Error(), bad.want) {
+				t.Fatalf("subscribers told %v, want the problem %q", err, bad.want)
 			}
-			_, err := r.m.GenerateSecret(cancelledCtx(), WorkloadCertName)
-			if !errors.Is(err, context.Canceled) || !strings.Contains(err.Error(), bad.want) {
-				t.Fatalf("GenerateSecret = %v, want it cancelled while waiting, naming the problem %q", err, bad.want)
+			ready(t, r.m, false, bad.want)
+			if got := e.certValid(); got != 0 {
+				t.Errorf("meshid_agent_cert_valid = %v without a valid pair", got)
 			}
-			if r.m.Ready() {
-				t.Fatal("Ready without a valid pair")
+			if n := e.errorLogs(); n != 1 {
+				t.Errorf("%d errors logged, want 1", n)
 			}
 			// ROOTCA is its own file, and fine.
-			recv(t, r.roots, "ROOTCA from the files")
-			roots, err := r.m.GenerateSecret(cancelledCtx(), RootCertName)
-			if err != nil {
-				t.Fatal(err)
-			}
-			checkRoots(t, roots, RootCertName, rootsPEM, ca.Cert)
+			checkRoots(t, r.roots.next(t), RootCertName, rootsPEM, ca.Cert)
 
-			// A waiting GenerateSecret gets the pair once it is fixed.
-			result := make(chan *Secret, 1)
-			go func() {
-				s, err := r.m.GenerateSecret(t.Context(), WorkloadCertName)
-				if err != nil {
-					t.Error(err)
-				}
-				result <- s
-			}()
+			// Subscribers get the pair once it is fixed.
 			good := validPair(t, ca)
 			vol.Update(good.files(rootsPEM))
-			checkServes(t, testutil.Drive(t, e.clock, filewatch.DefaultDebounce, 0, result), WorkloadCertName, good)
-			checkServes(t, r.next(t), WorkloadCertName, good)
-			if !r.m.Ready() {
-				t.Fatal("not Ready once the files hold a valid pair")
+			checkServes(t, driveSecret(t, e, r.workload), WorkloadCertName, good)
+			ready(t, r.m, true)
+			if got := e.certValid(); got != 1 {
+				t.Errorf("meshid_agent_cert_valid = %v with a valid pair", got)
 			}
 		})
 	}
@@ -473,7 +384,6 @@ func TestFileModeInvalidPairs(t *testing.T) {
 func TestFileResourceNames(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	warnings := e.tapWarnings()
 	base := t.TempDir()
 	allowed, outside := filepath.Join(base, "allowed"), filepath.Join(base, "outside")
 	ca := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "resource root"})
@@ -495,31 +405,17 @@ func TestFileResourceNames(t *testing.T) {
 	}
 	e.cfg.FileResourceDirs = []string{allowed}
 	r := e.start()
-	r.next(t)
-	e.idle()
+	s := r.next(t)
+	e.idle(s.RenewAt)
 	in := func(name string) string { return filepath.Join(allowed, name) }
 	out := func(name string) string { return filepath.Join(outside, name) }
 
 	t.Run("served", func(t *testing.T) {
 		certName := FileCertPrefix + in("cert.pem") + "~" + in("key.pem")
-		if err := r.m.CheckName(certName); err != nil {
-			t.Errorf("CheckName(%s) = %v", certName, err)
-		}
-		s, err := r.m.GenerateSecret(t.Context(), certName)
-		if err != nil {
-			t.Fatal(err)
-		}
-		checkServes(t, s, certName, kp)
+		checkServes(t, subscribe(t, r.m, certName).next(t), certName, kp)
 		for _, path := range []string{in("roots.pem"), in("roots-in.pem")} {
 			rootName := FileRootPrefix + path
-			if err := r.m.CheckName(rootName); err != nil {
-				t.Errorf("CheckName(%s) = %v", rootName, err)
-			}
-			s, err := r.m.GenerateSecret(t.Context(), rootName)
-			if err != nil {
-				t.Fatal(err)
-			}
-			checkRoots(t, s, rootName, rootsPEM, ca.Cert, otherRoot.Cert)
+			checkRoots(t, subscribe(t, r.m, rootName).next(t), rootName, rootsPEM, ca.Cert, otherRoot.Cert)
 		}
 	})
 
@@ -552,12 +448,16 @@ func TestFileResourceNames(t *testing.T) {
 		{"prefix in upper case", "FILE-ROOT:" + in("roots.pem"), ErrUnknownSecret},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			if err := r.m.CheckName(tc.secret); !errors.Is(err, tc.want) {
-				t.Errorf("CheckName(%s) = %v, want %v", tc.secret, err, tc.want)
+			cancel, err := r.m.Subscribe(tc.secret, func(s *Secret, err error) {
+				t.Errorf("a refused subscriber to %s was told (%v, %v)", tc.secret, s, err)
+			})
+			if !errors.Is(err, tc.want) || cancel != nil {
+				t.Fatalf("Subscribe(%s) = %v, want %v and no cancel", tc.secret, err, tc.want)
 			}
-			// Refused before any wait: a cancelled context must not be what ends the call.
-			if s, err := r.m.GenerateSecret(cancelledCtx(), tc.secret); !errors.Is(err, tc.want) {
-				t.Errorf("GenerateSecret(%s) = (%v, %v), want %v", tc.secret, s, err, tc.want)
+			for _, st := range r.m.Snapshot() {
+				if st.Name == tc.secret {
+					t.Errorf("the refused %s is in the Snapshot", tc.secret)
+				}
 			}
 		})
 	}
@@ -565,39 +465,165 @@ func TestFileResourceNames(t *testing.T) {
 	t.Run("file appears later", func(t *testing.T) {
 		later := kp
 		name := FileCertPrefix + in("later-cert.pem") + "~" + in("later-key.pem")
-		if err := r.m.CheckName(name); err != nil {
-			t.Fatalf("CheckName(%s) = %v, want it accepted before its files exist", name, err)
-		}
-		drain(warnings)
-		result := make(chan *Secret, 1)
-		go func() {
-			s, err := r.m.GenerateSecret(t.Context(), name)
-			if err != nil {
-				t.Error(err)
-			}
-			result <- s
-		}()
-		// The first read (after the watch is set) found nothing.
-		if w := recv(t, warnings, "a warning about the missing files"); w.secret != name || !strings.Contains(w.msg, "not usable yet") {
-			t.Fatalf("warned %q for %q, want %s not usable yet", w.msg, w.secret, name)
-		}
-		select {
-		case s := <-result:
-			t.Fatalf("GenerateSecret returned %v before the files existed", s)
-		default:
+		sub := subscribe(t, r.m, name) // accepted before its files exist
+		// The first read (after the watch is set) found nothing, and says so.
+		if err := sub.nextErr(t); !errors.Is(err, fs.ErrNotExist) {
+			t.Fatalf("told %v, want the files missing", err)
 		}
 		// An operator writes them by atomic renames, the key first.
 		writeFileAtomic(t, in("later-key.pem"), later.keyPEM)
 		writeFileAtomic(t, in("later-cert.pem"), later.chainPEM)
-		checkServes(t, testutil.Drive(t, e.clock, filewatch.DefaultDebounce, 1, result), name, later)
+		checkServes(t, driveSecret(t, e, sub), name, later)
 	})
 }
 
-// requestWhileOthersAsk asks for names at once while other streams keep asking for default and
-// ROOTCA (which must come from source), and returns what each name got. SDS calls GenerateSecret
-// from every stream's goroutine; the race detector checks that the manager's index of file
-// secrets, which grows as names are first asked for, is guarded.
-func requestWhileOthersAsk(t *testing.T, m *Manager, source string, names ...string) map[string]*Secret {
+// TestFileResourceInMissingDirectory: a file resource whose directory does not exist yet (not
+// even its parent, for the roots) is served once the directory and the files appear.
+func TestFileResourceInMissingDirectory(t *testing.T) {
+	t.Parallel()
+	ca := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "resource root"})
+	kp := validPair(t, ca)
+	rootsPEM := testutil.CertPEM(ca.Cert)
+	for _, tc := range []struct {
+		name  string
+		sub   string // the missing directories under the allowed one
+		files map[string][]byte
+		// resource names the resource in dir; check checks what it serves.
+		resource func(dir string) string
+		check    func(t *testing.T, s *Secret, name string)
+	}{
+		{"key pair, its directory missing", "tls", map[string][]byte{"tls.crt": kp.chainPEM, "tls.key": kp.keyPEM},
+			func(dir string) string {
+				return FileCertPrefix + filepath.Join(dir, "tls.crt") + "~" + filepath.Join(dir, "tls.key")
+			},
+			func(t *testing.T, s *Secret, name string) { checkServes(t, s, name, kp) }},
+		{"roots, two directories missing", filepath.Join("mesh", "ca"), map[string][]byte{"ca.crt": rootsPEM},
+			func(dir string) string { return FileRootPrefix + filepath.Join(dir, "ca.crt") },
+			func(t *testing.T, s *Secret, name string) { checkRoots(t, s, name, rootsPEM, ca.Cert) }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t)
+			allowed := t.TempDir()
+			e.cfg.FileResourceDirs = []string{allowed}
+			r := e.start()
+			s := r.next(t)
+			e.idle(s.RenewAt)
+
+			dir := filepath.Join(allowed, tc.sub)
+			name := tc.resource(dir)
+			sub := subscribe(t, r.m, name)
+			if err := sub.nextErr(t); !errors.Is(err, fs.ErrNotExist) {
+				t.Fatalf("told %v, want the files missing", err)
+			}
+			if st := status(t, r.m, name); st.Valid || st.Secret != nil || !strings.Contains(st.Error, "no such file") {
+				t.Fatalf("Snapshot %+v, want nothing valid and the files missing", st)
+			}
+
+			if err := os.MkdirAll(dir, 0o750); err != nil {
+				t.Fatal(err)
+			}
+			for file, data := range tc.files {
+				writeFileAtomic(t, filepath.Join(dir, file), data)
+			}
+			got := driveSecret(t, e, sub)
+			tc.check(t, got, name)
+			if st := status(t, r.m, name); !st.Valid || st.Secret != got || st.Error != "" {
+				t.Fatalf("Snapshot %+v, want the secret served", st)
+			}
+		})
+	}
+}
+
+// TestReadersAnswerWhileAFileReadBlocks: a file read that never ends (a FIFO nobody writes) holds
+// up only its own resource; Ready, Snapshot, TLSCertificate and Subscribe still answer.
+func TestReadersAnswerWhileAFileReadBlocks(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	dir := t.TempDir()
+	e.cfg.FileResourceDirs = []string{dir}
+	fifo := filepath.Join(dir, "cert.pem")
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	ca := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "resource root"})
+	kp := validPair(t, ca)
+	testutil.WriteFiles(t, dir, map[string][]byte{"key.pem": kp.keyPEM, "roots.pem": testutil.CertPEM(ca.Cert)})
+	r := e.start()
+	s := r.next(t)
+	e.idle(s.RenewAt)
+
+	name := FileCertPrefix + fifo + "~" + filepath.Join(dir, "key.pem")
+	sub := subscribe(t, r.m, name)
+
+	// readersAnswer fails unless Ready, Snapshot, TLSCertificate and Subscribe answer. Real time
+	// bounds only a failure: a reader that waits for the blocked read never answers.
+	readersAnswer := func(when string) {
+		t.Helper()
+		answered := make(chan struct{})
+		go func() {
+			defer close(answered)
+			if ok, why := r.m.Ready(); !ok {
+				t.Errorf("%s: Ready = (false, %q) with a valid certificate", when, why)
+			}
+			var listed []string
+			for _, st := range r.m.Snapshot() {
+				listed = append(listed, st.Name)
+				if st.Name == name && (st.Valid || st.Secret != nil) {
+					t.Errorf("%s: Snapshot shows %s %+v before it was read", when, name, st)
+				}
+			}
+			if !slices.Contains(listed, name) || !slices.Contains(listed, WorkloadCertName) {
+				t.Errorf("%s: Snapshot lists %q, want %s and default", when, listed, name)
+			}
+			if c := r.m.TLSCertificate(); c == nil {
+				t.Errorf("%s: no TLSCertificate with a valid certificate", when)
+			}
+			if got := current(t, r.m, WorkloadCertName); got.s != s {
+				t.Errorf("%s: a new subscriber to default is told %s", when, got)
+			}
+			if _, err := r.m.Subscribe(FileRootPrefix+filepath.Join(dir, "roots.pem"), func(*Secret, error) {}); err != nil {
+				t.Errorf("%s: Subscribe while a file read blocks: %v", when, err)
+			}
+		}()
+		select {
+		case <-answered:
+		case <-time.After(waitLimit):
+			t.Fatalf("%s: Ready, Snapshot, TLSCertificate or Subscribe waited for a blocked file read", when)
+		}
+	}
+	// The loader is on its way to opening the FIFO, or blocked opening it: no writer has it open.
+	readersAnswer("while the FIFO has no writer")
+
+	// Opening the FIFO for writing returns once the loader has opened it to read; from then on,
+	// until the writer closes it, the loader's read cannot end.
+	opened := make(chan *os.File, 1)
+	go func() {
+		w, err := os.OpenFile(fifo, os.O_WRONLY, 0)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		opened <- w
+	}()
+	w := recv(t, opened, "the file loader to open the FIFO")
+	closeWriter := sync.OnceFunc(func() { _ = w.Close() })
+	t.Cleanup(closeWriter) // before Run is stopped: Run returns only once the read ends
+	readersAnswer("while the loader's read of the FIFO blocks")
+	sub.none(t, "while its read blocks")
+
+	// The writer closes without a byte: the read ends and the resource reports the empty chain.
+	closeWriter()
+	if err := sub.nextErr(t); !strings.Contains(err.Error(), "no PEM data") {
+		t.Fatalf("told %v once the FIFO closed, want an empty chain", err)
+	}
+}
+
+// subscribeWhileOthersSubscribe subscribes to names at once while other streams keep subscribing
+// to default and ROOTCA (which must come from source), and returns the subscriptions. SDS
+// subscribes from every stream's goroutine; the race detector checks that the manager's index of
+// file secrets, which grows as names are first asked for, is guarded.
+func subscribeWhileOthersSubscribe(t *testing.T, m *Manager, source Source, names ...string) map[string]*subscription {
 	t.Helper()
 	const streams = 4
 	stop, asked, running := make(chan struct{}), make(chan error, streams), make(chan struct{}, streams)
@@ -615,14 +641,34 @@ func requestWhileOthersAsk(t *testing.T, m *Manager, source string, names ...str
 				default:
 				}
 				for _, name := range []string{WorkloadCertName, RootCertName} {
-					s, err := m.GenerateSecret(t.Context(), name)
+					var (
+						mu  sync.Mutex
+						got update
+					)
+					cancel, err := m.Subscribe(name, func(s *Secret, err error) {
+						mu.Lock()
+						defer mu.Unlock()
+						if got.s == nil && got.err == nil {
+							got = update{s, err}
+						}
+					})
 					switch {
 					case failed != nil:
 					case err != nil:
-						failed = fmt.Errorf("GenerateSecret(%s) while file resources were added: %w", name, err)
-					case s.Source != source:
-						failed = fmt.Errorf("GenerateSecret(%s) while file resources were added came from %q, want %s", name, s.Source, source)
+						failed = fmt.Errorf("Subscribe(%s) while file resources were added: %w", name, err)
 					}
+					if cancel != nil {
+						cancel()
+					}
+					mu.Lock()
+					switch {
+					case failed != nil:
+					case got.s == nil:
+						failed = fmt.Errorf("Subscribe(%s) while file resources were added was told %v", name, got)
+					case got.s.Source != source:
+						failed = fmt.Errorf("Subscribe(%s) while file resources were added was given a secret from %q, want %s", name, got.s.Source, source)
+					}
+					mu.Unlock()
 				}
 			}
 		}()
@@ -631,24 +677,24 @@ func requestWhileOthersAsk(t *testing.T, m *Manager, source string, names ...str
 		recv(t, running, "the other streams to start")
 	}
 	type result struct {
-		s   *Secret
+		sub *subscription
 		err error
 	}
 	results := make(chan result, len(names))
 	for _, name := range names {
 		go func() {
-			s, err := m.GenerateSecret(t.Context(), name)
-			results <- result{s, err}
+			sub, err := trySubscribe(t, m, name)
+			results <- result{sub, err}
 		}()
 	}
-	got := map[string]*Secret{}
+	got := map[string]*subscription{}
 	var failed error
 	for range names {
-		res := recv(t, results, "GenerateSecret")
+		res := recv(t, results, "Subscribe")
 		if res.err != nil && failed == nil {
 			failed = res.err
 		} else if res.err == nil {
-			got[res.s.Name] = res.s
+			got[res.sub.name] = res.sub
 		}
 	}
 	close(stop)
@@ -676,21 +722,16 @@ func TestFileResourceInCAMode(t *testing.T) {
 	e.cfg.FileResourceDirs = []string{dir}
 	certName := FileCertPrefix + filepath.Join(dir, "tls.crt") + "~" + filepath.Join(dir, "tls.key")
 	rootName := FileRootPrefix + filepath.Join(dir, "ca.crt")
-	m := e.newManager()
-	files := subscribeNames(t, m, certName, rootName)
-	r := e.run(m)
+	r := e.start()
 	workload := r.next(t)
-	e.idle()
+	e.idle(workload.RenewAt)
 
-	got := requestWhileOthersAsk(t, m, "ca", certName, rootName)
-	if s, err := m.GenerateSecret(cancelledCtx(), WorkloadCertName); err != nil || s.Version != workload.Version {
-		t.Errorf("default = (%v, %v), want the CA's %s", s, err, workload.Version)
+	subs := subscribeWhileOthersSubscribe(t, r.m, SourceCA, certName, rootName)
+	if got := current(t, r.m, WorkloadCertName); got.s != workload {
+		t.Errorf("default = %s, want the CA's %s", got, workload.Version)
 	}
-	checkServes(t, got[certName], certName, kp)
-	checkRoots(t, got[rootName], rootName, rootsPEM, ca.Cert)
-	for range 2 { // their first reads
-		recv(t, files, "a file resource's first announcement")
-	}
+	checkServes(t, subs[certName].next(t), certName, kp)
+	checkRoots(t, subs[rootName].next(t), rootName, rootsPEM, ca.Cert)
 
 	// An operator replaces the pair by atomic renames, key first, and rewrites the roots in place.
 	next := validPair(t, ca)
@@ -701,35 +742,31 @@ func TestFileResourceInCAMode(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(dir, "ca.crt"), nextRootsPEM, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	announced := map[string]*Secret{}
-	for len(announced) < 2 {
-		s := testutil.Drive(t, e.clock, filewatch.DefaultDebounce, 1, files)
-		announced[s.Name] = s
+	newPair := driveSecret(t, e, subs[certName])
+	checkServes(t, newPair, certName, next)
+	var newRoots *Secret
+	for newRoots == nil || newRoots.Version != hashVersion(nextRootsPEM) {
+		newRoots = driveSecret(t, e, subs[rootName]) // a read may catch the file half rewritten
 	}
-	checkServes(t, announced[certName], certName, next)
-	checkRoots(t, announced[rootName], rootName, nextRootsPEM, ca.Cert, otherRoot.Cert)
-	if s, err := m.GenerateSecret(cancelledCtx(), certName); err != nil || s.Version != announced[certName].Version {
-		t.Errorf("GenerateSecret(%s) = (%v, %v), want the new version %s", certName, s, err, announced[certName].Version)
+	checkRoots(t, newRoots, rootName, nextRootsPEM, ca.Cert, otherRoot.Cert)
+	if got := current(t, r.m, certName); got.s != newPair {
+		t.Errorf("a new subscriber to %s is told %s, want the new version %s", certName, got, newPair.Version)
 	}
 
-	roots, err := m.GenerateSecret(cancelledCtx(), RootCertName)
-	if err != nil {
-		t.Fatal(err)
-	}
+	roots := current(t, r.m, RootCertName).s
 	var snap []string
-	for _, s := range m.Snapshot() {
-		snap = append(snap, s.Name+"@"+s.Version)
+	for _, st := range r.m.Snapshot() {
+		snap = append(snap, st.Name+"@"+st.Secret.Version)
 	}
-	slices.Sort(snap)
 	want := []string{
 		RootCertName + "@" + roots.Version,
 		WorkloadCertName + "@" + workload.Version,
-		certName + "@" + announced[certName].Version,
-		rootName + "@" + announced[rootName].Version,
+		certName + "@" + newPair.Version,
+		rootName + "@" + newRoots.Version,
 	}
 	slices.Sort(want)
 	if !slices.Equal(snap, want) {
-		t.Errorf("Snapshot = %q, want %q", snap, want)
+		t.Errorf("Snapshot = %q, want %q (sorted by name)", snap, want)
 	}
 	if e.signer.Calls() != 1 {
 		t.Errorf("Sign called %d times, want 1 (file resources are not the CA's)", e.signer.Calls())
@@ -741,76 +778,80 @@ func TestFileResourceInCAMode(t *testing.T) {
 func TestFileResourcesShareADataSwap(t *testing.T) {
 	t.Parallel()
 	ca := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "files root"})
-	e, _, _ := fileModeEnv(t, ca, validPair(t, ca))
+	e, _ := fileModeEnv(t, ca, validPair(t, ca))
 	kp := validPair(t, ca)
 	rootsPEM := testutil.CertPEM(ca.Cert)
 	res := newVolume(t, filepath.Join(t.TempDir(), "mounted"), map[string][]byte{"tls.crt": kp.chainPEM, "tls.key": kp.keyPEM, "ca.crt": rootsPEM})
 	e.cfg.FileResourceDirs = []string{res.Dir}
 	certName := FileCertPrefix + res.Path("tls.crt") + "~" + res.Path("tls.key")
 	rootName := FileRootPrefix + res.Path("ca.crt")
-	m := e.newManager()
-	files := subscribeNames(t, m, certName, rootName)
-	r := e.run(m)
+	r := e.start()
 	r.next(t)
-	recv(t, r.roots, "ROOTCA from the files")
+	r.roots.next(t)
 
-	got := requestWhileOthersAsk(t, m, "files", certName, rootName)
-	checkServes(t, got[certName], certName, kp)
-	checkRoots(t, got[rootName], rootName, rootsPEM, ca.Cert)
-	for range 2 {
-		recv(t, files, "a file resource's first announcement")
-	}
+	subs := subscribeWhileOthersSubscribe(t, r.m, SourceFiles, certName, rootName)
+	checkServes(t, subs[certName].next(t), certName, kp)
+	checkRoots(t, subs[rootName].next(t), rootName, rootsPEM, ca.Cert)
 
 	for i := range 3 {
 		kp = validPair(t, ca)
 		rootsPEM = testutil.CertPEM(ca.Cert, testutil.NewRootCA(t, testutil.CAOptions{CommonName: fmt.Sprint("extra root ", i)}).Cert)
 		res.Update(map[string][]byte{"tls.crt": kp.chainPEM, "tls.key": kp.keyPEM, "ca.crt": rootsPEM})
-		announced := map[string]*Secret{}
-		for len(announced) < 2 {
-			s := testutil.Drive(t, e.clock, filewatch.DefaultDebounce, 0, files)
-			if announced[s.Name] != nil {
-				t.Fatalf("swap %d: %s announced twice", i, s.Name)
-			}
-			announced[s.Name] = s
-		}
-		checkServes(t, announced[certName], certName, kp)
+		checkServes(t, driveSecret(t, e, subs[certName]), certName, kp)
 		rootsNow, err := pki.ParseCertificates(rootsPEM)
 		if err != nil {
 			t.Fatal(err)
 		}
-		checkRoots(t, announced[rootName], rootName, rootsPEM, rootsNow...)
+		checkRoots(t, driveSecret(t, e, subs[rootName]), rootName, rootsPEM, rootsNow...)
+		subs[certName].none(t, fmt.Sprintf("swap %d", i))
+		subs[rootName].none(t, fmt.Sprintf("swap %d", i))
 	}
 	// The workload files were not touched: nothing for default or ROOTCA.
-	if len(r.roots) != 0 {
-		t.Errorf("ROOTCA announced %d times after swaps in another volume", len(r.roots))
-	}
-	for len(r.workload) > 0 {
-		if s := <-r.workload; s.Name == WorkloadCertName {
-			t.Errorf("default announced (version %s) after swaps in another volume", s.Version)
-		}
-	}
+	r.roots.none(t, "swaps in another volume")
+	r.workload.none(t, "swaps in another volume")
 }
 
-// Each file secret is watched for the agent's life, so their number is bounded.
+// Each file secret is watched for the agent's life, so their number is bounded, even when many
+// clients ask at once.
 func TestFileSecretsAreBounded(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
-	m, err := New(Config{WorkloadFiles: &FilePaths{CertChain: filepath.Join(dir, "c"), Key: filepath.Join(dir, "k"), Root: filepath.Join(dir, "r")},
+	m, err := New(Config{Workload: &MountedFiles{CertChain: filepath.Join(dir, "c"), Key: filepath.Join(dir, "k"), Root: filepath.Join(dir, "r")},
 		FileResourceDirs: []string{dir}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	m.mu.Lock()
-	for i := len(m.files); i < MaxFileSecrets; i++ {
-		name := FileRootPrefix + filepath.Join(dir, fmt.Sprintf("root-%d.pem", i))
-		m.files[name] = &fileSecret{name: name, root: filepath.Join(dir, fmt.Sprintf("root-%d.pem", i))}
+	const asks = MaxFileSecrets + 64
+	var (
+		wg       sync.WaitGroup
+		accepted atomic.Int32
+		start    = make(chan struct{})
+		first    = make(chan string, asks)
+	)
+	for i := range asks {
+		wg.Go(func() {
+			name := FileRootPrefix + filepath.Join(dir, fmt.Sprintf("root-%d.pem", i))
+			<-start
+			_, err := m.Subscribe(name, func(*Secret, error) {})
+			switch {
+			case err == nil:
+				accepted.Add(1)
+				first <- name
+			case !errors.Is(err, ErrTooManyFiles):
+				t.Errorf("Subscribe(%s) = %v, want nil or ErrTooManyFiles", name, err)
+			}
+		})
 	}
-	m.mu.Unlock()
-	known := FileRootPrefix + filepath.Join(dir, "root-10.pem")
-	if err := m.CheckName(known); err != nil {
+	close(start)
+	wg.Wait()
+	if n := m.files.count(); n != MaxFileSecrets {
+		t.Fatalf("%d file secrets watched (%d accepted), want the bound %d", n, accepted.Load(), MaxFileSecrets)
+	}
+	known := <-first
+	if _, err := m.Subscribe(known, func(*Secret, error) {}); err != nil {
 		t.Fatalf("a known file secret refused at the bound: %v", err)
 	}
-	if err := m.CheckName(FileRootPrefix + filepath.Join(dir, "one-more.pem")); !errors.Is(err, ErrTooManyFiles) {
+	if _, err := m.Subscribe(FileRootPrefix+filepath.Join(dir, "one-more.pem"), func(*Secret, error) {}); !errors.Is(err, ErrTooManyFiles) {
 		t.Fatalf("a file secret past the bound: %v, want ErrTooManyFiles", err)
 	}
 }

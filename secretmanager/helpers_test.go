@@ -11,14 +11,17 @@ import (
 	"math/big"
 	"os"
 	"path/filepath"
-	"regexp"
+	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/filewatch"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
 )
@@ -31,10 +34,12 @@ var t0 = time.Date(2031, 3, 14, 9, 26, 0, 0, time.UTC)
 
 var testID = pki.SPIFFEID{TrustDomain: "cluster.local", Namespace: "shop", ServiceAccount: "cart"}
 
+var errCADown = errors.New("CA unreachable at 127.0.0.1:15012: connection refused")
+
 // fakeSigner is the CA: it signs CSRs with a test intermediate, from the fake clock's now
 // (NotBefore backdated by two minutes, as the real CA does) for the TTL asked.
 type fakeSigner struct {
-	clock *testutil.FakeClock
+	clock *testClock
 
 	mu      sync.Mutex
 	root    *testutil.CA
@@ -47,7 +52,7 @@ type fakeSigner struct {
 	ttls    []time.Duration
 }
 
-func newFakeSigner(t *testing.T, clk *testutil.FakeClock) *fakeSigner {
+func newFakeSigner(t *testing.T, clk *testClock) *fakeSigner {
 	t.Helper()
 	f := &fakeSigner{clock: clk}
 	f.rotateCA(t)
@@ -160,31 +165,321 @@ func (f *fakeSigner) Sign(ctx context.Context, csrDER []byte, ttl time.Duration)
 	return chain, nil
 }
 
-// env is one test's world: a fake clock, a fake CA, a metrics registry and a log buffer.
+// testClock is the fake clock, keeping a record of the timers armed on it, so that a test can
+// wait until the code under test waits for a given moment before it moves the clock there. It
+// moves only through its own Set and Advance, so that a timer's deadline is known exactly.
+type testClock struct {
+	fake *testutil.FakeClock
+
+	mu      sync.Mutex
+	timers  []*testTimer
+	changed chan struct{} // closed and replaced whenever a timer is armed or stopped
+}
+
+type testTimer struct {
+	clock.Timer
+	c        *testClock
+	deadline time.Time
+	stopped  bool
+}
+
+func newTestClock(now time.Time) *testClock {
+	return &testClock{fake: testutil.NewFakeClock(now), changed: make(chan struct{})}
+}
+
+func (c *testClock) Now() time.Time { return c.fake.Now() }
+
+func (c *testClock) NewTimer(d time.Duration) clock.Timer {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	t := &testTimer{Timer: c.fake.NewTimer(d), c: c, deadline: c.fake.Now().Add(d)}
+	now := c.fake.Now()
+	c.timers = slices.DeleteFunc(c.timers, func(o *testTimer) bool { return !o.liveAt(now) })
+	c.timers = append(c.timers, t)
+	c.notifyLocked()
+	return t
+}
+
+func (t *testTimer) Stop() bool {
+	t.c.mu.Lock()
+	defer t.c.mu.Unlock()
+	t.stopped = true
+	t.c.notifyLocked()
+	return t.Timer.Stop()
+}
+
+func (t *testTimer) liveAt(now time.Time) bool { return !t.stopped && t.deadline.After(now) }
+
+func (c *testClock) notifyLocked() {
+	close(c.changed)
+	c.changed = make(chan struct{})
+}
+
+// Set moves the clock to at, firing every timer due by then.
+func (c *testClock) Set(at time.Time) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.fake.Set(at)
+	c.notifyLocked()
+}
+
+// Advance moves the clock forward by d.
+func (c *testClock) Advance(d time.Duration) { c.Set(c.Now().Add(d)) }
+
+// await waits until cond (called with c.mu held) holds, failing the test after waitLimit.
+func (c *testClock) await(t *testing.T, what string, cond func(now time.Time) bool) {
+	t.Helper()
+	giveUp := time.NewTimer(waitLimit)
+	defer giveUp.Stop()
+	for {
+		c.mu.Lock()
+		ok, changed := cond(c.fake.Now()), c.changed
+		c.mu.Unlock()
+		if ok {
+			return
+		}
+		select {
+		case <-changed:
+		case <-giveUp.C:
+			t.Fatalf("gave up waiting until %s (fake clock at %s)", what, c.Now())
+		}
+	}
+}
+
+// waitArmed waits until a timer due exactly at at is pending: the code under test waits for
+// that moment.
+func (c *testClock) waitArmed(t *testing.T, at time.Time) {
+	t.Helper()
+	c.await(t, "a timer is armed for "+at.String(), func(now time.Time) bool {
+		return slices.ContainsFunc(c.timers, func(tm *testTimer) bool { return tm.liveAt(now) && tm.deadline.Equal(at) })
+	})
+}
+
+// debouncing reports whether a timer due within the file watcher's debounce is pending.
+func (c *testClock) debouncing() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	now := c.fake.Now()
+	return slices.ContainsFunc(c.timers, func(tm *testTimer) bool {
+		return tm.liveAt(now) && !tm.deadline.After(now.Add(filewatch.DefaultDebounce))
+	})
+}
+
+// drive fires the file watcher's debounce timers as they are armed until recv yields a value,
+// which it returns. Only timers due within one debounce are fired: renewals, retries and
+// expiries stay where they are.
+func drive[T any](t *testing.T, c *testClock, recv <-chan T) T {
+	t.Helper()
+	giveUp := time.NewTimer(waitLimit)
+	defer giveUp.Stop()
+	for {
+		c.mu.Lock()
+		changed := c.changed
+		c.mu.Unlock()
+		if c.debouncing() {
+			c.Advance(filewatch.DefaultDebounce)
+			continue
+		}
+		select {
+		case v := <-recv:
+			return v
+		case <-changed:
+		case <-giveUp.C:
+			t.Fatalf("drove the fake clock to %s without the awaited value", c.Now())
+		}
+	}
+}
+
+// until waits until cond holds, looking again whenever a timer is armed or stopped or an event
+// is reported (the file loader re-arms its expiry timer after each look at the files). With
+// debounce, it also fires the file watcher's debounce timers as they are armed.
+func (e *env) until(what string, cond func() bool, debounce bool) {
+	e.t.Helper()
+	giveUp := time.NewTimer(waitLimit)
+	defer giveUp.Stop()
+	for {
+		e.clock.mu.Lock()
+		clockChanged := e.clock.changed
+		e.clock.mu.Unlock()
+		e.events.mu.Lock()
+		eventsChanged := e.events.changed
+		e.events.mu.Unlock()
+		if cond() {
+			return
+		}
+		if debounce && e.clock.debouncing() {
+			e.clock.Advance(filewatch.DefaultDebounce)
+			continue
+		}
+		select {
+		case <-clockChanged:
+		case <-eventsChanged:
+		case <-giveUp.C:
+			e.t.Fatalf("gave up waiting until %s (fake clock at %s)", what, e.clock.Now())
+		}
+	}
+}
+
+// reread fires the file watcher's debounce timers as the files' change arms them until the file
+// loader's look at the files shows in cond (for a look that changes nothing subscribers see).
+// Every debounce fired makes the loader look again, after which it re-arms its expiry timer.
+func (e *env) reread(what string, cond func() bool) {
+	e.t.Helper()
+	e.until(what, cond, true)
+}
+
+// eventLog records what the manager reports through Config.OnEvent.
+type eventLog struct {
+	mu      sync.Mutex
+	events  []Event
+	changed chan struct{}
+}
+
+func newEventLog() *eventLog { return &eventLog{changed: make(chan struct{})} }
+
+func (l *eventLog) record(ev Event) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.events = append(l.events, ev)
+	close(l.changed)
+	l.changed = make(chan struct{})
+}
+
+// mark is the index the next event will have.
+func (l *eventLog) mark() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return len(l.events)
+}
+
+// since returns the events from index from on that match.
+func (l *eventLog) since(from int, match func(Event) bool) []Event {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var out []Event
+	for _, ev := range l.events[from:] {
+		if match(ev) {
+			out = append(out, ev)
+		}
+	}
+	return out
+}
+
+// wait returns the first event from index from on that matches, and the index after it.
+func (l *eventLog) wait(t *testing.T, from int, what string, match func(Event) bool) (Event, int) {
+	t.Helper()
+	giveUp := time.NewTimer(waitLimit)
+	defer giveUp.Stop()
+	for {
+		l.mu.Lock()
+		for i := from; i < len(l.events); i++ {
+			if match(l.events[i]) {
+				ev := l.events[i]
+				l.mu.Unlock()
+				return ev, i + 1
+			}
+		}
+		changed := l.changed
+		l.mu.Unlock()
+		select {
+		case <-changed:
+		case <-giveUp.C:
+			t.Fatalf("gave up waiting for %s", what)
+		}
+	}
+}
+
+func kind(kinds ...EventKind) func(Event) bool {
+	return func(ev Event) bool { return slices.Contains(kinds, ev.Kind) }
+}
+
+func changedName(name string) func(Event) bool {
+	return func(ev Event) bool { return ev.Kind == EventChanged && ev.Name == name }
+}
+
+// logRecord is one record the manager logged, its attributes as strings.
+type logRecord struct {
+	level slog.Level
+	msg   string
+	attrs map[string]string
+}
+
+// logRecorder keeps every record, for tests that check what is logged (never to wait on).
+type logRecorder struct {
+	mu      sync.Mutex
+	records []logRecord
+	text    *testutil.SyncBuffer
+	handler slog.Handler
+}
+
+func newLogRecorder() *logRecorder {
+	buf := &testutil.SyncBuffer{}
+	return &logRecorder{text: buf, handler: slog.NewTextHandler(buf, &slog.HandlerOptions{Level: slog.LevelDebug})}
+}
+
+func (r *logRecorder) logger() *slog.Logger { return slog.New(recordingHandler{r: r, h: r.handler}) }
+
+func (r *logRecorder) matching(match func(logRecord) bool) []logRecord {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []logRecord
+	for _, rec := range r.records {
+		if match(rec) {
+			out = append(out, rec)
+		}
+	}
+	return out
+}
+
+type recordingHandler struct {
+	r     *logRecorder
+	h     slog.Handler
+	attrs []slog.Attr
+}
+
+func (h recordingHandler) Enabled(context.Context, slog.Level) bool { return true }
+
+func (h recordingHandler) Handle(ctx context.Context, rec slog.Record) error {
+	lr := logRecord{level: rec.Level, msg: rec.Message, attrs: map[string]string{}}
+	for _, a := range h.attrs {
+		lr.attrs[a.Key] = a.Value.String()
+	}
+	rec.Attrs(func(a slog.Attr) bool {
+		lr.attrs[a.Key] = a.Value.String()
+		return true
+	})
+	h.r.mu.Lock()
+	h.r.records = append(h.r.records, lr)
+	h.r.mu.Unlock()
+	return h.h.Handle(ctx, rec)
+}
+
+func (h recordingHandler) WithAttrs(as []slog.Attr) slog.Handler {
+	return recordingHandler{r: h.r, h: h.h.WithAttrs(as), attrs: append(slices.Clone(h.attrs), as...)}
+}
+
+func (h recordingHandler) WithGroup(name string) slog.Handler {
+	return recordingHandler{r: h.r, h: h.h.WithGroup(name), attrs: h.attrs}
+}
+
+// env is one test's world: a fake clock, a fake CA, a metrics registry, the events and the logs.
 type env struct {
 	t      *testing.T
-	clock  *testutil.FakeClock
+	clock  *testClock
 	signer *fakeSigner
 	reg    *prometheus.Registry
-	logs   *testutil.SyncBuffer
-	cfg    Config
+	logs   *logRecorder
+	events *eventLog
+	// rot is the CA rotation of CA mode (cfg.Workload); tests adjust it before the manager is built.
+	rot *Rotation
+	cfg Config
 }
 
 func newEnv(t *testing.T) *env {
 	t.Helper()
-	clk := testutil.NewFakeClock(t0)
-	e := &env{t: t, clock: clk, signer: newFakeSigner(t, clk), reg: prometheus.NewRegistry(), logs: &testutil.SyncBuffer{}}
-	// Times are logged to the nanosecond, so that a test can find a retry's exact moment.
-	logger := slog.New(slog.NewTextHandler(e.logs, &slog.HandlerOptions{
-		Level: slog.LevelDebug,
-		ReplaceAttr: func(_ []string, a slog.Attr) slog.Attr {
-			if a.Value.Kind() == slog.KindTime {
-				return slog.String(a.Key, a.Value.Time().Format(time.RFC3339Nano))
-			}
-			return a
-		},
-	}))
-	e.cfg = Config{
+	clk := newTestClock(t0)
+	e := &env{t: t, clock: clk, signer: newFakeSigner(t, clk), reg: prometheus.NewRegistry(), logs: newLogRecorder(), events: newEventLog()}
+	e.rot = &Rotation{
 		Signer:     e.signer,
 		Identity:   testID,
 		TTL:        time.Hour,
@@ -192,25 +487,20 @@ func newEnv(t *testing.T) *env {
 		// The renewal's jitter sits in the middle unless a test says otherwise.
 		GraceRatioJitter: 0.01,
 		Rand:             func() float64 { return 0.5 },
-		Clock:            clk,
-		Logger:           logger,
-		Registerer:       e.reg,
+	}
+	e.cfg = Config{
+		Workload:   e.rot,
+		Clock:      clk,
+		Logger:     e.logs.logger(),
+		Registerer: e.reg,
+		OnEvent:    e.events.record,
 	}
 	t.Cleanup(func() {
 		if t.Failed() {
-			t.Logf("manager logs:\n%s", e.logs.String())
+			t.Logf("manager logs:\n%s", e.logs.text.String())
 		}
 	})
 	return e
-}
-
-// run is a Manager under test, running, with its notifications split by name.
-type run struct {
-	m        *Manager
-	workload chan *Secret
-	roots    chan *Secret
-	cancel   context.CancelFunc
-	done     chan error
 }
 
 func (e *env) newManager() *Manager {
@@ -222,24 +512,123 @@ func (e *env) newManager() *Manager {
 	return m
 }
 
+// update is one call of a subscriber: the secret to serve, or why there is none.
+type update struct {
+	s   *Secret
+	err error
+}
+
+func (u update) String() string {
+	if u.s != nil {
+		return "secret " + u.s.Version
+	}
+	return fmt.Sprintf("error %v", u.err)
+}
+
+// subscription records what one subscriber was told, in order.
+type subscription struct {
+	name   string
+	ch     chan update
+	cancel func()
+
+	mu  sync.Mutex
+	log []update
+}
+
+// subscribe subscribes to name on m and fails the test if it is refused.
+func subscribe(t *testing.T, m *Manager, name string) *subscription {
+	t.Helper()
+	sub, err := trySubscribe(t, m, name)
+	if err != nil {
+		t.Fatalf("Subscribe(%s) = %v", name, err)
+	}
+	return sub
+}
+
+func trySubscribe(t *testing.T, m *Manager, name string) (*subscription, error) {
+	t.Helper()
+	sub := &subscription{name: name, ch: make(chan update, 256)}
+	var inside atomic.Int32
+	cancel, err := m.Subscribe(name, func(s *Secret, err error) {
+		if inside.Add(1) != 1 {
+			t.Errorf("%s: a subscriber was called while it was being called", name)
+		}
+		defer inside.Add(-1)
+		if (s == nil) == (err == nil) {
+			t.Errorf("%s: a subscriber was told (%v, %v): want exactly one of them", name, s, err)
+		}
+		if s != nil && s.Name != name {
+			t.Errorf("a subscriber of %s was given %s", name, s.Name)
+		}
+		sub.mu.Lock()
+		sub.log = append(sub.log, update{s, err})
+		sub.mu.Unlock()
+		select {
+		case sub.ch <- update{s, err}:
+		default:
+			t.Errorf("subscriber channel for %s full", name)
+		}
+	})
+	if err != nil {
+		return nil, err
+	}
+	sub.cancel = cancel
+	return sub, nil
+}
+
+// seen returns every update so far.
+func (s *subscription) seen() []update {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return slices.Clone(s.log)
+}
+
+// next returns the next update, which must be a secret.
+func (s *subscription) next(t *testing.T) *Secret {
+	t.Helper()
+	u := recv(t, s.ch, "the next "+s.name)
+	if u.err != nil {
+		t.Fatalf("%s: got error %v, want a secret", s.name, u.err)
+	}
+	return u.s
+}
+
+// nextErr returns the next update, which must be an error.
+func (s *subscription) nextErr(t *testing.T) error {
+	t.Helper()
+	u := recv(t, s.ch, "the next "+s.name)
+	if u.err == nil {
+		t.Fatalf("%s: got version %s, want an error", s.name, u.s.Version)
+	}
+	return u.err
+}
+
+// none fails if an update is waiting.
+func (s *subscription) none(t *testing.T, when string) {
+	t.Helper()
+	select {
+	case u := <-s.ch:
+		t.Fatalf("%s: %s was told %s", when, s.name, u)
+	default:
+	}
+}
+
+// run is a Manager under test, running, with subscriptions to "default" and "ROOTCA".
+type run struct {
+	m        *Manager
+	workload *subscription
+	roots    *subscription
+	cancel   context.CancelFunc
+	done     chan error
+}
+
 // start builds a Manager from e.cfg and runs it until the test ends.
 func (e *env) start() *run { return e.run(e.newManager()) }
 
 func (e *env) run(m *Manager) *run {
 	t := e.t
 	t.Helper()
-	r := &run{m: m, workload: make(chan *Secret, 64), roots: make(chan *Secret, 64), done: make(chan error, 1)}
-	m.Subscribe(func(s *Secret) {
-		ch := r.workload
-		if s.Name == RootCertName {
-			ch = r.roots
-		}
-		select {
-		case ch <- s:
-		default:
-			t.Errorf("subscriber channel for %s full", s.Name)
-		}
-	})
+	r := &run{m: m, workload: subscribe(t, m, WorkloadCertName), roots: subscribe(t, m, RootCertName), done: make(chan error, 1)}
 	ctx, cancel := context.WithCancel(context.Background())
 	r.cancel = cancel
 	go func() { r.done <- m.Run(ctx) }()
@@ -261,10 +650,10 @@ func (r *run) stop(t *testing.T) error {
 	}
 }
 
-// next returns the next workload secret the manager announces.
+// next returns the next workload key pair the manager announces.
 func (r *run) next(t *testing.T) *Secret {
 	t.Helper()
-	return recv(t, r.workload, "a new workload certificate")
+	return r.workload.next(t)
 }
 
 func recv[T any](t *testing.T, ch <-chan T, what string) T {
@@ -278,32 +667,39 @@ func recv[T any](t *testing.T, ch <-chan T, what string) T {
 	}
 }
 
-// idle waits until the renewal loop waits on its timer (the renewal or the retry).
-func (e *env) idle() {
+// idle waits until the renewal loop waits for at (a renewal or a retry).
+func (e *env) idle(at time.Time) {
 	e.t.Helper()
-	ctx, cancel := context.WithTimeout(e.t.Context(), waitLimit)
-	defer cancel()
-	if err := e.clock.WaitForTimers(ctx, 1); err != nil {
-		e.t.Fatalf("the renewal loop never went back to waiting (Sign called %d times): %v", e.signer.Calls(), err)
-	}
+	e.clock.waitArmed(e.t, at)
 }
 
-// set moves the clock to at and, if that fired the loop's timer, waits until the loop waits
-// again; it reports whether the timer fired. A fired timer leads to a Sign call before the loop
-// arms its next timer, so the timer fired if none is pending or Sign was called since (read in
-// that order).
-func (e *env) set(at time.Time) (fired bool) {
+// attempt moves the clock to at, which the renewal loop must be waiting for, and returns what
+// its attempt reported: EventIssued or EventRenewalFailed.
+func (e *env) attempt(at time.Time) Event {
 	e.t.Helper()
-	calls := e.signer.Calls()
+	e.idle(at)
+	mark := e.events.mark()
 	e.clock.Set(at)
-	if e.clock.PendingTimers() == 0 || e.signer.Calls() != calls {
-		e.idle()
-		return true
-	}
-	return false
+	ev, _ := e.events.wait(e.t, mark, "a renewal attempt at "+at.String(), kind(EventIssued, EventRenewalFailed))
+	return ev
 }
 
-// failures reads meshid_agent_cert_renewal_failures_total from the registry.
+// failure waits for the next failed renewal from index from on.
+func (e *env) failure(from int) Event {
+	e.t.Helper()
+	ev, _ := e.events.wait(e.t, from, "a failed renewal", kind(EventRenewalFailed))
+	return ev
+}
+
+// awaitOutput waits until OUTPUT_CERTS holds the key pair of version.
+func (e *env) awaitOutput(version string) {
+	e.t.Helper()
+	e.events.wait(e.t, 0, "OUTPUT_CERTS written with "+version, func(ev Event) bool {
+		return ev.Kind == EventOutputWritten && ev.Version == version
+	})
+}
+
+// metric reads a counter or gauge from the registry.
 func (e *env) metric(name string) float64 {
 	e.t.Helper()
 	mfs, err := e.reg.Gather()
@@ -325,33 +721,11 @@ func (e *env) metric(name string) float64 {
 
 func (e *env) failures() int { return int(e.metric("meshid_agent_cert_renewal_failures_total")) }
 
-var retryAtRE = regexp.MustCompile(`retry_at=(\S+)`)
+func (e *env) certValid() float64 { return e.metric("meshid_agent_cert_valid") }
 
-// retryTimes returns the retry_at of every logged renewal failure, in order.
-func (e *env) retryTimes() []time.Time {
-	e.t.Helper()
-	var out []time.Time
-	for line := range strings.Lines(e.logs.String()) {
-		if !strings.Contains(line, "renewal failed") {
-			continue
-		}
-		m := retryAtRE.FindStringSubmatch(line)
-		if m == nil {
-			e.t.Fatalf("a renewal failure logged without retry_at: %s", line)
-		}
-		at, err := time.Parse(time.RFC3339Nano, m[1])
-		if err != nil {
-			e.t.Fatalf("retry_at in %q: %v", line, err)
-		}
-		out = append(out, at)
-	}
-	return out
-}
-
-func cancelledCtx() context.Context {
-	ctx, cancel := context.WithCancel(context.Background())
-	cancel()
-	return ctx
+// errorLogs counts the records logged at Error level.
+func (e *env) errorLogs() int {
+	return len(e.logs.matching(func(r logRecord) bool { return r.level >= slog.LevelError }))
 }
 
 // readPair reads key.pem and cert-chain.pem through their visible names and checks they match.
@@ -421,6 +795,12 @@ func writeFileAtomic(t *testing.T, path string, data []byte) {
 	}
 }
 
+// writeGeneration writes one OUTPUT_CERTS generation with the default modes.
+func writeGeneration(dir string, keyPEM, chainPEM, rootsPEM []byte) error {
+	m := Output{}.modes()
+	return writeOutput(dir, m.dir, outputFiles(m, keyPEM, chainPEM, rootsPEM))
+}
+
 func sameCerts(a, b []*x509.Certificate) bool {
 	if len(a) != len(b) {
 		return false
@@ -441,18 +821,14 @@ func names(certs []*x509.Certificate) string {
 	return fmt.Sprintf("%q", s)
 }
 
-var errCADown = errors.New("CA unreachable at 127.0.0.1:15012: connection refused")
-
-// diskSerial returns the serial of the leaf in dir's cert-chain.pem, or "" if there is none; it
-// is safe to call off the test's goroutine.
-func diskSerial(dir string) string {
-	data, err := os.ReadFile(filepath.Join(dir, CertChainFile))
-	if err != nil {
-		return ""
+// status returns the Snapshot entry of name.
+func status(t *testing.T, m *Manager, name string) Status {
+	t.Helper()
+	for _, st := range m.Snapshot() {
+		if st.Name == name {
+			return st
+		}
 	}
-	chain, err := pki.ParseCertificates(data)
-	if err != nil {
-		return ""
-	}
-	return chain[0].SerialNumber.Text(16)
+	t.Fatalf("%s not in the Snapshot", name)
+	return Status{}
 }

@@ -3,14 +3,20 @@ package secretmanager
 import "github.com/prometheus/client_golang/prometheus"
 
 type metrics struct {
-	expiry      prometheus.Gauge
-	nextRenewal prometheus.Gauge
-	rotations   prometheus.Counter
-	failures    prometheus.Counter
+	valid          prometheus.Gauge
+	expiry         prometheus.Gauge
+	nextRenewal    prometheus.Gauge
+	rotations      prometheus.Counter
+	failures       prometheus.Counter
+	outputFailures prometheus.Counter
 }
 
 func newMetrics() *metrics {
 	return &metrics{
+		valid: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: "meshid", Subsystem: "agent", Name: "cert_valid",
+			Help: "1 while a valid workload certificate is held, else 0.",
+		}),
 		expiry: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: "meshid", Subsystem: "agent", Name: "cert_expiry_timestamp_seconds",
 			Help: "Unix time at which the workload certificate in service expires.",
@@ -27,11 +33,15 @@ func newMetrics() *metrics {
 			Namespace: "meshid", Subsystem: "agent", Name: "cert_renewal_failures_total",
 			Help: "Failed attempts to obtain a workload certificate.",
 		}),
+		outputFailures: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: "meshid", Subsystem: "agent", Name: "output_certs_write_failures_total",
+			Help: "Failed attempts to write OUTPUT_CERTS.",
+		}),
 	}
 }
 
 func (m *metrics) register(reg prometheus.Registerer) error {
-	for _, c := range []prometheus.Collector{m.expiry, m.nextRenewal, m.rotations, m.failures} {
+	for _, c := range []prometheus.Collector{m.valid, m.expiry, m.nextRenewal, m.rotations, m.failures, m.outputFailures} {
 		if err := reg.Register(c); err != nil {
 			return err
 		}

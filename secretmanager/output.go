@@ -1,20 +1,30 @@
 package secretmanager
 
 import (
+	"bytes"
+	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
+	"time"
 
+	"github.com/cenkalti/backoff/v4"
+
+	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/fsutil"
+	"github.com/meshid/meshid/internal/istio"
+	"github.com/meshid/meshid/internal/logkey"
 )
 
 // Names of the files in OUTPUT_CERTS, as Istio's agent writes them.
 const (
-	CertChainFile = "cert-chain.pem"
-	KeyFile       = "key.pem"
-	RootCertFile  = "root-cert.pem"
+	CertChainFile = istio.CertChainFile
+	KeyFile       = istio.KeyFile
+	RootCertFile  = istio.RootCertFile
 )
 
 const (
@@ -22,27 +32,242 @@ const (
 	versionPrefix = "..meshid_" // one directory per written generation
 )
 
+// Output configures OUTPUT_CERTS: the directory that receives the workload key pair and trust
+// bundle in service, for a VM's applications.
+type Output struct {
+	Dir string
+	// GroupRead makes the directories 0750 and cert-chain.pem and root-cert.pem 0640, so that a
+	// group of readers (Prometheus, the application) can read them; KeyGroupRead makes key.pem
+	// 0640 too. Without them, only the agent's user can read anything.
+	GroupRead, KeyGroupRead bool
+	// RetryInitial and RetryMax bound the backoff between failed writes.
+	RetryInitial, RetryMax time.Duration
+}
+
+// outputModes are the modes of what writeOutput creates.
+type outputModes struct {
+	dir, key, cert os.FileMode
+}
+
+func (o Output) modes() outputModes {
+	m := outputModes{dir: fsutil.PrivateDirMode, key: fsutil.PrivateFileMode, cert: fsutil.PublicFileMode}
+	if o.GroupRead {
+		m.dir, m.cert = 0o750, 0o640
+	}
+	if o.KeyGroupRead {
+		m.key = 0o640
+	}
+	return m
+}
+
+// outputWriter writes the latest key pair and trust bundle to OUTPUT_CERTS, retrying a failed
+// write with backoff until it succeeds. Until then the agent is not ready: the files are the
+// VM's product.
+type outputWriter struct {
+	cfg     Output
+	modes   outputModes
+	clock   clock.Clock
+	log     *slog.Logger
+	metrics *metrics
+	event   func(Event)
+	wake    chan struct{}
+
+	mu      sync.Mutex
+	pair    *Secret // latest key pair offered
+	roots   *Secret // latest trust bundle offered
+	written string  // the pair and bundle last on disk
+	lastErr error   // why the last write failed; nil once one succeeds
+}
+
+func newOutputWriter(cfg Output, clk clock.Clock, log *slog.Logger, m *metrics, event func(Event)) (*outputWriter, error) {
+	if cfg.KeyGroupRead && !cfg.GroupRead {
+		return nil, errors.New("OUTPUT_CERTS: a group-readable key needs group-readable directories")
+	}
+	if cfg.RetryInitial <= 0 {
+		cfg.RetryInitial = DefaultRetryInitial
+	}
+	if cfg.RetryMax < cfg.RetryInitial {
+		cfg.RetryMax = max(DefaultRetryMax, cfg.RetryInitial)
+	}
+	return &outputWriter{cfg: cfg, modes: cfg.modes(), clock: clk, log: log, metrics: m, event: event, wake: make(chan struct{}, 1)}, nil
+}
+
+// offer takes a new secret to write; it never blocks.
+func (w *outputWriter) offer(s *Secret) {
+	if s == nil {
+		return
+	}
+	w.mu.Lock()
+	if s.KeyPair != nil {
+		w.pair = s
+	} else {
+		w.roots = s
+	}
+	w.mu.Unlock()
+	select {
+	case w.wake <- struct{}{}:
+	default:
+	}
+}
+
+// ready reports whether OUTPUT_CERTS holds what is in service, or at least what was before and
+// no write has failed since.
+func (w *outputWriter) ready() (bool, string) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	switch {
+	case w.lastErr != nil:
+		return false, fmt.Sprintf("cannot write OUTPUT_CERTS (%s): %s", w.cfg.Dir, w.lastErr.Error())
+	case w.written == "":
+		return false, "OUTPUT_CERTS (" + w.cfg.Dir + ") not written yet"
+	}
+	return true, ""
+}
+
+func (w *outputWriter) pending() (pair, roots *Secret, key string) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.pair == nil {
+		return nil, nil, ""
+	}
+	key = w.pair.Version + "/"
+	if w.roots != nil {
+		key += w.roots.Version
+	}
+	if key == w.written {
+		return nil, nil, ""
+	}
+	return w.pair, w.roots, key
+}
+
+func (w *outputWriter) run(ctx context.Context) error {
+	w.removeStaleGenerations()
+	retry := backoff.NewExponentialBackOff(
+		backoff.WithInitialInterval(w.cfg.RetryInitial),
+		backoff.WithMaxInterval(w.cfg.RetryMax),
+		backoff.WithMaxElapsedTime(0),
+		backoff.WithClockProvider(w.clock),
+	)
+	var (
+		timer  clock.Timer
+		retryC <-chan time.Time
+		failed string // the content whose write failed last, until a write succeeds
+	)
+	stopTimer := func() {
+		if timer != nil {
+			timer.Stop()
+			timer, retryC = nil, nil
+		}
+	}
+	for {
+		var retrying bool
+		select {
+		case <-ctx.Done():
+			stopTimer()
+			return nil
+		case <-w.wake:
+		case <-retryC:
+			timer, retryC = nil, nil
+			retrying = true
+		}
+		pair, roots, key := w.pending()
+		// A wake-up brings new content to write at once. One can also come for content that
+		// just failed (offered while the write was under way): that waits for its retry.
+		if pair == nil || (key == failed && !retrying) {
+			continue
+		}
+		var rootsPEM []byte
+		if roots != nil {
+			rootsPEM = roots.Bundle.PEM
+		}
+		files := outputFiles(w.modes, pair.KeyPair.KeyPEM, pair.KeyPair.ChainPEM, rootsPEM)
+		err := error(nil)
+		if !onDisk(w.cfg.Dir, files) {
+			err = writeOutput(w.cfg.Dir, w.modes.dir, files)
+		}
+		if err != nil {
+			failed = key
+			wait := retry.NextBackOff()
+			retryAt := w.clock.Now().Add(wait)
+			w.mu.Lock()
+			w.lastErr = err
+			w.mu.Unlock()
+			w.metrics.outputFailures.Inc()
+			w.log.Error("cannot write OUTPUT_CERTS; the agent is not ready until it can", logkey.Dir, w.cfg.Dir, logkey.Error, err.Error(), logkey.RetryAt, retryAt)
+			w.event(Event{Kind: EventOutputFailed, Version: pair.Version, RetryAt: retryAt, Err: err})
+			stopTimer()
+			timer = w.clock.NewTimer(wait)
+			retryC = timer.C()
+			continue
+		}
+		stopTimer()
+		retry.Reset()
+		failed = ""
+		w.mu.Lock()
+		recovered := w.lastErr != nil
+		w.written, w.lastErr = key, nil
+		w.mu.Unlock()
+		if recovered {
+			w.log.Info("OUTPUT_CERTS written again", logkey.Dir, w.cfg.Dir, logkey.Serial, pair.Version)
+		}
+		w.event(Event{Kind: EventOutputWritten, Version: pair.Version})
+	}
+}
+
+type outputFile struct {
+	name string
+	data []byte
+	mode os.FileMode
+}
+
+// outputFiles lists the files of one generation, the key first.
+func outputFiles(m outputModes, keyPEM, chainPEM, rootsPEM []byte) []outputFile {
+	return []outputFile{
+		{KeyFile, keyPEM, m.key},
+		{CertChainFile, chainPEM, m.cert},
+		{RootCertFile, rootsPEM, m.cert},
+	}
+}
+
+// onDisk reports whether dir already shows exactly these files (after a restart that loaded
+// them, say), so that they are not written again.
+func onDisk(dir string, files []outputFile) bool {
+	for _, f := range files {
+		path := filepath.Join(dir, f.name)
+		info, err := os.Stat(path)
+		if err != nil || info.Mode().Perm() != f.mode {
+			return false
+		}
+		data, err := os.ReadFile(path)
+		if err != nil || !bytes.Equal(data, f.data) {
+			return false
+		}
+	}
+	return true
+}
+
 // writeOutput publishes a key pair and trust bundle in dir so that a reader always sees a
 // matching pair, whatever moment the writer is killed at. As the kubelet does for mounted
-// secrets, each generation goes into a fresh directory (key.pem first, mode 0600, then
-// cert-chain.pem and root-cert.pem, each written atomically and synced); then the "..data"
-// symlink is renamed onto it in one step, and the visible names are symlinks through "..data".
-func writeOutput(dir string, keyPEM, chainPEM, rootsPEM []byte) error {
-	if err := fsutil.EnsureDir(dir, fsutil.PrivateDirMode); err != nil {
+// secrets, each generation goes into a fresh directory (key.pem first, then cert-chain.pem and
+// root-cert.pem, each written atomically and synced); then the "..data" symlink is renamed onto
+// it in one step, and the visible names are symlinks through "..data".
+func writeOutput(dir string, dirMode os.FileMode, files []outputFile) error {
+	if err := fsutil.EnsureDir(dir, dirMode); err != nil {
 		return err
+	}
+	// An existing directory is opened to the group when asked; otherwise it is left as it is.
+	if dirMode != fsutil.PrivateDirMode {
+		if err := os.Chmod(dir, dirMode); err != nil {
+			return fmt.Errorf("set the mode of %s: %w", dir, err)
+		}
 	}
 	version, err := os.MkdirTemp(dir, versionPrefix) // 0700
 	if err != nil {
 		return fmt.Errorf("create a new output generation in %s: %w", dir, err)
 	}
-	files := []struct {
-		name string
-		data []byte
-		mode os.FileMode
-	}{
-		{KeyFile, keyPEM, fsutil.PrivateFileMode},
-		{CertChainFile, chainPEM, fsutil.PublicFileMode},
-		{RootCertFile, rootsPEM, fsutil.PublicFileMode},
+	if err := os.Chmod(version, dirMode); err != nil {
+		_ = os.RemoveAll(version)
+		return fmt.Errorf("set the mode of %s: %w", version, err)
 	}
 	for _, f := range files {
 		if err := fsutil.WriteFileAtomic(filepath.Join(version, f.name), f.data, f.mode); err != nil {
@@ -83,6 +308,32 @@ func replaceSymlink(dir, name, target string) error {
 	return nil
 }
 
+// removeStaleGenerations removes what a writer killed mid-way left in OUTPUT_CERTS: generations
+// that "..data" does not point at, with any temporary key file inside. A restart that finds the
+// pair in service already on disk writes nothing, so this is not left to the next write.
+func (w *outputWriter) removeStaleGenerations() {
+	current, err := os.Readlink(filepath.Join(w.cfg.Dir, dataLink))
+	if err != nil {
+		current = ""
+	}
+	entries, err := os.ReadDir(w.cfg.Dir)
+	if err != nil {
+		return // nothing there yet
+	}
+	for _, e := range entries {
+		if e.IsDir() && strings.HasPrefix(e.Name(), versionPrefix) && e.Name() != current {
+			path := filepath.Join(w.cfg.Dir, e.Name())
+			if err := os.RemoveAll(path); err != nil {
+				w.log.Warn("cannot remove an unfinished OUTPUT_CERTS generation", logkey.Path, path, logkey.Error, err.Error())
+				continue
+			}
+			w.log.Info("removed an unfinished OUTPUT_CERTS generation", logkey.Path, path)
+		}
+	}
+}
+
+// removeOldGenerations removes every generation but keep, including those a writer killed
+// mid-way left behind.
 func removeOldGenerations(dir, keep string) error {
 	entries, err := os.ReadDir(dir)
 	if err != nil {

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"crypto/x509"
+	"errors"
 	"fmt"
 	"io/fs"
 	"os"
@@ -20,29 +21,29 @@ func TestProactiveRotationRewritesOutputCerts(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	dir := filepath.Join(t.TempDir(), "missing", "out") // created on the first write
-	e.cfg.OutputDir = dir
+	e.cfg.Output.Dir = dir
 	r := e.start()
 	s := r.next(t)
-	e.idle()
 	serials := map[string]bool{}
-	// Nobody calls GenerateSecret: the clock alone drives three renewals.
+	// Nobody asks for anything: the clock alone drives three renewals.
 	for i := range 4 {
 		if i > 0 {
-			if !e.set(s.RenewAt) {
-				t.Fatalf("renewal %d did not happen at %s", i, s.RenewAt)
+			if ev := e.attempt(s.RenewAt); ev.Kind != EventIssued {
+				t.Fatalf("renewal %d did not happen at %s: %+v", i, s.RenewAt, ev)
 			}
 			s = r.next(t)
 		}
+		e.awaitOutput(s.Version)
 		leaf, _ := readPair(t, dir)
 		serial := leaf.SerialNumber.Text(16)
 		if serial != s.Version || serials[serial] {
 			t.Fatalf("write %d: cert-chain.pem holds serial %s, want the new %s", i, serial, s.Version)
 		}
 		serials[serial] = true
-		if roots := readRoots(t, dir); !sameCerts(roots, []*x509.Certificate{s.Chain[len(s.Chain)-1]}) {
+		if roots := readRoots(t, dir); !sameCerts(roots, []*x509.Certificate{s.KeyPair.Chain[len(s.KeyPair.Chain)-1]}) {
 			t.Errorf("write %d: root-cert.pem = %s", i, names(roots))
 		}
-		checkModes(t, dir)
+		checkModes(t, dir, 0o700, Output{}.modes())
 		if got := generations(t, dir); len(got) != 1 {
 			t.Errorf("write %d: generations %v, want exactly one", i, got)
 		}
@@ -52,11 +53,11 @@ func TestProactiveRotationRewritesOutputCerts(t *testing.T) {
 	}
 }
 
-// checkModes checks OUTPUT_CERTS: a private directory, a private key, public certificates, each
-// visible name a symlink through ..data.
-func checkModes(t *testing.T, dir string) {
+// checkModes checks OUTPUT_CERTS: the modes of the directory (top), its generations (want.dir)
+// and each file (through its visible name), each visible name a symlink through ..data.
+func checkModes(t *testing.T, dir string, top fs.FileMode, want outputModes) {
 	t.Helper()
-	for name, want := range map[string]fs.FileMode{".": 0o700, KeyFile: 0o600, CertChainFile: 0o644, RootCertFile: 0o644} {
+	for name, want := range map[string]fs.FileMode{".": top, KeyFile: want.key, CertChainFile: want.cert, RootCertFile: want.cert} {
 		p := filepath.Join(dir, name)
 		info, err := os.Stat(p) // follows the symlink to the file written
 		if err != nil {
@@ -73,9 +74,56 @@ func checkModes(t *testing.T, dir string) {
 		}
 	}
 	for _, gen := range generations(t, dir) {
-		if info, err := os.Stat(filepath.Join(dir, gen)); err != nil || info.Mode().Perm() != 0o700 {
-			t.Errorf("generation %s: %v, %v", gen, info.Mode(), err)
+		if info, err := os.Stat(filepath.Join(dir, gen)); err != nil || info.Mode().Perm() != want.dir {
+			t.Errorf("generation %s: %v, %v; want mode %v", gen, info.Mode(), err, want.dir)
 		}
+	}
+}
+
+// TestOutputModes: by default only the agent's user can read OUTPUT_CERTS, but the certificates;
+// GroupRead opens the directories and certificates to the group, KeyGroupRead the key too.
+func TestOutputModes(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name     string
+		output   Output
+		existing fs.FileMode // of the directory, made before the first write; 0: none
+		top      fs.FileMode // of the directory after the writes
+		want     outputModes // of the generations and files
+	}{
+		{"default", Output{}, 0, 0o700, outputModes{dir: 0o700, key: 0o600, cert: 0o644}},
+		{"default leaves an existing directory as it is", Output{}, 0o755, 0o755, outputModes{dir: 0o700, key: 0o600, cert: 0o644}},
+		{"group read", Output{GroupRead: true}, 0, 0o750, outputModes{dir: 0o750, key: 0o600, cert: 0o640}},
+		{"group read opens an existing private directory", Output{GroupRead: true}, 0o700, 0o750, outputModes{dir: 0o750, key: 0o600, cert: 0o640}},
+		{"group read with the key", Output{GroupRead: true, KeyGroupRead: true}, 0, 0o750, outputModes{dir: 0o750, key: 0o640, cert: 0o640}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t)
+			dir := filepath.Join(t.TempDir(), "out")
+			if tc.existing != 0 {
+				if err := os.Mkdir(dir, tc.existing); err != nil {
+					t.Fatal(err)
+				}
+				if err := os.Chmod(dir, tc.existing); err != nil { // whatever the umask
+					t.Fatal(err)
+				}
+			}
+			tc.output.Dir = dir
+			e.cfg.Output = tc.output
+			r := e.start()
+			s := r.next(t)
+			e.awaitOutput(s.Version)
+			checkModes(t, dir, tc.top, tc.want)
+			// A renewal writes a new generation with the same modes.
+			e.attempt(s.RenewAt)
+			s = r.next(t)
+			e.awaitOutput(s.Version)
+			checkModes(t, dir, tc.top, tc.want)
+			if leaf, _ := readPair(t, dir); leaf.SerialNumber.Text(16) != s.Version {
+				t.Errorf("OUTPUT_CERTS holds serial %s, want %s", leaf.SerialNumber.Text(16), s.Version)
+			}
+		})
 	}
 }
 
@@ -93,7 +141,7 @@ func TestHelperProcessWriteLoop(t *testing.T) {
 	rootPEM := testutil.CertPEM(ca.Cert)
 	for i := 0; ; i++ {
 		leaf, key := ca.IssueWorkload(t, testID.String(), time.Hour)
-		if err := writeOutput(dir, testutil.KeyPEM(t, key), testutil.CertPEM(leaf, ca.Cert), rootPEM); err != nil {
+		if err := writeGeneration(dir, testutil.KeyPEM(t, key), testutil.CertPEM(leaf, ca.Cert), rootPEM); err != nil {
 			fmt.Fprintln(os.Stderr, err)
 			os.Exit(3)
 		}
@@ -139,7 +187,7 @@ func TestTornOutputWrite(t *testing.T) {
 	// Whatever a killed writer left behind, the next write cleans up.
 	ca := testutil.NewRootCA(t, testutil.CAOptions{})
 	leaf, key := ca.IssueWorkload(t, testID.String(), time.Hour)
-	if err := writeOutput(dir, testutil.KeyPEM(t, key), testutil.CertPEM(leaf, ca.Cert), testutil.CertPEM(ca.Cert)); err != nil {
+	if err := writeGeneration(dir, testutil.KeyPEM(t, key), testutil.CertPEM(leaf, ca.Cert), testutil.CertPEM(ca.Cert)); err != nil {
 		t.Fatal(err)
 	}
 	if got, _ := readPair(t, dir); !got.Equal(leaf) {
@@ -160,7 +208,7 @@ func TestFailedOutputWriteKeepsPreviousPair(t *testing.T) {
 	rootPEM := testutil.CertPEM(ca.Cert)
 	dir := filepath.Join(t.TempDir(), "out")
 	keyPEM, chainPEM, leaf := pair()
-	if err := writeOutput(dir, keyPEM, chainPEM, rootPEM); err != nil {
+	if err := writeGeneration(dir, keyPEM, chainPEM, rootPEM); err != nil {
 		t.Fatal(err)
 	}
 	// The next generation is written in full, but the ..data swap fails: the temporary link's
@@ -170,7 +218,7 @@ func TestFailedOutputWriteKeepsPreviousPair(t *testing.T) {
 		t.Fatal(err)
 	}
 	newKey, newChain, newLeaf := pair()
-	if err := writeOutput(dir, newKey, newChain, rootPEM); err == nil {
+	if err := writeGeneration(dir, newKey, newChain, rootPEM); err == nil {
 		t.Fatal("the write did not fail")
 	}
 	if got, _ := readPair(t, dir); !got.Equal(leaf) {
@@ -182,7 +230,7 @@ func TestFailedOutputWriteKeepsPreviousPair(t *testing.T) {
 	if err := os.RemoveAll(obstacle); err != nil {
 		t.Fatal(err)
 	}
-	if err := writeOutput(dir, newKey, newChain, rootPEM); err != nil {
+	if err := writeGeneration(dir, newKey, newChain, rootPEM); err != nil {
 		t.Fatal(err)
 	}
 	if got, _ := readPair(t, dir); !got.Equal(newLeaf) {
@@ -190,8 +238,36 @@ func TestFailedOutputWriteKeepsPreviousPair(t *testing.T) {
 	}
 }
 
-// A certificate that cannot be written out is still served, and the next renewal writes again.
-func TestOutputWriteFailureKeepsServing(t *testing.T) {
+// outputRetry waits until the output writer waits to retry its latest failed write, and returns
+// that failure and how many writes have failed so far.
+func (e *env) outputRetry() (Event, int) {
+	e.t.Helper()
+	var last Event
+	var n int
+	e.until("the output writer waits to retry", func() bool {
+		failed := e.events.since(0, kind(EventOutputFailed))
+		if len(failed) == 0 {
+			return false
+		}
+		last, n = failed[len(failed)-1], len(failed)
+		e.clock.mu.Lock()
+		defer e.clock.mu.Unlock()
+		now := e.clock.fake.Now()
+		for _, tm := range e.clock.timers {
+			if tm.liveAt(now) && tm.deadline.Equal(last.RetryAt) {
+				return true
+			}
+		}
+		return false
+	}, false)
+	return last, n
+}
+
+// TestOutputWriteFailureIsRetried: a certificate that cannot be written to OUTPUT_CERTS is still
+// served, but the agent is not ready, saying why, while the write is retried with backoff on the
+// clock; once the obstacle is gone the retry writes it and the agent is ready. (Tests run as
+// root here, so the obstacles are not mode bits.)
+func TestOutputWriteFailureIsRetried(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
 		name string
@@ -225,39 +301,107 @@ func TestOutputWriteFailureKeepsServing(t *testing.T) {
 			t.Parallel()
 			e := newEnv(t)
 			dir := filepath.Join(t.TempDir(), "parent", "out")
-			e.cfg.OutputDir = dir
+			e.cfg.Output = Output{Dir: dir, RetryInitial: time.Second, RetryMax: time.Minute}
 			var undo func()
 			if tc.first {
 				undo = tc.obstruct(t, dir)
 			}
 			r := e.start()
 			s := r.next(t)
-			e.idle()
+			var old *Secret
 			if !tc.first {
+				e.awaitOutput(s.Version)
 				undo = tc.obstruct(t, dir)
-				if !e.set(s.RenewAt) {
-					t.Fatal("no renewal")
-				}
-				old := s
-				s = r.next(t)
+				e.attempt(s.RenewAt)
+				old, s = s, r.next(t)
+			}
+			ev, n := e.outputRetry()
+			if ev.Version != s.Version || ev.Err == nil {
+				t.Fatalf("write failure reported as %+v, want one for version %s with its error", ev, s.Version)
+			}
+			if got := current(t, r.m, WorkloadCertName); got.s != s {
+				t.Fatalf("the certificate that could not be written is not served: %s", got)
+			}
+			if old != nil {
 				if got, _ := readPair(t, dir); got.SerialNumber.Text(16) != old.Version {
 					t.Errorf("OUTPUT_CERTS holds serial %s, want the previous %s", got.SerialNumber.Text(16), old.Version)
 				}
 			}
-			if got, err := r.m.GenerateSecret(cancelledCtx(), WorkloadCertName); err != nil || got.Version != s.Version || !r.m.Ready() {
-				t.Fatalf("the certificate that could not be written is not served: (%v, %v)", got, err)
+
+			failedAt := e.clock.Now()
+			var waits []time.Duration
+			for range 8 {
+				ready(t, r.m, false, "cannot write OUTPUT_CERTS", dir)
+				if got := int(e.metric("meshid_agent_output_certs_write_failures_total")); got != n {
+					t.Fatalf("write failure counter %d after %d failures", got, n)
+				}
+				wait := ev.RetryAt.Sub(failedAt)
+				backoffWithin(t, n-1, wait, time.Second, time.Minute)
+				waits = append(waits, wait)
+				failedAt = ev.RetryAt
+				e.clock.Set(ev.RetryAt)
+				if ev, n = e.outputRetry(); ev.RetryAt.Equal(failedAt) {
+					t.Fatal("no retry")
+				}
 			}
-			if !strings.Contains(e.logs.String(), "cannot write OUTPUT_CERTS") {
-				t.Error("the write failure was not logged")
-			}
+			growing(t, waits)
+
 			undo()
-			if !e.set(s.RenewAt) {
-				t.Fatal("no renewal")
+			mark := e.events.mark()
+			e.clock.Set(ev.RetryAt)
+			if ev, _ := e.events.wait(t, mark, "the retry after the obstacle went", kind(EventOutputWritten, EventOutputFailed)); ev.Kind != EventOutputWritten || ev.Version != s.Version {
+				t.Fatalf("the retry after the obstacle went reported %+v, want version %s written", ev, s.Version)
 			}
-			s = r.next(t)
+			ready(t, r.m, true)
 			if got, _ := readPair(t, dir); got.SerialNumber.Text(16) != s.Version {
 				t.Errorf("OUTPUT_CERTS holds serial %s after the obstacle went, want %s", got.SerialNumber.Text(16), s.Version)
 			}
+			if got := generations(t, dir); len(got) != 1 {
+				t.Errorf("generations after the retries: %v", got)
+			}
+			if n := e.errorLogs(); n == 0 {
+				t.Error("the write failures were not logged as errors")
+			}
 		})
+	}
+}
+
+// A writer killed mid-generation leaves a directory with a temporary key file; a restart that
+// finds the pair in service already on disk writes nothing, and still removes it.
+func TestRestartRemovesUnfinishedGenerations(t *testing.T) {
+	t.Parallel()
+	dir := filepath.Join(t.TempDir(), "out")
+	earlier := newEnv(t)
+	earlier.cfg.Output.Dir = dir
+	er := earlier.start()
+	old := er.next(t)
+	earlier.awaitOutput(old.Version)
+	if err := er.stop(t); err != nil {
+		t.Fatal(err)
+	}
+	unfinished := filepath.Join(dir, versionPrefix+"killed")
+	testutil.WriteFiles(t, unfinished, map[string][]byte{".key.pem.tmp-1234": []byte("half a key")})
+	dataBefore, err := os.Readlink(filepath.Join(dir, dataLink))
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	e := newEnv(t)
+	e.cfg.Output.Dir = dir
+	e.clock.Set(t0.Add(time.Minute))
+	r := e.start()
+	s := r.next(t)
+	if s.Source != SourceOutputCerts {
+		t.Fatalf("served %s, want the pair in OUTPUT_CERTS", s.Source)
+	}
+	e.awaitOutput(s.Version)
+	if _, err := os.Stat(unfinished); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("the unfinished generation is still there: %v", err)
+	}
+	if after, _ := os.Readlink(filepath.Join(dir, dataLink)); after != dataBefore {
+		t.Error("OUTPUT_CERTS was rewritten")
+	}
+	if got := generations(t, dir); len(got) != 1 {
+		t.Errorf("generations %v, want the one in service", got)
 	}
 }

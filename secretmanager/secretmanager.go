@@ -1,213 +1,190 @@
-// Package secretmanager holds the workload's certificate and trust bundle at every moment: it
-// obtains the certificate from a Signer (the CA client), renews it proactively at a share of its
-// lifetime whether or not anyone is asking, retries failed renewals with backoff while the current
-// certificate keeps serving, writes every new secret to OUTPUT_CERTS, and tells subscribers (the
-// SDS server) of each change.
+// Package secretmanager holds the workload's secrets at every moment and tells subscribers (the
+// SDS server) of every change. The workload key pair ("default") and trust bundle ("ROOTCA") come
+// from one WorkloadSource: a CA that issues the key pair and renews it proactively (Rotation), or
+// mounted files that are re-read when they change (MountedFiles). Istio's file resources
+// ("file-cert:", "file-root:") are read from the allowed directories and watched. Every new
+// workload key pair and trust bundle can be written to OUTPUT_CERTS.
 package secretmanager
 
 import (
 	"context"
-	"crypto"
-	"crypto/sha256"
-	"crypto/x509"
-	"encoding/hex"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
 	"maps"
-	"math/rand/v2"
-	"os"
-	"path/filepath"
 	"slices"
 	"sync"
 	"time"
 
-	"github.com/meshid/meshid/internal/logkey"
-
-	"github.com/cenkalti/backoff/v4"
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sync/errgroup"
 
 	"github.com/meshid/meshid/internal/clock"
-	"github.com/meshid/meshid/internal/filewatch"
-	"github.com/meshid/meshid/internal/pki"
+	"github.com/meshid/meshid/internal/logkey"
 )
 
-// Names of the secrets, as Envoy asks for them over SDS.
-const (
-	WorkloadCertName = "default"
-	RootCertName     = "ROOTCA"
-)
-
-// Defaults, as in Istio's agent.
-const (
-	DefaultTTL              = 24 * time.Hour
-	DefaultGraceRatio       = 0.5
-	DefaultGraceRatioJitter = 0.01
-	DefaultRetryInitial     = time.Second
-	DefaultRetryMax         = 5 * time.Minute
-)
-
-// ErrUnknownSecret reports a secret name the manager does not serve.
-var ErrUnknownSecret = errors.New("unknown secret")
-
-// Signer turns a CSR into a certificate chain, leaf first. The CA client is one.
-type Signer interface {
-	Sign(ctx context.Context, csrDER []byte, ttl time.Duration) ([]*x509.Certificate, error)
-}
-
-// Secret is one resource as served: the workload key pair ("default") or the trust bundle ("ROOTCA").
-type Secret struct {
-	Name string
-	// The workload key pair: Chain is leaf first; both are nil for ROOTCA.
-	Chain    []*x509.Certificate
-	ChainPEM []byte
-	Key      crypto.Signer
-	KeyPEM   []byte
-	// The trusted roots: set for ROOTCA.
-	Roots    []*x509.Certificate
-	RootsPEM []byte
-
-	// Version changes whenever the content does.
-	Version string
-	// CreatedAt is when the certificate was received; ExpiresAt is the leaf's NotAfter; RenewAt is
-	// when it will be renewed. Zero for ROOTCA.
-	CreatedAt, ExpiresAt, RenewAt time.Time
-	// Source says where the certificate came from: "ca" or "output-certs".
-	Source string
-}
-
-// Config configures a Manager. It obtains the workload certificate from Signer (CA mode) or, when
-// WorkloadFiles is set, serves "default" and "ROOTCA" from those files (file mode).
+// Config configures a Manager.
 type Config struct {
-	Signer        Signer
-	WorkloadFiles *FilePaths
+	// Workload is where "default" and "ROOTCA" come from: a *Rotation or a *MountedFiles.
+	Workload WorkloadSource
 	// FileResourceDirs are the directories "file-cert:" and "file-root:" resources may read.
 	FileResourceDirs []string
-
-	Identity     pki.SPIFFEID
-	KeyAlgorithm pki.KeyAlgorithm
-	RSAKeySize   int
-	// TTL is the validity asked of the CA (SECRET_TTL).
-	TTL time.Duration
-	// GraceRatio is the share of a certificate's lifetime left when it is renewed
-	// (SECRET_GRACE_PERIOD_RATIO), moved by up to ±GraceRatioJitter at random.
-	GraceRatio       float64
-	GraceRatioJitter float64
-	// OutputDir, when set, receives every new key pair and trust bundle (OUTPUT_CERTS); a valid
-	// certificate already there for Identity is used at start-up.
-	OutputDir string
-	// RootCertFile is the CA root file, watched; ROOTCA is the union of its certificates and the
-	// root that ends the CA's chain.
-	RootCertFile string
-	// RetryInitial and RetryMax bound the backoff between failed renewals.
-	RetryInitial, RetryMax time.Duration
+	// Output, when its Dir is set, receives every new key pair and trust bundle (OUTPUT_CERTS).
+	Output Output
 
 	Clock      clock.Clock
-	Rand       func() float64 // in [0, 1), for the jitter; nil is random
 	Logger     *slog.Logger
 	Registerer prometheus.Registerer // optional
+	// OnEvent, when set, is told of renewals, failures and writes as they happen (tests wait on it).
+	OnEvent func(Event)
+}
+
+// WorkloadSource is where the workload key pair and the trust bundle come from. Its two
+// implementations are Rotation (a CA) and MountedFiles.
+type WorkloadSource interface {
+	// start checks the source's settings and returns what keeps "default" and "ROOTCA" current
+	// until ctx ends.
+	start(env *sourceEnv) (run func(ctx context.Context) error, err error)
+}
+
+// sourceEnv is what a workload source works with: the manager's clock, logs and metrics, the file
+// loader, and where it publishes.
+type sourceEnv struct {
+	clock   clock.Clock
+	log     *slog.Logger
+	metrics *metrics
+	event   func(Event)
+	files   *fileLoader
+	// set publishes a new secret; fail records why a newer one could not be had (the last good
+	// one keeps serving while it is valid).
+	set  func(*Secret)
+	fail func(name string, err error)
+	// outputDir is OUTPUT_CERTS, where an earlier run may have left a valid key pair.
+	outputDir string
+}
+
+// EventKind names what happened.
+type EventKind string
+
+// What the manager reports through Config.OnEvent.
+const (
+	EventIssued        EventKind = "issued"         // a key pair from the CA is in service
+	EventRenewalFailed EventKind = "renewal-failed" // the CA did not give one; RetryAt says when next
+	EventOutputWritten EventKind = "output-written" // OUTPUT_CERTS holds the secrets in service
+	EventOutputFailed  EventKind = "output-failed"  // OUTPUT_CERTS could not be written; RetryAt
+	EventChanged       EventKind = "changed"        // Name's state changed (a new secret, or none valid)
+)
+
+// Event is one thing that happened.
+type Event struct {
+	Kind    EventKind
+	Name    string
+	Version string
+	RetryAt time.Time
+	Err     error
 }
 
 // Manager is the caching, self-renewing holder of the workload's secrets.
 type Manager struct {
-	cfg     Config
-	clock   clock.Clock
-	log     *slog.Logger
-	metrics *metrics
+	clock    clock.Clock
+	log      *slog.Logger
+	metrics  *metrics
+	onEvent  func(Event)
+	dirs     []string
+	files    *fileLoader
+	workload func(ctx context.Context) error
+	output   *outputWriter // nil without OUTPUT_CERTS
 
-	// publishMu serializes the changes of secrets (a new certificate, a reloaded root file), each
-	// from computing it to writing OUTPUT_CERTS and telling subscribers, so that when the two
-	// happen at once the disk and the subscribers still end with the latest of each.
+	// publishMu orders publications, so that every subscriber sees a name's states in the order
+	// they happened. Subscribers are called with it held; readers (Ready, Snapshot) never take it.
 	publishMu sync.Mutex
 
-	mu          sync.Mutex
-	workload    *Secret
-	roots       *Secret
-	fileRoots   []*x509.Certificate
-	lastErr     error
-	changed     chan struct{} // closed and replaced whenever a secret changes
-	subscribers map[int]func(*Secret)
-	nextSub     int
-	files       map[string]*fileSecret // file resources, and default/ROOTCA in file mode
-
-	watcher *filewatch.Watcher
+	mu      sync.Mutex // guards slots; held for no I/O and no callback
+	slots   map[string]*slot
+	nextSub int
 }
 
-// New returns a Manager; call Run to obtain and renew certificates.
-func New(cfg Config) (*Manager, error) {
-	if (cfg.Signer == nil) == (cfg.WorkloadFiles == nil) {
-		return nil, errors.New("secret manager needs either a signer or workload files")
-	}
-	if cfg.Signer != nil {
-		if _, err := pki.NewSPIFFEID(cfg.Identity.TrustDomain, cfg.Identity.Namespace, cfg.Identity.ServiceAccount); err != nil {
-			return nil, fmt.Errorf("workload identity: %w", err)
-		}
-	}
-	if cfg.KeyAlgorithm == "" {
-		cfg.KeyAlgorithm = pki.ECDSA
-	}
-	switch cfg.KeyAlgorithm {
-	case pki.ECDSA:
-	case pki.RSA:
-		if cfg.RSAKeySize == 0 {
-			cfg.RSAKeySize = pki.DefaultRSAKeySize
-		}
-		if cfg.RSAKeySize < pki.MinRSAKeySize || cfg.RSAKeySize > pki.MaxRSAKeySize {
-			return nil, fmt.Errorf("workload RSA key size %d out of range [%d, %d]", cfg.RSAKeySize, pki.MinRSAKeySize, pki.MaxRSAKeySize)
-		}
+// slot is the state of one name: the last good secret and the last failure to get a newer one.
+type slot struct {
+	secret    *Secret
+	failure   error
+	subs      map[int]func(*Secret, error)
+	delivered string // what subscribers were last told, to tell only changes
+	valid     bool   // as last delivered
+}
+
+// state is what a subscriber is told: the secret to serve, or why there is none (both nil while
+// nothing is known yet).
+func (s *slot) state(now time.Time) (*Secret, error) {
+	switch {
+	case s.secret != nil && s.secret.validAt(now):
+		return s.secret, nil
+	case s.secret != nil && s.failure != nil:
+		return nil, fmt.Errorf("%w at %s; the last attempt to replace it failed: %w", ErrExpired, s.secret.NotAfter().UTC().Format(time.RFC3339), s.failure)
+	case s.secret != nil:
+		return nil, fmt.Errorf("%w at %s", ErrExpired, s.secret.NotAfter().UTC().Format(time.RFC3339))
 	default:
-		return nil, fmt.Errorf("workload key algorithm %q: want ECDSA or RSA", cfg.KeyAlgorithm)
+		return nil, s.failure
 	}
-	if cfg.TTL <= 0 {
-		cfg.TTL = DefaultTTL
+}
+
+func stateKey(s *Secret, err error) string {
+	switch {
+	case s != nil:
+		return "secret " + s.Version
+	case err != nil:
+		return "error " + err.Error()
+	default:
+		return ""
 	}
-	if cfg.GraceRatio == 0 {
-		cfg.GraceRatio = DefaultGraceRatio
-	}
-	if cfg.GraceRatio <= 0 || cfg.GraceRatio >= 1 {
-		return nil, fmt.Errorf("grace period ratio %v must be between 0 and 1", cfg.GraceRatio)
-	}
-	if cfg.GraceRatioJitter < 0 || cfg.GraceRatioJitter >= cfg.GraceRatio || cfg.GraceRatio+cfg.GraceRatioJitter >= 1 {
-		return nil, fmt.Errorf("grace period jitter %v must keep the ratio %v within (0, 1)", cfg.GraceRatioJitter, cfg.GraceRatio)
-	}
-	if cfg.RetryInitial <= 0 {
-		cfg.RetryInitial = DefaultRetryInitial
-	}
-	if cfg.RetryMax < cfg.RetryInitial {
-		cfg.RetryMax = max(DefaultRetryMax, cfg.RetryInitial)
-	}
-	if cfg.Rand == nil {
-		cfg.Rand = rand.Float64
+}
+
+// New returns a Manager; call Run to obtain and renew the secrets.
+func New(cfg Config) (*Manager, error) {
+	if cfg.Workload == nil {
+		return nil, errors.New("secret manager needs a workload source")
 	}
 	m := &Manager{
-		cfg:         cfg,
-		clock:       clock.OrReal(cfg.Clock),
-		log:         cfg.Logger,
-		metrics:     newMetrics(),
-		changed:     make(chan struct{}),
-		subscribers: map[int]func(*Secret){},
-		files:       map[string]*fileSecret{},
+		clock:   clock.OrReal(cfg.Clock),
+		log:     cfg.Logger,
+		metrics: newMetrics(),
+		onEvent: cfg.OnEvent,
+		dirs:    cfg.FileResourceDirs,
+		slots:   map[string]*slot{},
 	}
 	if m.log == nil {
 		m.log = slog.New(slog.DiscardHandler)
 	}
+	if m.onEvent == nil {
+		m.onEvent = func(Event) {}
+	}
 	var err error
-	if m.watcher, err = filewatch.New(filewatch.Config{Clock: m.clock, Logger: m.log}); err != nil {
+	if m.files, err = newFileLoader(m.clock, m.log); err != nil {
 		return nil, err
 	}
-	var watched []string
-	if cfg.RootCertFile != "" {
-		watched = append(watched, cfg.RootCertFile)
+	env := &sourceEnv{
+		clock:     m.clock,
+		log:       m.log,
+		metrics:   m.metrics,
+		event:     m.onEvent,
+		files:     m.files,
+		set:       m.set,
+		fail:      m.fail,
+		outputDir: cfg.Output.Dir,
 	}
-	if wf := cfg.WorkloadFiles; wf != nil {
-		m.files[WorkloadCertName] = &fileSecret{name: WorkloadCertName, certChain: wf.CertChain, key: wf.Key}
-		m.files[RootCertName] = &fileSecret{name: RootCertName, root: wf.Root}
-		watched = append(watched, wf.CertChain, wf.Key, wf.Root)
+	if m.workload, err = cfg.Workload.start(env); err != nil {
+		return nil, err
 	}
-	for _, p := range watched {
-		if err := m.watcher.Add(context.Background(), p); err != nil { // not running: records the path
+	if cfg.Output.Dir != "" {
+		if m.output, err = newOutputWriter(cfg.Output, m.clock, m.log, m.metrics, m.onEvent); err != nil {
 			return nil, err
+		}
+		// The writer follows the secrets like any subscriber; it never blocks the publisher.
+		for _, name := range []string{WorkloadCertName, RootCertName} {
+			if _, err := m.Subscribe(name, func(s *Secret, _ error) { m.output.offer(s) }); err != nil {
+				return nil, err
+			}
 		}
 	}
 	if cfg.Registerer != nil {
@@ -218,379 +195,222 @@ func New(cfg Config) (*Manager, error) {
 	return m, nil
 }
 
-// Subscribe registers fn to be told of every new secret, after it is cached and written out.
-// fn is called from the manager's goroutines and must not block. The returned func unsubscribes.
-func (m *Manager) Subscribe(fn func(*Secret)) (unsubscribe func()) {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	id := m.nextSub
-	m.nextSub++
-	m.subscribers[id] = fn
-	return func() {
-		m.mu.Lock()
-		defer m.mu.Unlock()
-		delete(m.subscribers, id)
-	}
-}
-
-// GenerateSecret returns the named secret, waiting (until ctx ends) for a valid one if there is
-// none yet. It never returns an expired certificate. Names: "default", "ROOTCA",
-// "file-cert:<cert-chain>~<key>" and "file-root:<roots>" (paths inside FileResourceDirs).
-func (m *Manager) GenerateSecret(ctx context.Context, name string) (*Secret, error) {
-	var file *fileSecret
-	if m.cfg.WorkloadFiles != nil && (name == WorkloadCertName || name == RootCertName) {
-		m.mu.Lock() // fileSecretFor adds to m.files from other streams' goroutines
-		file = m.files[name]
-		m.mu.Unlock()
-	} else if name != WorkloadCertName && name != RootCertName {
-		f, err := m.fileSecretFor(ctx, name)
-		if err != nil {
+// Subscribe calls fn with the named secret's state now, if it is known, and at every change after,
+// until cancel is called: the secret to serve (valid now), or nil and why there is none. fn is
+// called before Subscribe returns and then from the manager's goroutines, one call at a time, in
+// order; it must not block or call the manager. Names: "default", "ROOTCA",
+// "file-cert:<cert-chain>~<key>" and "file-root:<roots>" (paths inside FileResourceDirs). An
+// unknown name is refused with ErrUnknownSecret, a file outside the allowed directories with
+// ErrForbiddenPath, a file resource past MaxFileSecrets with ErrTooManyFiles.
+func (m *Manager) Subscribe(name string, fn func(*Secret, error)) (cancel func(), err error) {
+	if name != WorkloadCertName && name != RootCertName {
+		if err := m.addFileResource(name); err != nil {
 			return nil, err
 		}
-		file = f
 	}
-	for {
-		m.mu.Lock()
-		var (
-			s       *Secret
-			lastErr error
-		)
-		switch {
-		case file != nil:
-			s, lastErr = file.current, file.lastErr
-		case name == WorkloadCertName:
-			s, lastErr = m.workload, m.lastErr
-		default:
-			s, lastErr = m.roots, m.lastErr
-		}
-		changed := m.changed
-		m.mu.Unlock()
-		if s != nil && (s.Chain == nil || m.clock.Now().Before(s.ExpiresAt)) {
-			return s, nil
-		}
-		select {
-		case <-changed:
-		case <-ctx.Done():
-			if lastErr != nil {
-				return nil, fmt.Errorf("no valid %s secret yet: %w (last attempt: %w)", name, ctx.Err(), lastErr)
-			}
-			return nil, fmt.Errorf("no valid %s secret yet: %w", name, ctx.Err())
-		}
-	}
-}
-
-// Ready reports whether a valid workload certificate is held.
-func (m *Manager) Ready() bool {
+	m.publishMu.Lock()
+	defer m.publishMu.Unlock()
 	m.mu.Lock()
-	defer m.mu.Unlock()
-	s := m.workload
-	if f, fileMode := m.files[WorkloadCertName]; fileMode {
-		s = f.current
+	sl := m.slotLocked(name)
+	id := m.nextSub
+	m.nextSub++
+	sl.subs[id] = fn
+	s, stateErr := sl.state(m.clock.Now())
+	m.mu.Unlock()
+	if s != nil || stateErr != nil {
+		fn(s, stateErr)
 	}
-	return s != nil && m.clock.Now().Before(s.ExpiresAt)
+	return sync.OnceFunc(func() {
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		delete(sl.subs, id)
+	}), nil
 }
 
-// Run obtains the workload certificate and renews it until ctx ends (CA mode), or serves it from
-// its files (file mode); it watches the CA root file and every file a secret is read from. When
-// ctx ends it returns at once, leaving OUTPUT_CERTS as it is.
+func (m *Manager) slotLocked(name string) *slot {
+	sl := m.slots[name]
+	if sl == nil {
+		sl = &slot{subs: map[int]func(*Secret, error){}}
+		m.slots[name] = sl
+	}
+	return sl
+}
+
+// addFileResource registers a file resource on its first subscription; the loader reads it.
+func (m *Manager) addFileResource(name string) error {
+	if m.files.has(name) {
+		return nil
+	}
+	r, err := parseFileResource(name, m.dirs)
+	if err != nil {
+		return err
+	}
+	r.deliver = func(s *Secret, err error) {
+		if err != nil {
+			m.fail(name, err)
+			return
+		}
+		m.set(s)
+	}
+	if n, ok := m.files.addBounded(r, MaxFileSecrets); !ok {
+		return fmt.Errorf("%w: %d are served already", ErrTooManyFiles, n)
+	}
+	return nil
+}
+
+// set publishes a new secret under its name.
+func (m *Manager) set(s *Secret) {
+	m.update(s.Name, func(sl *slot) {
+		sl.secret, sl.failure = s, nil
+	})
+}
+
+// fail records why a newer secret could not be had; the last good one keeps serving while it is
+// valid. It also tells subscribers when the one held has expired meanwhile.
+func (m *Manager) fail(name string, err error) {
+	m.update(name, func(sl *slot) { sl.failure = err })
+}
+
+func (m *Manager) update(name string, change func(*slot)) {
+	m.publishMu.Lock()
+	defer m.publishMu.Unlock()
+	now := m.clock.Now()
+	m.mu.Lock()
+	sl := m.slotLocked(name)
+	change(sl)
+	s, err := sl.state(now)
+	key := stateKey(s, err)
+	changed := key != sl.delivered
+	wasValid := sl.valid
+	sl.delivered, sl.valid = key, s != nil
+	subs := slices.Collect(maps.Values(sl.subs))
+	m.mu.Unlock()
+	if !changed {
+		return
+	}
+	if name == WorkloadCertName {
+		m.workloadStateChanged(wasValid, s, err)
+	}
+	m.onEvent(Event{Kind: EventChanged, Name: name, Version: versionOf(s), Err: err})
+	for _, fn := range subs {
+		fn(s, err)
+	}
+}
+
+// workloadStateChanged says, once per change, whether a valid workload certificate is held.
+func (m *Manager) workloadStateChanged(wasValid bool, s *Secret, err error) {
+	if s == nil {
+		m.metrics.valid.Set(0)
+		m.log.Error("no valid workload certificate: Envoy gets none until one is obtained", logkey.Reason, err.Error())
+		return
+	}
+	m.metrics.valid.Set(1)
+	m.metrics.expiry.Set(float64(s.NotAfter().Unix()))
+	if !s.RenewAt.IsZero() {
+		m.metrics.nextRenewal.Set(float64(s.RenewAt.Unix()))
+	}
+	attrs := []any{logkey.Serial, s.KeyPair.Leaf().SerialNumber.Text(16), logkey.Source, string(s.Source), logkey.NotAfter, s.NotAfter()}
+	if len(s.KeyPair.Leaf().URIs) == 1 {
+		attrs = append(attrs, logkey.Identity, s.KeyPair.Leaf().URIs[0].String())
+	}
+	if !s.RenewAt.IsZero() {
+		attrs = append(attrs, logkey.RenewAt, s.RenewAt)
+	}
+	if !wasValid {
+		attrs = append(attrs, logkey.Reason, "a valid certificate is held again")
+	}
+	m.log.Info("workload certificate in service", attrs...)
+}
+
+func versionOf(s *Secret) string {
+	if s == nil {
+		return ""
+	}
+	return s.Version
+}
+
+// Run keeps the secrets current until ctx ends: the workload source, the file resources and
+// OUTPUT_CERTS. When ctx ends it returns at once, leaving OUTPUT_CERTS as it is.
 func (m *Manager) Run(ctx context.Context) error {
 	g, ctx := errgroup.WithContext(ctx)
-	g.Go(func() error { return m.watcher.Run(ctx, m.onFilesChanged) })
-	// Read the files only once they are watched: a change made between a read and the watch
-	// would otherwise go unseen until the next one.
-	select {
-	case <-m.watcher.Ready():
-	case <-ctx.Done():
-		return g.Wait()
-	}
-	if m.cfg.RootCertFile != "" {
-		m.reloadRootFile()
-	}
-	// Every file secret known so far (the workload's in file mode, and any requested before Run)
-	// is read now that its files are watched.
-	m.reloadAllFiles()
-	if m.cfg.WorkloadFiles == nil {
-		g.Go(func() error { return m.renewLoop(ctx) })
+	g.Go(func() error { return m.files.run(ctx) })
+	g.Go(func() error { return m.workload(ctx) })
+	if m.output != nil {
+		g.Go(func() error { return m.output.run(ctx) })
 	}
 	return g.Wait()
 }
 
-func (m *Manager) onFilesChanged(changed []string) {
-	if m.cfg.RootCertFile != "" && slices.Contains(changed, filepath.Clean(m.cfg.RootCertFile)) {
-		m.reloadRootFile()
-	}
-	m.filesChanged(changed)
-}
-
-func (m *Manager) renewLoop(ctx context.Context) error {
-	if m.cfg.OutputDir != "" {
-		m.loadOutput()
-	}
-	retry := backoff.NewExponentialBackOff(
-		backoff.WithInitialInterval(m.cfg.RetryInitial),
-		backoff.WithMaxInterval(m.cfg.RetryMax),
-		backoff.WithMaxElapsedTime(0), // a workload without a certificate keeps trying
-		backoff.WithClockProvider(m.clock),
-	)
-	for {
-		m.mu.Lock()
-		current := m.workload
-		m.mu.Unlock()
-		now := m.clock.Now()
-		var wait time.Duration
-		if current != nil && now.Before(current.RenewAt) {
-			wait = current.RenewAt.Sub(now)
-		} else if err := m.issue(ctx); err != nil {
-			if ctx.Err() != nil {
-				return nil
-			}
-			wait = retry.NextBackOff()
-			if current != nil && now.Before(current.ExpiresAt) && current.ExpiresAt.Sub(now) < wait {
-				wait = current.ExpiresAt.Sub(now) // one more try before the certificate in service expires
-			}
-			m.renewalFailed(err, current, now.Add(wait))
-		} else {
-			retry.Reset()
-			continue
-		}
-		timer := m.clock.NewTimer(wait)
-		select {
-		case <-ctx.Done():
-			timer.Stop()
-			return nil
-		case <-timer.C():
-		}
-	}
-}
-
-func (m *Manager) renewalFailed(err error, current *Secret, retryAt time.Time) {
-	m.metrics.failures.Inc()
+// Ready reports whether the workload is served: a valid workload certificate is held and, with
+// OUTPUT_CERTS, written there. When it is not, it says why.
+func (m *Manager) Ready() (bool, string) {
 	m.mu.Lock()
-	m.lastErr = err
-	m.mu.Unlock()
-	attrs := []any{logkey.Error, err.Error(), logkey.RetryAt, retryAt}
-	if current != nil {
-		attrs = append(attrs, logkey.CurrentExpires, current.ExpiresAt)
-	}
-	m.log.Warn("workload certificate renewal failed; the current one keeps serving", attrs...)
-}
-
-// issue generates a key, has the CSR signed, and installs the result.
-func (m *Manager) issue(ctx context.Context) error {
-	key, err := pki.GenerateKey(m.cfg.KeyAlgorithm, m.cfg.RSAKeySize)
-	if err != nil {
-		return err
-	}
-	csr, err := pki.NewCSR(key, m.cfg.Identity)
-	if err != nil {
-		return err
-	}
-	chain, err := m.cfg.Signer.Sign(ctx, csr, m.cfg.TTL)
-	if err != nil {
-		return err
-	}
-	received := m.clock.Now()
-	if err := pki.CheckKeyPair(chain, key, m.cfg.Identity.String(), received); err != nil {
-		return fmt.Errorf("the CA returned an unusable certificate: %w", err)
-	}
-	keyPEM, err := pki.EncodePrivateKey(key)
-	if err != nil {
-		return err
-	}
-	m.install(m.newWorkloadSecret(chain, key, keyPEM, received, "ca"), true)
-	return nil
-}
-
-func (m *Manager) newWorkloadSecret(chain []*x509.Certificate, key crypto.Signer, keyPEM []byte, received time.Time, source string) *Secret {
-	leaf := chain[0]
-	s := &Secret{
-		Name:      WorkloadCertName,
-		Chain:     chain,
-		ChainPEM:  pki.EncodeCertificates(chain...),
-		Key:       key,
-		KeyPEM:    keyPEM,
-		Version:   leaf.SerialNumber.Text(16),
-		CreatedAt: received,
-		ExpiresAt: leaf.NotAfter,
-		Source:    source,
-	}
-	s.RenewAt = m.renewAt(s)
-	return s
-}
-
-// renewAt is when GraceRatio (± jitter) of the lifetime remains. The lifetime counts from when
-// the certificate was received, not from NotBefore: CAs backdate NotBefore by minutes, which for
-// a short TTL would put the renewal in the past at once.
-func (m *Manager) renewAt(s *Secret) time.Time {
-	ratio := m.cfg.GraceRatio + m.cfg.GraceRatioJitter*(2*m.cfg.Rand()-1)
-	lifetime := s.ExpiresAt.Sub(s.CreatedAt)
-	return s.ExpiresAt.Add(-time.Duration(ratio * float64(lifetime)))
-}
-
-// install caches a new workload secret, recomputes ROOTCA, writes OUTPUT_CERTS and tells
-// subscribers.
-func (m *Manager) install(s *Secret, write bool) {
-	m.publishMu.Lock()
-	defer m.publishMu.Unlock()
-	m.mu.Lock()
-	m.workload = s
-	m.lastErr = nil
-	roots := m.rebuildRootsLocked()
-	var rootsPEM []byte
-	if m.roots != nil {
-		rootsPEM = m.roots.RootsPEM
-	}
-	m.mu.Unlock()
-
-	m.metrics.expiry.Set(float64(s.ExpiresAt.Unix()))
-	m.metrics.nextRenewal.Set(float64(s.RenewAt.Unix()))
-	if s.Source == "ca" {
-		m.metrics.rotations.Inc()
-	}
-	m.log.Info("workload certificate in service",
-		logkey.Identity, m.cfg.Identity.String(),
-		logkey.Serial, s.Version,
-		logkey.Source, s.Source,
-		logkey.NotAfter, s.ExpiresAt,
-		logkey.RenewAt, s.RenewAt)
-	if write && m.cfg.OutputDir != "" {
-		if err := writeOutput(m.cfg.OutputDir, s.KeyPEM, s.ChainPEM, rootsPEM); err != nil {
-			m.log.Error("cannot write OUTPUT_CERTS; the certificate is still served", logkey.Dir, m.cfg.OutputDir, logkey.Error, err.Error())
-		}
-	}
-	m.notify(s)
-	if roots != nil {
-		m.notify(roots)
-	}
-}
-
-// rebuildRootsLocked recomputes ROOTCA and returns it when it changed.
-func (m *Manager) rebuildRootsLocked() *Secret {
-	var roots []*x509.Certificate
-	if m.workload != nil {
-		if chain := m.workload.Chain; len(chain) > 1 {
-			roots = append(roots, chain[len(chain)-1])
-		}
-	}
-	for _, r := range m.fileRoots {
-		if !slices.ContainsFunc(roots, r.Equal) {
-			roots = append(roots, r)
-		}
-	}
-	if len(roots) == 0 {
-		return nil
-	}
-	pemBytes := pki.EncodeCertificates(roots...)
-	sum := sha256.Sum256(pemBytes)
-	version := hex.EncodeToString(sum[:8])
-	if m.roots != nil && m.roots.Version == version {
-		return nil
-	}
-	m.roots = &Secret{Name: RootCertName, Roots: roots, RootsPEM: pemBytes, Version: version, Source: "ca"}
-	return m.roots
-}
-
-func (m *Manager) reloadRootFile() {
-	m.publishMu.Lock()
-	defer m.publishMu.Unlock()
-	data, err := os.ReadFile(m.cfg.RootCertFile)
-	var certs []*x509.Certificate
-	if err == nil {
-		certs, err = pki.ParseCertificates(data)
-	}
-	if err != nil {
-		m.log.Warn("cannot read the CA root file; ROOTCA keeps the roots it had", logkey.Path, m.cfg.RootCertFile, logkey.Error, err.Error())
-		return
-	}
-	m.mu.Lock()
-	m.fileRoots = certs
-	roots := m.rebuildRootsLocked()
-	workload := m.workload
-	m.mu.Unlock()
-	if roots == nil {
-		return
-	}
-	m.log.Info("trust bundle changed", logkey.Roots, len(roots.Roots), logkey.Version, roots.Version)
-	// OUTPUT_CERTS carries the trust bundle too.
-	if workload != nil && m.cfg.OutputDir != "" {
-		if err := writeOutput(m.cfg.OutputDir, workload.KeyPEM, workload.ChainPEM, roots.RootsPEM); err != nil {
-			m.log.Error("cannot write OUTPUT_CERTS; the trust bundle is still served", logkey.Dir, m.cfg.OutputDir, logkey.Error, err.Error())
-		}
-	}
-	m.notify(roots)
-}
-
-func (m *Manager) notify(s *Secret) {
-	m.mu.Lock()
-	close(m.changed)
-	m.changed = make(chan struct{})
-	subs := make([]func(*Secret), 0, len(m.subscribers))
-	for _, fn := range m.subscribers {
-		subs = append(subs, fn)
-	}
-	m.mu.Unlock()
-	for _, fn := range subs {
-		fn(s)
-	}
-}
-
-// loadOutput puts in service a valid certificate for our identity left in OUTPUT_CERTS by an
-// earlier run (a VM that rebooted), so that it is served at once and renewed on schedule.
-func (m *Manager) loadOutput() {
-	dir := m.cfg.OutputDir
-	chainPEM, err := os.ReadFile(filepath.Join(dir, CertChainFile))
-	if errors.Is(err, os.ErrNotExist) {
-		return
-	}
 	var (
-		chain []*x509.Certificate
-		key   crypto.Signer
-		info  os.FileInfo
+		s   *Secret
+		err error
 	)
-	keyPEM, keyErr := os.ReadFile(filepath.Join(dir, KeyFile))
-	if err = errors.Join(err, keyErr); err == nil {
-		chain, err = pki.ParseCertificates(chainPEM)
+	if sl := m.slots[WorkloadCertName]; sl != nil {
+		s, err = sl.state(m.clock.Now())
 	}
-	if err == nil {
-		key, err = pki.ParsePrivateKey(keyPEM)
+	m.mu.Unlock()
+	switch {
+	case s == nil && err != nil:
+		return false, "no valid workload certificate: " + err.Error()
+	case s == nil:
+		return false, "no workload certificate yet"
 	}
-	now := m.clock.Now()
-	if err == nil {
-		err = pki.CheckKeyPair(chain, key, m.cfg.Identity.String(), now)
+	if m.output != nil {
+		if ok, why := m.output.ready(); !ok {
+			return false, why
+		}
 	}
-	if err == nil {
-		info, err = os.Stat(filepath.Join(dir, CertChainFile))
-	}
-	if err != nil {
-		m.log.Info("not using the certificate in OUTPUT_CERTS", logkey.Dir, dir, logkey.Reason, err.Error())
-		return
-	}
-	// It was received when it was written, as far as we can tell.
-	received := info.ModTime()
-	if received.After(now) {
-		received = now
-	}
-	if received.Before(chain[0].NotBefore) {
-		received = chain[0].NotBefore
-	}
-	m.install(m.newWorkloadSecret(chain, key, keyPEM, received, "output-certs"), false)
+	return true, ""
 }
 
-// Snapshot returns every secret held now (workload, trust bundle, file resources), by name.
-func (m *Manager) Snapshot() []*Secret {
+// TLSCertificate returns the workload key pair held now, if it is valid, for the agent to present
+// to the CA (mTLS renewal goes on after a provisioned token expires); nil when there is none.
+func (m *Manager) TLSCertificate() *tls.Certificate {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	var out []*Secret
-	if m.workload != nil {
-		out = append(out, m.workload)
+	sl := m.slots[WorkloadCertName]
+	if sl == nil {
+		return nil
 	}
-	if m.roots != nil {
-		out = append(out, m.roots)
+	s, _ := sl.state(m.clock.Now())
+	if s == nil || s.KeyPair == nil {
+		return nil
 	}
-	for _, name := range slices.Sorted(maps.Keys(m.files)) {
-		if s := m.files[name].current; s != nil {
-			out = append(out, s)
+	return s.KeyPair.TLSCertificate()
+}
+
+// Status is one secret as /debug/secrets shows it.
+type Status struct {
+	Name string
+	// Secret is the last good secret (possibly expired); nil if none was ever had.
+	Secret *Secret
+	// Valid says whether it is served now; Error why not, or why the last attempt to replace it
+	// failed.
+	Valid bool
+	Error string
+}
+
+// Snapshot returns the state of every secret, sorted by name.
+func (m *Manager) Snapshot() []Status {
+	now := m.clock.Now()
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	out := make([]Status, 0, len(m.slots))
+	for _, name := range slices.Sorted(maps.Keys(m.slots)) {
+		sl := m.slots[name]
+		s, err := sl.state(now)
+		st := Status{Name: name, Secret: sl.secret, Valid: s != nil}
+		if err == nil {
+			err = sl.failure
 		}
+		if err != nil {
+			st.Error = err.Error()
+		}
+		out = append(out, st)
 	}
 	return out
 }

@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -27,35 +28,47 @@ import (
 	"github.com/meshid/meshid/sds"
 )
 
-// These benchmarks run the slim binary as a user does: built with `make build`'s flags, started
-// as a process, talked to over its SDS socket.
+// These benchmarks run the binaries as a user does: built with `make build`'s flags, started as
+// a process, talked to over the SDS socket. The slim meshid-agent needs a CA; the embedded
+// control plane is measured with meshid, which carries it.
 
-var buildOnce struct {
+// binaries holds the binaries built once per test binary.
+type binaries struct {
 	sync.Once
-	path string
-	err  error
+	slim, full string
+	err        error
 }
 
-// agentBinary builds meshid-agent once per test binary, as `make build` does.
-func agentBinary(b *testing.B) string {
+var built binaries
+
+// agentBinary builds meshid-agent and meshid once per test binary, as `make build` does, and
+// returns the one that runs args: meshid-agent given a CA address or credential files, else
+// meshid (the embedded control plane).
+func agentBinary(b *testing.B, args ...string) string {
 	b.Helper()
-	buildOnce.Do(func() {
+	built.Do(func() {
 		dir, err := os.MkdirTemp("", "meshid-bench")
 		if err != nil {
-			buildOnce.err = err
+			built.err = err
 			return
 		}
-		buildOnce.path = filepath.Join(dir, "meshid-agent")
-		cmd := exec.Command("go", "build", "-trimpath", "-tags", "grpcnotrace", "-ldflags", "-s -w", "-o", buildOnce.path, ".")
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if out, err := cmd.CombinedOutput(); err != nil {
-			buildOnce.err = fmt.Errorf("go build: %w: %s", err, out)
+		built.slim, built.full = filepath.Join(dir, "meshid-agent"), filepath.Join(dir, "meshid")
+		for out, pkg := range map[string]string{built.slim: ".", built.full: "../meshid"} {
+			cmd := exec.Command("go", "build", "-trimpath", "-tags", "grpcnotrace", "-ldflags", "-s -w", "-o", out, pkg)
+			cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+			if output, err := cmd.CombinedOutput(); err != nil {
+				built.err = fmt.Errorf("go build %s: %w: %s", pkg, err, output)
+				return
+			}
 		}
 	})
-	if buildOnce.err != nil {
-		b.Fatal(buildOnce.err)
+	if built.err != nil {
+		b.Fatal(built.err)
 	}
-	return buildOnce.path
+	if slices.Contains(args, "--ca-addr") || slices.Contains(args, "--credentials-dir") {
+		return built.slim
+	}
+	return built.full
 }
 
 // process is a running meshid-agent.
@@ -76,7 +89,7 @@ func startAgentIn(b *testing.B, root string, args ...string) *process {
 	socketDir := filepath.Join(root, "uds")
 	args = append([]string{"agent", "--root-dir", root, "--workload-socket-dir", socketDir,
 		"--status-addr", "127.0.0.1:0", "--debug-addr", "", "--log-level", "warn"}, args...)
-	cmd := exec.Command(agentBinary(b), args...)
+	cmd := exec.Command(agentBinary(b, args...), args...)
 	cmd.Stderr = os.Stderr
 	if err := cmd.Start(); err != nil {
 		b.Fatal(err)
@@ -185,7 +198,7 @@ func (s *stream) next(names ...string) (string, error) {
 // token key are generated and persisted too; "embedded-restart" reuses one, as a restarted sidecar
 // does. The baseline is the same binary exec'ed to print its version, in the same run.
 func BenchmarkFirstSecret(b *testing.B) {
-	bin := agentBinary(b)
+	bin := agentBinary(b, "--ca-addr")
 	b.Run("baseline-exec-version", func(b *testing.B) {
 		for range b.N {
 			if err := exec.Command(bin, "version").Run(); err != nil {

@@ -1,5 +1,5 @@
-// Command meshid-agent is the slim sidecar binary: the agent, probe and version, without the CA
-// and without any Kubernetes client.
+// Command meshid-agent is the slim sidecar binary: the agent, certs, probe and version, without
+// the CA and without any Kubernetes client.
 package main
 
 import (
@@ -18,9 +18,10 @@ func newRootCommand(run cli.AgentRunner, lookupEnv func(string) (string, bool)) 
 	g := &cli.Globals{}
 	root := cli.NewRoot("meshid-agent", "The meshid workload agent",
 		`meshid-agent runs next to a workload and keeps its short-lived X.509 identity fresh.
-It is the agent of meshid, without the CA, for sidecar images.`, g)
+It is the agent of meshid for sidecar images: it links no CA and no Kubernetes client, so
+it needs a CA at --ca-addr ("meshid agent" can run one in-process).`, g)
 	root.AddCommand(
-		cli.NewAgentCommand(g, run, lookupEnv),
+		cli.NewAgentCommand(g, run, lookupEnv, nil),
 		cli.NewCertsCommand(),
 		cli.NewProbeCommand(),
 		cli.NewVersionCommand(),

@@ -8,17 +8,21 @@ import (
 	"testing"
 
 	"github.com/meshid/meshid/agent"
+	"github.com/meshid/meshid/cmd/internal/cli"
+	"github.com/meshid/meshid/internal/testutil"
 )
 
-// The sidecar binary must stay small: it links no Kubernetes client.
-func TestLinksNoKubernetesClient(t *testing.T) {
+// The sidecar binary must stay small: it links no Kubernetes client and no CA.
+func TestLinksNoKubernetesClientAndNoCA(t *testing.T) {
 	t.Parallel()
 	out, err := exec.Command("go", "list", "-deps", "github.com/meshid/meshid/cmd/meshid-agent").Output()
 	if err != nil {
 		t.Fatalf("go list: %v", err)
 	}
 	for _, dep := range strings.Fields(string(out)) {
-		if strings.HasPrefix(dep, "k8s.io/client-go") || strings.HasPrefix(dep, "k8s.io/apimachinery") {
+		if strings.HasPrefix(dep, "k8s.io/client-go") || strings.HasPrefix(dep, "k8s.io/apimachinery") ||
+			dep == "github.com/meshid/meshid/ca" || strings.HasPrefix(dep, "github.com/meshid/meshid/ca/") ||
+			strings.HasPrefix(dep, "github.com/meshid/meshid/controlplane") {
 			t.Fatalf("meshid-agent links %s", dep)
 		}
 	}
@@ -51,5 +55,19 @@ func TestCommands(t *testing.T) {
 		if n == "ca" || n == "token" {
 			t.Errorf("meshid-agent carries the %q command", n)
 		}
+	}
+}
+
+// With neither credential files nor a CA address, the slim binary says what it needs: it has no
+// CA to run in-process.
+func TestNoCAAddressWithoutCredentials(t *testing.T) {
+	t.Parallel()
+	root := newRootCommand(cli.RunAgent, func(string) (string, bool) { return "", false })
+	var stderr bytes.Buffer
+	root.SetErr(&stderr)
+	root.SetArgs([]string{"agent", "--root-dir", testutil.ShortTempDir(t), "--status-addr", "127.0.0.1:0", "--debug-addr", ""})
+	err := root.ExecuteContext(t.Context())
+	if err == nil || !strings.Contains(err.Error(), "no --ca-addr (CA_ADDR)") || !strings.Contains(err.Error(), "meshid agent") {
+		t.Fatalf("error %v, want one asking for --ca-addr and naming meshid agent", err)
 	}
 }

@@ -22,7 +22,7 @@ and keeps it fresh. "meshid agent" runs next to a workload and keeps its certifi
 "meshid ca" runs a Citadel-style CA that Istio's agents can use;
 "meshid token" mints Kubernetes-style service-account tokens for VMs and demos.`, g)
 	root.AddCommand(
-		cli.NewAgentCommand(g, agentRun, lookupEnv),
+		cli.NewAgentCommand(g, agentRun, lookupEnv, embedControlPlane),
 		newCACommand(g, ca),
 		newTokenCommand(g),
 		cli.NewCertsCommand(),

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshid/meshid/agent"
 	"github.com/meshid/meshid/ca/token"
 	"github.com/meshid/meshid/controlplane"
 )
@@ -63,4 +64,16 @@ func Token(t testing.TB, stateDir, ns, sa string, now time.Time, ttl time.Durati
 		t.Fatal(err)
 	}
 	return tok
+}
+
+// Embed is the agent's embedded control plane, as `meshid agent` supplies it.
+func Embed(e agent.EmbedConfig) (agent.ControlPlane, error) {
+	cp, err := controlplane.NewEmbedded(controlplane.EmbeddedConfig{
+		StateDir: e.StateDir, SocketPath: e.SocketPath, TrustDomain: e.TrustDomain,
+		Identity: e.Identity, Clock: e.Clock, Logger: e.Logger,
+	})
+	if err != nil {
+		return nil, err
+	}
+	return cp, nil
 }

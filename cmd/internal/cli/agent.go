@@ -2,6 +2,7 @@ package cli
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -50,10 +51,18 @@ func agentEnv() []envBinding {
 	}
 }
 
-// NewAgentCommand returns `agent`. lookupEnv reads the environment (os.LookupEnv in production).
-func NewAgentCommand(g *Globals, run AgentRunner, lookupEnv func(string) (string, bool)) *cobra.Command {
+// NewAgentCommand returns `agent`. lookupEnv reads the environment (os.LookupEnv in production);
+// embed starts the control plane in-process when no CA is given (nil in a binary without a CA).
+func NewAgentCommand(g *Globals, run AgentRunner, lookupEnv func(string) (string, bool), embed agent.EmbedFunc) *cobra.Command {
 	cfg := agent.DefaultConfig("")
-	var keyAlgorithm, caProvider, socketMode string
+	cfg.Embed = embed
+	var keyAlgorithm, caProvider, socketMode, outputGroupRead string
+	caSource := `  3. else a CA: the one at --ca-addr or, when none is given, a control plane run in-process
+     under --root-dir (meshid agent --root-dir ./run needs nothing else).`
+	if embed == nil {
+		caSource = `  3. else the CA at --ca-addr (required: this binary carries no CA; "meshid agent" can run
+     one in-process).`
+	}
 	cmd := &cobra.Command{
 		Use:   "agent",
 		Short: "Run the workload agent: obtain, renew and hand out the workload certificate",
@@ -64,13 +73,13 @@ Secret Discovery Service on <workload-socket-dir>/socket ("default": the workloa
   1. something already answers on the socket: leave it to that server;
   2. --file-mounted-certs, or cert-chain.pem, key.pem and root-cert.pem in --credentials-dir:
      serve those files, watched;
-  3. else a CA: the one at --ca-addr or, when none is given, a control plane run in-process
-     under --root-dir (meshid agent --root-dir ./run needs nothing else).
+` + caSource + `
 From a CA it obtains a certificate for spiffe://<trust-domain>/ns/<namespace>/sa/<service-account>,
 authenticating with the token at --token-path (re-read at every request) or, once it holds a
-valid certificate in --output-certs, with that certificate over mTLS. It renews the certificate
-when --grace-period-ratio of its lifetime is left, whether or not anyone is asking, keeps the
-current one while renewals fail, pushes each new one to Envoy and writes it to --output-certs.
+valid certificate, with that certificate over mTLS. It renews the certificate when
+--grace-period-ratio of its lifetime is left, whether or not anyone is asking, keeps the current
+one while renewals fail, pushes each new one to Envoy and writes it to --output-certs (retried
+until it succeeds; the agent is not ready meanwhile).
 
 Istio's variables are honoured, so the agent is a drop-in; a flag wins over its variable:
 ` + envHelp(agentEnv()) + `
@@ -110,6 +119,18 @@ default path lives under --root-dir, so no root is needed.`,
 				return fmt.Errorf("--socket-mode %q: want an octal file mode such as 0660", socketMode)
 			}
 			cfg.SocketMode = os.FileMode(mode)
+			switch outputGroupRead {
+			case "none":
+			case "certs":
+				cfg.OutputGroupRead = true
+			case "all":
+				cfg.OutputGroupRead, cfg.OutputKeyGroupRead = true, true
+			default:
+				return fmt.Errorf("--output-certs-group-read %q: want none, certs or all", outputGroupRead)
+			}
+			if outputGroupRead != "none" && cfg.OutputCerts == "" {
+				return errors.New("--output-certs-group-read needs --output-certs (OUTPUT_CERTS)")
+			}
 			cfg.Logger = g.Logger()
 			return cfg.Validate()
 		},
@@ -119,13 +140,18 @@ default path lives under --root-dir, so no root is needed.`,
 	}
 	f := cmd.Flags()
 	f.StringVar(&cfg.RootDir, "root-dir", "", "prefix of every default path, so that a non-root user can run the agent anywhere")
-	f.StringVar(&cfg.CAAddress, "ca-addr", "", "address of the CA, HOST:PORT (CA_ADDR); empty runs the control plane in-process")
+	caAddrHelp := "address of the CA, HOST:PORT (CA_ADDR); empty runs the control plane in-process"
+	if embed == nil {
+		caAddrHelp = "address of the CA, HOST:PORT (CA_ADDR); required"
+	}
+	f.StringVar(&cfg.CAAddress, "ca-addr", "", caAddrHelp)
 	f.StringVar(&caProvider, "ca-provider", "Citadel", "CA protocol: Citadel (anything but GoogleCA means Citadel, as in Istio) (CA_PROVIDER)")
 	f.StringVar(&cfg.CARootCert, "ca-root-cert", "", "PEM roots that verify the CA (CA_ROOT_CA); default: <prov-cert>/root-cert.pem, else <root-dir>/var/run/secrets/istio/root-cert.pem")
 	f.StringVar(&cfg.CAServerName, "istiod-san", cfg.CAServerName, "name verified in the CA's certificate (ISTIOD_SAN)")
 	f.StringVar(&cfg.TokenPath, "token-path", "", "service-account token presented to the CA, re-read at every request (default <root-dir>/var/run/secrets/tokens/istio-token)")
 	f.StringVar(&cfg.ProvCert, "prov-cert", "", "directory of a provisioned key pair (cert-chain.pem, key.pem) for mTLS to the CA (PROV_CERT)")
 	f.StringVar(&cfg.OutputCerts, "output-certs", "", "directory that receives key.pem, cert-chain.pem and root-cert.pem on every renewal (OUTPUT_CERTS)")
+	f.StringVar(&outputGroupRead, "output-certs-group-read", "none", "what the agent's group may read in --output-certs: none, certs (directories 0750, cert-chain.pem and root-cert.pem 0640) or all (key.pem 0640 too)")
 	f.StringVar(&cfg.TrustDomain, "trust-domain", cfg.TrustDomain, "trust domain of the workload's SPIFFE ID (TRUST_DOMAIN)")
 	f.StringVar(&cfg.Namespace, "namespace", "", "namespace of the workload (POD_NAMESPACE)")
 	f.StringVar(&cfg.ServiceAccount, "service-account", "", "service account of the workload (SERVICE_ACCOUNT)")

@@ -2,6 +2,7 @@ package cli
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"testing"
 	"time"
@@ -10,9 +11,20 @@ import (
 	"github.com/meshid/meshid/internal/pki"
 )
 
+// stubEmbed stands for `meshid`'s embedded control plane; the command only checks it is there.
+func stubEmbed(agent.EmbedConfig) (agent.ControlPlane, error) {
+	return nil, errors.New("not started in this test")
+}
+
 // runAgentCommand parses args and env the way `meshid agent` does and returns the config that
 // would be run.
 func runAgentCommand(t *testing.T, env map[string]string, args ...string) (agent.Config, error) {
+	t.Helper()
+	return runAgentCommandWith(t, stubEmbed, env, args...)
+}
+
+// runAgentCommandWith is runAgentCommand for a binary with embed (nil: `meshid-agent`).
+func runAgentCommandWith(t *testing.T, embed agent.EmbedFunc, env map[string]string, args ...string) (agent.Config, error) {
 	t.Helper()
 	var got agent.Config
 	g := &Globals{}
@@ -20,7 +32,7 @@ func runAgentCommand(t *testing.T, env map[string]string, args ...string) (agent
 	root.AddCommand(NewAgentCommand(g, func(_ context.Context, cfg agent.Config) error {
 		got = cfg
 		return nil
-	}, func(k string) (string, bool) { v, ok := env[k]; return v, ok }))
+	}, func(k string) (string, bool) { v, ok := env[k]; return v, ok }, embed))
 	root.SetArgs(append([]string{"agent"}, args...))
 	err := root.ExecuteContext(t.Context())
 	return got, err
@@ -98,7 +110,10 @@ func TestAgentRefusesBadInput(t *testing.T) {
 		{"GoogleCA", with("CA_PROVIDER", "GoogleCA"), nil, "CA_PROVIDER=GoogleCA is not supported"},
 		{"bad ratio variable", with("SECRET_GRACE_PERIOD_RATIO", "half"), nil, `SECRET_GRACE_PERIOD_RATIO="half"`},
 		{"bad key algorithm", with("ECC_SIGNATURE_ALGORITHM", "DSA"), nil, "ECC_SIGNATURE_ALGORITHM"},
-		{"no namespace", with("POD_NAMESPACE", ""), nil, "POD_NAMESPACE"},
+		{"no namespace", with("POD_NAMESPACE", ""), nil, "--namespace (POD_NAMESPACE) is required with --ca-addr"},
+		{"no service account", with("SERVICE_ACCOUNT", ""), nil, "--service-account (SERVICE_ACCOUNT) is required with --ca-addr"},
+		{"group read value", base, []string{"--output-certs", "/o", "--output-certs-group-read", "everyone"}, "--output-certs-group-read"},
+		{"group read without output", base, []string{"--output-certs-group-read", "certs"}, "needs --output-certs"},
 		{"ratio out of range", base, []string{"--grace-period-ratio", "1.2"}, "--grace-period-ratio"},
 	}
 	for _, tt := range tests {
@@ -117,6 +132,16 @@ func TestAgentRefusesBadInput(t *testing.T) {
 	}
 	if id, err := cfg.Identity(); err != nil || id.String() != "spiffe://cluster.local/ns/default/sa/default" {
 		t.Fatalf("embedded identity %v (%v)", id, err)
+	}
+	// OUTPUT_CERTS for a group.
+	for flag, want := range map[string][2]bool{"none": {false, false}, "certs": {true, false}, "all": {true, true}} {
+		cfg, err := runAgentCommand(t, base, "--output-certs", "/o", "--output-certs-group-read", flag)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := [2]bool{cfg.OutputGroupRead, cfg.OutputKeyGroupRead}; got != want {
+			t.Errorf("--output-certs-group-read %s: group read %v, want %v", flag, got, want)
+		}
 	}
 	// Any provider but GoogleCA means Citadel, as in Istio.
 	if _, err := runAgentCommand(t, with("CA_PROVIDER", "istiod")); err != nil {

@@ -11,7 +11,7 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/meshid/meshid/agent"
+	"github.com/meshid/meshid/sds"
 )
 
 // NewCertsCommand returns `certs`: show what the SDS server on a socket hands Envoy.
@@ -21,9 +21,10 @@ func NewCertsCommand() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "certs",
 		Short: "Show the certificate an SDS server hands Envoy, and check its chain",
-		Long: `Certs asks the SDS server on --socket for "default" and "ROOTCA", as Envoy does, and shows
-the workload's SPIFFE ID, serial, validity and time left, and whether the chain verifies against
-the trust bundle. It exits 1 when it does not (or when nothing answers).`,
+		Long: `Certs asks the SDS server on --socket for "default" and "ROOTCA" and shows the workload's
+SPIFFE ID, serial, validity and time left, and whether the chain verifies against the trust
+bundle. It exits 1 when it does not, when nothing answers, or when the agent holds no valid
+certificate (it then says why, at once).`,
 		Example: `  meshid certs --socket ./run/var/run/secrets/workload-spiffe-uds/socket`,
 		Args:    cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
@@ -36,7 +37,7 @@ the trust bundle. It exits 1 when it does not (or when nothing answers).`,
 			}
 			ctx, cancel := contextWithTimeout(cmd, timeout)
 			defer cancel()
-			report, err := agent.InspectSDS(ctx, path, time.Now())
+			report, err := sds.Inspect(ctx, path, time.Now())
 			if err != nil {
 				return err
 			}
@@ -61,7 +62,7 @@ the trust bundle. It exits 1 when it does not (or when nothing answers).`,
 	return cmd
 }
 
-func printReport(w io.Writer, r *agent.CertReport) {
+func printReport(w io.Writer, r *sds.CertReport) {
 	verified := "yes"
 	if !r.Verified {
 		verified = "NO: " + r.VerifyError

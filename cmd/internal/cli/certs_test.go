@@ -11,22 +11,29 @@ import (
 	"time"
 
 	"github.com/meshid/meshid/agent"
+	"github.com/meshid/meshid/controlplane/controlplanetest"
 	"github.com/meshid/meshid/internal/testutil"
+	"github.com/meshid/meshid/sds"
 )
 
 // runTestAgent runs a real agent until the test ends: the embedded control plane under a short
-// root dir, or, when credentials is set, those files. It returns the SDS socket's path.
-func runTestAgent(t *testing.T, credentials map[string][]byte) string {
+// root dir, or, when credentials is set, those files; adjust changes the rest. It returns the SDS
+// socket's path.
+func runTestAgent(t *testing.T, credentials map[string][]byte, adjust ...func(*agent.Config)) string {
 	t.Helper()
 	root := testutil.ShortTempDir(t)
 	cfg := agent.DefaultConfig(root)
 	cfg.StatusAddr, cfg.DebugAddr = "127.0.0.1:0", "127.0.0.1:0"
+	cfg.Embed = controlplanetest.Embed
 	// The certificates' validity is checked by `certs` on the real clock; this one stands still at
 	// the real time of the start, so that no renewal or debounce happens behind the test's back.
 	cfg.Clock = testutil.NewFakeClock(time.Now())
 	if credentials != nil {
 		cfg.CredentialsDir = filepath.Join(t.TempDir(), "credentials")
 		testutil.WriteFiles(t, cfg.CredentialsDir, credentials)
+	}
+	for _, fn := range adjust {
+		fn(&cfg)
 	}
 	a, err := agent.New(cfg)
 	if err != nil {
@@ -80,7 +87,7 @@ func TestCertsCommand(t *testing.T) {
 		if err != nil {
 			t.Fatalf("certs -o json: %v\n%s", err, out)
 		}
-		var report agent.CertReport
+		var report sds.CertReport
 		if err := json.Unmarshal([]byte(out), &report); err != nil {
 			t.Fatalf("-o json output does not decode: %v\n%s", err, out)
 		}
@@ -148,8 +155,31 @@ func TestCertsCommandChainDoesNotVerify(t *testing.T) {
 	}
 
 	out, err := certsCommand(t, "--socket", socket, "-o", "json")
-	var report agent.CertReport
+	var report sds.CertReport
 	if err == nil || json.Unmarshal([]byte(out), &report) != nil || report.Verified || report.VerifyError == "" {
 		t.Fatalf("certs -o json: error %v, report %+v; want an error and verified false with the reason", err, report)
+	}
+}
+
+// An agent that holds no valid certificate answers at once with the reason, rather than leaving
+// `certs` to its deadline (it used to wait out its 10 s and say "context deadline exceeded").
+func TestCertsCommandAgentWithoutCertificate(t *testing.T) {
+	t.Parallel()
+	var tokenPath string
+	socket := runTestAgent(t, nil, func(cfg *agent.Config) {
+		cfg.CAAddress = "127.0.0.1:1"
+		cfg.Namespace, cfg.ServiceAccount = "shop", "cart"
+		tokenPath = filepath.Join(cfg.RootDir, "no-token")
+		cfg.TokenPath = tokenPath
+	})
+	// The deadline is far off: only the agent's answer can end the command in time.
+	out, err := certsCommand(t, "--socket", socket)
+	if err == nil {
+		t.Fatalf("certs succeeded against an agent without a certificate:\n%s", out)
+	}
+	for _, want := range []string{"Unavailable", "no credentials for the CA", tokenPath} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not mention %q", err, want)
+		}
 	}
 }

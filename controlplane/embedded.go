@@ -1,0 +1,75 @@
+package controlplane
+
+import (
+	"context"
+	"log/slog"
+	"path/filepath"
+	"time"
+
+	"github.com/meshid/meshid/ca"
+	"github.com/meshid/meshid/ca/token"
+	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/pki"
+)
+
+// EmbeddedConfig configures a control plane that an agent runs in-process.
+type EmbeddedConfig struct {
+	StateDir    string // locked by the agent
+	SocketPath  string // the private socket the CA protocol is served on
+	TrustDomain string
+	Identity    pki.SPIFFEID // the workload the agent mints tokens for
+	Clock       clock.Clock
+	Logger      *slog.Logger
+}
+
+// Embedded is a control plane run in-process by an agent given no CA address: it serves on a
+// private Unix socket, without a monitoring server, and mints the agent's tokens with its own
+// key, so that the agent reaches it through its ordinary CA client.
+type Embedded struct {
+	*ControlPlane
+	stateDir string
+	identity pki.SPIFFEID
+	clock    clock.Clock
+	minter   *token.Minter
+}
+
+// embeddedTokenTTL is the life of a token minted for one request of the embedding agent.
+const embeddedTokenTTL = 5 * time.Minute
+
+// NewEmbedded builds the control plane for an agent; see New.
+func NewEmbedded(e EmbeddedConfig) (*Embedded, error) {
+	cfg := DefaultConfig()
+	cfg.StateDir = e.StateDir
+	cfg.GRPCAddr = unixScheme + e.SocketPath
+	cfg.MonitoringAddr = ""
+	cfg.TrustDomain = e.TrustDomain
+	cfg.Clock = e.Clock
+	cfg.Logger = e.Logger
+	cp, err := New(cfg)
+	if err != nil {
+		return nil, err
+	}
+	// New has created the token key: read it once.
+	minter, err := token.LoadMinter(TokenKeyPath(e.StateDir))
+	if err != nil {
+		cp.Close()
+		return nil, err
+	}
+	return &Embedded{ControlPlane: cp, stateDir: e.StateDir, identity: e.Identity, clock: clock.OrReal(e.Clock), minter: minter}, nil
+}
+
+// RootCertFile is the trust bundle that verifies the control plane.
+func (e *Embedded) RootCertFile() string { return filepath.Join(e.stateDir, ca.RootCertFile) }
+
+// Token mints a short-lived token for the agent's workload, afresh for every request so that none
+// expires in use.
+func (e *Embedded) Token(context.Context) (string, error) {
+	return e.minter.Mint(token.MintParams{
+		Issuer:         token.DefaultIssuer,
+		Audiences:      []string{token.DefaultAudience},
+		Namespace:      e.identity.Namespace,
+		ServiceAccount: e.identity.ServiceAccount,
+		TTL:            embeddedTokenTTL,
+		Now:            e.clock.Now(),
+	})
+}

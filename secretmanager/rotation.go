@@ -1,0 +1,339 @@
+package secretmanager
+
+import (
+	"context"
+	"crypto"
+	"crypto/sha256"
+	"crypto/x509"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/cenkalti/backoff/v4"
+
+	"github.com/meshid/meshid/internal/istio"
+	"github.com/meshid/meshid/internal/logkey"
+	"github.com/meshid/meshid/internal/pki"
+)
+
+// Defaults of a Rotation, as in Istio's agent.
+const (
+	DefaultTTL              = istio.DefaultSecretTTL
+	DefaultGraceRatio       = istio.DefaultGraceRatio
+	DefaultGraceRatioJitter = istio.DefaultGraceRatioJitter
+	DefaultRetryInitial     = time.Second
+	DefaultRetryMax         = 5 * time.Minute
+)
+
+// Signer turns a CSR into a certificate chain, leaf first. The CA client is one.
+type Signer interface {
+	Sign(ctx context.Context, csrDER []byte, ttl time.Duration) ([]*x509.Certificate, error)
+}
+
+// Rotation is the workload source of CA mode: it obtains the workload key pair from a CA and
+// renews it when GraceRatio of its lifetime is left, whether or not anyone is asking, retrying
+// failures with backoff while the current pair keeps serving. A valid pair for Identity left in
+// OUTPUT_CERTS by an earlier run is served at once. "ROOTCA" is the union of the root that ends
+// the CA's chain and the certificates of RootCertFile (watched), so that both roots are trusted
+// during a root rotation.
+type Rotation struct {
+	Signer       Signer
+	Identity     pki.SPIFFEID
+	KeyAlgorithm pki.KeyAlgorithm
+	RSAKeySize   int
+	// TTL is the validity asked of the CA (SECRET_TTL).
+	TTL time.Duration
+	// GraceRatio is the share of a certificate's lifetime left when it is renewed
+	// (SECRET_GRACE_PERIOD_RATIO), moved by up to ±GraceRatioJitter at random.
+	GraceRatio       float64
+	GraceRatioJitter float64
+	// RootCertFile is the CA root file (CA_ROOT_CA); empty when the system roots verify the CA.
+	RootCertFile string
+	// RetryInitial and RetryMax bound the backoff between failed attempts.
+	RetryInitial, RetryMax time.Duration
+	Rand                   func() float64 // in [0, 1), for the jitter; nil is random
+}
+
+// ValidateGrace checks a grace period ratio and its jitter: the renewal must fall strictly
+// inside the certificate's lifetime.
+func ValidateGrace(ratio, jitter float64) error {
+	if ratio <= 0 || ratio >= 1 {
+		return fmt.Errorf("grace period ratio %v must be between 0 and 1", ratio)
+	}
+	if jitter < 0 || jitter >= ratio || ratio+jitter >= 1 {
+		return fmt.Errorf("grace period ratio jitter %v must keep the ratio %v within (0, 1)", jitter, ratio)
+	}
+	return nil
+}
+
+func (r *Rotation) start(env *sourceEnv) (func(context.Context) error, error) {
+	cfg := *r
+	if cfg.Signer == nil {
+		return nil, errors.New("a CA rotation needs a signer")
+	}
+	if _, err := pki.NewSPIFFEID(cfg.Identity.TrustDomain, cfg.Identity.Namespace, cfg.Identity.ServiceAccount); err != nil {
+		return nil, fmt.Errorf("workload identity: %w", err)
+	}
+	if cfg.KeyAlgorithm == "" {
+		cfg.KeyAlgorithm = pki.ECDSA
+	}
+	switch cfg.KeyAlgorithm {
+	case pki.ECDSA:
+	case pki.RSA:
+		if cfg.RSAKeySize == 0 {
+			cfg.RSAKeySize = pki.DefaultRSAKeySize
+		}
+		if err := pki.ValidateRSAKeySize(cfg.RSAKeySize); err != nil {
+			return nil, fmt.Errorf("workload key: %w", err)
+		}
+	default:
+		return nil, fmt.Errorf("workload key algorithm %q: want ECDSA or RSA", cfg.KeyAlgorithm)
+	}
+	if cfg.TTL <= 0 {
+		cfg.TTL = DefaultTTL
+	}
+	if cfg.GraceRatio == 0 {
+		cfg.GraceRatio = DefaultGraceRatio
+	}
+	if err := ValidateGrace(cfg.GraceRatio, cfg.GraceRatioJitter); err != nil {
+		return nil, err
+	}
+	if cfg.RetryInitial <= 0 {
+		cfg.RetryInitial = DefaultRetryInitial
+	}
+	if cfg.RetryMax < cfg.RetryInitial {
+		cfg.RetryMax = max(DefaultRetryMax, cfg.RetryInitial)
+	}
+	if cfg.Rand == nil {
+		cfg.Rand = rand.Float64
+	}
+	rt := &rotator{cfg: cfg, env: env}
+	if cfg.RootCertFile != "" {
+		env.files.add(&fileResource{name: "CA root file " + cfg.RootCertFile, root: cfg.RootCertFile, deliver: rt.rootFileRead})
+	}
+	return rt.run, nil
+}
+
+// rotator is a running Rotation.
+type rotator struct {
+	cfg Rotation
+	env *sourceEnv
+
+	// rootsMu orders the changes of ROOTCA, which come from the renewal loop (a new chain) and the
+	// file loader (a new root file), so that the last published is the union of the latest of each.
+	rootsMu   sync.Mutex
+	chainRoot *x509.Certificate
+	fileRoots []*x509.Certificate
+	roots     string // version of the last published ROOTCA
+}
+
+func (rt *rotator) run(ctx context.Context) error {
+	var current *Secret
+	if rt.env.outputDir != "" {
+		current = rt.loadOutput()
+	}
+	retry := backoff.NewExponentialBackOff(
+		backoff.WithInitialInterval(rt.cfg.RetryInitial),
+		backoff.WithMaxInterval(rt.cfg.RetryMax),
+		backoff.WithMaxElapsedTime(0), // a workload without a certificate keeps trying
+		backoff.WithClockProvider(rt.env.clock),
+	)
+	var lastErr error
+	for {
+		now := rt.env.clock.Now()
+		var wait time.Duration
+		if current != nil && now.Before(current.RenewAt) {
+			wait = current.RenewAt.Sub(now)
+		} else if next, err := rt.issue(ctx); err == nil {
+			current, lastErr = next, nil
+			retry.Reset()
+			continue
+		} else {
+			if ctx.Err() != nil {
+				return nil
+			}
+			lastErr = err
+			now = rt.env.clock.Now()
+			wait = retry.NextBackOff()
+			if current != nil && now.Before(current.NotAfter()) && current.NotAfter().Sub(now) < wait {
+				wait = current.NotAfter().Sub(now) // one more try, and a word, when the one in service expires
+			}
+			rt.failed(err, current, now, now.Add(wait))
+		}
+		timer := rt.env.clock.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			timer.Stop()
+			return nil
+		case <-timer.C():
+		}
+		if current != nil && lastErr != nil && !current.validAt(rt.env.clock.Now()) {
+			rt.env.fail(WorkloadCertName, lastErr) // tell subscribers at once that it expired
+		}
+	}
+}
+
+func (rt *rotator) failed(err error, current *Secret, now, retryAt time.Time) {
+	rt.env.metrics.failures.Inc()
+	rt.env.event(Event{Kind: EventRenewalFailed, Name: WorkloadCertName, RetryAt: retryAt, Err: err})
+	rt.env.fail(WorkloadCertName, err)
+	if current != nil && current.validAt(now) {
+		rt.env.log.Warn("workload certificate renewal failed; the current one keeps serving",
+			logkey.Error, err.Error(), logkey.RetryAt, retryAt, logkey.CurrentExpires, current.NotAfter())
+		return
+	}
+	rt.env.log.Warn("cannot obtain a workload certificate", logkey.Error, err.Error(), logkey.RetryAt, retryAt)
+	rt.rootsMu.Lock()
+	defer rt.rootsMu.Unlock()
+	if rt.roots == "" {
+		rt.env.fail(RootCertName, fmt.Errorf("no trusted root yet: %w", err))
+	}
+}
+
+// issue generates a key, has the CSR signed, and puts the result in service.
+func (rt *rotator) issue(ctx context.Context) (*Secret, error) {
+	key, err := pki.GenerateKey(rt.cfg.KeyAlgorithm, rt.cfg.RSAKeySize)
+	if err != nil {
+		return nil, err
+	}
+	csr, err := pki.NewCSR(key, rt.cfg.Identity)
+	if err != nil {
+		return nil, err
+	}
+	chain, err := rt.cfg.Signer.Sign(ctx, csr, rt.cfg.TTL)
+	if err != nil {
+		return nil, err
+	}
+	received := rt.env.clock.Now()
+	if err := pki.CheckKeyPair(chain, key, rt.cfg.Identity.String(), received); err != nil {
+		return nil, fmt.Errorf("the CA returned an unusable certificate: %w", err)
+	}
+	keyPEM, err := pki.EncodePrivateKey(key)
+	if err != nil {
+		return nil, err
+	}
+	s := rt.newSecret(&KeyPair{Chain: chain, ChainPEM: pki.EncodeCertificates(chain...), Key: key, KeyPEM: keyPEM}, received, SourceCA)
+	rt.env.metrics.rotations.Inc()
+	rt.install(s)
+	rt.env.event(Event{Kind: EventIssued, Name: WorkloadCertName, Version: s.Version})
+	return s, nil
+}
+
+func (rt *rotator) newSecret(kp *KeyPair, received time.Time, source Source) *Secret {
+	s := &Secret{
+		Name:     WorkloadCertName,
+		KeyPair:  kp,
+		Version:  kp.Leaf().SerialNumber.Text(16),
+		Received: received,
+		Source:   source,
+	}
+	s.RenewAt = rt.renewAt(s)
+	return s
+}
+
+// renewAt is when GraceRatio (± jitter) of the lifetime remains. The lifetime counts from when
+// the certificate was received, not from NotBefore: CAs backdate NotBefore by minutes, which for
+// a short TTL would put the renewal in the past at once.
+func (rt *rotator) renewAt(s *Secret) time.Time {
+	ratio := rt.cfg.GraceRatio + rt.cfg.GraceRatioJitter*(2*rt.cfg.Rand()-1)
+	lifetime := s.NotAfter().Sub(s.Received)
+	return s.NotAfter().Add(-time.Duration(ratio * float64(lifetime)))
+}
+
+// install publishes a new key pair: the trust bundle first, so that a peer that gets both trusts
+// the new root before it sees a certificate chained to it.
+func (rt *rotator) install(s *Secret) {
+	if chain := s.KeyPair.Chain; len(chain) > 1 {
+		rt.rootsMu.Lock()
+		rt.chainRoot = chain[len(chain)-1]
+		rt.publishRootsLocked()
+		rt.rootsMu.Unlock()
+	}
+	rt.env.set(s)
+}
+
+func (rt *rotator) rootFileRead(s *Secret, err error) {
+	if err != nil {
+		return // logged by the loader; ROOTCA keeps the roots it had
+	}
+	rt.rootsMu.Lock()
+	defer rt.rootsMu.Unlock()
+	rt.fileRoots = s.Bundle.Roots
+	rt.publishRootsLocked()
+}
+
+// publishRootsLocked publishes ROOTCA, the union of the chain's root and the root file's
+// certificates, when it changed.
+func (rt *rotator) publishRootsLocked() {
+	var roots []*x509.Certificate
+	if rt.chainRoot != nil {
+		roots = append(roots, rt.chainRoot)
+	}
+	for _, r := range rt.fileRoots {
+		if !slices.ContainsFunc(roots, r.Equal) {
+			roots = append(roots, r)
+		}
+	}
+	if len(roots) == 0 {
+		return
+	}
+	pemBytes := pki.EncodeCertificates(roots...)
+	sum := sha256.Sum256(pemBytes)
+	version := hex.EncodeToString(sum[:8])
+	if version == rt.roots {
+		return
+	}
+	rt.roots = version
+	rt.env.log.Info("trust bundle changed", logkey.Roots, len(roots), logkey.Version, version)
+	rt.env.set(&Secret{Name: RootCertName, Bundle: &TrustBundle{Roots: roots, PEM: pemBytes}, Version: version, Source: SourceCA})
+}
+
+// loadOutput puts in service a valid key pair for our identity left in OUTPUT_CERTS by an
+// earlier run (a VM that rebooted), so that it is served at once and renewed on schedule.
+func (rt *rotator) loadOutput() *Secret {
+	dir := rt.env.outputDir
+	chainPEM, err := os.ReadFile(filepath.Join(dir, CertChainFile))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	var (
+		chain []*x509.Certificate
+		key   crypto.Signer
+		info  os.FileInfo
+	)
+	keyPEM, keyErr := os.ReadFile(filepath.Join(dir, KeyFile))
+	if err = errors.Join(err, keyErr); err == nil {
+		chain, err = pki.ParseCertificates(chainPEM)
+	}
+	if err == nil {
+		key, err = pki.ParsePrivateKey(keyPEM)
+	}
+	now := rt.env.clock.Now()
+	if err == nil {
+		err = pki.CheckKeyPair(chain, key, rt.cfg.Identity.String(), now)
+	}
+	if err == nil {
+		info, err = os.Stat(filepath.Join(dir, CertChainFile))
+	}
+	if err != nil {
+		rt.env.log.Info("not using the certificate in OUTPUT_CERTS", logkey.Dir, dir, logkey.Reason, err.Error())
+		return nil
+	}
+	// It was received when it was written, as far as we can tell.
+	received := info.ModTime()
+	if received.After(now) {
+		received = now
+	}
+	if received.Before(chain[0].NotBefore) {
+		received = chain[0].NotBefore
+	}
+	s := rt.newSecret(&KeyPair{Chain: chain, ChainPEM: chainPEM, Key: key, KeyPEM: keyPEM}, received, SourceOutputCerts)
+	rt.install(s)
+	return s
+}

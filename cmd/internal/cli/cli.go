@@ -73,10 +73,31 @@ func NewRoot(use, short, long string, g *Globals) *cobra.Command {
 }
 
 // Main runs root with a context that ends on SIGINT or SIGTERM, prints any error to stderr, and
-// returns the process exit code.
+// returns the process exit code. A second signal ends the process at once, whatever is draining:
+// every file it writes is replaced atomically, so nothing is left half-written.
 func Main(root *cobra.Command) int {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	signals := make(chan os.Signal, 2)
+	signal.Notify(signals, os.Interrupt, syscall.SIGTERM)
+	defer signal.Stop(signals)
+	done := make(chan struct{})
+	defer close(done)
+	go func() {
+		select {
+		case sig := <-signals:
+			_, _ = fmt.Fprintf(root.ErrOrStderr(), "%s: %s: shutting down (send it again to stop at once)\n", root.Name(), sig)
+			cancel()
+		case <-done:
+			return
+		}
+		select {
+		case sig := <-signals:
+			_, _ = fmt.Fprintf(root.ErrOrStderr(), "%s: %s again: stopping now\n", root.Name(), sig)
+			os.Exit(128 + int(sig.(syscall.Signal)))
+		case <-done:
+		}
+	}()
 	if err := root.ExecuteContext(ctx); err != nil {
 		_, _ = fmt.Fprintf(root.ErrOrStderr(), "%s: %s\n", root.Name(), err)
 		return 1

@@ -122,48 +122,42 @@ func TestAgentRenewsOverMTLSWithoutOutputCerts(t *testing.T) {
 	}
 }
 
-// Without a token or a certificate, no request is sent; the agent keeps running, says why it is
-// not ready, and /debug/secrets says the same.
-func TestAgentNotReadyWithoutCertificate(t *testing.T) {
+// While no valid certificate is held the agent keeps running and says why it is not ready;
+// /healthz/ready, /debug/secrets and the metrics agree: without a token or a certificate (no
+// request is sent), and when the CA refuses from the start.
+func TestNotReadyWithoutAValidCertificate(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	ev := newEvents()
 	missing := filepath.Join(e.dir, "no-token")
-	a := newAgent(t, e.config(t, missing, ev))
-	runAgent(t, a)
-	ev.await(t, "the state of default", func(x secretmanager.Event) bool {
-		return x.Kind == secretmanager.EventChanged && x.Name == "default" && x.Err != nil
-	})
-	code, body := httpGet(t, "http://"+a.StatusAddr()+"/healthz/ready")
-	if code != http.StatusServiceUnavailable || !strings.Contains(body, "no valid workload certificate") || !strings.Contains(body, missing) {
-		t.Fatalf("/healthz/ready = %d %q, want 503 naming the token file", code, body)
-	}
-	st := debugSecret(t, a, "default")
-	if st.Valid || !strings.Contains(st.Error, missing) {
-		t.Fatalf("/debug/secrets default: %+v, want not valid, naming the token file", st)
-	}
-}
-
-// A CA that refuses from the start: /healthz/ready and /debug/secrets agree on why.
-func TestReadyAndDebugAgreeWhenTheCARefuses(t *testing.T) {
-	t.Parallel()
-	e := newEnv(t)
-	ev := newEvents()
-	a := newAgent(t, e.config(t, e.tokenFile(t, "kube-system", "demo"), ev)) // not our namespace
-	runAgent(t, a)
-	ev.await(t, "the state of default", func(x secretmanager.Event) bool {
-		return x.Kind == secretmanager.EventChanged && x.Name == "default" && x.Err != nil
-	})
-	code, body := httpGet(t, "http://"+a.StatusAddr()+"/healthz/ready")
-	if code != http.StatusServiceUnavailable || !strings.Contains(body, "PermissionDenied") {
-		t.Fatalf("/healthz/ready = %d %q, want 503 with the CA's refusal", code, body)
-	}
-	st := debugSecret(t, a, "default")
-	if st.Valid || !strings.Contains(st.Error, "PermissionDenied") {
-		t.Fatalf("/debug/secrets default: %+v, want not valid with the CA's refusal", st)
-	}
-	if got := metric(t, a, "meshid_agent_cert_valid"); got != "0" {
-		t.Errorf("meshid_agent_cert_valid %q, want 0", got)
+	for _, tc := range []struct {
+		name  string
+		token string
+		why   string
+	}{
+		{"no token", missing, missing},
+		{"the CA refuses", e.tokenFile(t, "kube-system", "demo"), "PermissionDenied"}, // not our namespace
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			ev := newEvents()
+			cfg := e.config(t, tc.token, ev)
+			cfg.OutputCerts = filepath.Join(t.TempDir(), "out")
+			a := newAgent(t, cfg)
+			runAgent(t, a)
+			ev.await(t, "the state of default", func(x secretmanager.Event) bool {
+				return x.Kind == secretmanager.EventChanged && x.Name == "default" && x.Err != nil
+			})
+			code, body := httpGet(t, "http://"+a.StatusAddr()+"/healthz/ready")
+			if code != http.StatusServiceUnavailable || !strings.Contains(body, "no valid workload certificate") || !strings.Contains(body, tc.why) {
+				t.Fatalf("/healthz/ready = %d %q, want 503 naming %q", code, body, tc.why)
+			}
+			if st := debugSecret(t, a, "default"); st.Valid || !strings.Contains(st.Error, tc.why) {
+				t.Fatalf("/debug/secrets default: %+v, want not valid, naming %q", st, tc.why)
+			}
+			if got := metric(t, a, "meshid_agent_cert_valid"); got != "0" {
+				t.Errorf("meshid_agent_cert_valid %q, want 0", got)
+			}
+		})
 	}
 }
 

@@ -62,8 +62,20 @@ func newFakeSigner(t *testing.T, clk *testClock) *fakeSigner {
 // rotateCA makes the signer issue from a new root and intermediate from now on.
 func (f *fakeSigner) rotateCA(t *testing.T) {
 	t.Helper()
-	root := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "test root " + rand.Text()[:6]})
-	inter := root.NewIntermediate(t, testutil.CAOptions{CommonName: "test intermediate"})
+	// Valid around t0, the fake clock's start, for as long as any test runs it.
+	notBefore, notAfter := t0.AddDate(-1, 0, 0), t0.AddDate(10, 0, 0)
+	root := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "test root " + rand.Text()[:6], NotBefore: notBefore, NotAfter: notAfter})
+	inter := root.NewIntermediate(t, testutil.CAOptions{CommonName: "test intermediate", NotBefore: notBefore, NotAfter: notAfter})
+	f.mu.Lock()
+	f.root, f.inter = root, inter
+	f.mu.Unlock()
+}
+
+// useCA makes the signer issue from other's root and intermediate, as a restarted CA does.
+func (f *fakeSigner) useCA(other *fakeSigner) {
+	other.mu.Lock()
+	root, inter := other.root, other.inter
+	other.mu.Unlock()
 	f.mu.Lock()
 	f.root, f.inter = root, inter
 	f.mu.Unlock()
@@ -501,6 +513,21 @@ func newEnv(t *testing.T) *env {
 		}
 	})
 	return e
+}
+
+// succeeds makes e a restart of earlier: its CA issues from the same root, which e's rotation
+// trusts through a root file, as an agent's CA_ROOT_CA does.
+func (e *env) succeeds(t *testing.T, earlier *env) {
+	t.Helper()
+	e.signer.useCA(earlier.signer)
+	e.trustSignerRoot(t)
+}
+
+// trustSignerRoot points the rotation's root file at the signer's current root.
+func (e *env) trustSignerRoot(t *testing.T) {
+	t.Helper()
+	e.rot.RootCertFile = filepath.Join(t.TempDir(), RootCertFile)
+	writeFileAtomic(t, e.rot.RootCertFile, testutil.CertPEM(e.signer.rootCert()))
 }
 
 func (e *env) newManager() *Manager {

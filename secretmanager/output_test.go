@@ -388,6 +388,7 @@ func TestRestartRemovesUnfinishedGenerations(t *testing.T) {
 
 	e := newEnv(t)
 	e.cfg.Output.Dir = dir
+	e.succeeds(t, earlier)
 	e.clock.Set(t0.Add(time.Minute))
 	r := e.start()
 	s := r.next(t)

@@ -294,6 +294,48 @@ func (rt *rotator) publishRootsLocked() {
 	rt.env.set(&Secret{Name: RootCertName, Bundle: &TrustBundle{Roots: roots, PEM: pemBytes}, Version: version, Source: SourceCA})
 }
 
+// chainsToCARoot checks that chain was issued under the roots that verify the CA now: a pair
+// left by an earlier run under a CA since replaced must not be served, nor its root trusted.
+func (rt *rotator) chainsToCARoot(chain []*x509.Certificate, now time.Time) error {
+	var roots *x509.CertPool
+	if rt.cfg.RootCertFile == "" {
+		var err error
+		if roots, err = x509.SystemCertPool(); err != nil {
+			return fmt.Errorf("the system roots, which verify the CA: %w", err)
+		}
+	} else {
+		data, err := os.ReadFile(rt.cfg.RootCertFile)
+		if err != nil {
+			return fmt.Errorf("the CA root: %w", err)
+		}
+		certs, err := pki.ParseCertificates(data)
+		if err != nil {
+			return fmt.Errorf("the CA root %s: %w", rt.cfg.RootCertFile, err)
+		}
+		roots = x509.NewCertPool()
+		for _, c := range certs {
+			roots.AddCert(c)
+		}
+	}
+	intermediates := x509.NewCertPool()
+	for _, c := range chain[1:] {
+		intermediates.AddCert(c)
+	}
+	_, err := chain[0].Verify(x509.VerifyOptions{Roots: roots, Intermediates: intermediates, CurrentTime: now,
+		KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageAny}})
+	if err != nil {
+		return fmt.Errorf("not issued under the CA's current root (%s): %w", describeRoot(rt.cfg.RootCertFile), err)
+	}
+	return nil
+}
+
+func describeRoot(file string) string {
+	if file == "" {
+		return "the system roots"
+	}
+	return file
+}
+
 // loadOutput puts in service a valid key pair for our identity left in OUTPUT_CERTS by an
 // earlier run (a VM that rebooted), so that it is served at once and renewed on schedule.
 func (rt *rotator) loadOutput() *Secret {
@@ -319,6 +361,11 @@ func (rt *rotator) loadOutput() *Secret {
 		err = pki.CheckKeyPair(chain, key, rt.cfg.Identity.String(), now)
 	}
 	if err == nil {
+		if err = rt.chainsToCARoot(chain, now); err != nil {
+			// Not routine like an expired pair after a long shutdown: the CA was replaced.
+			rt.env.log.Warn("discarding the certificate in OUTPUT_CERTS: the CA changed", logkey.Dir, dir, logkey.Reason, err.Error())
+			return nil
+		}
 		info, err = os.Stat(filepath.Join(dir, CertChainFile))
 	}
 	if err != nil {

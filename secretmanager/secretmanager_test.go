@@ -495,6 +495,7 @@ func TestRestartWithOutputCerts(t *testing.T) {
 		mtime     time.Time // of cert-chain.pem
 		now       time.Time // when the new manager starts
 		tamper    func(t *testing.T, dir string)
+		caChanged bool      // the CA root configured at restart is not the one that issued the pair
 		wantRenew time.Time // zero: not used, a Sign at once
 	}{
 		{name: "written 10m after issue", writtenBy: testID, mtime: t0.Add(10 * time.Minute), now: t0.Add(20 * time.Minute),
@@ -505,6 +506,9 @@ func TestRestartWithOutputCerts(t *testing.T) {
 			wantRenew: t0.Add(40 * time.Minute)}, // from now: 1h − 0.5·40m
 		{name: "another identity", writtenBy: otherID, mtime: t0, now: t0.Add(time.Minute)},
 		{name: "expired", writtenBy: testID, mtime: t0, now: t0.Add(time.Hour)},
+		// The attack: a VM restarted after its CA was replaced kept serving the old CA's pair, and
+		// its root joined ROOTCA, until the next renewal hours later.
+		{name: "issued by another CA than the configured root", writtenBy: testID, mtime: t0, now: t0.Add(time.Minute), caChanged: true},
 		{name: "mismatched key", writtenBy: testID, mtime: t0, now: t0.Add(time.Minute), tamper: func(t *testing.T, dir string) {
 			other, err := pki.GenerateKey(pki.ECDSA, 0)
 			if err != nil {
@@ -563,6 +567,11 @@ func TestRestartWithOutputCerts(t *testing.T) {
 
 			e := newEnv(t)
 			e.cfg.Output.Dir = dir
+			e.succeeds(t, earlier)
+			if tc.caChanged {
+				e.signer.rotateCA(t)
+				e.trustSignerRoot(t)
+			}
 			e.clock.Set(tc.now)
 			r := e.start()
 			s := r.next(t)

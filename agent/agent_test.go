@@ -397,6 +397,21 @@ func TestConfigValidate(t *testing.T) {
 		{"jitter", func(c *agent.Config) { c.GraceRatioJitter = 0.6 }, "--grace-period-ratio-jitter"},
 		{"ttl", func(c *agent.Config) { c.SecretTTL = 0 }, "--secret-ttl"},
 		{"status addr", func(c *agent.Config) { c.StatusAddr = "15020" }, "--status-addr"},
+		// Attack: a file-root: or file-cert: resource reading the embedded CA's keys.
+		{"file resource dir is the CA state dir", func(c *agent.Config) { c.FileResourceDirs = []string{"/etc/certs", "/var/lib/meshid"} },
+			"--file-resource-dirs: /var/lib/meshid overlaps the embedded CA's state dir /var/lib/meshid"},
+		{"file resource dir holds the CA state dir", func(c *agent.Config) { c.FileResourceDirs = []string{"/var/lib/"} },
+			"--file-resource-dirs: /var/lib/ overlaps the embedded CA's state dir /var/lib/meshid"},
+		{"file resource dir is the root", func(c *agent.Config) { c.FileResourceDirs = []string{"/"} }, "--file-resource-dirs: / overlaps"},
+		{"file resource dir inside the CA state dir", func(c *agent.Config) { c.FileResourceDirs = []string{"/var/lib/meshid/sub"} },
+			"--file-resource-dirs: /var/lib/meshid/sub"},
+		{"file resource dir holds the CA state dir under the root dir", func(c *agent.Config) {
+			c.RootDir, c.FileResourceDirs = "/r", []string{"/r/var"}
+		}, "--file-resource-dirs: /r/var overlaps the embedded CA's state dir /r/var/lib/meshid"},
+		{"default file resource dirs hold the CA state dir", func(c *agent.Config) { c.CredentialsDir = "/var" },
+			"--file-resource-dirs (default: the credentials dir and <root-dir>/etc/certs): /var overlaps"},
+		{"embedded, file resource dir holds the CA state dir", func(c *agent.Config) { c.CAAddress, c.FileResourceDirs = "", []string{"/var"} },
+			"--file-resource-dirs: /var overlaps"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -407,5 +422,37 @@ func TestConfigValidate(t *testing.T) {
 				t.Fatalf("error %v, want one mentioning %q", err, tt.want)
 			}
 		})
+	}
+	for name, dirs := range map[string][]string{
+		"next to the CA state dir":           {"/var/lib/meshid-certs", "/etc/certs"},
+		"inside a dir next to the state dir": {"/var/lib/other/certs"},
+	} {
+		t.Run("accepted/"+name, func(t *testing.T) {
+			t.Parallel()
+			c := good()
+			c.FileResourceDirs = dirs
+			if err := c.Validate(); err != nil {
+				t.Fatalf("file resource dirs %q refused: %v", dirs, err)
+			}
+		})
+	}
+}
+
+// Attack: a file resource dir that reaches the embedded CA's state dir through a symlink.
+func TestConfigRefusesFileResourceDirLinkedToCAState(t *testing.T) {
+	t.Parallel()
+	root := testutil.ShortTempDir(t)
+	if err := os.MkdirAll(filepath.Join(root, "var/lib/meshid"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	link := filepath.Join(root, "etc-certs")
+	if err := os.Symlink(filepath.Join(root, "var/lib"), link); err != nil {
+		t.Fatal(err)
+	}
+	c := agent.DefaultConfig(root)
+	c.FileResourceDirs = []string{link}
+	err := c.Validate()
+	if err == nil || !strings.Contains(err.Error(), "--file-resource-dirs: "+link) || !strings.Contains(err.Error(), filepath.Join(root, "var/lib/meshid")) {
+		t.Fatalf("a file resource dir linked to the CA state dir's parent: %v, want a refusal naming --file-resource-dirs, %s and the state dir", err, link)
 	}
 }

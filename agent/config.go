@@ -10,6 +10,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/meshid/meshid/internal/clock"
@@ -236,5 +237,48 @@ func (c *Config) Validate() error {
 	if _, _, err := net.SplitHostPort(c.StatusAddr); err != nil {
 		errs = append(errs, fmt.Errorf("--status-addr %q: want HOST:PORT: %w", c.StatusAddr, err))
 	}
+	errs = append(errs, c.checkFileResourceDirs()...)
 	return errors.Join(errs...)
+}
+
+// checkFileResourceDirs refuses a dir file resources may read that overlaps the embedded CA's
+// state dir, as written or once its symlinks are resolved: any local client could then be served
+// the CA's key. In every mode, since the state dir keeps the keys of an earlier embedded run.
+func (c *Config) checkFileResourceDirs() []error {
+	flag := "--file-resource-dirs"
+	if len(c.FileResourceDirs) == 0 {
+		flag += " (default: the credentials dir and <root-dir>/etc/certs)"
+	}
+	state := c.path(DefaultEmbeddedDir)
+	var errs []error
+	for _, dir := range c.fileResourceDirs() {
+		abs, err := filepath.Abs(dir)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%s: %s: %w", flag, dir, err))
+			continue
+		}
+		if overlap(abs, state) || overlap(resolveExisting(abs), resolveExisting(state)) {
+			errs = append(errs, fmt.Errorf("%s: %s overlaps the embedded CA's state dir %s, which holds the CA's keys", flag, dir, state))
+		}
+	}
+	return errs
+}
+
+// overlap reports whether one of two clean absolute paths is the other or inside it.
+func overlap(a, b string) bool {
+	return a == b || strings.HasPrefix(b, strings.TrimSuffix(a, "/")+"/") || strings.HasPrefix(a, strings.TrimSuffix(b, "/")+"/")
+}
+
+// resolveExisting resolves the symlinks of path's longest existing prefix.
+func resolveExisting(path string) string {
+	rest := ""
+	for p := path; ; p = filepath.Dir(p) {
+		if resolved, err := filepath.EvalSymlinks(p); err == nil {
+			return filepath.Join(resolved, rest)
+		}
+		if filepath.Dir(p) == p {
+			return path
+		}
+		rest = filepath.Join(filepath.Base(p), rest)
+	}
 }

@@ -4,12 +4,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"golang.org/x/sync/errgroup"
@@ -93,13 +96,7 @@ func checkAllowed(path string, dirs []string) error {
 	if err != nil {
 		return nil //nolint:nilerr // not there yet: checked again when it is read
 	}
-	var resolvedDirs []string
-	for _, d := range dirs {
-		if r, err := filepath.EvalSymlinks(d); err == nil {
-			resolvedDirs = append(resolvedDirs, r)
-		}
-	}
-	if !inside(resolved, resolvedDirs) {
+	if !inside(resolved, resolveDirs(dirs)) {
 		return fmt.Errorf("%w: %q leads to %q", ErrForbiddenPath, path, resolved)
 	}
 	return nil
@@ -112,18 +109,103 @@ func inside(path string, dirs []string) bool {
 	})
 }
 
-// read reads r's files into a secret, checking a key pair (the key matches the leaf, which is
-// valid at now).
-func (r *fileResource) read(now time.Time) (*Secret, error) {
-	if r.allowed != nil {
-		for _, p := range r.paths() {
-			if err := checkAllowed(p, r.allowed); err != nil {
-				return nil, err
-			}
+// maxFileSize bounds each file of a file resource: certificates and keys take a few kilobytes,
+// and a client may name any file in an allowed dir.
+const maxFileSize = 1 << 20
+
+// Why a file is refused once opened (besides ErrForbiddenPath).
+var (
+	errNotRegular = errors.New("not a regular file")
+	errTooLarge   = fmt.Errorf("larger than %d bytes", maxFileSize)
+	errCALeaf     = errors.New("the leaf is a CA certificate, whose key is not served")
+)
+
+// refusal names why files were refused, as counted; "" for files that are merely not usable
+// (missing, half written, mismatched).
+func refusal(err error) string {
+	switch {
+	case errors.Is(err, ErrForbiddenPath):
+		return "forbidden_path"
+	case errors.Is(err, errNotRegular):
+		return "not_regular_file"
+	case errors.Is(err, errTooLarge):
+		return "too_large"
+	case errors.Is(err, errCALeaf):
+		return "ca_certificate"
+	default:
+		return ""
+	}
+}
+
+// readFile reads path, opened once and judged by what was opened, not by the path: a name
+// checked and then opened again could be swapped in between for a link to a file outside dirs
+// (nil allows any). Only a regular file of at most maxFileSize is read.
+func readFile(path string, dirs []string) ([]byte, error) {
+	var resolvedDirs []string
+	if dirs != nil {
+		resolvedDirs = resolveDirs(dirs)
+	}
+	resolved, err := filepath.EvalSymlinks(path)
+	if err != nil {
+		return nil, err
+	}
+	// Nothing outside is even opened, unless swapped in since: opening can have effects.
+	if dirs != nil && !inside(resolved, resolvedDirs) {
+		return nil, fmt.Errorf("%w: %q leads to %q", ErrForbiddenPath, path, resolved)
+	}
+	// O_NOFOLLOW: a link swapped in since the resolution is refused; O_NONBLOCK: opening a FIFO
+	// does not wait for a writer. os adds O_CLOEXEC.
+	f, err := os.OpenFile(resolved, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _ = f.Close() }()
+	info, err := f.Stat()
+	if err != nil {
+		return nil, err
+	}
+	if !info.Mode().IsRegular() {
+		return nil, fmt.Errorf("%s: %w (%s)", path, errNotRegular, info.Mode().Type())
+	}
+	if info.Size() > maxFileSize {
+		return nil, fmt.Errorf("%s: %w", path, errTooLarge)
+	}
+	if dirs != nil {
+		// Where the opened file really is: the kernel's answer, whatever happened to the path.
+		opened, err := os.Readlink("/proc/self/fd/" + strconv.Itoa(int(f.Fd())))
+		if err != nil {
+			return nil, fmt.Errorf("%w: %q: cannot tell where the opened file is: %w", ErrForbiddenPath, path, err)
+		}
+		if !inside(opened, resolvedDirs) {
+			return nil, fmt.Errorf("%w: %q leads to %q", ErrForbiddenPath, path, opened)
 		}
 	}
+	data, err := io.ReadAll(io.LimitReader(f, maxFileSize+1))
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	if len(data) > maxFileSize {
+		return nil, fmt.Errorf("%s: %w", path, errTooLarge)
+	}
+	return data, nil
+}
+
+// resolveDirs resolves the symlinks of the dirs that exist.
+func resolveDirs(dirs []string) []string {
+	var out []string
+	for _, d := range dirs {
+		if r, err := filepath.EvalSymlinks(d); err == nil {
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
+// read reads r's files into a secret, checking a key pair (the key matches the leaf, which is
+// valid at now and not a CA).
+func (r *fileResource) read(now time.Time) (*Secret, error) {
 	if r.root != "" {
-		data, err := os.ReadFile(r.root)
+		data, err := readFile(r.root, r.allowed)
 		if err != nil {
 			return nil, err
 		}
@@ -134,11 +216,11 @@ func (r *fileResource) read(now time.Time) (*Secret, error) {
 		return &Secret{Name: r.name, Bundle: &TrustBundle{Roots: roots, PEM: pki.EncodeCertificates(roots...)},
 			Version: contentVersion(data), Source: SourceFiles}, nil
 	}
-	chainPEM, err := os.ReadFile(r.certChain)
+	chainPEM, err := readFile(r.certChain, r.allowed)
 	if err != nil {
 		return nil, err
 	}
-	keyPEM, err := os.ReadFile(r.key)
+	keyPEM, err := readFile(r.key, r.allowed)
 	if err != nil {
 		return nil, err
 	}
@@ -152,6 +234,10 @@ func (r *fileResource) read(now time.Time) (*Secret, error) {
 	}
 	if err := pki.CheckKeyPair(chain, key, "", now); err != nil {
 		return nil, fmt.Errorf("%s and %s: %w", r.certChain, r.key, err)
+	}
+	// A CA's certificate and key would let whoever holds them issue certificates.
+	if chain[0].IsCA {
+		return nil, fmt.Errorf("%s: %w", r.certChain, errCALeaf)
 	}
 	return &Secret{
 		Name:     r.name,
@@ -169,6 +255,7 @@ func (r *fileResource) read(now time.Time) (*Secret, error) {
 type fileLoader struct {
 	clock   clock.Clock
 	log     *slog.Logger
+	metrics *metrics
 	watcher *filewatch.Watcher
 	wake    chan struct{} // buffered: a registration or a change to look at
 
@@ -178,7 +265,7 @@ type fileLoader struct {
 	stale     map[*fileResource]bool // to be read again
 }
 
-func newFileLoader(clk clock.Clock, log *slog.Logger) (*fileLoader, error) {
+func newFileLoader(clk clock.Clock, log *slog.Logger, m *metrics) (*fileLoader, error) {
 	w, err := filewatch.New(filewatch.Config{Clock: clk, Logger: log})
 	if err != nil {
 		return nil, err
@@ -186,6 +273,7 @@ func newFileLoader(clk clock.Clock, log *slog.Logger) (*fileLoader, error) {
 	return &fileLoader{
 		clock:     clk,
 		log:       log,
+		metrics:   m,
 		watcher:   w,
 		wake:      make(chan struct{}, 1),
 		resources: map[string]*fileResource{},
@@ -306,7 +394,7 @@ func (l *fileLoader) watchNew(ctx context.Context) error {
 			}
 		}
 		if err := errors.Join(errs...); err != nil {
-			l.log.Warn("cannot watch the files of a secret; it is read when asked again", logkey.Secret, r.name, logkey.Error, err.Error())
+			l.log.Warn("cannot watch the files of a secret; it is read when asked again", logkey.Secret, logkey.Untrusted(r.name), logkey.Error, logkey.Untrusted(err.Error()))
 		}
 		l.mu.Lock()
 		l.stale[r] = true
@@ -332,10 +420,16 @@ func (l *fileLoader) readStale() {
 func (l *fileLoader) read(r *fileResource) {
 	s, err := r.read(l.clock.Now())
 	if err != nil {
-		if r.current != nil {
-			l.log.Warn("files not usable; the last good secret keeps serving while it is valid", logkey.Secret, r.name, logkey.Error, err.Error())
-		} else {
-			l.log.Warn("files not usable yet; read again when they change", logkey.Secret, r.name, logkey.Error, err.Error())
+		// The name and the error's paths are the client's.
+		name, why := logkey.Untrusted(r.name), logkey.Untrusted(err.Error())
+		switch reason := refusal(err); {
+		case reason != "":
+			l.metrics.fileRefusals.WithLabelValues(reason).Inc()
+			l.log.Warn("file secret refused", logkey.Secret, name, logkey.Reason, reason, logkey.Error, why)
+		case r.current != nil:
+			l.log.Warn("files not usable; the last good secret keeps serving while it is valid", logkey.Secret, name, logkey.Error, why)
+		default:
+			l.log.Warn("files not usable yet; read again when they change", logkey.Secret, name, logkey.Error, why)
 		}
 		if r.current != nil && !r.current.validAt(l.clock.Now()) {
 			r.current = nil
@@ -353,7 +447,7 @@ func (l *fileLoader) read(r *fileResource) {
 		return
 	}
 	r.current, r.failed = s, false
-	l.log.Info("secret loaded from files", logkey.Secret, r.name, logkey.Version, s.Version, logkey.Paths, r.paths())
+	l.log.Info("secret loaded from files", logkey.Secret, logkey.Untrusted(r.name), logkey.Version, s.Version, logkey.Paths, logkey.UntrustedList(r.paths()))
 	r.deliver(s, nil)
 }
 

@@ -9,6 +9,7 @@ type metrics struct {
 	rotations      prometheus.Counter
 	failures       prometheus.Counter
 	outputFailures prometheus.Counter
+	fileRefusals   *prometheus.CounterVec
 }
 
 func newMetrics() *metrics {
@@ -37,11 +38,15 @@ func newMetrics() *metrics {
 			Namespace: "meshid", Subsystem: "agent", Name: "output_certs_write_failures_total",
 			Help: "Failed attempts to write OUTPUT_CERTS.",
 		}),
+		fileRefusals: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "meshid", Subsystem: "agent", Name: "file_secret_refusals_total",
+			Help: "Reads of file secrets refused, by reason: forbidden_path, not_regular_file, too_large, ca_certificate.",
+		}, []string{"reason"}),
 	}
 }
 
 func (m *metrics) register(reg prometheus.Registerer) error {
-	for _, c := range []prometheus.Collector{m.valid, m.expiry, m.nextRenewal, m.rotations, m.failures, m.outputFailures} {
+	for _, c := range []prometheus.Collector{m.valid, m.expiry, m.nextRenewal, m.rotations, m.failures, m.outputFailures, m.fileRefusals} {
 		if err := reg.Register(c); err != nil {
 			return err
 		}

@@ -160,7 +160,7 @@ func New(cfg Config) (*Manager, error) {
 		m.onEvent = func(Event) {}
 	}
 	var err error
-	if m.files, err = newFileLoader(m.clock, m.log); err != nil {
+	if m.files, err = newFileLoader(m.clock, m.log, m.metrics); err != nil {
 		return nil, err
 	}
 	env := &sourceEnv{

@@ -1,0 +1,330 @@
+package secretmanager
+
+// Attacks by a local client that can write in an allowed directory and ask for any file resource.
+
+import (
+	"errors"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/meshid/meshid/internal/testutil"
+)
+
+// fileRefusals is meshid_agent_file_secret_refusals_total{reason}.
+func (e *env) fileRefusals(reason string) float64 {
+	e.t.Helper()
+	mfs, err := e.reg.Gather()
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != "meshid_agent_file_secret_refusals_total" {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "reason" && l.GetValue() == reason {
+					return m.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	return 0
+}
+
+// refusalLogs are the records that say a file secret was refused, for name and reason.
+func (e *env) refusalLogs(name, reason string) []logRecord {
+	return e.logs.matching(func(rec logRecord) bool {
+		return rec.msg == "file secret refused" && rec.attrs["secret"] == name && rec.attrs["reason"] == reason
+	})
+}
+
+// embeddedCA is the embedded control plane's state dir under a root dir, outside every allowed
+// dir, holding its CA key; its certificate is valid at t0.
+type embeddedCA struct {
+	ca               *testutil.CA
+	certPEM, keyPEM  []byte
+	keyPath, dirPath string
+}
+
+func newEmbeddedCA(t *testing.T) embeddedCA {
+	t.Helper()
+	ca := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "embedded CA", NotBefore: t0.Add(-time.Hour)})
+	e := embeddedCA{ca: ca, certPEM: testutil.CertPEM(ca.Cert), keyPEM: testutil.KeyPEM(t, ca.Key)}
+	e.dirPath = filepath.Join(t.TempDir(), "var", "lib", "meshid")
+	testutil.WriteFiles(t, e.dirPath, map[string][]byte{"ca-key.pem": e.keyPEM, "root-cert.pem": e.certPEM})
+	e.keyPath = filepath.Join(e.dirPath, "ca-key.pem")
+	return e
+}
+
+// servesKey fails if any update of sub served key.
+func servesKey(t *testing.T, sub *subscription, keyPEM []byte, what string) {
+	t.Helper()
+	for _, u := range sub.seen() {
+		if u.s != nil && u.s.KeyPair != nil && string(u.s.KeyPair.KeyPEM) == string(keyPEM) {
+			t.Fatalf("%s: served %s (serial %s) with the embedded CA's key", what, sub.name, u.s.KeyPair.Leaf().SerialNumber.Text(16))
+		}
+	}
+}
+
+// Attack: key disclosure through a check-then-open race. The client makes the chain a FIFO, so
+// that the agent's read of it waits for a writer after the paths were checked; it then swaps the
+// key for a symlink to the embedded CA's key and writes the CA's certificate into the FIFO: the
+// pair (CA certificate, CA key) matched, and the CA key was served. The files are now opened once
+// and judged by what was opened: the FIFO is refused without waiting, and the link leads outside.
+func TestFileResourceRaceCannotServeCAKey(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	embedded := newEmbeddedCA(t)
+	allowed := t.TempDir()
+	e.cfg.FileResourceDirs = []string{allowed}
+	ca := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "resource root"})
+	testutil.WriteFiles(t, allowed, map[string][]byte{"key.pem": validPair(t, ca).keyPEM})
+	chain, key := filepath.Join(allowed, "cert.pem"), filepath.Join(allowed, "key.pem")
+	if err := syscall.Mkfifo(chain, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	r := e.start()
+	s := r.next(t)
+	e.idle(s.RenewAt)
+
+	name := FileCertPrefix + chain + "~" + key
+	sub := subscribe(t, r.m, name)
+	opened := make(chan *os.File, 1)
+	go func() {
+		// Returns once the agent opens the FIFO to read it.
+		if w, err := os.OpenFile(chain, os.O_WRONLY, 0); err == nil {
+			opened <- w
+		}
+	}()
+	t.Cleanup(func() {
+		// Release the writer if the agent never opened the FIFO.
+		if f, err := os.OpenFile(chain, os.O_RDONLY|syscall.O_NONBLOCK, 0); err == nil {
+			_ = f.Close()
+		}
+	})
+
+	var first update
+	select {
+	case w := <-opened:
+		// The agent holds the FIFO open: the attacker swaps the key and feeds the chain.
+		if err := os.Remove(key); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Symlink(embedded.keyPath, key); err != nil {
+			t.Fatal(err)
+		}
+		_, _ = w.Write(embedded.certPEM) // fails once the agent has closed it
+		_ = w.Close()
+		first = recv(t, sub.ch, "the first read of "+name)
+	case first = <-sub.ch:
+	case <-time.After(waitLimit):
+		t.Fatal("the agent neither refused the FIFO nor opened it")
+	}
+	servesKey(t, sub, embedded.keyPEM, "the FIFO race")
+	if first.err == nil || !strings.Contains(first.err.Error(), "not a regular file") {
+		t.Fatalf("the FIFO chain: told %v, want it refused as not a regular file", first)
+	}
+
+	// The attacker tries again with the CA's certificate as a plain file and the key a link to
+	// the CA key: the key opened is outside the allowed dir, whatever the path said.
+	if _, err := os.Lstat(key); err == nil {
+		if err := os.Remove(key); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.Symlink(embedded.keyPath, key); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(chain); err != nil {
+		t.Fatal(err)
+	}
+	writeFileAtomic(t, chain, embedded.certPEM)
+	for {
+		u := drive(t, e.clock, sub.ch)
+		servesKey(t, sub, embedded.keyPEM, "the chain a file, the key a link")
+		if errors.Is(u.err, ErrForbiddenPath) {
+			break
+		}
+	}
+}
+
+// Attacks that point a file resource at what the agent must not serve, each refused on the file
+// opened (not on the path asked for), logged once with the resource and the reason, and counted.
+func TestFileResourceRefusesUnsafeFiles(t *testing.T) {
+	t.Parallel()
+	ca := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "resource root"})
+	caAsLeaf := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "a CA as a leaf", NotBefore: t0.Add(-time.Hour)})
+	// A valid chain followed by junk that PEM parsing skips: served whole before files were bounded.
+	pad := []byte("\n" + strings.Repeat("x", maxTestFileSize) + "\n")
+	for _, tc := range []struct {
+		name string
+		// setup writes the files into allowed (outside is another dir) after the subscription when
+		// late, and returns the resource name.
+		setup  func(t *testing.T, allowed, outside string) string
+		late   bool
+		reason string // counted
+		want   string // in the error subscribers are told
+	}{
+		{
+			name: "the key a symlink made later to a key outside",
+			setup: func(t *testing.T, allowed, outside string) string {
+				kp := validPair(t, ca)
+				testutil.WriteFiles(t, allowed, map[string][]byte{"cert.pem": kp.chainPEM})
+				testutil.WriteFiles(t, outside, map[string][]byte{"key.pem": kp.keyPEM})
+				return FileCertPrefix + filepath.Join(allowed, "cert.pem") + "~" + filepath.Join(allowed, "key.pem")
+			},
+			late:   true,
+			reason: "forbidden_path", want: ErrForbiddenPath.Error(),
+		},
+		{
+			name: "the chain a FIFO",
+			setup: func(t *testing.T, allowed, _ string) string {
+				testutil.WriteFiles(t, allowed, map[string][]byte{"key.pem": validPair(t, ca).keyPEM})
+				if err := syscall.Mkfifo(filepath.Join(allowed, "cert.pem"), 0o600); err != nil {
+					t.Fatal(err)
+				}
+				return FileCertPrefix + filepath.Join(allowed, "cert.pem") + "~" + filepath.Join(allowed, "key.pem")
+			},
+			reason: "not_regular_file", want: "not a regular file",
+		},
+		{
+			name: "the roots a FIFO",
+			setup: func(t *testing.T, allowed, _ string) string {
+				if err := syscall.Mkfifo(filepath.Join(allowed, "roots.pem"), 0o600); err != nil {
+					t.Fatal(err)
+				}
+				return FileRootPrefix + filepath.Join(allowed, "roots.pem")
+			},
+			reason: "not_regular_file", want: "not a regular file",
+		},
+		{
+			name: "the key a directory",
+			setup: func(t *testing.T, allowed, _ string) string {
+				testutil.WriteFiles(t, allowed, map[string][]byte{"cert.pem": validPair(t, ca).chainPEM})
+				if err := os.Mkdir(filepath.Join(allowed, "key.pem"), 0o700); err != nil {
+					t.Fatal(err)
+				}
+				return FileCertPrefix + filepath.Join(allowed, "cert.pem") + "~" + filepath.Join(allowed, "key.pem")
+			},
+			reason: "not_regular_file", want: "not a regular file",
+		},
+		{
+			name: "a CA certificate as the leaf, with its key",
+			setup: func(t *testing.T, allowed, _ string) string {
+				testutil.WriteFiles(t, allowed, map[string][]byte{"cert.pem": testutil.CertPEM(caAsLeaf.Cert), "key.pem": testutil.KeyPEM(t, caAsLeaf.Key)})
+				return FileCertPrefix + filepath.Join(allowed, "cert.pem") + "~" + filepath.Join(allowed, "key.pem")
+			},
+			reason: "ca_certificate", want: "is a CA certificate",
+		},
+		{
+			name: "an oversized chain",
+			setup: func(t *testing.T, allowed, _ string) string {
+				kp := validPair(t, ca)
+				testutil.WriteFiles(t, allowed, map[string][]byte{"cert.pem": append(kp.chainPEM, pad...), "key.pem": kp.keyPEM})
+				return FileCertPrefix + filepath.Join(allowed, "cert.pem") + "~" + filepath.Join(allowed, "key.pem")
+			},
+			reason: "too_large", want: "larger than",
+		},
+		{
+			name: "oversized roots",
+			setup: func(t *testing.T, allowed, _ string) string {
+				testutil.WriteFiles(t, allowed, map[string][]byte{"roots.pem": append(testutil.CertPEM(ca.Cert), pad...)})
+				return FileRootPrefix + filepath.Join(allowed, "roots.pem")
+			},
+			reason: "too_large", want: "larger than",
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t)
+			allowed, outside := t.TempDir(), t.TempDir()
+			e.cfg.FileResourceDirs = []string{allowed}
+			r := e.start()
+			s := r.next(t)
+			e.idle(s.RenewAt)
+			name := tc.setup(t, allowed, outside)
+			sub := subscribe(t, r.m, name)
+			var got update
+			if tc.late {
+				// The key is not there when first read; then it appears as a link leading outside.
+				if err := sub.nextErr(t); !errors.Is(err, fs.ErrNotExist) {
+					t.Fatalf("told %v, want the key missing", err)
+				}
+				if err := os.Symlink(filepath.Join(outside, "key.pem"), filepath.Join(allowed, "key.pem")); err != nil {
+					t.Fatal(err)
+				}
+				got = drive(t, e.clock, sub.ch)
+			} else {
+				got = recv(t, sub.ch, "the first read of "+name)
+			}
+			if got.err == nil || !strings.Contains(got.err.Error(), tc.want) {
+				t.Fatalf("told %v, want a refusal saying %q", got, tc.want)
+			}
+			if st := status(t, r.m, name); st.Valid || st.Secret != nil {
+				t.Errorf("Snapshot %+v, want nothing served", st)
+			}
+			if n := e.fileRefusals(tc.reason); n != 1 {
+				t.Errorf("meshid_agent_file_secret_refusals_total{reason=%q} = %v, want 1", tc.reason, n)
+			}
+			if logs := e.refusalLogs(name, tc.reason); len(logs) != 1 {
+				t.Errorf("%d refusal logs for %s with reason %s, want 1", len(logs), name, tc.reason)
+			}
+		})
+	}
+}
+
+// maxTestFileSize is more than any file of a file resource may hold.
+const maxTestFileSize = 1<<20 + 1
+
+// Attack: a FIFO in an allowed dir wedges the agent. Opening it for reading waited for a writer
+// on the file loader's goroutine, so that the CA root file (ROOTCA) and every other file resource
+// were never read again. It is refused at open now, and the rest goes on.
+func TestFIFOFileResourceStallsNothing(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	ca := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "resource root"})
+	rootFile := filepath.Join(t.TempDir(), "root-cert.pem")
+	testutil.WriteFiles(t, filepath.Dir(rootFile), map[string][]byte{"root-cert.pem": testutil.CertPEM(e.signer.rootCert())})
+	e.rot.RootCertFile = rootFile
+	allowed := t.TempDir()
+	e.cfg.FileResourceDirs = []string{allowed}
+	kp := validPair(t, ca)
+	testutil.WriteFiles(t, allowed, map[string][]byte{"tls.crt": kp.chainPEM, "tls.key": kp.keyPEM})
+	fifo := filepath.Join(allowed, "fifo.pem")
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	r := e.start()
+	s := r.next(t)
+	e.idle(s.RenewAt)
+
+	fifoSub := subscribe(t, r.m, FileRootPrefix+fifo)
+	if err := fifoSub.nextErr(t); !strings.Contains(err.Error(), "not a regular file") {
+		t.Fatalf("the FIFO: told %v, want it refused as not a regular file", err)
+	}
+	// Another file resource is read.
+	certName := FileCertPrefix + filepath.Join(allowed, "tls.crt") + "~" + filepath.Join(allowed, "tls.key")
+	checkServes(t, subscribe(t, r.m, certName).next(t), certName, kp)
+	// The CA root file is read again when it changes: ROOTCA gets the new root.
+	extra := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "next root"})
+	writeFileAtomic(t, rootFile, testutil.CertPEM(e.signer.rootCert(), extra.Cert))
+	e.reread("ROOTCA holds the new root", func() bool {
+		got := current(t, r.m, RootCertName).s
+		return got != nil && slices.ContainsFunc(got.Bundle.Roots, extra.Cert.Equal)
+	})
+	// default is renewed, and the agent is ready.
+	if ev := e.attempt(s.RenewAt); ev.Kind != EventIssued {
+		t.Fatalf("renewal: %+v", ev)
+	}
+	ready(t, r.m, true)
+	if err := r.stop(t); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -45,21 +45,23 @@ type Watcher struct {
 	log      *slog.Logger
 	ready    chan struct{}
 	stopped  chan struct{} // closed when Run returns
-	adds     chan addRequest
+	requests chan request
 
 	mu      sync.Mutex
 	paths   []string
 	running bool
 }
 
-type addRequest struct {
-	path string
-	done chan error
+// request asks Run to watch path, or with remove to drop the watches no path needs any more.
+type request struct {
+	path   string
+	remove bool
+	done   chan error
 }
 
 // New returns a Watcher; it watches nothing until Run.
 func New(cfg Config) (*Watcher, error) {
-	w := &Watcher{debounce: cfg.Debounce, clock: clock.OrReal(cfg.Clock), log: cfg.Logger, ready: make(chan struct{}), stopped: make(chan struct{}), adds: make(chan addRequest)}
+	w := &Watcher{debounce: cfg.Debounce, clock: clock.OrReal(cfg.Clock), log: cfg.Logger, ready: make(chan struct{}), stopped: make(chan struct{}), requests: make(chan request)}
 	if w.debounce <= 0 {
 		w.debounce = DefaultDebounce
 	}
@@ -90,9 +92,31 @@ func (w *Watcher) Add(ctx context.Context, path string) error {
 		return nil
 	}
 	w.mu.Unlock()
-	req := addRequest{path: path, done: make(chan error, 1)}
+	return w.ask(ctx, request{path: path, done: make(chan error, 1)})
+}
+
+// Remove stops watching path: a change to it is no longer reported, and the watches that no other
+// path needs are dropped. Removing a path not watched is a no-op.
+func (w *Watcher) Remove(ctx context.Context, path string) error {
+	path = filepath.Clean(path)
+	w.mu.Lock()
+	if !slices.Contains(w.paths, path) {
+		w.mu.Unlock()
+		return nil
+	}
+	w.paths = slices.DeleteFunc(w.paths, func(p string) bool { return p == path })
+	running := w.running
+	w.mu.Unlock()
+	if !running {
+		return nil
+	}
+	return w.ask(ctx, request{path: path, remove: true, done: make(chan error, 1)})
+}
+
+// ask has Run carry out req, which owns the fsnotify watcher.
+func (w *Watcher) ask(ctx context.Context, req request) error {
 	select {
-	case w.adds <- req:
+	case w.requests <- req:
 	case <-w.stopped:
 		return errStopped
 	case <-ctx.Done():
@@ -173,7 +197,12 @@ func (w *Watcher) Run(ctx context.Context, onChange func(changed []string)) erro
 			}
 			timer = w.clock.NewTimer(w.debounce)
 			timerC = timer.C()
-		case req := <-w.adds:
+		case req := <-w.requests:
+			if req.remove {
+				w.unwatch(fw)
+				req.done <- nil
+				continue
+			}
 			err := w.watch(fw, req.path)
 			if err == nil {
 				w.mu.Lock()
@@ -224,9 +253,24 @@ func (w *Watcher) watch(fw *fsnotify.Watcher, path string) error {
 	return nil
 }
 
+// unwatch drops the watches that no watched path needs: a path's own, and those of the
+// directories above it (where its nearest existing ancestor is watched).
+func (w *Watcher) unwatch(fw *fsnotify.Watcher) {
+	w.mu.Lock()
+	paths := slices.Clone(w.paths)
+	w.mu.Unlock()
+	for _, watched := range fw.WatchList() {
+		if slices.ContainsFunc(paths, func(p string) bool { return p == watched || isAncestor(watched, p) }) {
+			continue
+		}
+		// Fails only for a watch the kernel has dropped already, with its directory.
+		_ = fw.Remove(watched)
+	}
+}
+
 // isAncestor reports whether dir is a directory above path.
 func isAncestor(dir, path string) bool {
-	return strings.HasPrefix(path, dir+string(filepath.Separator)) && dir != path
+	return strings.HasPrefix(path, strings.TrimSuffix(dir, string(filepath.Separator))+string(filepath.Separator)) && dir != path
 }
 
 func (w *Watcher) watchIfDir(fw *fsnotify.Watcher, path string) {

@@ -235,3 +235,34 @@ func TestFileInDirectoriesThatDoNotExistYet(t *testing.T) {
 		h.until(t, file)
 	})
 }
+
+// A removed path is no longer reported, a path next to it still is, and the removed path can be
+// watched again.
+func TestRemove(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	gone, kept := filepath.Join(dir, "gone.pem"), filepath.Join(dir, "kept.pem")
+	write(t, gone, "one")
+	write(t, kept, "one")
+	h := start(t, gone, kept)
+	if err := h.watcher.Remove(t.Context(), gone); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.watcher.Remove(t.Context(), filepath.Join(dir, "never-watched")); err != nil {
+		t.Fatalf("Remove of a path not watched: %v", err)
+	}
+	write(t, gone, "two")
+	write(t, kept, "two")
+	for reported := false; !reported; {
+		got := h.next(t)
+		if slices.Contains(got, gone) {
+			t.Fatalf("changed %v: the removed %s was reported", got, gone)
+		}
+		reported = slices.Contains(got, kept)
+	}
+	if err := h.watcher.Add(t.Context(), gone); err != nil {
+		t.Fatal(err)
+	}
+	write(t, gone, "three")
+	h.until(t, gone)
+}

@@ -30,7 +30,8 @@ const (
 	FileRootPrefix = "file-root:"
 )
 
-// MaxFileSecrets bounds the file resources one agent serves.
+// MaxFileSecrets bounds the file resources one agent serves at once (counting the workload's
+// own files in file mode, and the CA root file).
 const MaxFileSecrets = 256
 
 // fileResource is a secret read from files: a key pair (certChain and key) or a trust bundle
@@ -263,6 +264,7 @@ type fileLoader struct {
 	resources map[string]*fileResource
 	unwatched []*fileResource        // registered, not watched yet
 	stale     map[*fileResource]bool // to be read again
+	unneeded  []string               // paths of forgotten resources: unwatched unless still read
 }
 
 func newFileLoader(clk clock.Clock, log *slog.Logger, m *metrics) (*fileLoader, error) {
@@ -312,11 +314,20 @@ func (l *fileLoader) addLocked(r *fileResource) bool {
 	return true
 }
 
-func (l *fileLoader) has(name string) bool {
+// remove forgets the resource of that name: it is read no more, and its files are unwatched
+// unless another resource reads them.
+func (l *fileLoader) remove(name string) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	_, ok := l.resources[name]
-	return ok
+	r := l.resources[name]
+	if r == nil {
+		return
+	}
+	delete(l.resources, name)
+	l.unwatched = slices.DeleteFunc(l.unwatched, func(u *fileResource) bool { return u == r })
+	delete(l.stale, r)
+	l.unneeded = append(l.unneeded, r.paths()...)
+	l.poke()
 }
 
 func (l *fileLoader) count() int {
@@ -376,13 +387,26 @@ func (l *fileLoader) loop(ctx context.Context) error {
 	}
 }
 
-// watchNew watches the files of every resource registered since the last look and marks it to
-// be read.
+// watchNew unwatches the files no resource reads any more, then watches the files of every
+// resource registered since the last look and marks it to be read. Both on the loop's goroutine,
+// in this order, so that a file forgotten and asked for again stays watched.
 func (l *fileLoader) watchNew(ctx context.Context) error {
 	l.mu.Lock()
 	fresh := l.unwatched
 	l.unwatched = nil
+	var drop []string
+	for _, p := range l.unneeded {
+		if !slices.Contains(drop, p) && !l.readsLocked(p) {
+			drop = append(drop, p)
+		}
+	}
+	l.unneeded = nil
 	l.mu.Unlock()
+	for _, p := range drop {
+		if err := l.watcher.Remove(ctx, p); err != nil {
+			return err // only when ctx ends or the watcher stops
+		}
+	}
 	for _, r := range fresh {
 		var errs []error
 		for _, p := range r.paths() {
@@ -401,6 +425,16 @@ func (l *fileLoader) watchNew(ctx context.Context) error {
 		l.mu.Unlock()
 	}
 	return nil
+}
+
+// readsLocked reports whether a registered resource reads path.
+func (l *fileLoader) readsLocked(path string) bool {
+	for _, r := range l.resources {
+		if slices.ContainsFunc(r.paths(), func(p string) bool { return filepath.Clean(p) == filepath.Clean(path) }) {
+			return true
+		}
+	}
+	return false
 }
 
 func (l *fileLoader) readStale() {

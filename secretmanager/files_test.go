@@ -793,7 +793,7 @@ func TestFileResourcesShareADataSwap(t *testing.T) {
 	r.workload.none(t, "swaps in another volume")
 }
 
-// Each file secret is watched for the agent's life, so their number is bounded, even when many
+// Each file secret is watched while subscribed to, so their number is bounded, even when many
 // clients ask at once.
 func TestFileSecretsAreBounded(t *testing.T) {
 	t.Parallel()

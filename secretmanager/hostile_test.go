@@ -4,11 +4,14 @@ package secretmanager
 
 import (
 	"errors"
+	"fmt"
 	"io/fs"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -326,5 +329,144 @@ func TestFIFOFileResourceStallsNothing(t *testing.T) {
 	ready(t, r.m, true)
 	if err := r.stop(t); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// Each file secret is watched and kept while someone subscribes to it; once nobody does, it is
+// forgotten, so that the bound on file secrets does not turn away later names for the agent's life.
+func TestFileSecretsAreReleased(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	dir := t.TempDir()
+	e.cfg.FileResourceDirs = []string{dir}
+	ca := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "resource root"})
+	kp := validPair(t, ca)
+	testutil.WriteFiles(t, dir, map[string][]byte{"tls.crt": kp.chainPEM, "tls.key": kp.keyPEM})
+	r := e.start()
+	s := r.next(t)
+	e.idle(s.RenewAt)
+
+	pairName := FileCertPrefix + filepath.Join(dir, "tls.crt") + "~" + filepath.Join(dir, "tls.key")
+	pair := subscribe(t, r.m, pairName)
+	checkServes(t, pair.next(t), pairName, kp)
+	// The loader waits for the pair's expiry, to report it.
+	e.clock.waitArmed(t, kp.leaf.NotAfter)
+	// Two streams on one name: one leaving keeps it.
+	second := subscribe(t, r.m, pairName)
+	second.cancel()
+	subs := []*subscription{pair}
+	for i := range MaxFileSecrets - 1 {
+		subs = append(subs, subscribe(t, r.m, FileRootPrefix+filepath.Join(dir, fmt.Sprintf("root-%d.pem", i))))
+	}
+	if _, err := trySubscribe(t, r.m, FileRootPrefix+filepath.Join(dir, "one-more.pem")); !errors.Is(err, ErrTooManyFiles) {
+		t.Fatalf("a file secret past the bound: %v, want ErrTooManyFiles", err)
+	}
+	for _, sub := range subs {
+		sub.cancel()
+		sub.cancel() // idempotent
+	}
+	// Nothing is kept for them: not in /debug/secrets, no expiry to wait for.
+	var kept []string
+	for _, st := range r.m.Snapshot() {
+		if st.Name != WorkloadCertName && st.Name != RootCertName {
+			kept = append(kept, st.Name)
+		}
+	}
+	if len(kept) > 0 {
+		t.Errorf("%d file secrets still in the Snapshot after their last subscriber left, such as %s", len(kept), kept[0])
+	}
+	e.clock.await(t, "no timer for the forgotten pair's expiry", func(now time.Time) bool {
+		return !slices.ContainsFunc(e.clock.timers, func(tm *testTimer) bool {
+			return tm.liveAt(now) && tm.deadline.Equal(kp.leaf.NotAfter)
+		})
+	})
+	// New names are taken, up to the bound again, and a name asked for anew is read anew.
+	late := subscribe(t, r.m, FileRootPrefix+filepath.Join(dir, "late.pem"))
+	if err := late.nextErr(t); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("a new name: told %v, want its file missing", err)
+	}
+	again := subscribe(t, r.m, pairName)
+	checkServes(t, again.next(t), pairName, kp)
+	for i := range MaxFileSecrets - 2 {
+		subscribe(t, r.m, FileRootPrefix+filepath.Join(dir, fmt.Sprintf("new-%d.pem", i)))
+	}
+	if _, err := trySubscribe(t, r.m, FileRootPrefix+filepath.Join(dir, "past.pem")); !errors.Is(err, ErrTooManyFiles) {
+		t.Fatalf("a file secret past the bound: %v, want ErrTooManyFiles", err)
+	}
+}
+
+// Many clients at once, each asking for a name of its own and leaving: the number of file secrets
+// held never passes the bound, and nothing is left once they have all left.
+func TestFileSecretsBurstStaysBounded(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	dir := t.TempDir()
+	e.cfg.FileResourceDirs = []string{dir}
+	r := e.start()
+	s := r.next(t)
+	e.idle(s.RenewAt)
+
+	const clients = 4 * MaxFileSecrets
+	var (
+		wg       sync.WaitGroup
+		start    = make(chan struct{})
+		accepted atomic.Int32
+		refused  atomic.Int32
+		stop     = make(chan struct{})
+		sampled  = make(chan int, 1)
+	)
+	go func() {
+		most := 0
+		for {
+			most = max(most, r.m.files.count())
+			select {
+			case <-stop:
+				sampled <- most
+				return
+			default:
+			}
+		}
+	}()
+	for i := range clients {
+		wg.Go(func() {
+			<-start
+			name := FileRootPrefix + filepath.Join(dir, fmt.Sprintf("root-%d.pem", i))
+			cancel, err := r.m.Subscribe(name, func(*Secret, error) {})
+			switch {
+			case err == nil:
+				accepted.Add(1)
+				if i%2 == 0 {
+					cancel() // some leave at once, the rest once everyone has asked
+					return
+				}
+				<-stop
+				cancel()
+			case errors.Is(err, ErrTooManyFiles):
+				refused.Add(1)
+			default:
+				t.Errorf("Subscribe(%s) = %v, want nil or ErrTooManyFiles", name, err)
+			}
+		})
+	}
+	close(start)
+	// Every client has asked once this many have answered; those keeping theirs wait for stop.
+	for accepted.Load()+refused.Load() < clients {
+		if n := r.m.files.count(); n > MaxFileSecrets {
+			t.Fatalf("%d file secrets held, past the bound %d", n, MaxFileSecrets)
+		}
+	}
+	close(stop)
+	wg.Wait()
+	if most := <-sampled; most > MaxFileSecrets {
+		t.Fatalf("%d file secrets held at once, past the bound %d", most, MaxFileSecrets)
+	}
+	if accepted.Load() < MaxFileSecrets {
+		t.Errorf("%d of %d names accepted, want at least the bound %d", accepted.Load(), clients, MaxFileSecrets)
+	}
+	if n := r.m.files.count(); n != 0 {
+		t.Errorf("%d file secrets held after every client left", n)
+	}
+	if _, err := trySubscribe(t, r.m, FileRootPrefix+filepath.Join(dir, "after.pem")); err != nil {
+		t.Errorf("a name after the burst: %v", err)
 	}
 }

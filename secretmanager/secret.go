@@ -22,8 +22,8 @@ var (
 	ErrUnknownSecret = errors.New("unknown secret")
 	// ErrForbiddenPath reports a file resource outside the directories files may be served from.
 	ErrForbiddenPath = errors.New("path outside the directories files may be served from")
-	// ErrTooManyFiles reports a file resource past MaxFileSecrets: each is watched and kept for
-	// the agent's life, so a client may not ask for names without end.
+	// ErrTooManyFiles reports a file resource past MaxFileSecrets: each is watched and kept while
+	// subscribed to, so clients may not hold names without end.
 	ErrTooManyFiles = errors.New("too many file secrets")
 	// ErrExpired reports a key pair that expired before a new one could be had.
 	ErrExpired = errors.New("the certificate has expired")

@@ -201,17 +201,33 @@ func New(cfg Config) (*Manager, error) {
 // order; it must not block or call the manager. Names: "default", "ROOTCA",
 // "file-cert:<cert-chain>~<key>" and "file-root:<roots>" (paths inside FileResourceDirs). An
 // unknown name is refused with ErrUnknownSecret, a file outside the allowed directories with
-// ErrForbiddenPath, a file resource past MaxFileSecrets with ErrTooManyFiles.
+// ErrForbiddenPath, a file resource past MaxFileSecrets with ErrTooManyFiles. A file resource is
+// read and watched while someone subscribes to it, and forgotten when the last one cancels.
 func (m *Manager) Subscribe(name string, fn func(*Secret, error)) (cancel func(), err error) {
-	if name != WorkloadCertName && name != RootCertName {
-		if err := m.addFileResource(name); err != nil {
+	file := name != WorkloadCertName && name != RootCertName
+	var r *fileResource
+	if file {
+		// Outside the locks: it looks at the file system.
+		if r, err = parseFileResource(name, m.dirs); err != nil {
 			return nil, err
 		}
 	}
 	m.publishMu.Lock()
 	defer m.publishMu.Unlock()
 	m.mu.Lock()
-	sl := m.slotLocked(name)
+	sl := m.slots[name]
+	if sl == nil && file {
+		// The first subscriber: the loader reads it from now on. Registered under m.mu, as it is
+		// forgotten, so that a file secret has a slot exactly while the loader holds it.
+		sl = newSlot()
+		r.deliver = m.deliverTo(name, sl)
+		if n, ok := m.files.addBounded(r, MaxFileSecrets); !ok {
+			m.mu.Unlock()
+			return nil, fmt.Errorf("%w: %d are served already", ErrTooManyFiles, n)
+		}
+		m.slots[name] = sl
+	}
+	sl = m.slotLocked(name)
 	id := m.nextSub
 	m.nextSub++
 	sl.subs[id] = fn
@@ -224,38 +240,35 @@ func (m *Manager) Subscribe(name string, fn func(*Secret, error)) (cancel func()
 		m.mu.Lock()
 		defer m.mu.Unlock()
 		delete(sl.subs, id)
+		if file && len(sl.subs) == 0 && m.slots[name] == sl {
+			// Nobody asks for it any more: not read, watched, listed or counted from now on.
+			delete(m.slots, name)
+			m.files.remove(name)
+		}
 	}), nil
 }
+
+func newSlot() *slot { return &slot{subs: map[int]func(*Secret, error){}} }
 
 func (m *Manager) slotLocked(name string) *slot {
 	sl := m.slots[name]
 	if sl == nil {
-		sl = &slot{subs: map[int]func(*Secret, error){}}
+		sl = newSlot()
 		m.slots[name] = sl
 	}
 	return sl
 }
 
-// addFileResource registers a file resource on its first subscription; the loader reads it.
-func (m *Manager) addFileResource(name string) error {
-	if m.files.has(name) {
-		return nil
-	}
-	r, err := parseFileResource(name, m.dirs)
-	if err != nil {
-		return err
-	}
-	r.deliver = func(s *Secret, err error) {
+// deliverTo publishes the reads of a file resource to its slot sl, not to whatever slot the name
+// has by then: a read that ends after the resource was forgotten brings nothing back.
+func (m *Manager) deliverTo(name string, sl *slot) func(*Secret, error) {
+	return func(s *Secret, err error) {
 		if err != nil {
-			m.fail(name, err)
+			m.publish(name, sl, func(sl *slot) { sl.failure = err })
 			return
 		}
-		m.set(s)
+		m.publish(name, sl, func(sl *slot) { sl.secret, sl.failure = s, nil })
 	}
-	if n, ok := m.files.addBounded(r, MaxFileSecrets); !ok {
-		return fmt.Errorf("%w: %d are served already", ErrTooManyFiles, n)
-	}
-	return nil
 }
 
 // set publishes a new secret under its name.
@@ -271,12 +284,18 @@ func (m *Manager) fail(name string, err error) {
 	m.update(name, func(sl *slot) { sl.failure = err })
 }
 
-func (m *Manager) update(name string, change func(*slot)) {
+func (m *Manager) update(name string, change func(*slot)) { m.publish(name, nil, change) }
+
+// publish applies change to sl (nil: the slot of name, made if missing) and tells its subscribers
+// if what they would be told changed.
+func (m *Manager) publish(name string, sl *slot, change func(*slot)) {
 	m.publishMu.Lock()
 	defer m.publishMu.Unlock()
 	now := m.clock.Now()
 	m.mu.Lock()
-	sl := m.slotLocked(name)
+	if sl == nil {
+		sl = m.slotLocked(name)
+	}
 	change(sl)
 	s, err := sl.state(now)
 	key := stateKey(s, err)

@@ -44,8 +44,11 @@ type fileResource struct {
 	// deliver receives every read: the secret, or why the files are not usable.
 	deliver func(*Secret, error)
 
-	current *Secret // the last good read; owned by the loader's goroutine
-	failed  bool    // the last read failed; owned by the loader's goroutine
+	// Guarded by the loader's mutex.
+	current *Secret // the last good read
+	failed  bool    // the last read failed
+	reading bool    // a read is under way
+	again   bool    // changed during the read: read again after it
 }
 
 func (r *fileResource) paths() []string {
@@ -251,20 +254,24 @@ func (r *fileResource) read(now time.Time) (*Secret, error) {
 
 // fileLoader reads file resources and reads them again whenever their files change (a
 // Kubernetes "..data" swap included) or a key pair it serves expires. Files whose directories
-// do not exist yet are read once they appear. Every read happens on its Run's goroutine, never
-// under a lock that a reader of the secrets takes.
+// do not exist yet are read once they appear. Reads happen on goroutines that Run waits for,
+// never under a lock that a reader of the secrets takes.
 type fileLoader struct {
 	clock   clock.Clock
 	log     *slog.Logger
 	metrics *metrics
 	watcher *filewatch.Watcher
 	wake    chan struct{} // buffered: a registration or a change to look at
+	// readFiles reads a resource's files; tests make it hang, as on a filesystem that does.
+	readFiles func(r *fileResource, now time.Time) (*Secret, error)
 
-	mu        sync.Mutex
-	resources map[string]*fileResource
-	unwatched []*fileResource        // registered, not watched yet
-	stale     map[*fileResource]bool // to be read again
-	unneeded  []string               // paths of forgotten resources: unwatched unless still read
+	mu          sync.Mutex
+	resources   map[string]*fileResource
+	unwatched   []*fileResource        // registered, not watched yet
+	stale       map[*fileResource]bool // to be read again
+	unneeded    []string               // paths of forgotten resources: unwatched unless still read
+	clientReads int                    // reads of clients' files under way
+	reads       sync.WaitGroup         // every read under way
 }
 
 func newFileLoader(clk clock.Clock, log *slog.Logger, m *metrics) (*fileLoader, error) {
@@ -278,6 +285,7 @@ func newFileLoader(clk clock.Clock, log *slog.Logger, m *metrics) (*fileLoader, 
 		metrics:   m,
 		watcher:   w,
 		wake:      make(chan struct{}, 1),
+		readFiles: (*fileResource).read,
 		resources: map[string]*fileResource{},
 		stale:     map[*fileResource]bool{},
 	}, nil
@@ -348,7 +356,9 @@ func (l *fileLoader) run(ctx context.Context) error {
 	g, ctx := errgroup.WithContext(ctx)
 	g.Go(func() error { return l.watcher.Run(ctx, l.filesChanged) })
 	g.Go(func() error { return l.loop(ctx) })
-	return g.Wait()
+	err := g.Wait()
+	l.reads.Wait() // no subscriber is told anything once Run has returned
+	return err
 }
 
 func (l *fileLoader) loop(ctx context.Context) error {
@@ -437,52 +447,90 @@ func (l *fileLoader) readsLocked(path string) bool {
 	return false
 }
 
+// maxClientReads bounds the reads of clients' files under way at once: plenty for files that
+// answer, and a bound on those left hanging by a filesystem that does not.
+const maxClientReads = 32
+
+// readStale starts a read of each resource marked stale, on a goroutine of its own, so that a
+// read that hangs (on a hung filesystem) holds up only its resource. A resource is read once at a
+// time, so that its subscribers are told in order; one that changes meanwhile is read again after.
 func (l *fileLoader) readStale() {
 	l.mu.Lock()
-	var todo []*fileResource
+	defer l.mu.Unlock()
 	for r := range l.stale {
-		todo = append(todo, r)
-	}
-	clear(l.stale)
-	l.mu.Unlock()
-	slices.SortFunc(todo, func(a, b *fileResource) int { return strings.Compare(a.name, b.name) })
-	for _, r := range todo {
-		l.read(r)
+		switch {
+		case r.reading:
+			r.again = true
+		case r.allowed != nil && l.clientReads >= maxClientReads:
+			continue // still stale: looked at again when a read ends
+		default:
+			r.reading = true
+			if r.allowed != nil {
+				l.clientReads++
+			}
+			l.reads.Add(1)
+			go l.read(r)
+		}
+		delete(l.stale, r)
 	}
 }
 
+// read reads r and tells its subscribers what changed.
 func (l *fileLoader) read(r *fileResource) {
-	s, err := r.read(l.clock.Now())
-	if err != nil {
+	defer l.reads.Done()
+	now := l.clock.Now()
+	s, err := l.readFiles(r, now)
+
+	l.mu.Lock()
+	had, failed := r.current, r.failed
+	switch {
+	case err != nil:
+		if r.current != nil && !r.current.validAt(now) {
+			r.current = nil
+		}
+		r.failed = true
+	case had != nil && had.Version == s.Version:
+		r.failed = false
+	default:
+		r.current, r.failed = s, false
+	}
+	l.mu.Unlock()
+
+	switch {
+	case err != nil:
 		// The name and the error's paths are the client's.
 		name, why := logkey.Untrusted(r.name), logkey.Untrusted(err.Error())
 		switch reason := refusal(err); {
 		case reason != "":
 			l.metrics.fileRefusals.WithLabelValues(reason).Inc()
 			l.log.Warn("file secret refused", logkey.Secret, name, logkey.Reason, reason, logkey.Error, why)
-		case r.current != nil:
+		case had != nil:
 			l.log.Warn("files not usable; the last good secret keeps serving while it is valid", logkey.Secret, name, logkey.Error, why)
 		default:
 			l.log.Warn("files not usable yet; read again when they change", logkey.Secret, name, logkey.Error, why)
 		}
-		if r.current != nil && !r.current.validAt(l.clock.Now()) {
-			r.current = nil
-		}
-		r.failed = true
 		r.deliver(nil, err)
-		return
-	}
-	if r.current != nil && r.current.Version == s.Version {
-		if r.failed {
+	case had != nil && had.Version == s.Version:
+		if failed {
 			// The files hold the pair in service again: clear the failure reported meanwhile.
-			r.failed = false
-			r.deliver(r.current, nil)
+			r.deliver(had, nil)
 		}
-		return
+	default:
+		l.log.Info("secret loaded from files", logkey.Secret, logkey.Untrusted(r.name), logkey.Version, s.Version, logkey.Paths, logkey.UntrustedList(r.paths()))
+		r.deliver(s, nil)
 	}
-	r.current, r.failed = s, false
-	l.log.Info("secret loaded from files", logkey.Secret, logkey.Untrusted(r.name), logkey.Version, s.Version, logkey.Paths, logkey.UntrustedList(r.paths()))
-	r.deliver(s, nil)
+
+	l.mu.Lock()
+	r.reading = false
+	if r.allowed != nil {
+		l.clientReads--
+	}
+	if r.again && l.resources[r.name] == r {
+		l.stale[r] = true
+	}
+	r.again = false
+	l.mu.Unlock()
+	l.poke() // for the next expiry, and the reads waiting for this one
 }
 
 // nextExpiry is when the first key pair read expires; zero when none is held.

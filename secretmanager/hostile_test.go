@@ -470,3 +470,46 @@ func TestFileSecretsBurstStaysBounded(t *testing.T) {
 		t.Errorf("a name after the burst: %v", err)
 	}
 }
+
+// Attack: a file resource on a filesystem whose reads hang (a FUSE mount in an allowed dir, a
+// stuck NFS server). One read held the loader's only goroutine: in file mode the workload's own
+// files were never read again, nor any other file resource. Each resource is read on its own now.
+func TestHangingFileReadStallsNothing(t *testing.T) {
+	t.Parallel()
+	ca := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "files root"})
+	rootsPEM := testutil.CertPEM(ca.Cert)
+	e, vol := fileModeEnv(t, ca, validPair(t, ca))
+	allowed := t.TempDir()
+	e.cfg.FileResourceDirs = []string{allowed}
+	kp := validPair(t, ca)
+	testutil.WriteFiles(t, allowed, map[string][]byte{"tls.crt": kp.chainPEM, "tls.key": kp.keyPEM, "hung.pem": rootsPEM})
+	hungName := FileRootPrefix + filepath.Join(allowed, "hung.pem")
+	m := e.newManager()
+	entered, release := make(chan struct{}, 1), make(chan struct{})
+	m.files.readFiles = func(r *fileResource, now time.Time) (*Secret, error) {
+		if r.name == hungName {
+			entered <- struct{}{}
+			<-release
+		}
+		return r.read(now)
+	}
+	r := e.run(m)
+	t.Cleanup(func() { close(release) }) // before Run is stopped
+	r.next(t)
+	r.roots.next(t)
+
+	hung := subscribe(t, r.m, hungName)
+	recv(t, entered, "the read that hangs")
+	// The workload's own files are read when they change.
+	next := validPair(t, ca)
+	vol.Update(next.files(rootsPEM))
+	checkServes(t, driveSecret(t, e, r.workload), WorkloadCertName, next)
+	ready(t, r.m, true)
+	// Other file resources are read.
+	certName := FileCertPrefix + filepath.Join(allowed, "tls.crt") + "~" + filepath.Join(allowed, "tls.key")
+	checkServes(t, subscribe(t, r.m, certName).next(t), certName, kp)
+	hung.none(t, "while its read hangs")
+	if st := status(t, r.m, hungName); st.Valid || st.Secret != nil {
+		t.Fatalf("Snapshot %+v while its read hangs, want nothing yet", st)
+	}
+}

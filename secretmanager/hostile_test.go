@@ -513,3 +513,52 @@ func TestHangingFileReadStallsNothing(t *testing.T) {
 		t.Fatalf("Snapshot %+v while its read hangs, want nothing yet", st)
 	}
 }
+
+// A read under way when its file secret is forgotten tells nobody anything, not even a later
+// subscriber to the same name, which is read anew.
+func TestForgottenReadBringsNothingBack(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	dir := t.TempDir()
+	e.cfg.FileResourceDirs = []string{dir}
+	ca := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "resource root"})
+	rootsPEM := testutil.CertPEM(ca.Cert)
+	testutil.WriteFiles(t, dir, map[string][]byte{"roots.pem": rootsPEM})
+	name := FileRootPrefix + filepath.Join(dir, "roots.pem")
+	errStale := errors.New("the read of a forgotten secret")
+	m := e.newManager()
+	entered, release := make(chan struct{}, 1), make(chan struct{})
+	var first atomic.Bool
+	m.files.readFiles = func(r *fileResource, now time.Time) (*Secret, error) {
+		if r.name == name && first.CompareAndSwap(false, true) {
+			entered <- struct{}{}
+			<-release
+			return nil, errStale
+		}
+		return r.read(now)
+	}
+	r := e.run(m)
+	s := r.next(t)
+	e.idle(s.RenewAt)
+
+	old := subscribe(t, r.m, name)
+	recv(t, entered, "the first read")
+	old.cancel()
+	again := subscribe(t, r.m, name)
+	checkRoots(t, again.next(t), name, rootsPEM, ca.Cert)
+	close(release)
+	if err := r.stop(t); err != nil { // Run returns once the reads under way have ended
+		t.Fatal(err)
+	}
+	for _, u := range append(old.seen(), again.seen()...) {
+		if errors.Is(u.err, errStale) {
+			t.Errorf("a subscriber was told %v", u.err)
+		}
+	}
+	if evs := e.events.since(0, func(ev Event) bool { return errors.Is(ev.Err, errStale) }); len(evs) != 0 {
+		t.Errorf("the forgotten read was reported: %+v", evs)
+	}
+	if st := status(t, r.m, name); !st.Valid || st.Error != "" {
+		t.Errorf("Snapshot %+v, want the roots of the second read", st)
+	}
+}

@@ -287,14 +287,18 @@ func (m *Manager) fail(name string, err error) {
 func (m *Manager) update(name string, change func(*slot)) { m.publish(name, nil, change) }
 
 // publish applies change to sl (nil: the slot of name, made if missing) and tells its subscribers
-// if what they would be told changed.
+// if what they would be told changed. A slot no longer the name's, forgotten, is left alone.
 func (m *Manager) publish(name string, sl *slot, change func(*slot)) {
 	m.publishMu.Lock()
 	defer m.publishMu.Unlock()
 	now := m.clock.Now()
 	m.mu.Lock()
-	if sl == nil {
+	switch {
+	case sl == nil:
 		sl = m.slotLocked(name)
+	case m.slots[name] != sl:
+		m.mu.Unlock()
+		return
 	}
 	change(sl)
 	s, err := sl.state(now)

@@ -202,18 +202,14 @@ func listen(addr string) (net.Listener, error) {
 	if err := fsutil.EnsureDir(filepath.Dir(path), fsutil.PrivateDirMode); err != nil {
 		return nil, err
 	}
+	// The directory is the CA's own state dir: one that others may write in is a mistake.
+	if err := fsutil.CheckSocketDir(filepath.Dir(path)); err != nil {
+		return nil, err
+	}
 	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return nil, err
 	}
-	lis, err := net.Listen("unix", path)
-	if err != nil {
-		return nil, err
-	}
-	if err := os.Chmod(path, 0o600); err != nil {
-		_ = lis.Close()
-		return nil, err
-	}
-	return lis, nil
+	return fsutil.ListenUnix(path, fsutil.PrivateFileMode)
 }
 
 // GRPCAddr returns the address the CA protocol is served on: HOST:PORT, or unix:///path.

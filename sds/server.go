@@ -103,7 +103,16 @@ func New(cfg Config) (*Server, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	if err := fsutil.EnsureDir(filepath.Dir(cfg.SocketPath), 0o750); err != nil {
+	dir := filepath.Dir(cfg.SocketPath)
+	if err := fsutil.EnsureDir(dir, 0o750); err != nil {
+		return nil, err
+	}
+	// Served on all the same: Kubernetes makes an emptyDir, where Envoy's socket usually lives,
+	// writable by everyone, and only the pod's containers can reach it.
+	if err := fsutil.CheckSocketDir(dir); errors.Is(err, fsutil.ErrSharedDir) {
+		log.Warn("the SDS socket directory is writable by every user: any of them could replace the socket",
+			logkey.Dir, dir, logkey.Error, err.Error())
+	} else if err != nil {
 		return nil, err
 	}
 	if _, err := os.Lstat(cfg.SocketPath); err == nil {
@@ -115,13 +124,9 @@ func New(cfg Config) (*Server, error) {
 		}
 		log.Info("removed a stale SDS socket", logkey.Path, cfg.SocketPath)
 	}
-	lis, err := net.Listen("unix", cfg.SocketPath)
+	lis, err := fsutil.ListenUnix(cfg.SocketPath, cfg.SocketMode)
 	if err != nil {
-		return nil, fmt.Errorf("listen on %s: %w", cfg.SocketPath, err)
-	}
-	if err := os.Chmod(cfg.SocketPath, cfg.SocketMode); err != nil {
-		_ = lis.Close()
-		return nil, fmt.Errorf("set the mode of %s: %w", cfg.SocketPath, err)
+		return nil, err
 	}
 	s := &Server{
 		cfg:     cfg,

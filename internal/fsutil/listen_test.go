@@ -1,0 +1,163 @@
+package fsutil
+
+import (
+	"errors"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+)
+
+// shortDir is a temp dir short enough for a socket path (t.TempDir's can pass 107 bytes).
+func shortDir(t *testing.T) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "fs")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(dir) })
+	return dir
+}
+
+// checkSocket fails unless path is a socket file with exactly mode that accepts connections.
+func checkSocket(t *testing.T, path string, mode os.FileMode) {
+	t.Helper()
+	info, err := os.Lstat(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.Mode().Type() != os.ModeSocket || info.Mode().Perm() != mode {
+		t.Fatalf("%s is %v, want a socket with %v", path, info.Mode(), mode)
+	}
+	conn, err := net.Dial("unix", path)
+	if err != nil {
+		t.Fatalf("dial %s: %v", path, err)
+	}
+	_ = conn.Close()
+}
+
+func TestListenUnixMode(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []os.FileMode{0o600, 0o660, 0o640, 0o666} {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			path := filepath.Join(shortDir(t), "socket")
+			lis, err := ListenUnix(path, mode)
+			if err != nil {
+				t.Fatal(err)
+			}
+			checkSocket(t, path, mode)
+			if _, err := ListenUnix(path, mode); err == nil {
+				t.Fatal("a second ListenUnix took the path of a live socket")
+			}
+			_ = lis.Close()
+			if _, err := os.Lstat(path); !errors.Is(err, os.ErrNotExist) {
+				t.Fatalf("Close left the socket file: %v", err)
+			}
+		})
+	}
+	if _, err := ListenUnix("/"+strings.Repeat("s", MaxSocketPath), 0o600); err == nil {
+		t.Fatal("a path over the kernel's limit was accepted")
+	}
+}
+
+// The socket gets exactly the mode asked whatever the umask, stricter or looser. Not parallel:
+// the umask is the process's, and parallel tests wait until the sequential ones have finished.
+func TestListenUnixModeUnderUmask(t *testing.T) {
+	for _, umask := range []int{0o077, 0o027, 0o000} {
+		for _, mode := range []os.FileMode{0o600, 0o660} {
+			path := filepath.Join(shortDir(t), "socket")
+			old := syscall.Umask(umask)
+			lis, err := ListenUnix(path, mode)
+			syscall.Umask(old)
+			if err != nil {
+				t.Fatal(err)
+			}
+			checkSocket(t, path, mode)
+			_ = lis.Close()
+		}
+	}
+}
+
+// Attack: the socket is swapped, before its mode is set, for a symlink to a CA key, a hard link
+// to it, or another user's file. The mode is set through the file's own descriptor, and only on
+// a socket this process owns: the swap is refused and the key keeps its mode.
+func TestListenUnixSetsNoModeOnAReplacement(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name  string
+		plant func(t *testing.T, victim, path string)
+	}{
+		{"symlink", func(t *testing.T, victim, path string) {
+			if err := os.Symlink(victim, path); err != nil {
+				t.Fatal(err)
+			}
+		}},
+		{"hard link", func(t *testing.T, victim, path string) {
+			if err := os.Link(victim, path); err != nil {
+				t.Fatal(err)
+			}
+		}},
+		{"regular file", func(t *testing.T, _, path string) {
+			if err := os.WriteFile(path, nil, 0o600); err != nil {
+				t.Fatal(err)
+			}
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			dir := shortDir(t)
+			victim := filepath.Join(dir, "ca-key.pem")
+			if err := os.WriteFile(victim, []byte("key"), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			path := filepath.Join(dir, "socket")
+			tc.plant(t, victim, path)
+			if err := addUmaskBits(path, 0o660); err == nil {
+				t.Fatal("the mode was set on what replaced the socket")
+			}
+			info, err := os.Stat(victim)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if info.Mode().Perm() != 0o600 {
+				t.Fatalf("the CA key is now %v", info.Mode().Perm())
+			}
+		})
+	}
+}
+
+func TestCheckSocketDir(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name   string
+		mode   os.FileMode
+		shared bool
+	}{
+		{"private", 0o700, false},
+		{"group", 0o770, false},
+		{"everyone, sticky", 0o777 | os.ModeSticky, false},
+		{"everyone", 0o777, true},
+		{"everyone may write only", 0o733, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			dir := shortDir(t)
+			if err := os.Chmod(dir, tc.mode); err != nil {
+				t.Fatal(err)
+			}
+			err := CheckSocketDir(dir)
+			if tc.shared != errors.Is(err, ErrSharedDir) || (!tc.shared && err != nil) {
+				t.Fatalf("CheckSocketDir(%v): %v, want shared %v", tc.mode, err, tc.shared)
+			}
+			if tc.shared && !strings.Contains(err.Error(), dir) {
+				t.Fatalf("error %q does not name the directory", err)
+			}
+		})
+	}
+	if err := CheckSocketDir(filepath.Join(shortDir(t), "missing")); err == nil {
+		t.Fatal("a missing directory passed")
+	}
+}

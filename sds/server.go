@@ -12,7 +12,6 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"strings"
 	"sync"
 	"time"
 
@@ -250,9 +249,10 @@ func (s *Server) callbacks() serverv3.Callbacks {
 		DeltaStreamOpenFunc:   opened("delta"),
 		DeltaStreamClosedFunc: closed("delta"),
 		StreamRequestFunc: func(id int64, req *discovery.DiscoveryRequest) error {
-			// The SotW server has already filled in the node of the stream's first request.
+			// The SotW server has already filled in the node of the stream's first request, and
+			// the type of a request that names none.
 			key := streamKey{"sotw", id}
-			if err := s.onRequest(key, req.GetNode(), req.GetErrorDetail(), req.GetResourceNames(), req.GetVersionInfo()); err != nil {
+			if err := s.onRequest(key, req.GetNode(), req.GetTypeUrl(), req.GetErrorDetail(), req.GetResourceNames(), req.GetVersionInfo()); err != nil {
 				return err
 			}
 			s.setSubscription(key, req.GetResourceNames(), nil, true)
@@ -260,16 +260,16 @@ func (s *Server) callbacks() serverv3.Callbacks {
 		},
 		StreamDeltaRequestFunc: func(id int64, req *discovery.DeltaDiscoveryRequest) error {
 			// The delta server hands over a request without the node that only the stream's first
-			// request carried: the stream remembers it.
+			// request carried (the stream remembers it), and before it fills in a missing type.
 			key := streamKey{"delta", id}
-			if err := s.onRequest(key, req.GetNode(), req.GetErrorDetail(), req.GetResourceNamesSubscribe(), ""); err != nil {
+			if err := s.onRequest(key, req.GetNode(), req.GetTypeUrl(), req.GetErrorDetail(), req.GetResourceNamesSubscribe(), ""); err != nil {
 				return err
 			}
 			s.setSubscription(key, req.GetResourceNamesSubscribe(), req.GetResourceNamesUnsubscribe(), false)
 			return nil
 		},
 		FetchRequestFunc: func(_ context.Context, req *discovery.DiscoveryRequest) error {
-			return s.check(streamKey{"fetch", 0}, req.GetNode().GetId(), req.GetResourceNames())
+			return s.check(refusal{protocol: "fetch", node: req.GetNode().GetId()}, req.GetTypeUrl(), req.GetResourceNames())
 		},
 		StreamResponseFunc: func(_ context.Context, _ int64, _ *discovery.DiscoveryRequest, resp *discovery.DiscoveryResponse) {
 			s.metrics.pushes.Add(float64(len(resp.GetResources())))
@@ -281,9 +281,10 @@ func (s *Server) callbacks() serverv3.Callbacks {
 }
 
 // onRequest checks a stream's request, refusing it (and so ending the stream) when it lacks a
-// node or names a secret that cannot be served, and logs a NACK once, with Envoy's reason; the
-// cache then sends nothing until the secret changes (istio#21111).
-func (s *Server) onRequest(key streamKey, node *core.Node, nack *rpcstatus.Status, names []string, version string) error {
+// node, asks for another type than secrets or names a secret that cannot be served, and logs a
+// NACK once, with Envoy's reason; the cache then sends nothing until the secret changes
+// (istio#21111).
+func (s *Server) onRequest(key streamKey, node *core.Node, typeURL string, nack *rpcstatus.Status, names []string, version string) error {
 	s.mu.Lock()
 	st := s.streams[key]
 	if st != nil && st.node == "" {
@@ -294,7 +295,7 @@ func (s *Server) onRequest(key streamKey, node *core.Node, nack *rpcstatus.Statu
 		nodeID = st.node
 	}
 	s.mu.Unlock()
-	if err := s.check(key, nodeID, names); err != nil {
+	if err := s.check(refusal{protocol: key.protocol, stream: key.id, node: nodeID}, typeURL, names); err != nil {
 		return err
 	}
 	if nack != nil {
@@ -305,18 +306,27 @@ func (s *Server) onRequest(key streamKey, node *core.Node, nack *rpcstatus.Statu
 	return nil
 }
 
-// check refuses a request without a node, or naming a secret that cannot be served.
-func (s *Server) check(key streamKey, nodeID string, names []string) error {
-	if nodeID == "" {
-		return s.refuse(key, "", "", reasonMissingNode,
-			status.Error(codes.InvalidArgument, "the first request on a stream must carry a node with an id"))
+// check refuses, before any watch is made, a request without a node, for another type than
+// secrets (an empty type is the stream's own), or naming a secret that cannot be served. r says
+// who asked.
+func (s *Server) check(r refusal, typeURL string, names []string) error {
+	if r.node == "" {
+		r.reason = reasonMissingNode
+		r.err = status.Error(codes.InvalidArgument, "the first request on a stream must carry a node with an id")
+		return s.refuse(r)
+	}
+	if typeURL != "" && typeURL != SecretTypeURL {
+		r.reason = reasonUnsupportedType
+		r.err = status.Errorf(codes.InvalidArgument, "this server serves the type %s only, not %q", SecretTypeURL, logkey.Untrusted(typeURL))
+		return s.refuse(r)
 	}
 	for _, name := range names {
 		if name == "*" {
 			continue
 		}
 		if err := s.cache.subscribe(name); err != nil {
-			return s.refuse(key, nodeID, name, refusalReason(err), refusalStatus(name, err))
+			r.names, r.reason, r.err = []string{name}, refusalReason(err), refusalStatus(name, err)
+			return s.refuse(r)
 		}
 	}
 	return nil
@@ -324,12 +334,13 @@ func (s *Server) check(key streamKey, nodeID string, names []string) error {
 
 // Why requests are refused, as counted in meshid_sds_refusals_total.
 const (
-	reasonMissingNode = "missing_node"
-	reasonUnknownName = "unknown_name"
-	reasonForbidden   = "forbidden_path"
-	reasonTooMany     = "too_many_secrets"
-	reasonStaleNonce  = "stale_nonce"
-	reasonStopping    = "stopping"
+	reasonMissingNode     = "missing_node"
+	reasonUnsupportedType = "unsupported_type"
+	reasonUnknownName     = "unknown_name"
+	reasonForbidden       = "forbidden_path"
+	reasonTooMany         = "too_many_secrets"
+	reasonStaleNonce      = "stale_nonce"
+	reasonStopping        = "stopping"
 	// codeDropped counts a request ignored while its stream goes on.
 	codeDropped = "dropped"
 )
@@ -347,26 +358,42 @@ func refusalReason(err error) string {
 	}
 }
 
+// refusal is a refused request: who asked (protocol, stream, node), what, and why.
+type refusal struct {
+	protocol string
+	stream   int64 // 0 when the server's stream id is not known
+	node     string
+	names    []string
+	reason   string
+	// err is the status that ends the stream; nil when the request is dropped and the stream
+	// goes on.
+	err error
+}
+
 // refuse logs a refused request once, with who asked and why, counts it, and returns the status
 // that ends the stream (nil for a dropped request).
-func (s *Server) refuse(key streamKey, node, name, reason string, st error) error {
+func (s *Server) refuse(r refusal) error {
 	code := codeDropped
-	if st != nil {
-		code = status.Code(st).String()
+	if r.err != nil {
+		code = status.Code(r.err).String()
 	}
-	s.metrics.refusals.WithLabelValues(reason, code).Inc()
-	attrs := []any{logkey.Node, node, logkey.Protocol, key.protocol, logkey.Reason, reason, logkey.Code, code}
-	if key.id != 0 {
-		attrs = append(attrs, logkey.Stream, key.id)
+	s.metrics.refusals.WithLabelValues(r.reason, code).Inc()
+	attrs := []any{logkey.Node, logkey.Untrusted(r.node), logkey.Protocol, r.protocol, logkey.Reason, r.reason, logkey.Code, code}
+	if r.stream != 0 {
+		attrs = append(attrs, logkey.Stream, r.stream)
 	}
-	if name != "" {
-		attrs = append(attrs, logkey.Secret, name)
+	switch len(r.names) {
+	case 0:
+	case 1:
+		attrs = append(attrs, logkey.Secret, logkey.Untrusted(r.names[0]))
+	default:
+		attrs = append(attrs, logkey.Secrets, logkey.UntrustedList(r.names))
 	}
-	if st != nil {
-		attrs = append(attrs, logkey.Error, status.Convert(st).Message())
+	if r.err != nil {
+		attrs = append(attrs, logkey.Error, logkey.Untrusted(status.Convert(r.err).Message()))
 	}
 	s.log.Warn("SDS request refused", attrs...)
-	return st
+	return r.err
 }
 
 // setSubscription records the names a stream subscribes to: all of them (SotW), or those added
@@ -397,7 +424,7 @@ func (s *Server) setSubscription(key streamKey, subscribe, unsubscribe []string,
 // reconnects to a restarted agent, spire#813).
 type staleNonceFilter struct {
 	serverv3.Server
-	refuse func(key streamKey, node, name, reason string, st error) error
+	refuse func(refusal) error
 }
 
 func (f staleNonceFilter) StreamSecrets(stream secretservice.SecretDiscoveryService_StreamSecretsServer) error {
@@ -408,7 +435,7 @@ func (f staleNonceFilter) StreamSecrets(stream secretservice.SecretDiscoveryServ
 // on the server's reader goroutine, hence the mutex.
 type nonceCheckedStream struct {
 	secretservice.SecretDiscoveryService_StreamSecretsServer
-	refuse    func(key streamKey, node, name, reason string, st error) error
+	refuse    func(refusal) error
 	node      string // of the first request, for the log
 	mu        sync.Mutex
 	lastNonce string
@@ -437,7 +464,7 @@ func (s *nonceCheckedStream) Recv() (*discovery.DiscoveryRequest, error) {
 			return req, nil
 		}
 		// The stream's id is the server's; the nonces say which exchange this was.
-		_ = s.refuse(streamKey{protocol: "sotw"}, s.node, strings.Join(req.GetResourceNames(), ","), reasonStaleNonce, nil)
+		_ = s.refuse(refusal{protocol: "sotw", node: s.node, names: req.GetResourceNames(), reason: reasonStaleNonce})
 	}
 }
 

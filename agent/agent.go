@@ -103,6 +103,9 @@ func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *p
 			Clock:         clk,
 			Logger:        log.With(logkey.Component, "sds"),
 			Registerer:    registry,
+
+			MaxStreams:              cfg.SDSMaxStreams,
+			MaxStreamsPerConnection: cfg.SDSMaxStreamsPerConnection,
 		})
 		if err != nil {
 			return err

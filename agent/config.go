@@ -83,6 +83,10 @@ type Config struct {
 	// credentials dir and <root>/etc/certs.
 	FileResourceDirs []string
 	DrainDuration    time.Duration
+	// SDSMaxStreams bounds the SDS streams and FetchSecrets calls open at once, and the
+	// connections; SDSMaxStreamsPerConnection bounds one connection's streams.
+	SDSMaxStreams              int
+	SDSMaxStreamsPerConnection int
 
 	StatusAddr string
 	DebugAddr  string // loopback only; empty disables it
@@ -135,6 +139,9 @@ func DefaultConfig(rootDir string) Config {
 		StatusAddr:       DefaultStatusAddr,
 		DebugAddr:        DefaultDebugAddr,
 		RootDir:          rootDir,
+
+		SDSMaxStreams:              sds.DefaultMaxStreams,
+		SDSMaxStreamsPerConnection: sds.DefaultMaxStreamsPerConnection,
 	}
 }
 
@@ -218,6 +225,12 @@ func (c *Config) Validate() error {
 	}
 	if c.DrainDuration < 0 {
 		errs = append(errs, fmt.Errorf("--drain-duration %s must not be negative", c.DrainDuration))
+	}
+	if c.SDSMaxStreams <= 0 {
+		errs = append(errs, fmt.Errorf("--sds-max-streams %d must be positive", c.SDSMaxStreams))
+	}
+	if c.SDSMaxStreamsPerConnection <= 0 {
+		errs = append(errs, fmt.Errorf("--sds-max-streams-per-connection %d must be positive", c.SDSMaxStreamsPerConnection))
 	}
 	switch c.KeyAlgorithm {
 	case pki.ECDSA:

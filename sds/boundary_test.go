@@ -1,12 +1,18 @@
 package sds_test
 
 import (
+	"context"
+	"errors"
+	"io"
 	"strings"
 	"testing"
+	"time"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
+	"github.com/meshid/meshid/sds"
 	"github.com/meshid/meshid/sds/sdstest"
 )
 
@@ -69,4 +75,135 @@ func TestTypeSwitchIsRefused(t *testing.T) {
 	other := h.sotw()
 	other.Subscribe(dflt)
 	expect(t, other.Recv(), d1)
+}
+
+// Attack: 20,000 streams took the agent to 469 MB. Past MaxStreams, open at once on any number
+// of connections (FetchSecrets calls in progress included), a stream is refused with
+// ResourceExhausted, logged with the peer and counted; one that ends frees its place.
+func TestStreamLimit(t *testing.T) {
+	t.Parallel()
+	p, f := newPKI(t), newFakeSecrets()
+	d1 := p.workload(t)
+	f.Publish(d1)
+	h := startServer(t, f, func(c *sds.Config) { c.MaxStreams = 3 })
+	second := sdstest.Dial(t, h.socket)
+	open := []*sdstest.Stream{h.sotw(), second.StreamSecrets(), second.StreamSecrets()}
+	for _, s := range open {
+		s.Subscribe(dflt)
+		expect(t, s.Recv(), d1)
+	}
+	over := []func() *status.Status{
+		func() *status.Status { s := h.sotw(); s.Subscribe(dflt); return s.RecvErr() },
+		func() *status.Status { d := second.DeltaSecrets(); d.Subscribe(dflt); return d.RecvErr() },
+		func() *status.Status {
+			ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
+			defer cancel()
+			_, err := h.envoy.Fetch(ctx, dflt)
+			return status.Convert(err)
+		},
+	}
+	for i, call := range over {
+		if st := call(); st.Code() != codes.ResourceExhausted {
+			t.Fatalf("call %d over the limit: %v, want ResourceExhausted", i, st)
+		}
+	}
+	checkRefusals(t, h, map[string]float64{"too_many_streams/ResourceExhausted": 3})
+	if logs := h.logs.String(); !strings.Contains(logs, "reason=too_many_streams") || !strings.Contains(logs, "peer=") {
+		t.Fatalf("the refusal was not logged with the peer:\n%s", logs)
+	}
+
+	// An ended stream frees its place (the server has released it before the client reads the end).
+	open[0].CloseSend()
+	if _, err := open[0].Stream.Recv(); !errors.Is(err, io.EOF) {
+		t.Fatalf("Recv: %v, want the end of the stream", err)
+	}
+	again := h.sotw()
+	again.Subscribe(dflt)
+	expect(t, again.Recv(), d1)
+}
+
+// A connection is bounded too, by HTTP/2: the server advertises MaxStreamsPerConnection in its
+// SETTINGS, so that Envoy opens another connection rather than overload one, and a client that
+// floods it with pings is sent away (GOAWAY).
+func TestConnectionSettings(t *testing.T) {
+	t.Parallel()
+	h := startServer(t, newFakeSecrets(), func(c *sds.Config) { c.MaxStreamsPerConnection = 7 })
+	conn := h2Dial(t, h.socket)
+	settings := conn.settings(t)
+	if got, ok := settings[h2SettingMaxConcurrentStreams]; !ok || got != 7 {
+		t.Fatalf("SETTINGS_MAX_CONCURRENT_STREAMS = %d (sent: %v), want 7", got, ok)
+	}
+	for range 10 {
+		conn.write(t, h2FramePing, 0, make([]byte, 8))
+	}
+	if code, ok := conn.goaway(t); !ok || code != h2ErrEnhanceYourCalm {
+		t.Fatalf("a ping flood: GOAWAY %v with code %#x, want ENHANCE_YOUR_CALM", ok, code)
+	}
+}
+
+// A request over the size limit (1 MiB; SDS requests are a node and a few names) ends its
+// stream with ResourceExhausted, logged and counted.
+func TestOversizedRequest(t *testing.T) {
+	t.Parallel()
+	p, f := newPKI(t), newFakeSecrets()
+	f.Publish(p.workload(t))
+	h := startServer(t, f)
+	huge := strings.Repeat("n", 2<<20)
+	s := h.sotw()
+	s.Send(&discovery.DiscoveryRequest{Node: h.envoy.Node, ResourceNames: []string{dflt, huge}})
+	if st := s.RecvErr(); st.Code() != codes.ResourceExhausted {
+		t.Fatalf("a 2 MiB request: %v, want ResourceExhausted", st)
+	}
+	d := h.delta()
+	d.Send(&discovery.DeltaDiscoveryRequest{Node: h.envoy.Node, ResourceNamesSubscribe: []string{dflt, huge}})
+	if st := d.RecvErr(); st.Code() != codes.ResourceExhausted {
+		t.Fatalf("a 2 MiB delta request: %v, want ResourceExhausted", st)
+	}
+	checkRefusals(t, h, map[string]float64{"request_too_large/ResourceExhausted": 2})
+	if n := f.Calls(dflt); n != 0 {
+		t.Fatalf("the server subscribed to default %d times for an oversized request", n)
+	}
+}
+
+// Connections are bounded by MaxStreams too (one that carries no stream serves nothing): past it
+// a new connection is closed at once, counted and logged; a closed one frees its place.
+func TestConnectionLimit(t *testing.T) {
+	t.Parallel()
+	p, f := newPKI(t), newFakeSecrets()
+	d1 := p.workload(t)
+	f.Publish(d1)
+	h := startServer(t, f, func(c *sds.Config) { c.MaxStreams = 2 })
+	second := sdstest.Dial(t, h.socket)
+	for _, e := range []*sdstest.Envoy{h.envoy, second} {
+		s := e.StreamSecrets()
+		s.Subscribe(dflt)
+		expect(t, s.Recv(), d1)
+	}
+	fetch := func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
+		defer cancel()
+		e := sdstest.Dial(t, h.socket)
+		defer e.Close()
+		_, err := e.Fetch(ctx, dflt)
+		return err
+	}
+	if err := fetch(); status.Code(err) != codes.Unavailable {
+		t.Fatalf("a third connection: %v, want Unavailable (closed)", err)
+	}
+	if n := h.refusals(t)["too_many_connections/closed"]; n < 1 {
+		t.Fatalf("meshid_sds_refusals_total = %v, want too_many_connections/closed", h.refusals(t))
+	}
+	if logs := h.logs.String(); !strings.Contains(logs, "reason=too_many_connections") || !strings.Contains(logs, "peer=") {
+		t.Fatalf("the refusal was not logged with the peer:\n%s", logs)
+	}
+
+	// The server sees a closed connection a moment after the client: new connections are
+	// refused until then, and the first one after is served.
+	second.Close()
+	limit := time.Now().Add(waitLimit)
+	for err := fetch(); err != nil; err = fetch() {
+		if status.Code(err) != codes.Unavailable || time.Now().After(limit) {
+			t.Fatalf("after a connection closed: %v", err)
+		}
+	}
 }

@@ -25,7 +25,7 @@ func newMetrics() *metrics {
 		}),
 		refusals: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "meshid", Subsystem: "sds", Name: "refusals_total",
-			Help: "Requests refused, by reason and the gRPC code the stream ended with (\"dropped\": the request was ignored and the stream went on).",
+			Help: "Requests refused, by reason and the gRPC code the stream ended with (\"dropped\": the request was ignored and the stream went on; \"closed\": the connection was closed before any stream).",
 		}, []string{"reason", "code"}),
 	}
 }

@@ -50,6 +50,12 @@ type Config struct {
 	Secrets    Secrets
 	// DrainDuration is how long open streams may go on after the server is told to stop.
 	DrainDuration time.Duration
+	// MaxStreams bounds the streams and FetchSecrets calls open at once, over every connection,
+	// and the connections (default DefaultMaxStreams); past it a stream is refused with
+	// ResourceExhausted and a connection closed. MaxStreamsPerConnection bounds one connection's
+	// streams (default DefaultMaxStreamsPerConnection), as HTTP/2 does: the client is told.
+	MaxStreams              int
+	MaxStreamsPerConnection int
 
 	Clock      clock.Clock
 	Logger     *slog.Logger
@@ -69,6 +75,8 @@ type Server struct {
 	// streams holds what each open stream subscribes to: the one record of subscriptions. The
 	// SotW and delta servers number their streams separately, so the protocol is part of the key.
 	streams map[streamKey]*stream
+	// calls and conns count the streams and calls, and the connections, admitted and not ended.
+	calls, conns int
 }
 
 type streamKey struct {
@@ -97,6 +105,15 @@ func New(cfg Config) (*Server, error) {
 	}
 	if cfg.SocketMode == 0 {
 		cfg.SocketMode = DefaultSocketMode
+	}
+	if cfg.MaxStreams < 0 || cfg.MaxStreamsPerConnection < 0 {
+		return nil, fmt.Errorf("SDS stream limits must be positive, not %d and %d per connection", cfg.MaxStreams, cfg.MaxStreamsPerConnection)
+	}
+	if cfg.MaxStreams == 0 {
+		cfg.MaxStreams = DefaultMaxStreams
+	}
+	if cfg.MaxStreamsPerConnection == 0 {
+		cfg.MaxStreamsPerConnection = DefaultMaxStreamsPerConnection
 	}
 	log := cfg.Logger
 	if log == nil {
@@ -153,7 +170,7 @@ func (s *Server) Run(ctx context.Context) error {
 	serveCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancel()
 
-	grpcServer := grpc.NewServer()
+	grpcServer := grpc.NewServer(s.grpcOptions()...)
 	xds := serverv3.NewServer(serveCtx, s.cache, s.callbacks(), sotw.DeactivateLegacyWildcard(), sotw.WithLogger(xdsLogger{s.log}))
 	secretservice.RegisterSecretDiscoveryServiceServer(grpcServer, staleNonceFilter{Server: xds, refuse: s.refuse})
 
@@ -219,18 +236,20 @@ func (s *Server) openStreams() int {
 	return len(s.streams)
 }
 
-// stream is what the server knows of one open stream: its node and the names it subscribes to.
+// stream is what the server knows of one open stream: who is at the other end (its node, its
+// connection's peer) and the names it subscribes to.
 type stream struct {
 	node  string
+	peer  string
 	names []string
 }
 
 func (s *Server) callbacks() serverv3.Callbacks {
 	opened := func(protocol string) func(context.Context, int64, string) error {
-		return func(_ context.Context, id int64, _ string) error {
+		return func(ctx context.Context, id int64, _ string) error {
 			s.metrics.streams.WithLabelValues(protocol).Inc()
 			s.mu.Lock()
-			s.streams[streamKey{protocol, id}] = &stream{}
+			s.streams[streamKey{protocol, id}] = &stream{peer: peerOf(ctx)}
 			s.mu.Unlock()
 			return nil
 		}
@@ -268,8 +287,8 @@ func (s *Server) callbacks() serverv3.Callbacks {
 			s.setSubscription(key, req.GetResourceNamesSubscribe(), req.GetResourceNamesUnsubscribe(), false)
 			return nil
 		},
-		FetchRequestFunc: func(_ context.Context, req *discovery.DiscoveryRequest) error {
-			return s.check(refusal{protocol: "fetch", node: req.GetNode().GetId()}, req.GetTypeUrl(), req.GetResourceNames())
+		FetchRequestFunc: func(ctx context.Context, req *discovery.DiscoveryRequest) error {
+			return s.check(refusal{protocol: "fetch", node: req.GetNode().GetId(), peer: peerOf(ctx)}, req.GetTypeUrl(), req.GetResourceNames())
 		},
 		StreamResponseFunc: func(_ context.Context, _ int64, _ *discovery.DiscoveryRequest, resp *discovery.DiscoveryResponse) {
 			s.metrics.pushes.Add(float64(len(resp.GetResources())))
@@ -290,12 +309,15 @@ func (s *Server) onRequest(key streamKey, node *core.Node, typeURL string, nack 
 	if st != nil && st.node == "" {
 		st.node = node.GetId()
 	}
-	nodeID := node.GetId()
-	if st != nil && nodeID == "" {
-		nodeID = st.node
+	nodeID, who := node.GetId(), ""
+	if st != nil {
+		if nodeID == "" {
+			nodeID = st.node
+		}
+		who = st.peer
 	}
 	s.mu.Unlock()
-	if err := s.check(refusal{protocol: key.protocol, stream: key.id, node: nodeID}, typeURL, names); err != nil {
+	if err := s.check(refusal{protocol: key.protocol, stream: key.id, node: nodeID, peer: who}, typeURL, names); err != nil {
 		return err
 	}
 	if nack != nil {
@@ -341,8 +363,14 @@ const (
 	reasonTooMany         = "too_many_secrets"
 	reasonStaleNonce      = "stale_nonce"
 	reasonStopping        = "stopping"
-	// codeDropped counts a request ignored while its stream goes on.
+	// Over the bounds of the server (boundary.go).
+	reasonTooManyStreams     = "too_many_streams"
+	reasonTooManyConnections = "too_many_connections"
+	reasonRequestTooLarge    = "request_too_large"
+	// codeDropped counts a request ignored while its stream goes on; codeClosed a connection
+	// closed before it carried any stream.
 	codeDropped = "dropped"
+	codeClosed  = "closed"
 )
 
 func refusalReason(err error) string {
@@ -358,27 +386,38 @@ func refusalReason(err error) string {
 	}
 }
 
-// refusal is a refused request: who asked (protocol, stream, node), what, and why.
+// refusal is a refused request: who asked (protocol, stream, node, peer), what, and why.
 type refusal struct {
-	protocol string
-	stream   int64 // 0 when the server's stream id is not known
+	protocol string // empty for a connection
+	stream   int64  // 0 when the server's stream id is not known
 	node     string
+	peer     string
 	names    []string
 	reason   string
 	// err is the status that ends the stream; nil when the request is dropped and the stream
-	// goes on.
-	err error
+	// goes on, or when the connection is closed (code says so).
+	err  error
+	code string
 }
 
 // refuse logs a refused request once, with who asked and why, counts it, and returns the status
 // that ends the stream (nil for a dropped request).
 func (s *Server) refuse(r refusal) error {
-	code := codeDropped
-	if r.err != nil {
+	code := r.code
+	switch {
+	case r.err != nil:
 		code = status.Code(r.err).String()
+	case code == "":
+		code = codeDropped
 	}
 	s.metrics.refusals.WithLabelValues(r.reason, code).Inc()
-	attrs := []any{logkey.Node, logkey.Untrusted(r.node), logkey.Protocol, r.protocol, logkey.Reason, r.reason, logkey.Code, code}
+	msg := "SDS request refused"
+	attrs := []any{logkey.Peer, r.peer, logkey.Reason, r.reason, logkey.Code, code}
+	if r.protocol != "" {
+		attrs = append(attrs, logkey.Node, logkey.Untrusted(r.node), logkey.Protocol, r.protocol)
+	} else {
+		msg = "SDS connection refused"
+	}
 	if r.stream != 0 {
 		attrs = append(attrs, logkey.Stream, r.stream)
 	}
@@ -392,7 +431,7 @@ func (s *Server) refuse(r refusal) error {
 	if r.err != nil {
 		attrs = append(attrs, logkey.Error, logkey.Untrusted(status.Convert(r.err).Message()))
 	}
-	s.log.Warn("SDS request refused", attrs...)
+	s.log.Warn(msg, attrs...)
 	return r.err
 }
 
@@ -464,7 +503,7 @@ func (s *nonceCheckedStream) Recv() (*discovery.DiscoveryRequest, error) {
 			return req, nil
 		}
 		// The stream's id is the server's; the nonces say which exchange this was.
-		_ = s.refuse(refusal{protocol: "sotw", node: s.node, names: req.GetResourceNames(), reason: reasonStaleNonce})
+		_ = s.refuse(refusal{protocol: "sotw", node: s.node, peer: peerOf(s.Context()), names: req.GetResourceNames(), reason: reasonStaleNonce})
 	}
 }
 

@@ -262,7 +262,8 @@ func TestThousandStreams(t *testing.T) {
 	p, f := newPKI(t), newFakeSecrets()
 	d1 := p.workload(t)
 	f.Publish(d1)
-	h := startServer(t, f)
+	// Far more streams on each connection than Envoy opens: the limits are raised to fit.
+	h := startServer(t, f, func(c *sds.Config) { c.MaxStreams, c.MaxStreamsPerConnection = streams, streams })
 	clients := make([]secretservice.SecretDiscoveryServiceClient, conns)
 	for i := range clients {
 		clients[i] = sdstest.Dial(t, h.socket).Client

@@ -9,6 +9,7 @@ import (
 
 	"github.com/meshid/meshid/agent"
 	"github.com/meshid/meshid/internal/pki"
+	"github.com/meshid/meshid/sds"
 )
 
 // stubEmbed stands for `meshid`'s embedded control plane; the command only checks it is there.
@@ -115,6 +116,8 @@ func TestAgentRefusesBadInput(t *testing.T) {
 		{"group read value", base, []string{"--output-certs", "/o", "--output-certs-group-read", "everyone"}, "--output-certs-group-read"},
 		{"group read without output", base, []string{"--output-certs-group-read", "certs"}, "needs --output-certs"},
 		{"ratio out of range", base, []string{"--grace-period-ratio", "1.2"}, "--grace-period-ratio"},
+		{"no SDS streams", base, []string{"--sds-max-streams", "0"}, "--sds-max-streams 0 must be positive"},
+		{"negative SDS streams per connection", base, []string{"--sds-max-streams-per-connection", "-1"}, "--sds-max-streams-per-connection -1 must be positive"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -146,5 +149,25 @@ func TestAgentRefusesBadInput(t *testing.T) {
 	// Any provider but GoogleCA means Citadel, as in Istio.
 	if _, err := runAgentCommand(t, with("CA_PROVIDER", "istiod")); err != nil {
 		t.Fatalf("CA_PROVIDER=istiod refused: %v", err)
+	}
+}
+
+// The SDS limits have defaults Envoy never reaches, and flags to change them.
+func TestAgentSDSLimits(t *testing.T) {
+	t.Parallel()
+	env := map[string]string{"CA_ADDR": "127.0.0.1:15012", "POD_NAMESPACE": "default", "SERVICE_ACCOUNT": "demo"}
+	cfg, err := runAgentCommand(t, env)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.SDSMaxStreams != sds.DefaultMaxStreams || cfg.SDSMaxStreamsPerConnection != sds.DefaultMaxStreamsPerConnection {
+		t.Fatalf("SDS limits %d, %d per connection; want the defaults", cfg.SDSMaxStreams, cfg.SDSMaxStreamsPerConnection)
+	}
+	cfg, err = runAgentCommand(t, env, "--sds-max-streams", "50", "--sds-max-streams-per-connection", "10")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.SDSMaxStreams != 50 || cfg.SDSMaxStreamsPerConnection != 10 {
+		t.Fatalf("SDS limits %d, %d per connection; want 50, 10", cfg.SDSMaxStreams, cfg.SDSMaxStreamsPerConnection)
 	}
 }

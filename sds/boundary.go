@@ -1,0 +1,208 @@
+package sds
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"net"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/status"
+)
+
+// Bounds of what clients on the socket can make the server hold. Envoy opens one SDS stream per
+// secret name it uses (default, ROOTCA, each file-cert: and file-root:), all on one connection
+// until the server's per-connection limit, then on another: a sidecar opens a handful, a gateway
+// with file-mounted certificates a few hundred at most. A stream costs about 25 KB.
+const (
+	DefaultMaxStreams              = 1000
+	DefaultMaxStreamsPerConnection = 100
+
+	// maxRequestSize bounds one request: an SDS request is a node and a few names.
+	maxRequestSize = 1 << 20
+	// maxHeaderListSize bounds a stream's headers (gRPC's default is 16 MiB); Envoy's are a
+	// few hundred bytes.
+	maxHeaderListSize = 64 << 10
+	// keepaliveMinTime is the shortest interval between a client's pings before the server
+	// sends it away; Envoy's HTTP/2 keepalive, when configured, pings far less often.
+	keepaliveMinTime = 5 * time.Second
+)
+
+// grpcOptions are the server's transport bounds and its admission of connections and streams.
+func (s *Server) grpcOptions() []grpc.ServerOption {
+	perConnection := uint32(min(s.cfg.MaxStreamsPerConnection, math.MaxUint32)) //nolint:gosec // clamped, and New refuses a negative one
+	return []grpc.ServerOption{
+		grpc.Creds(&peerCredentials{admit: s.admitConnection}),
+		grpc.MaxRecvMsgSize(maxRequestSize),
+		grpc.MaxHeaderListSize(maxHeaderListSize),
+		// Enforced by the transport, which refuses (REFUSED_STREAM) what a client sends past
+		// what it was told: Envoy and gRPC clients open another connection or wait instead.
+		grpc.MaxConcurrentStreams(perConnection),
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: keepaliveMinTime, PermitWithoutStream: true}),
+		grpc.ChainStreamInterceptor(s.admitStream),
+		grpc.ChainUnaryInterceptor(s.admitCall),
+	}
+}
+
+// admitStream lets a stream in while fewer than MaxStreams streams and calls are open, and
+// reports a request the transport refused as too large.
+func (s *Server) admitStream(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+	protocol := protocolOf(info.FullMethod)
+	if err := s.admit(ss.Context(), protocol); err != nil {
+		return err
+	}
+	defer s.release()
+	return handler(srv, &sizeCheckedStream{ServerStream: ss, protocol: protocol, refuse: s.refuse})
+}
+
+// admitCall is admitStream for FetchSecrets, which may wait for a secret as long as its client lets it.
+func (s *Server) admitCall(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+	if err := s.admit(ctx, protocolOf(info.FullMethod)); err != nil {
+		return nil, err
+	}
+	defer s.release()
+	return handler(ctx, req)
+}
+
+func (s *Server) admit(ctx context.Context, protocol string) error {
+	s.mu.Lock()
+	ok := s.calls < s.cfg.MaxStreams
+	if ok {
+		s.calls++
+	}
+	s.mu.Unlock()
+	if ok {
+		return nil
+	}
+	return s.refuse(refusal{protocol: protocol, peer: peerOf(ctx), reason: reasonTooManyStreams,
+		err: status.Errorf(codes.ResourceExhausted, "the SDS server has %d streams open, its limit", s.cfg.MaxStreams)})
+}
+
+func (s *Server) release() {
+	s.mu.Lock()
+	s.calls--
+	s.mu.Unlock()
+}
+
+// admitConnection counts a new connection in, up to MaxStreams: one that carries no stream
+// serves nothing, and each holds buffers. It returns the function that counts it out.
+func (s *Server) admitConnection(who string) (closed func(), err error) {
+	s.mu.Lock()
+	ok := s.conns < s.cfg.MaxStreams
+	if ok {
+		s.conns++
+	}
+	s.mu.Unlock()
+	if !ok {
+		_ = s.refuse(refusal{peer: who, reason: reasonTooManyConnections, code: codeClosed})
+		return nil, errTooManyConnections
+	}
+	return sync.OnceFunc(func() {
+		s.mu.Lock()
+		s.conns--
+		s.mu.Unlock()
+	}), nil
+}
+
+var errTooManyConnections = errors.New("too many SDS connections open")
+
+func protocolOf(fullMethod string) string {
+	switch fullMethod[strings.LastIndex(fullMethod, "/")+1:] {
+	case "StreamSecrets":
+		return "sotw"
+	case "DeltaSecrets":
+		return "delta"
+	case "FetchSecrets":
+		return "fetch"
+	default:
+		return "unknown"
+	}
+}
+
+// sizeCheckedStream reports a request the transport refused as too large; the transport has
+// already ended the stream with ResourceExhausted.
+type sizeCheckedStream struct {
+	grpc.ServerStream
+	protocol string
+	refuse   func(refusal) error
+}
+
+func (s *sizeCheckedStream) RecvMsg(m any) error {
+	err := s.ServerStream.RecvMsg(m)
+	if status.Code(err) == codes.ResourceExhausted {
+		_ = s.refuse(refusal{protocol: s.protocol, peer: peerOf(s.Context()), reason: reasonRequestTooLarge, err: err})
+	}
+	return err
+}
+
+// peerCredentials secures nothing (the socket's mode says who may connect): it tells each
+// connection's peer, so that a refusal says who asked, and admits connections.
+type peerCredentials struct {
+	admit func(who string) (closed func(), err error)
+	next  atomic.Int64
+}
+
+// peerInfo is what the server knows of a connection's peer: its number and, on Linux, the
+// process at the other end.
+type peerInfo struct {
+	credentials.CommonAuthInfo
+	who string
+}
+
+func (peerInfo) AuthType() string { return "unix-peer" }
+
+// peerOf says who is at the other end of a stream's connection.
+func peerOf(ctx context.Context) string {
+	if p, ok := peer.FromContext(ctx); ok {
+		if info, ok := p.AuthInfo.(peerInfo); ok {
+			return info.who
+		}
+	}
+	return ""
+}
+
+func (c *peerCredentials) ServerHandshake(conn net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	who := fmt.Sprintf("conn=%d", c.next.Add(1))
+	if process := peerProcess(conn); process != "" {
+		who += " " + process
+	}
+	closed, err := c.admit(who)
+	if err != nil {
+		return nil, nil, err
+	}
+	return &countedConn{Conn: conn, closed: closed}, peerInfo{CommonAuthInfo: credentials.CommonAuthInfo{SecurityLevel: credentials.NoSecurity}, who: who}, nil
+}
+
+func (c *peerCredentials) ClientHandshake(context.Context, string, net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	return nil, nil, errors.New("the SDS server's credentials are for serving")
+}
+
+func (c *peerCredentials) Info() credentials.ProtocolInfo {
+	return credentials.ProtocolInfo{SecurityProtocol: "unix-peer"}
+}
+
+func (c *peerCredentials) Clone() credentials.TransportCredentials {
+	return &peerCredentials{admit: c.admit}
+}
+
+func (c *peerCredentials) OverrideServerName(string) error { return nil }
+
+// countedConn counts its connection out when gRPC closes it.
+type countedConn struct {
+	net.Conn
+	closed func()
+}
+
+func (c *countedConn) Close() error {
+	c.closed()
+	return c.Conn.Close()
+}

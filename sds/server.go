@@ -70,6 +70,7 @@ type Server struct {
 	cache   *secretCache
 	lis     net.Listener
 	metrics *metrics
+	logs    *logLimiter
 
 	mu sync.Mutex
 	// streams holds what each open stream subscribes to: the one record of subscriptions. The
@@ -152,6 +153,7 @@ func New(cfg Config) (*Server, error) {
 		metrics: newMetrics(),
 		streams: map[streamKey]*stream{},
 	}
+	s.logs = newLogLimiter(s.clock)
 	s.cache = newSecretCache(cfg.Secrets, s.clock, log)
 	if cfg.Registerer != nil {
 		if err := s.metrics.register(cfg.Registerer); err != nil {
@@ -171,7 +173,7 @@ func (s *Server) Run(ctx context.Context) error {
 	defer cancel()
 
 	grpcServer := grpc.NewServer(s.grpcOptions()...)
-	xds := serverv3.NewServer(serveCtx, s.cache, s.callbacks(), sotw.DeactivateLegacyWildcard(), sotw.WithLogger(xdsLogger{s.log}))
+	xds := serverv3.NewServer(serveCtx, s.cache, s.callbacks(), sotw.DeactivateLegacyWildcard(), sotw.WithLogger(xdsLogger{log: s.log, limit: s.logs}))
 	secretservice.RegisterSecretDiscoveryServiceServer(grpcServer, staleNonceFilter{Server: xds, refuse: s.refuse})
 
 	served := make(chan error, 1)
@@ -242,7 +244,13 @@ type stream struct {
 	node  string
 	peer  string
 	names []string
+	// nacked is the last response this stream rejected, logged once however often the NACK
+	// comes.
+	nacked nackKey
 }
+
+// nackKey names the response a NACK rejects: the version the client kept (SotW) and the nonce.
+type nackKey struct{ version, nonce string }
 
 func (s *Server) callbacks() serverv3.Callbacks {
 	opened := func(protocol string) func(context.Context, int64, string) error {
@@ -271,7 +279,7 @@ func (s *Server) callbacks() serverv3.Callbacks {
 			// The SotW server has already filled in the node of the stream's first request, and
 			// the type of a request that names none.
 			key := streamKey{"sotw", id}
-			if err := s.onRequest(key, req.GetNode(), req.GetTypeUrl(), req.GetErrorDetail(), req.GetResourceNames(), req.GetVersionInfo()); err != nil {
+			if err := s.onRequest(key, req.GetNode(), req.GetTypeUrl(), req.GetErrorDetail(), req.GetResourceNames(), nackKey{req.GetVersionInfo(), req.GetResponseNonce()}); err != nil {
 				return err
 			}
 			s.setSubscription(key, req.GetResourceNames(), nil, true)
@@ -281,7 +289,7 @@ func (s *Server) callbacks() serverv3.Callbacks {
 			// The delta server hands over a request without the node that only the stream's first
 			// request carried (the stream remembers it), and before it fills in a missing type.
 			key := streamKey{"delta", id}
-			if err := s.onRequest(key, req.GetNode(), req.GetTypeUrl(), req.GetErrorDetail(), req.GetResourceNamesSubscribe(), ""); err != nil {
+			if err := s.onRequest(key, req.GetNode(), req.GetTypeUrl(), req.GetErrorDetail(), req.GetResourceNamesSubscribe(), nackKey{nonce: req.GetResponseNonce()}); err != nil {
 				return err
 			}
 			s.setSubscription(key, req.GetResourceNamesSubscribe(), req.GetResourceNamesUnsubscribe(), false)
@@ -301,9 +309,9 @@ func (s *Server) callbacks() serverv3.Callbacks {
 
 // onRequest checks a stream's request, refusing it (and so ending the stream) when it lacks a
 // node, asks for another type than secrets or names a secret that cannot be served, and logs a
-// NACK once, with Envoy's reason; the cache then sends nothing until the secret changes
-// (istio#21111).
-func (s *Server) onRequest(key streamKey, node *core.Node, typeURL string, nack *rpcstatus.Status, names []string, version string) error {
+// NACK once per response it rejects, with Envoy's reason; the cache then sends nothing until the
+// secret changes (istio#21111).
+func (s *Server) onRequest(key streamKey, node *core.Node, typeURL string, nack *rpcstatus.Status, names []string, rejected nackKey) error {
 	s.mu.Lock()
 	st := s.streams[key]
 	if st != nil && st.node == "" {
@@ -316,15 +324,31 @@ func (s *Server) onRequest(key streamKey, node *core.Node, typeURL string, nack 
 		}
 		who = st.peer
 	}
+	repeated := false
+	if nack != nil && st != nil {
+		repeated = st.nacked == rejected
+		st.nacked = rejected
+	}
 	s.mu.Unlock()
 	if err := s.check(refusal{protocol: key.protocol, stream: key.id, node: nodeID, peer: who}, typeURL, names); err != nil {
 		return err
 	}
-	if nack != nil {
-		s.metrics.nacks.Inc()
-		s.log.Warn("Envoy rejected secrets (NACK); not sending them again until they change",
-			logkey.Node, nodeID, logkey.Stream, key.id, logkey.Secrets, names, logkey.Version, version, logkey.ErrorDetail, nack.GetMessage())
+	if nack == nil || repeated {
+		return nil
 	}
+	s.metrics.nacks.Inc()
+	// A client can NACK with new nonces (delta) or versions as fast as it likes.
+	ok, dropped := s.logs.allow("nack")
+	if !ok {
+		return nil
+	}
+	attrs := []any{logkey.Node, logkey.Untrusted(nodeID), logkey.Peer, who, logkey.Stream, key.id,
+		logkey.Secrets, logkey.UntrustedList(names), logkey.Version, logkey.Untrusted(rejected.version),
+		logkey.ErrorDetail, logkey.Untrusted(nack.GetMessage())}
+	if dropped > 0 {
+		attrs = append(attrs, logkey.Dropped, dropped)
+	}
+	s.log.Warn("Envoy rejected secrets (NACK); not sending them again until they change", attrs...)
 	return nil
 }
 
@@ -400,8 +424,9 @@ type refusal struct {
 	code string
 }
 
-// refuse logs a refused request once, with who asked and why, counts it, and returns the status
-// that ends the stream (nil for a dropped request).
+// refuse counts a refused request and logs it, with who asked and why, unless too many of its
+// reason came too fast (the next line logged says how many were left out: "dropped"). It returns
+// the status that ends the stream (nil for a dropped request).
 func (s *Server) refuse(r refusal) error {
 	code := r.code
 	switch {
@@ -411,6 +436,10 @@ func (s *Server) refuse(r refusal) error {
 		code = codeDropped
 	}
 	s.metrics.refusals.WithLabelValues(r.reason, code).Inc()
+	ok, dropped := s.logs.allow(r.reason)
+	if !ok {
+		return r.err
+	}
 	msg := "SDS request refused"
 	attrs := []any{logkey.Peer, r.peer, logkey.Reason, r.reason, logkey.Code, code}
 	if r.protocol != "" {
@@ -430,6 +459,9 @@ func (s *Server) refuse(r refusal) error {
 	}
 	if r.err != nil {
 		attrs = append(attrs, logkey.Error, logkey.Untrusted(status.Convert(r.err).Message()))
+	}
+	if dropped > 0 {
+		attrs = append(attrs, logkey.Dropped, dropped)
 	}
 	s.log.Warn(msg, attrs...)
 	return r.err
@@ -507,22 +539,38 @@ func (s *nonceCheckedStream) Recv() (*discovery.DiscoveryRequest, error) {
 	}
 }
 
-// xdsLogger puts go-control-plane's own messages in our logs.
-type xdsLogger struct{ log *slog.Logger }
+// xdsLogger puts go-control-plane's own messages in our logs. Its warnings and errors name what
+// clients sent (a type URL, say), so they are bounded and limited like refusals.
+type xdsLogger struct {
+	log   *slog.Logger
+	limit *logLimiter
+}
 
 func (l xdsLogger) Debugf(format string, args ...any) {
-	l.log.Debug("go-control-plane", logkey.Detail, fmt.Sprintf(format, args...))
+	l.log.Debug("go-control-plane", logkey.Detail, logkey.Untrusted(fmt.Sprintf(format, args...)))
 }
 
 // Infof is debug too: go-control-plane's info messages repeat per request what we log ourselves.
 func (l xdsLogger) Infof(format string, args ...any) {
-	l.log.Debug("go-control-plane", logkey.Detail, fmt.Sprintf(format, args...))
+	l.log.Debug("go-control-plane", logkey.Detail, logkey.Untrusted(fmt.Sprintf(format, args...)))
 }
 
 func (l xdsLogger) Warnf(format string, args ...any) {
-	l.log.Warn("go-control-plane", logkey.Detail, fmt.Sprintf(format, args...))
+	l.limited(slog.LevelWarn, format, args)
 }
 
 func (l xdsLogger) Errorf(format string, args ...any) {
-	l.log.Error("go-control-plane", logkey.Detail, fmt.Sprintf(format, args...))
+	l.limited(slog.LevelError, format, args)
+}
+
+func (l xdsLogger) limited(level slog.Level, format string, args []any) {
+	ok, dropped := l.limit.allow("go-control-plane")
+	if !ok {
+		return
+	}
+	attrs := []any{logkey.Detail, logkey.Untrusted(fmt.Sprintf(format, args...))}
+	if dropped > 0 {
+		attrs = append(attrs, logkey.Dropped, dropped)
+	}
+	l.log.Log(context.Background(), level, "go-control-plane", attrs...)
 }

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -205,5 +206,34 @@ func TestConnectionLimit(t *testing.T) {
 		if status.Code(err) != codes.Unavailable || time.Now().After(limit) {
 			t.Fatalf("after a connection closed: %v", err)
 		}
+	}
+}
+
+// Attack: FetchSecrets without a node was answered while a stream without one is refused. A
+// fetch without a node (none, or one without an id) is refused the same way: InvalidArgument,
+// counted as missing_node, before any secret is subscribed to.
+func TestFetchWithoutNodeIsRefused(t *testing.T) {
+	t.Parallel()
+	p, f := newPKI(t), newFakeSecrets()
+	f.Publish(p.workload(t))
+	h := startServer(t, f)
+	ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
+	defer cancel()
+
+	s := h.sotw()
+	s.Send(&discovery.DiscoveryRequest{ResourceNames: []string{dflt}})
+	stream := s.RecvErr()
+	if stream.Code() != codes.InvalidArgument {
+		t.Fatalf("a stream without a node: %v, want InvalidArgument", stream)
+	}
+	for _, node := range []*core.Node{nil, {}, {Cluster: "cart.shop"}} {
+		resp, err := h.envoy.Client.FetchSecrets(ctx, &discovery.DiscoveryRequest{Node: node, ResourceNames: []string{dflt}})
+		if st := status.Convert(err); st.Code() != stream.Code() || st.Message() != stream.Message() {
+			t.Fatalf("a fetch with node %v: %v (%d secrets), want %v as for a stream", node, err, len(resp.GetResources()), stream.Err())
+		}
+	}
+	checkRefusals(t, h, map[string]float64{"missing_node/InvalidArgument": 4})
+	if n := f.Calls(dflt); n != 0 {
+		t.Fatalf("the server subscribed to default %d times for requests without a node", n)
 	}
 }

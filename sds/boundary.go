@@ -22,7 +22,8 @@ import (
 // Bounds of what clients on the socket can make the server hold. Envoy opens one SDS stream per
 // secret name it uses (default, ROOTCA, each file-cert: and file-root:), all on one connection
 // until the server's per-connection limit, then on another: a sidecar opens a handful, a gateway
-// with file-mounted certificates a few hundred at most. A stream costs about 25 KB.
+// with file-mounted certificates a few hundred at most. A stream costs about 25 KB (20,000 took
+// 469 MB).
 const (
 	DefaultMaxStreams              = 1000
 	DefaultMaxStreamsPerConnection = 100
@@ -39,7 +40,10 @@ const (
 
 // grpcOptions are the server's transport bounds and its admission of connections and streams.
 func (s *Server) grpcOptions() []grpc.ServerOption {
-	perConnection := uint32(min(s.cfg.MaxStreamsPerConnection, math.MaxUint32)) //nolint:gosec // clamped, and New refuses a negative one
+	perConnection := uint32(math.MaxUint32)
+	if n := uint64(s.cfg.MaxStreamsPerConnection); n < math.MaxUint32 { // New refuses a negative one
+		perConnection = uint32(n)
+	}
 	return []grpc.ServerOption{
 		grpc.Creds(&peerCredentials{admit: s.admitConnection}),
 		grpc.MaxRecvMsgSize(maxRequestSize),

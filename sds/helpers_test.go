@@ -210,26 +210,26 @@ type testPKI struct {
 	root *testutil.CA
 }
 
-func newPKI(t *testing.T) *testPKI {
+func newPKI(t testing.TB) *testPKI {
 	t.Helper()
 	return &testPKI{root: testutil.NewRootCA(t, testutil.CAOptions{})}
 }
 
 // workload returns a new, valid "default" key pair.
-func (p *testPKI) workload(t *testing.T) *secretmanager.Secret {
+func (p *testPKI) workload(t testing.TB) *secretmanager.Secret {
 	t.Helper()
 	return p.workloadFor(t, time.Hour)
 }
 
 // workloadFor returns a new "default" key pair valid from an hour ago until ttl from now.
-func (p *testPKI) workloadFor(t *testing.T, ttl time.Duration) *secretmanager.Secret {
+func (p *testPKI) workloadFor(t testing.TB, ttl time.Duration) *secretmanager.Secret {
 	t.Helper()
 	leaf, key := p.root.IssueWorkload(t, workloadID, ttl)
 	return keyPair(t, dflt, []*x509.Certificate{leaf, p.root.Cert}, key)
 }
 
 // roots returns a new trust bundle of one fresh root, named name.
-func (p *testPKI) roots(t *testing.T, name string) *secretmanager.Secret {
+func (p *testPKI) roots(t testing.TB, name string) *secretmanager.Secret {
 	t.Helper()
 	cert := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "root " + name}).Cert
 	return &secretmanager.Secret{
@@ -242,7 +242,7 @@ func (p *testPKI) roots(t *testing.T, name string) *secretmanager.Secret {
 
 // keyPair builds a key-pair secret as the secret manager does; Version is the leaf's serial.
 // A nil key or an empty chain makes an invalid one, for the tests that the server never sends it.
-func keyPair(t *testing.T, name string, chain []*x509.Certificate, key crypto.Signer) *secretmanager.Secret {
+func keyPair(t testing.TB, name string, chain []*x509.Certificate, key crypto.Signer) *secretmanager.Secret {
 	t.Helper()
 	kp := &secretmanager.KeyPair{Chain: chain, ChainPEM: testutil.CertPEM(chain...), Key: key}
 	if key != nil {

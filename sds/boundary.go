@@ -20,10 +20,9 @@ import (
 )
 
 // Bounds of what clients on the socket can make the server hold. Envoy opens one SDS stream per
-// secret name it uses (default, ROOTCA, each file-cert: and file-root:), all on one connection
-// until the server's per-connection limit, then on another: a sidecar opens a handful, a gateway
-// with file-mounted certificates a few hundred at most. A stream costs about 25 KB (20,000 took
-// 469 MB).
+// secret name it uses (default, ROOTCA, each file-cert: and file-root:), on one connection: a
+// sidecar a handful, a gateway one more per file-mounted certificate. A stream costs about 25 KB
+// (20,000 took 469 MB).
 const (
 	DefaultMaxStreams              = 1000
 	DefaultMaxStreamsPerConnection = 100
@@ -48,8 +47,9 @@ func (s *Server) grpcOptions() []grpc.ServerOption {
 		grpc.Creds(&peerCredentials{admit: s.admitConnection}),
 		grpc.MaxRecvMsgSize(maxRequestSize),
 		grpc.MaxHeaderListSize(maxHeaderListSize),
-		// Enforced by the transport, which refuses (REFUSED_STREAM) what a client sends past
-		// what it was told: Envoy and gRPC clients open another connection or wait instead.
+		// Enforced by the transport: the client is told, and gRPC clients and Envoy (nghttp2)
+		// hold further streams back until one ends; what a client sends anyway is reset
+		// (REFUSED_STREAM) before any handler runs.
 		grpc.MaxConcurrentStreams(perConnection),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: keepaliveMinTime, PermitWithoutStream: true}),
 		grpc.ChainStreamInterceptor(s.admitStream),

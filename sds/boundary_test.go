@@ -124,7 +124,7 @@ func TestStreamLimit(t *testing.T) {
 }
 
 // A connection is bounded too, by HTTP/2: the server advertises MaxStreamsPerConnection in its
-// SETTINGS, so that Envoy opens another connection rather than overload one, and a client that
+// SETTINGS, so that a client holds further streams back, and a client that
 // floods it with pings is sent away (GOAWAY).
 func TestConnectionSettings(t *testing.T) {
 	t.Parallel()

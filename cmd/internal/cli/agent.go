@@ -167,8 +167,8 @@ default path lives under --root-dir, so no root is needed.`,
 	f.BoolVar(&cfg.FileMountedCerts, "file-mounted-certs", false, "serve <root-dir>/etc/certs/{cert-chain,key,root-cert}.pem and use no CA (FILE_MOUNTED_CERTS)")
 	f.StringSliceVar(&cfg.FileResourceDirs, "file-resource-dirs", nil, "directories that file-cert: and file-root: secrets may read (default: the credentials dir and <root-dir>/etc/certs)")
 	f.DurationVar(&cfg.DrainDuration, "drain-duration", 0, "how long SDS streams may go on after SIGTERM")
-	f.IntVar(&cfg.SDSMaxStreams, "sds-max-streams", cfg.SDSMaxStreams, "SDS streams and FetchSecrets calls open at once, over all connections, and open connections; past it a stream is refused (ResourceExhausted) and a connection closed. Envoy opens one stream per secret name: a sidecar a handful, a gateway with file-mounted certificates a few hundred; each costs about 25 KB")
-	f.IntVar(&cfg.SDSMaxStreamsPerConnection, "sds-max-streams-per-connection", cfg.SDSMaxStreamsPerConnection, "SDS streams one connection may carry at once, told to the client (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS): past it Envoy opens another connection")
+	f.IntVar(&cfg.SDSMaxStreams, "sds-max-streams", cfg.SDSMaxStreams, "SDS streams and FetchSecrets calls open at once, over all connections, and open connections; past it a stream is refused (ResourceExhausted) and a connection closed. Envoy opens one stream per secret name: a sidecar a handful, a gateway one more per file-mounted certificate; each costs about 25 KB")
+	f.IntVar(&cfg.SDSMaxStreamsPerConnection, "sds-max-streams-per-connection", cfg.SDSMaxStreamsPerConnection, "SDS streams one connection may carry at once, told to the client (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS), which holds further ones back until one ends")
 	f.StringVar(&cfg.StatusAddr, "status-addr", cfg.StatusAddr, "listen address of /healthz/ready and /metrics")
 	f.StringVar(&cfg.DebugAddr, "debug-addr", cfg.DebugAddr, "loopback listen address of /debug/secrets; empty disables it")
 	return cmd

@@ -49,9 +49,16 @@ type secretCache struct {
 
 	mu      sync.Mutex
 	entries map[string]*entry
-	cancels map[string]func() // the subscription of each name, ended by close
-	closed  bool
+	cancels map[string]func() // the subscription of each name, ended by close or release
+	// subscribing is the name being subscribed to, whose first state comes before its cancel.
+	subscribing string
+	closed      bool
 }
+
+// idleRelease is how long a name no stream watches keeps its subscription: a stream has no watch
+// between a response and its next request, which Envoy sends at once; a name idle longer is
+// released, so that what hostile or departed clients asked for is not held for the agent's life.
+const idleRelease = time.Minute
 
 // entry is what the secret manager last said of one name, as Envoy receives it.
 type entry struct {
@@ -63,6 +70,10 @@ type entry struct {
 	err     error
 	known   chan struct{} // closed once a secret or an error has come
 	watches map[*watch]struct{}
+	// pins counts the requests between subscribing to the name and opening their watch (or the
+	// end of a fetch): a pinned name is never released.
+	pins      int
+	idleSince time.Time // when the last watch or pin went; zero while in use
 }
 
 // watch is one open SotW or delta watch.
@@ -91,29 +102,35 @@ func newSecretCache(secrets Secrets, clk clock.Clock, log *slog.Logger) *secretC
 	}
 }
 
-// subscribe makes sure the cache follows name, subscribing on its first use; it returns the
-// secret manager's refusal. The manager tells the current state through update before Subscribe
-// returns, so c.mu is not held across the call; subscribeMu is, so that two first uses at once
-// make one subscription: the second waits and finds it made.
+// subscribe makes sure the cache follows name, subscribing on its first use, and pins it until
+// unpin; it returns the secret manager's refusal. The manager tells the current state through
+// update before Subscribe returns, so c.mu is not held across the call; subscribeMu is, so that
+// two first uses at once make one subscription: the second waits and finds it made.
 func (c *secretCache) subscribe(name string) error {
-	if done, err := c.subscribed(name); done {
+	if done, err := c.pinIfSubscribed(name); done {
 		return err
 	}
 	c.subscribeMu.Lock()
 	defer c.subscribeMu.Unlock()
-	if done, err := c.subscribed(name); done {
+	if done, err := c.pinIfSubscribed(name); done {
 		return err
 	}
+	c.releaseIdle()
+	c.mu.Lock()
+	c.subscribing = name
+	c.mu.Unlock()
 	cancel, err := c.secrets.Subscribe(name, func(s *secretmanager.Secret, err error) { c.update(name, s, err) })
+	c.mu.Lock()
+	c.subscribing = "" // and followed from now on, in the same breath: no call falls between
+	closed := c.closed
+	if err == nil && !closed {
+		c.cancels[name] = cancel
+		c.entryLocked(name).pins++
+	}
+	c.mu.Unlock()
 	if err != nil {
 		return err
 	}
-	c.mu.Lock()
-	closed := c.closed
-	if !closed {
-		c.cancels[name] = cancel
-	}
-	c.mu.Unlock()
 	if closed {
 		cancel()
 		return errClosed
@@ -121,16 +138,61 @@ func (c *secretCache) subscribe(name string) error {
 	return nil
 }
 
-// subscribed reports whether subscribe has nothing to do for name: it is followed already, or the
-// cache is closed (errClosed).
-func (c *secretCache) subscribed(name string) (bool, error) {
+// pinIfSubscribed reports whether subscribe has nothing more to do for name: it is followed
+// already (and is now pinned), or the cache is closed (errClosed).
+func (c *secretCache) pinIfSubscribed(name string) (bool, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.closed {
 		return true, errClosed
 	}
-	_, ok := c.cancels[name]
-	return ok, nil
+	if _, ok := c.cancels[name]; !ok {
+		return false, nil
+	}
+	c.entryLocked(name).pins++
+	return true, nil
+}
+
+// unpin ends the pins subscribe took on names.
+func (c *secretCache) unpin(names []string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	now := c.clock.Now()
+	for _, name := range names {
+		if e := c.entries[name]; e != nil && e.pins > 0 {
+			e.pins--
+			e.markIdle(now)
+		}
+	}
+}
+
+func (e *entry) markIdle(now time.Time) {
+	if e.pins == 0 && len(e.watches) == 0 && e.idleSince.IsZero() {
+		e.idleSince = now
+	}
+}
+
+// releaseIdle ends the subscriptions of the names no stream has watched for idleRelease. It runs
+// before each new subscription, under subscribeMu, so that the names held stay those in use.
+func (c *secretCache) releaseIdle() {
+	c.mu.Lock()
+	now := c.clock.Now()
+	var released []func()
+	for name, e := range c.entries {
+		if e.pins > 0 || len(e.watches) > 0 || e.idleSince.IsZero() || now.Sub(e.idleSince) < idleRelease {
+			continue
+		}
+		if cancel, ok := c.cancels[name]; ok {
+			released = append(released, cancel)
+			delete(c.cancels, name)
+		}
+		delete(c.entries, name)
+		c.log.Debug("released a secret no stream watches", logkey.Secret, logkey.Untrusted(name))
+	}
+	c.mu.Unlock()
+	for _, cancel := range released {
+		cancel()
+	}
 }
 
 // close ends every subscription; later requests are refused.
@@ -147,6 +209,7 @@ func (c *secretCache) close() {
 
 // subscribeAll subscribes to each name and returns them sorted, without the wildcard (SDS serves
 // named secrets only).
+// Each name is pinned until the caller unpins it.
 func (c *secretCache) subscribeAll(subscribed map[string]struct{}) ([]string, error) {
 	names := make([]string, 0, len(subscribed))
 	for name := range subscribed {
@@ -154,6 +217,7 @@ func (c *secretCache) subscribeAll(subscribed map[string]struct{}) ([]string, er
 			continue
 		}
 		if err := c.subscribe(name); err != nil {
+			c.unpin(names)
 			return nil, refusalStatus(name, err)
 		}
 		names = append(names, name)
@@ -189,6 +253,7 @@ func (c *secretCache) CreateWatch(req *cache.Request, sub cache.Subscription, ch
 	if err != nil {
 		return nil, err
 	}
+	defer c.unpin(names)
 	return c.open(&watch{names: names, known: maps.Clone(sub.ReturnedResources()), sotwReq: req, sotwCh: ch}), nil
 }
 
@@ -198,6 +263,7 @@ func (c *secretCache) CreateDeltaWatch(req *cache.DeltaRequest, sub cache.Subscr
 	if err != nil {
 		return nil, err
 	}
+	defer c.unpin(names)
 	return c.open(&watch{names: names, known: maps.Clone(sub.ReturnedResources()), deltaReq: req, deltaCh: ch}), nil
 }
 
@@ -212,6 +278,7 @@ func (c *secretCache) Fetch(ctx context.Context, req *cache.Request) (cache.Resp
 	if err != nil {
 		return nil, err
 	}
+	defer c.unpin(names)
 	var resources []*anypb.Any
 	versions := map[string]string{}
 	for _, name := range names {
@@ -267,6 +334,9 @@ func (c *secretCache) update(name string, s *secretmanager.Secret, why error) {
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	if _, followed := c.cancels[name]; !followed && c.subscribing != name {
+		return // a late call for a released name
+	}
 	e := c.entryLocked(name)
 	select {
 	case <-e.known:
@@ -296,7 +366,9 @@ func (c *secretCache) open(w *watch) (cancel func()) {
 		return func() {}
 	}
 	for _, name := range w.names {
-		c.entryLocked(name).watches[w] = struct{}{}
+		e := c.entryLocked(name)
+		e.watches[w] = struct{}{}
+		e.idleSince = time.Time{}
 	}
 	return func() {
 		c.mu.Lock()
@@ -366,9 +438,11 @@ func (c *secretCache) closeLocked(w *watch) {
 		return
 	}
 	w.done = true
+	now := c.clock.Now()
 	for _, name := range w.names {
 		if e := c.entries[name]; e != nil {
 			delete(e.watches, w)
+			e.markIdle(now)
 		}
 	}
 }

@@ -366,6 +366,10 @@ func (s *Server) check(r refusal, typeURL string, names []string) error {
 		r.err = status.Errorf(codes.InvalidArgument, "this server serves the type %s only, not %q", SecretTypeURL, logkey.Untrusted(typeURL))
 		return s.refuse(r)
 	}
+	// Subscribing now refuses at once what cannot be served; the watch made next subscribes again
+	// (at no cost: the names are followed), so the pins taken here end here.
+	var pinned []string
+	defer func() { s.cache.unpin(pinned) }()
 	for _, name := range names {
 		if name == "*" {
 			continue
@@ -374,6 +378,7 @@ func (s *Server) check(r refusal, typeURL string, names []string) error {
 			r.names, r.reason, r.err = []string{name}, refusalReason(err), refusalStatus(name, err)
 			return s.refuse(r)
 		}
+		pinned = append(pinned, name)
 	}
 	return nil
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto"
 	"crypto/x509"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -14,6 +15,8 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/meshid/meshid/internal/pki"
+	"github.com/meshid/meshid/internal/testutil"
+	"github.com/meshid/meshid/sds"
 	"github.com/meshid/meshid/secretmanager"
 )
 
@@ -358,5 +361,52 @@ func TestInvalidSecretsAreNotPushed(t *testing.T) {
 			f.Publish(d1)
 			expect(t, s.Recv(), d1)
 		})
+	}
+}
+
+// Attack: every name a client asks for once used to keep its subscription to the secret manager
+// for the agent's life (for file secrets: a file read and watched, one of 256 places). A name no
+// stream has watched for a while is released when a new name comes; streams still open are
+// served as before.
+func TestNamesNoStreamWatchesAreReleased(t *testing.T) {
+	t.Parallel()
+	p, f := newPKI(t), newFakeSecrets()
+	f.Publish(p.workload(t))
+	f.Publish(p.roots(t, rootCA))
+	f.Publish(p.roots(t, spare))
+	clk := testutil.NewFakeClock(time.Now())
+	h := startServer(t, f, func(c *sds.Config) { c.Clock = clk })
+
+	kept := h.sotw()
+	kept.Subscribe(rootCA)
+	kept.Ack(kept.Recv(), rootCA) // its next watch stays open
+
+	gone := h.sotw()
+	gone.Subscribe(spare)
+	gone.Recv()
+	gone.CloseSend()
+	gone.RecvErr() // the server has ended it
+
+	// Each new name makes the cache look for idle ones; the closed stream's watch ends on the
+	// server's side in its own time, so look again with another name until it has.
+	for i := 0; f.Active(spare) > 0; i++ {
+		if i == 50 {
+			t.Fatalf("%s still subscribed after %d new names, each a minute apart", spare, i)
+		}
+		clk.Advance(2 * time.Minute)
+		fresh := fmt.Sprintf("file-root:/etc/certs/fresh-%d.pem", i)
+		h.sotw().Subscribe(fresh)
+		f.awaitActive(t, fresh, 1)
+	}
+	// The stream that stayed is still served its rotations.
+	r2 := p.roots(t, rootCA)
+	f.Publish(r2)
+	expect(t, kept.Recv(), r2)
+
+	// A stream that comes back for the released name is served again.
+	again := h.sotw()
+	again.Subscribe(spare)
+	if p := again.Recv(); p.Secrets[spare] == nil {
+		t.Fatalf("after the release, %s was answered with %v", spare, p.Names())
 	}
 }

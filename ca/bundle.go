@@ -3,6 +3,7 @@ package ca
 import (
 	"bytes"
 	"crypto"
+	"crypto/sha256"
 	"crypto/x509"
 	"errors"
 	"fmt"
@@ -26,10 +27,11 @@ const (
 type Bundle struct {
 	signer      crypto.Signer
 	signingCert *x509.Certificate
-	chain       []*x509.Certificate // signing certificate first, root last (one element when self-signed)
-	anchors     []*x509.Certificate // the roots given with the key material; chain's root first
-	retained    []*x509.Certificate // earlier roots still trusted during a rotation
-	roots       []*x509.Certificate // anchors, then retained: everything the CA trusts
+	chain       []*x509.Certificate     // signing certificate first, root last (one element when self-signed)
+	anchors     []*x509.Certificate     // the roots given with the key material; chain's root first
+	retained    []*x509.Certificate     // earlier roots still trusted during a rotation
+	retired     map[[32]byte]retirement // by fingerprint, one for each retained root
+	roots       []*x509.Certificate     // anchors, then retained: everything the CA trusts
 	rootPool    *x509.CertPool
 	signerPool  *x509.CertPool // the signing certificate alone, as the anchor for checking new leaves
 	chainPEM    []string       // what follows a leaf in a response: intermediates, then the root
@@ -124,16 +126,41 @@ func NewBundle(p BundleParams) (*Bundle, error) {
 		b.chainPEM = append(b.chainPEM, string(pki.EncodeCertificate(c)))
 	}
 	b.signerPool.AddCert(cert)
-	return b.withRetained(p.Retained), nil
+	return b.withRetained(p.Retained, nil), nil
 }
 
-// withRetained returns a copy of b that also trusts retained (minus its anchors and duplicates).
-func (b *Bundle) withRetained(retained []*x509.Certificate) *Bundle {
+// retirement is what the CA knows of a root it keeps trusting after the root stopped anchoring
+// its key material.
+type retirement struct {
+	at    time.Time // when it stopped anchoring; zero when not known
+	until time.Time // when trust in it ends, if before its expiry (the overlap); zero: at its expiry
+}
+
+// newRetirement is the retirement of a root replaced at (zero: not known) under overlap. Without
+// an overlap a root is trusted until it expires, whenever it was replaced. With one, a root whose
+// replacement time is not known is trusted no longer: counting the overlap from now instead could
+// trust it past what the operator configured.
+func newRetirement(at time.Time, overlap time.Duration, now time.Time) retirement {
+	switch {
+	case overlap == 0:
+		return retirement{at: at}
+	case at.IsZero():
+		return retirement{until: now}
+	default:
+		return retirement{at: at, until: at.Add(overlap)}
+	}
+}
+
+// withRetained returns a copy of b that also trusts retained (minus its anchors and duplicates),
+// each with its retirement from retired (not known when missing: trusted until it expires).
+func (b *Bundle) withRetained(retained []*x509.Certificate, retired map[[32]byte]retirement) *Bundle {
 	next := *b
 	next.retained = nil
+	next.retired = map[[32]byte]retirement{}
 	for _, r := range retained {
 		if !containsCert(next.anchors, r) && !containsCert(next.retained, r) {
 			next.retained = append(next.retained, r)
+			next.retired[fingerprint(r.Raw)] = retired[fingerprint(r.Raw)]
 		}
 	}
 	next.roots = append(slices.Clone(next.anchors), next.retained...)
@@ -142,6 +169,43 @@ func (b *Bundle) withRetained(retained []*x509.Certificate) *Bundle {
 		next.rootPool.AddCert(r)
 	}
 	return &next
+}
+
+// trustEnds is when trust in r, one of b's roots, ends: at its expiry, or for a retained root
+// at the end of its overlap if that comes first. r is trusted strictly before that time.
+func (b *Bundle) trustEnds(r *x509.Certificate) time.Time {
+	end := r.NotAfter
+	if ri, ok := b.retired[fingerprint(r.Raw)]; ok && !ri.until.IsZero() && ri.until.Before(end) {
+		end = ri.until
+	}
+	return end
+}
+
+// trustedRetained returns the retained roots still trusted at now.
+func (b *Bundle) trustedRetained(now time.Time) []*x509.Certificate {
+	var out []*x509.Certificate
+	for _, r := range b.retained {
+		if now.Before(b.trustEnds(r)) {
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
+// CheckRoot reports whether root, which ends a chain verified against RootPool, still anchors
+// trust at now. A retained root stops at the end of its overlap, which comes before the key
+// manager's next check drops it from the pool: peers must be checked per call, not only by the pool.
+func (b *Bundle) CheckRoot(root *x509.Certificate, now time.Time) error {
+	ri, ok := b.retired[fingerprint(root.Raw)]
+	if !ok || ri.until.IsZero() || now.Before(ri.until) {
+		return nil
+	}
+	replaced := "at an unknown time"
+	if !ri.at.IsZero() {
+		replaced = "at " + ri.at.UTC().Format(time.RFC3339)
+	}
+	return fmt.Errorf("%w: root %q was replaced %s and was trusted until %s", ErrRootRetired,
+		root.Subject.String(), replaced, ri.until.UTC().Format(time.RFC3339))
 }
 
 // sameMaterial reports whether b and o sign with the same certificate, chain and anchors.
@@ -193,6 +257,8 @@ func containsCert(certs []*x509.Certificate, c *x509.Certificate) bool {
 	}
 	return false
 }
+
+func fingerprint(der []byte) [32]byte { return sha256.Sum256(der) }
 
 func without(certs []*x509.Certificate, c *x509.Certificate) []*x509.Certificate {
 	var out []*x509.Certificate

@@ -2,7 +2,6 @@ package ca
 
 import (
 	"context"
-	"crypto/sha256"
 	"crypto/x509"
 	"errors"
 	"fmt"
@@ -83,7 +82,8 @@ type KeyManagerConfig struct {
 	// RootRotationThreshold is the share of a self-signed root's lifetime left at which it is
 	// renewed; the lifetime is the one the root was issued with, its backdating not counted.
 	RootRotationThreshold float64
-	// TrustBundleOverlap is how long a replaced root stays trusted; 0 keeps it until it expires.
+	// TrustBundleOverlap is how long a replaced root stays trusted, counted from its replacement
+	// across restarts (see RetiredRootsFile); 0 keeps it until it expires.
 	TrustBundleOverlap time.Duration
 	// Debounce is how quiet the cacerts files must be before they are reloaded.
 	Debounce time.Duration
@@ -100,7 +100,7 @@ type KeyManagerConfig struct {
 // KeyManager keeps the CA's key material current while it runs: it reloads plugged-in files when
 // they change, renews a self-signed root before it expires, and keeps replaced roots trusted for
 // the overlap. Every change is published to the Authority at once and written to the state dir's
-// root-cert.pem.
+// root-cert.pem, after the record of when replaced roots were replaced.
 type KeyManager struct {
 	cfg     KeyManagerConfig
 	clock   clock.Clock
@@ -110,8 +110,7 @@ type KeyManager struct {
 	reloads *prometheus.CounterVec
 	rotates *prometheus.CounterVec
 
-	mu      sync.Mutex
-	retired map[[32]byte]time.Time // root fingerprint → when it stopped anchoring the bundle
+	mu sync.Mutex // one change of the key material at a time
 }
 
 // NewKeyManager loads or creates the key material in Istio's start-up order (see LoadOrCreate)
@@ -142,11 +141,10 @@ func NewKeyManager(cfg KeyManagerConfig) (*KeyManager, error) {
 		cfg.Jitter = rand.Float64
 	}
 	m := &KeyManager{
-		cfg:     cfg,
-		clock:   clock.OrReal(cfg.Clock),
-		log:     cfg.Logger,
-		ready:   make(chan struct{}),
-		retired: map[[32]byte]time.Time{},
+		cfg:   cfg,
+		clock: clock.OrReal(cfg.Clock),
+		log:   cfg.Logger,
+		ready: make(chan struct{}),
 		reloads: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "meshid", Subsystem: "ca", Name: "key_material_reloads_total",
 			Help: "Reloads of the plugged-in CA files, by outcome (reloaded, unchanged, rejected).",
@@ -161,18 +159,16 @@ func NewKeyManager(cfg KeyManagerConfig) (*KeyManager, error) {
 	}
 	now := m.clock.Now()
 	b, origin, err := LoadOrCreate(StartupConfig{
-		CACertsDir:        cfg.CACertsDir,
-		StateDir:          cfg.StateDir,
-		SelfSigned:        cfg.SelfSigned,
-		Now:               now,
-		Logger:            m.log,
-		OnTempFileRemoved: func(path string) { m.emit(Event{Kind: EventTempFileRemoved, Path: path}) },
+		CACertsDir:         cfg.CACertsDir,
+		StateDir:           cfg.StateDir,
+		SelfSigned:         cfg.SelfSigned,
+		TrustBundleOverlap: cfg.TrustBundleOverlap,
+		Now:                now,
+		Logger:             m.log,
+		OnTempFileRemoved:  func(path string) { m.emit(Event{Kind: EventTempFileRemoved, Path: path}) },
 	})
 	if err != nil {
 		return nil, err
-	}
-	for _, r := range b.retained {
-		m.retired[fingerprint(r.Raw)] = now // when retired is not known across restarts: from now
 	}
 	m.origin = origin
 	if cfg.Registerer != nil {
@@ -283,37 +279,49 @@ func (m *KeyManager) reload() Event {
 func (m *KeyManager) install(next *Bundle, now time.Time) {
 	current := m.cfg.Authority.Bundle()
 	var keep []*x509.Certificate
+	retired := map[[32]byte]retirement{}
+	var (
+		record *retiredRecord
+		read   bool
+	)
 	for _, r := range current.roots {
 		if containsCert(next.anchors, r) {
-			delete(m.retired, fingerprint(r.Raw))
 			continue
 		}
-		if _, ok := m.retired[fingerprint(r.Raw)]; !ok {
-			m.retired[fingerprint(r.Raw)] = now
+		fp := fingerprint(r.Raw)
+		ri, wasRetained := current.retired[fp]
+		if !wasRetained {
+			// It anchored current until now, unless a replica sharing the state dir replaced it
+			// first and recorded when.
+			at := now
+			if !read {
+				record, _ = readRetiredRecord(m.cfg.StateDir) // unreadable: from now
+				read = true
+			}
+			if t, ok := record.retiredAt(fp); ok && !t.IsZero() && t.Before(now) {
+				at = t
+			}
+			ri = newRetirement(at, m.cfg.TrustBundleOverlap, now)
 		}
 		keep = append(keep, r)
+		retired[fp] = ri
 	}
-	next = next.withRetained(m.stillTrusted(keep, now))
-	m.forgetAllBut(next.retained)
-	if err := WriteTrustBundle(m.cfg.StateDir, next); err != nil {
-		m.log.Error("cannot write the trust bundle; clients reading it keep the old roots", logkey.Error, err.Error())
-	}
-	m.cfg.Authority.SetBundle(next)
+	next = next.withRetained(keep, retired)
+	m.publish(next.withRetained(next.trustedRetained(now), next.retired))
 }
 
-// stillTrusted drops retained roots that have expired or outlived the overlap.
-func (m *KeyManager) stillTrusted(roots []*x509.Certificate, now time.Time) []*x509.Certificate {
-	var out []*x509.Certificate
-	for _, r := range roots {
-		if !now.Before(r.NotAfter) {
-			continue
-		}
-		if since, ok := m.retired[fingerprint(r.Raw)]; ok && m.cfg.TrustBundleOverlap > 0 && !now.Before(since.Add(m.cfg.TrustBundleOverlap)) {
-			continue
-		}
-		out = append(out, r)
+// publish puts b in service after writing the record of its replaced roots and then its trust
+// bundle for clients (see writeRetiredRecord for the order).
+func (m *KeyManager) publish(b *Bundle) {
+	if err := writeRetiredRecord(m.cfg.StateDir, b); err != nil {
+		// A restart then knows less of when roots were replaced, and trusts them no longer than
+		// the overlap from when they were (see newRetirement).
+		m.log.Error("cannot write the record of replaced roots", logkey.Error, err.Error())
 	}
-	return out
+	if err := WriteTrustBundle(m.cfg.StateDir, b); err != nil {
+		m.log.Error("cannot write the trust bundle; clients reading it keep the old roots", logkey.Error, err.Error())
+	}
+	m.cfg.Authority.SetBundle(b)
 }
 
 // checkRoot renews a self-signed root that nears its end and drops retained roots past their time.
@@ -325,13 +333,9 @@ func (m *KeyManager) checkRoot() {
 		events = m.rotateIfDue(now)
 	}
 	current := m.cfg.Authority.Bundle()
-	if kept := m.stillTrusted(current.retained, now); len(kept) != len(current.retained) {
-		next := current.withRetained(kept)
-		m.forgetAllBut(next.retained)
-		if err := WriteTrustBundle(m.cfg.StateDir, next); err != nil {
-			m.log.Error("cannot write the trust bundle", logkey.Error, err.Error())
-		}
-		m.cfg.Authority.SetBundle(next)
+	if kept := current.trustedRetained(now); len(kept) != len(current.retained) {
+		next := current.withRetained(kept, current.retired)
+		m.publish(next)
 		m.log.Info("retained roots left the trust bundle", logkey.Dropped, len(current.retained)-len(kept), logkey.TrustedRoots, len(next.roots))
 		events = append(events, Event{Kind: EventPruned})
 	}
@@ -415,18 +419,3 @@ func renewalTime(root *x509.Certificate, threshold float64) time.Time {
 	lifetime := root.NotAfter.Sub(issued)
 	return root.NotAfter.Add(-time.Duration(threshold * float64(lifetime)))
 }
-
-// forgetAllBut drops the retirement times of roots no longer retained.
-func (m *KeyManager) forgetAllBut(retained []*x509.Certificate) {
-	keep := map[[32]byte]bool{}
-	for _, r := range retained {
-		keep[fingerprint(r.Raw)] = true
-	}
-	for fp := range m.retired {
-		if !keep[fp] {
-			delete(m.retired, fp)
-		}
-	}
-}
-
-func fingerprint(der []byte) [32]byte { return sha256.Sum256(der) }

@@ -267,8 +267,10 @@ type StartupConfig struct {
 	CACertsDir string // optional; must exist (empty is fine), see CheckCACertsDir
 	StateDir   string
 	SelfSigned SelfSignedConfig
-	Now        time.Time
-	Logger     *slog.Logger
+	// TrustBundleOverlap is how long a replaced root stays trusted; 0 keeps it until it expires.
+	TrustBundleOverlap time.Duration
+	Now                time.Time
+	Logger             *slog.Logger
 	// OnTempFileRemoved, when set, is told of each temporary file left by an interrupted write
 	// that LoadOrCreate removed from StateDir.
 	OnTempFileRemoved func(path string)
@@ -281,8 +283,9 @@ const lockFile = ".lock"
 // bundle in CACertsDir (a missing CACertsDir is refused before anything is written; an empty one
 // holds no bundle), else the self-signed CA persisted in StateDir (renewed with the same key
 // if it has expired), else a new self-signed root, persisted there. Roots that the previous
-// root-cert.pem trusted and that have not expired stay trusted, as retained roots. It then writes
-// the trust bundle to StateDir/root-cert.pem for clients. Replicas sharing StateDir take turns.
+// root-cert.pem trusted and that are still within their overlap stay trusted, as retained roots
+// (see retainPrevious). It then writes the record of replaced roots and the trust bundle to
+// StateDir/root-cert.pem for clients. Replicas sharing StateDir take turns.
 func LoadOrCreate(cfg StartupConfig) (*Bundle, Origin, error) {
 	if cfg.CACertsDir != "" {
 		if err := CheckCACertsDir(cfg.CACertsDir); err != nil {
@@ -309,7 +312,10 @@ func LoadOrCreate(cfg StartupConfig) (*Bundle, Origin, error) {
 	if err != nil {
 		return nil, "", err
 	}
-	b = b.withRetained(stillValidRoots(previous, cfg.Now))
+	b = retainPrevious(cfg, b, previous)
+	if err := writeRetiredRecord(cfg.StateDir, b); err != nil {
+		return nil, "", err
+	}
 	if err := WriteTrustBundle(cfg.StateDir, b); err != nil {
 		return nil, "", err
 	}

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
 
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
@@ -108,12 +109,17 @@ func (a *MTLSAuthenticator) Authenticate(ctx context.Context) (Caller, error) {
 	for _, c := range certs[1:] {
 		intermediates.AddCert(c)
 	}
-	if _, err := leaf.Verify(x509.VerifyOptions{
+	now := a.clock.Now()
+	chains, err := leaf.Verify(x509.VerifyOptions{
 		Roots:         b.RootPool(),
 		Intermediates: intermediates,
-		CurrentTime:   a.clock.Now(),
+		CurrentTime:   now,
 		KeyUsages:     []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
-	}); err != nil {
+	})
+	if err != nil {
+		return Caller{}, fmt.Errorf("%w: %w", errClientCertificate, err)
+	}
+	if err := anyTrustedRoot(b, chains, now); err != nil {
 		return Caller{}, fmt.Errorf("%w: %w", errClientCertificate, err)
 	}
 	if leaf.IsCA {
@@ -130,6 +136,18 @@ func (a *MTLSAuthenticator) Authenticate(ctx context.Context) (Caller, error) {
 		return Caller{}, fmt.Errorf("%w: trust domain %q, want %q", errClientCertificate, id.TrustDomain, a.trustDomain)
 	}
 	return Caller{Identity: id, Method: "mtls"}, nil
+}
+
+// anyTrustedRoot accepts chains if one of them ends at a root still trusted now: the pool keeps a
+// replaced root until the key manager's next check, which may come well after its overlap ends.
+func anyTrustedRoot(b *ca.Bundle, chains [][]*x509.Certificate, now time.Time) error {
+	var err error
+	for _, chain := range chains {
+		if err = b.CheckRoot(chain[len(chain)-1], now); err == nil {
+			return nil
+		}
+	}
+	return err
 }
 
 // authenticate tries each authenticator in order; the first success wins. When every one fails,

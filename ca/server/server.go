@@ -172,6 +172,7 @@ func rules() []rule {
 		{jwt.ErrTokenRequiredClaimMissing, codes.Unauthenticated, "token_claims"},
 		{token.ErrSubject, codes.Unauthenticated, "token_subject"},
 		{jwt.ErrTokenInvalidClaims, codes.Unauthenticated, "token_claims"},
+		{ca.ErrRootRetired, codes.Unauthenticated, "client_root_retired"},
 		{errClientCertificate, codes.Unauthenticated, "client_certificate"},
 		{errNamespaceNotTargeted, codes.PermissionDenied, "namespace_not_targeted"},
 		{errTargetingUnavailable, codes.Unavailable, "targeting_unavailable"},

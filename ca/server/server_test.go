@@ -116,6 +116,14 @@ func newHarness(t testing.TB, opts harnessOptions) *harness {
 		Metrics:   metrics,
 		Logger:    slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
 	})
+	return &harness{root: root, intermediate: inter, authority: authority, tokenKey: tokenKey, clock: clk,
+		registry: registry, addr: serveTLS(t, srv, authority, clk), logs: logs}
+}
+
+// serveTLS serves srv over TLS gRPC on 127.0.0.1:0 until the test ends, as the control plane
+// does: a serving certificate from authority, client certificates requested but checked per call.
+func serveTLS(t testing.TB, srv *server.Server, authority *ca.Authority, clk *testutil.FakeClock) string {
+	t.Helper()
 	serving := server.NewServingCertificate(authority, nil, clk)
 	gs := grpc.NewServer(grpc.Creds(credentials.NewTLS(&tls.Config{
 		MinVersion:     tls.VersionTLS12,
@@ -129,8 +137,7 @@ func newHarness(t testing.TB, opts harnessOptions) *harness {
 	}
 	go func() { _ = gs.Serve(lis) }()
 	t.Cleanup(gs.Stop)
-	return &harness{root: root, intermediate: inter, authority: authority, tokenKey: tokenKey, clock: clk,
-		registry: registry, addr: lis.Addr().String(), logs: logs}
+	return lis.Addr().String()
 }
 
 // dial connects as an Istio agent does: TLS verified against the root, server name

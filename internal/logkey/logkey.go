@@ -58,4 +58,5 @@ const (
 	Streams           = "streams"
 	Protocol          = "protocol"
 	Detail            = "detail"
+	Replaced          = "replaced"
 )

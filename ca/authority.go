@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/internal/pki"
 )
 
@@ -102,7 +103,8 @@ func ParseCSR(csrPEM []byte) (*x509.CertificateRequest, error) {
 }
 
 // CheckCSR applies the workload issuance policy to a request made by id: a supported key, a valid
-// self-signature, no DNS/IP/email names, and URI names (if any) equal to id.
+// self-signature, no DNS/IP/email names, and URI names (if any) equal to id. The request is the
+// client's: the errors quote it bounded (logkey.Untrusted), since they are logged and sent back.
 func CheckCSR(csr *x509.CertificateRequest, id pki.SPIFFEID) error {
 	if csr == nil {
 		return fmt.Errorf("%w: no request", ErrMalformedCSR)
@@ -119,7 +121,7 @@ func CheckCSR(csr *x509.CertificateRequest, id pki.SPIFFEID) error {
 	want := id.String()
 	for _, u := range csr.URIs {
 		if u.String() != want {
-			return fmt.Errorf("%w: request names %q, caller is %q", ErrIdentityMismatch, u.String(), want)
+			return fmt.Errorf("%w: request names %q, caller is %q", ErrIdentityMismatch, logkey.Untrusted(u.String()), want)
 		}
 	}
 	return nil

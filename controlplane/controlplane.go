@@ -149,6 +149,7 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 		}),
 		Metrics: metrics,
 		Logger:  log.With(logkey.Component, "ca-server"),
+		Clock:   clk,
 	}))
 
 	cp.authority, cp.keys, cp.grpc = authority, keys, grpcServer

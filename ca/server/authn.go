@@ -15,6 +15,7 @@ import (
 	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/ca/token"
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/internal/pki"
 )
 
@@ -133,7 +134,7 @@ func (a *MTLSAuthenticator) Authenticate(ctx context.Context) (Caller, error) {
 		return Caller{}, fmt.Errorf("%w: %w", errClientCertificate, err)
 	}
 	if id.TrustDomain != a.trustDomain {
-		return Caller{}, fmt.Errorf("%w: trust domain %q, want %q", errClientCertificate, id.TrustDomain, a.trustDomain)
+		return Caller{}, fmt.Errorf("%w: trust domain %q, want %q", errClientCertificate, logkey.Untrusted(id.TrustDomain), a.trustDomain)
 	}
 	return Caller{Identity: id, Method: "mtls"}, nil
 }

@@ -18,6 +18,7 @@ import (
 
 	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/ca/token"
+	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/logkey"
 )
 
@@ -38,6 +39,7 @@ type Config struct {
 	Targeting      Targeting
 	Metrics        *Metrics
 	Logger         *slog.Logger
+	Clock          clock.Clock // paces the refusal log; nil means the real clock
 }
 
 // Server implements IstioCertificateService.
@@ -48,6 +50,7 @@ type Server struct {
 	targeting      Targeting
 	metrics        *Metrics
 	log            *slog.Logger
+	refusals       *refusalLog
 }
 
 // New returns a Server.
@@ -62,6 +65,7 @@ func New(cfg Config) *Server {
 		targeting:      cfg.Targeting,
 		metrics:        cfg.Metrics,
 		log:            log,
+		refusals:       newRefusalLog(clock.OrReal(cfg.Clock)),
 	}
 }
 
@@ -125,27 +129,36 @@ func secondsToDuration(s int64) time.Duration {
 // key backends or other internals, so it goes to the log only.
 const internalMessage = "internal error in the CA; its log has the details"
 
-// refuse logs a refusal once, counts it, and returns it as a gRPC status. The error texts never
-// contain the token: golang-jwt's errors describe claims, not the raw token.
+// refuse counts a refusal, logs it once (bounded: see refusalLog), and returns it as a gRPC
+// status. The error texts never contain the token: golang-jwt's errors describe claims, not the
+// raw token; the strings of the client they quote are bounded.
 func (s *Server) refuse(ctx context.Context, caller Caller, err error) error {
 	code, reason := classify(err)
 	if s.metrics != nil {
 		s.metrics.refused.WithLabelValues(reason, code.String()).Inc()
 	}
-	attrs := []any{logkey.Reason, reason, logkey.Code, code.String(), logkey.Error, err.Error()}
-	if caller.Method != "" {
-		attrs = append(attrs, logkey.Identity, caller.Identity.String(), logkey.Method, caller.Method)
-	}
-	if p, ok := peer.FromContext(ctx); ok && p.Addr != nil {
-		attrs = append(attrs, logkey.Peer, p.Addr.String())
+	text := boundErrorText(err.Error())
+	if logged, skipped := s.refusals.allow(reason); logged {
+		attrs := []any{logkey.Reason, reason, logkey.Code, code.String(), logkey.Error, text}
+		if caller.Method != "" {
+			attrs = append(attrs, logkey.Identity, caller.Identity.String(), logkey.Method, caller.Method)
+		}
+		if p, ok := peer.FromContext(ctx); ok && p.Addr != nil {
+			attrs = append(attrs, logkey.Peer, p.Addr.String())
+		}
+		if skipped > 0 {
+			attrs = append(attrs, logkey.Suppressed, skipped)
+		}
+		level := slog.LevelWarn
+		if code == codes.Internal {
+			level = slog.LevelError // the CA's fault, not the caller's
+		}
+		s.log.Log(ctx, level, "certificate request refused", attrs...)
 	}
 	if code == codes.Internal {
-		// The CA's fault, not the caller's.
-		s.log.Error("certificate request refused", attrs...)
 		return status.Error(code, internalMessage)
 	}
-	s.log.Warn("certificate request refused", attrs...)
-	return status.Error(code, err.Error())
+	return status.Error(code, text)
 }
 
 type rule struct {

@@ -17,6 +17,7 @@ import (
 	"github.com/golang-jwt/jwt/v5"
 
 	"github.com/meshid/meshid/internal/fsutil"
+	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/internal/pki"
 )
 
@@ -59,23 +60,28 @@ var ErrSubject = errors.New("token subject is not a service account")
 
 // ServiceAccount returns the namespace and name the token was issued to. The sub claim must be
 // system:serviceaccount:NS:SA with valid names, and the kubernetes.io block, when present, must agree.
+// The claims are the client's: the errors quote them bounded (logkey.Untrusted), since they are
+// logged and sent back.
 func (c *Claims) ServiceAccount() (namespace, name string, err error) {
+	sub := logkey.Untrusted(c.Subject)
 	rest, ok := strings.CutPrefix(c.Subject, subjectPrefix)
 	if !ok {
-		return "", "", fmt.Errorf("%w: sub %q lacks the %q prefix", ErrSubject, c.Subject, subjectPrefix)
+		return "", "", fmt.Errorf("%w: sub %q lacks the %q prefix", ErrSubject, sub, subjectPrefix)
 	}
 	namespace, name, ok = strings.Cut(rest, ":")
 	if !ok {
-		return "", "", fmt.Errorf("%w: sub %q is not %sNAMESPACE:NAME", ErrSubject, c.Subject, subjectPrefix)
+		return "", "", fmt.Errorf("%w: sub %q is not %sNAMESPACE:NAME", ErrSubject, sub, subjectPrefix)
 	}
-	if err := pki.ValidateNamespace(namespace); err != nil {
-		return "", "", fmt.Errorf("%w: %w", ErrSubject, err)
+	// pki's errors quote the whole name: bounded here instead.
+	if pki.ValidateNamespace(namespace) != nil {
+		return "", "", fmt.Errorf("%w: namespace %q: want an RFC 1123 label (lower-case alphanumerics and '-', at most 63)", ErrSubject, logkey.Untrusted(namespace))
 	}
-	if err := pki.ValidateServiceAccount(name); err != nil {
-		return "", "", fmt.Errorf("%w: %w", ErrSubject, err)
+	if pki.ValidateServiceAccount(name) != nil {
+		return "", "", fmt.Errorf("%w: service account %q: want an RFC 1123 subdomain (lower-case alphanumerics, '-' and '.')", ErrSubject, logkey.Untrusted(name))
 	}
 	if k := c.Kubernetes; k != nil && (k.Namespace != namespace || k.ServiceAccount.Name != name) {
-		return "", "", fmt.Errorf("%w: sub %q disagrees with kubernetes.io %s/%s", ErrSubject, c.Subject, k.Namespace, k.ServiceAccount.Name)
+		return "", "", fmt.Errorf("%w: sub %q disagrees with kubernetes.io %s/%s", ErrSubject, sub,
+			logkey.Untrusted(k.Namespace), logkey.Untrusted(k.ServiceAccount.Name))
 	}
 	return namespace, name, nil
 }

@@ -16,6 +16,7 @@ import (
 
 	"github.com/golang-jwt/jwt/v5"
 
+	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/internal/pki"
 )
 
@@ -243,7 +244,7 @@ func (v *Verifier) keyFor(t *jwt.Token) (any, error) {
 	if hasKid && kid != "" {
 		key, ok := v.keys.keys[kid]
 		if !ok {
-			return nil, fmt.Errorf("%w: kid %q", ErrUnknownKey, kid)
+			return nil, fmt.Errorf("%w: kid %q", ErrUnknownKey, logkey.Untrusted(kid))
 		}
 		return key, nil
 	}

@@ -59,4 +59,5 @@ const (
 	Protocol          = "protocol"
 	Detail            = "detail"
 	Replaced          = "replaced"
+	Suppressed        = "suppressed"
 )

@@ -390,10 +390,9 @@ func (m *KeyManager) rotateIfDue(now time.Time) []Event {
 	}
 	next, err := NewBundle(BundleParams{SigningCert: renewed, SigningKey: current.signer, Source: SourceSelfSigned, Now: now})
 	if err == nil && cert == nil {
-		// The state files are gone: put the key back first, so that a restart finds a pair.
-		err = persistKey(m.cfg.StateDir, current.signer)
-	}
-	if err == nil {
+		// The state files are gone: put both back, as one unit, so that a restart finds a pair.
+		err = persistPair(m.cfg.StateDir, current.signer, renewed)
+	} else if err == nil {
 		err = persistRoot(m.cfg.StateDir, renewed)
 	}
 	if err != nil {

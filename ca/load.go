@@ -229,8 +229,70 @@ func persistRoot(stateDir string, root *x509.Certificate) error {
 	return fsutil.WriteFileAtomic(filepath.Join(stateDir, CACertFile), pki.EncodeCertificate(root), fsutil.PublicFileMode)
 }
 
-// CreateSelfSigned generates a root key and certificate and persists them in stateDir: the key
-// first (0600), then the certificate, each atomically.
+// pendingRootFile holds a new self-signed root until its key is in place. Two files cannot be
+// replaced at once, and a CA killed between them used to leave ca-key.pem without ca-cert.pem,
+// which every later start refused (rightly: a key without its certificate may be one an operator
+// restored). The root written first, under this name, is the proof that the key is ours.
+const pendingRootFile = "ca-cert.pem.pending"
+
+// persistPair writes a self-signed key and root as one unit: the root to pendingRootFile, then
+// the key (0600), then the root renamed to ca-cert.pem, each step atomic and synced. A process
+// killed in between leaves either no key (the next start generates afresh) or the key with the
+// root that matches it, which completeInterruptedPair puts in place.
+func persistPair(stateDir string, key crypto.Signer, root *x509.Certificate) error {
+	if err := stagePendingRoot(stateDir, root); err != nil {
+		return err
+	}
+	if err := persistKey(stateDir, key); err != nil {
+		return err
+	}
+	return commitPendingRoot(stateDir)
+}
+
+func stagePendingRoot(stateDir string, root *x509.Certificate) error {
+	return fsutil.WriteFileAtomic(filepath.Join(stateDir, pendingRootFile), pki.EncodeCertificate(root), fsutil.PublicFileMode)
+}
+
+func commitPendingRoot(stateDir string) error {
+	if err := os.Rename(filepath.Join(stateDir, pendingRootFile), filepath.Join(stateDir, CACertFile)); err != nil {
+		return fmt.Errorf("put the self-signed root in place: %w", err)
+	}
+	return fsutil.SyncDir(stateDir)
+}
+
+// completeInterruptedPair finishes a persistPair that was killed after the key was written: a
+// ca-key.pem without ca-cert.pem next to a pending root that is self-signed by that very key.
+// Anything else is left for readSelfSigned to judge; in particular a key without a matching
+// pending root is never paired with a new root.
+func completeInterruptedPair(cfg StartupConfig) error {
+	dir := cfg.StateDir
+	pending, ok, err := fsutil.ReadOptional(filepath.Join(dir, pendingRootFile))
+	if err != nil || !ok {
+		return err
+	}
+	_, certOK, err := fsutil.ReadOptional(filepath.Join(dir, CACertFile))
+	if err != nil || certOK {
+		return err // a complete pair: the pending root is a leftover, replaced at the next write
+	}
+	keyPEM, keyOK, err := fsutil.ReadOptional(filepath.Join(dir, CAKeyFile))
+	if err != nil || !keyOK {
+		return err // killed before the key: nothing of ours to keep
+	}
+	certs, certErr := pki.ParseCertificates(pending)
+	key, keyErr := pki.ParsePrivateKey(keyPEM)
+	if certErr != nil || keyErr != nil || !pki.KeyMatchesCertificate(key, certs[0]) || !isSelfSigned(certs[0]) {
+		return nil
+	}
+	if err := commitPendingRoot(dir); err != nil {
+		return err
+	}
+	cfg.Logger.Warn("completed the self-signed CA whose first write was interrupted: its key had no certificate, the pending root signed by that key is now in place",
+		logkey.Path, filepath.Join(dir, CACertFile), logkey.NotAfter, certs[0].NotAfter)
+	return nil
+}
+
+// CreateSelfSigned generates a root key and certificate and persists them in stateDir as one
+// unit (see persistPair).
 func CreateSelfSigned(stateDir string, cfg SelfSignedConfig, now time.Time) (*Bundle, error) {
 	key, err := pki.GenerateKey(cfg.KeyAlgorithm, cfg.RSAKeySize)
 	if err != nil {
@@ -243,10 +305,7 @@ func CreateSelfSigned(stateDir string, cfg SelfSignedConfig, now time.Time) (*Bu
 	if err := fsutil.EnsureDir(stateDir, fsutil.PrivateDirMode); err != nil {
 		return nil, err
 	}
-	if err := persistKey(stateDir, key); err != nil {
-		return nil, err
-	}
-	if err := persistRoot(stateDir, root); err != nil {
+	if err := persistPair(stateDir, key, root); err != nil {
 		return nil, err
 	}
 	return NewBundle(BundleParams{SigningCert: root, SigningKey: key, Source: SourceSelfSigned, Now: now})
@@ -353,6 +412,9 @@ func loadOrCreate(cfg StartupConfig) (*Bundle, Origin, error) {
 			return nil, "", err
 		}
 		log.Info("no plugged-in CA, using the self-signed CA", logkey.CACertsDir, cfg.CACertsDir)
+	}
+	if err := completeInterruptedPair(cfg); err != nil {
+		return nil, "", err
 	}
 	cert, key, err := readSelfSigned(cfg.StateDir)
 	if err != nil {

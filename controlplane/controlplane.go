@@ -248,8 +248,11 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 	g, ctx := errgroup.WithContext(ctx)
 	g.Go(func() error { return c.keys.Run(ctx) })
 	g.Go(func() error {
-		// ErrServerStopped: the context ended and the stop ran before Serve began.
-		if err := c.grpc.Serve(c.grpcLis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+		err := c.grpc.Serve(c.grpcLis)
+		// The stop below may run before Serve begins (a stop as soon as Ready, say, since Ready
+		// does not wait for Serve): Serve then returns ErrServerStopped at once. Only our stop
+		// stops the server, and only once ctx has ended; that is a clean stop.
+		if err != nil && !(errors.Is(err, grpc.ErrServerStopped) && ctx.Err() != nil) {
 			return fmt.Errorf("serve gRPC: %w", err)
 		}
 		return nil
@@ -262,16 +265,22 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 			return nil
 		})
 	}
+	readyDecided := make(chan struct{})
 	g.Go(func() error {
 		<-ctx.Done()
+		<-readyDecided // so that readiness cannot be raised after it is lowered here
 		c.ready.Store(false)
 		c.stop(ctx)
 		return nil
 	})
 	g.Go(func() error {
+		defer close(readyDecided)
 		select {
 		case <-c.keys.Ready(): // the cacerts files are watched: a change from now on is seen
 		case <-ctx.Done():
+			return nil
+		}
+		if ctx.Err() != nil { // both at once: stopping wins
 			return nil
 		}
 		c.ready.Store(true)

@@ -340,6 +340,37 @@ func TestRunStoppedAtOnce(t *testing.T) {
 	}
 }
 
+// Defect: a control plane stopped right after it was ready returned "grpc: the server has been
+// stopped" now and then: Ready does not wait for gRPC's Serve, the stop could run first, and
+// Serve then refuses to start. A stop at any moment is a clean stop. Many runs, each stopped the
+// moment it is ready, with and without a cacerts dir to watch.
+func TestRunStoppedAsSoonAsReady(t *testing.T) {
+	t.Parallel()
+	for i := range 60 {
+		cfg := testConfig(t.TempDir())
+		if i%2 == 1 {
+			cfg.CACertsDir = t.TempDir()
+		}
+		cp, err := controlplane.New(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(t.Context())
+		done := make(chan error, 1)
+		go func() { done <- cp.Run(ctx) }()
+		select {
+		case <-cp.Ready():
+		case err := <-done:
+			cancel()
+			t.Fatalf("run %d ended before it was ready: %v", i, err)
+		}
+		cancel()
+		if err := <-done; err != nil {
+			t.Fatalf("run %d, stopped as soon as it was ready: Run = %v, want nil", i, err)
+		}
+	}
+}
+
 // A typo in --cacerts-dir is refused before anything is written, not taken for "no plugged-in CA".
 func TestNewRefusesMissingCACertsDir(t *testing.T) {
 	t.Parallel()

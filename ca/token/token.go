@@ -184,6 +184,8 @@ func (m *Minter) Mint(p MintParams) (string, error) {
 	return signed, nil
 }
 
+// signingMethod is the one rule for token keys, however they arrive (PEM keys or certificates,
+// JWKS, the signing key of a Minter): ECDSA P-256 or P-384, or RSA of a size pki accepts.
 func signingMethod(pub crypto.PublicKey) (jwt.SigningMethod, error) {
 	switch k := pub.(type) {
 	case *ecdsa.PublicKey:
@@ -194,6 +196,14 @@ func signingMethod(pub crypto.PublicKey) (jwt.SigningMethod, error) {
 			return jwt.SigningMethodES384, nil
 		}
 	case *rsa.PublicKey:
+		bits := k.N.BitLen()
+		if err := pki.ValidateRSAKeySize(bits); err != nil {
+			size := "large"
+			if bits < pki.MinRSAKeySize {
+				size = "small"
+			}
+			return nil, fmt.Errorf("RSA key of %d bits is too %s for tokens: %w", bits, size, err)
+		}
 		return jwt.SigningMethodRS256, nil
 	}
 	return nil, fmt.Errorf("cannot sign tokens with a %s key (want ECDSA P-256/P-384 or RSA)", pki.DescribeKey(pub))

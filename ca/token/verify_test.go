@@ -515,3 +515,58 @@ func TestParseKeySetRefusesConflictingKid(t *testing.T) {
 		t.Fatalf("the same key twice under one kid gives Len() = %d, want 1", ks.Len())
 	}
 }
+
+// Attack: an RSA-1024 key in a PEM --jwt-keys file was accepted, while JWKS keys and CSRs needed
+// 2048 bits: tokens signed with a factorable key were trusted. One rule (pki.ValidateRSAKeySize)
+// now holds for every way a token key arrives, minting keys included.
+func TestRSAKeySizeRuleForEveryTokenKey(t *testing.T) {
+	t.Parallel()
+	weak, err := rsa.GenerateKey(rand.Reader, 1024)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Too large costs every verification; only its encoding is needed.
+	huge := &rsa.PublicKey{N: new(big.Int).Or(new(big.Int).Lsh(big.NewInt(1), 16383), big.NewInt(1)), E: 65537}
+	pkix := func(pub crypto.PublicKey) []byte {
+		der, err := x509.MarshalPKIXPublicKey(pub)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return pem.EncodeToMemory(&pem.Block{Type: "PUBLIC KEY", Bytes: der})
+	}
+	weakCert := testutil.NewRootCA(t, testutil.CAOptions{Key: weak})
+	for _, tc := range []struct {
+		name string
+		data []byte
+		bits string
+	}{
+		{"PEM public key, RSA 1024", pkix(weak.Public()), "1024"},
+		{"PEM PKCS#1 public key, RSA 1024", pem.EncodeToMemory(&pem.Block{Type: "RSA PUBLIC KEY", Bytes: x509.MarshalPKCS1PublicKey(&weak.PublicKey)}), "1024"},
+		{"PEM certificate, RSA 1024", testutil.CertPEM(weakCert.Cert), "1024"},
+		{"JWKS, RSA 1024", jwksJSON(t, jwkOf(t, weak.Public(), "weak", "")), "1024"},
+		{"PEM public key, RSA 16384", pkix(huge), "16384"},
+		{"JWKS, RSA 16384", jwksJSON(t, jwkOf(t, huge, "huge", "")), "16384"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			ks, err := token.ParseKeySet(tc.data)
+			if err == nil {
+				t.Fatalf("ParseKeySet accepted %d keys", ks.Len())
+			}
+			if !strings.Contains(err.Error(), tc.bits) {
+				t.Fatalf("ParseKeySet error %q does not name the size %s", err, tc.bits)
+			}
+		})
+	}
+	if _, err := token.NewKeySet(weak.Public()); err == nil {
+		t.Fatal("NewKeySet accepted an RSA 1024 key")
+	}
+	if _, err := token.NewMinter(weak); err == nil {
+		t.Fatal("NewMinter accepted an RSA 1024 key")
+	}
+	path := filepath.Join(t.TempDir(), "token-key.pem")
+	testutil.WriteFiles(t, filepath.Dir(path), map[string][]byte{filepath.Base(path): testutil.KeyPEM(t, weak)})
+	if _, err := token.LoadKey(path); err == nil || !strings.Contains(err.Error(), "1024") {
+		t.Fatalf("LoadKey(RSA 1024) = %v, want a refusal naming the size", err)
+	}
+}

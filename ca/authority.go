@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"net"
 	"net/url"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -103,7 +104,7 @@ func ParseCSR(csrPEM []byte) (*x509.CertificateRequest, error) {
 }
 
 // CheckCSR applies the workload issuance policy to a request made by id: a supported key, a valid
-// self-signature, no DNS/IP/email names, and URI names (if any) equal to id. The request is the
+// self-signature with SHA-2, no DNS/IP/email names, and URI names (if any) equal to id. The request is the
 // client's: the errors quote it bounded (logkey.Untrusted), since they are logged and sent back.
 func CheckCSR(csr *x509.CertificateRequest, id pki.SPIFFEID) error {
 	if csr == nil {
@@ -111,6 +112,10 @@ func CheckCSR(csr *x509.CertificateRequest, id pki.SPIFFEID) error {
 	}
 	if err := checkPublicKey(csr.PublicKey); err != nil {
 		return err
+	}
+	if !slices.Contains(csrSignatureAlgorithms(), csr.SignatureAlgorithm) {
+		// x509 still verifies SHA-1 signatures on requests, for old tools: refused here.
+		return fmt.Errorf("%w: %s; sign it with SHA-256 or stronger", ErrCSRSignatureAlgorithm, csr.SignatureAlgorithm)
 	}
 	if err := csr.CheckSignature(); err != nil {
 		return fmt.Errorf("%w: %w", ErrCSRSignature, err)
@@ -125,6 +130,16 @@ func CheckCSR(csr *x509.CertificateRequest, id pki.SPIFFEID) error {
 		}
 	}
 	return nil
+}
+
+// csrSignatureAlgorithms are the only signatures accepted on a request: SHA-2, with the key kinds
+// checkPublicKey accepts. Never SHA-1 or MD5.
+func csrSignatureAlgorithms() []x509.SignatureAlgorithm {
+	return []x509.SignatureAlgorithm{
+		x509.ECDSAWithSHA256, x509.ECDSAWithSHA384, x509.ECDSAWithSHA512,
+		x509.SHA256WithRSA, x509.SHA384WithRSA, x509.SHA512WithRSA,
+		x509.SHA256WithRSAPSS, x509.SHA384WithRSAPSS, x509.SHA512WithRSAPSS,
+	}
 }
 
 func checkPublicKey(pub crypto.PublicKey) error {

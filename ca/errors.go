@@ -19,6 +19,9 @@ var (
 	ErrIdentityMismatch = errors.New("certificate request asks for another identity")
 	// ErrForbiddenSAN: the request asks for DNS names, IP addresses or email addresses.
 	ErrForbiddenSAN = errors.New("certificate request asks for names the CA does not issue")
+	// ErrCSRSignatureAlgorithm: the request is signed with SHA-1, MD5 or another algorithm the CA
+	// does not accept.
+	ErrCSRSignatureAlgorithm = errors.New("certificate request signed with a weak or unsupported algorithm")
 	// ErrRootRetired: a chain ends at a root that was replaced and whose trust overlap has ended.
 	ErrRootRetired = errors.New("root was replaced and its trust overlap has ended")
 	// ErrInvalidTTL: the requested lifetime is negative.

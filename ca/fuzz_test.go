@@ -53,6 +53,7 @@ func FuzzCheckCSR(f *testing.F) {
 		seed(p256, &x509.CertificateRequest{URIs: []*url.URL{id.URL()}, DNSNames: []string{"web.default.svc"}}),
 		seed(p256, &x509.CertificateRequest{URIs: []*url.URL{other.URL()}}),
 		seed(p256, &x509.CertificateRequest{}),
+		seed(p256, &x509.CertificateRequest{URIs: []*url.URL{id.URL()}, SignatureAlgorithm: x509.ECDSAWithSHA1}),
 	} {
 		f.Add(pem.EncodeToMemory(&pem.Block{Type: pki.BlockCertificateRequest, Bytes: der}))
 	}
@@ -83,7 +84,7 @@ func FuzzCheckCSR(f *testing.F) {
 func checkFuzzedCSR(t *testing.T, a *Authority, csr *x509.CertificateRequest, id pki.SPIFFEID) {
 	err := CheckCSR(csr, id)
 	if err != nil {
-		for _, sentinel := range []error{ErrUnsupportedKey, ErrCSRSignature, ErrForbiddenSAN, ErrIdentityMismatch} {
+		for _, sentinel := range []error{ErrUnsupportedKey, ErrCSRSignature, ErrCSRSignatureAlgorithm, ErrForbiddenSAN, ErrIdentityMismatch} {
 			if errors.Is(err, sentinel) {
 				return
 			}
@@ -93,6 +94,10 @@ func checkFuzzedCSR(t *testing.T, a *Authority, csr *x509.CertificateRequest, id
 
 	if err := csr.CheckSignature(); err != nil {
 		t.Fatalf("CheckCSR accepted a request whose signature does not verify: %v", err)
+	}
+	switch csr.SignatureAlgorithm {
+	case x509.SHA1WithRSA, x509.ECDSAWithSHA1, x509.MD5WithRSA, x509.MD2WithRSA, x509.DSAWithSHA1, x509.UnknownSignatureAlgorithm:
+		t.Fatalf("CheckCSR accepted a request signed with %s", csr.SignatureAlgorithm)
 	}
 	if len(csr.DNSNames) != 0 || len(csr.IPAddresses) != 0 || len(csr.EmailAddresses) != 0 {
 		t.Fatalf("CheckCSR accepted DNS %q, IP %v, email %q", csr.DNSNames, csr.IPAddresses, csr.EmailAddresses)

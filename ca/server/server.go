@@ -193,6 +193,7 @@ func rules() []rule {
 		{ca.ErrForbiddenSAN, codes.PermissionDenied, "csr_names"},
 		{ca.ErrMalformedCSR, codes.InvalidArgument, "csr_malformed"},
 		{ca.ErrCSRSignature, codes.InvalidArgument, "csr_signature"},
+		{ca.ErrCSRSignatureAlgorithm, codes.InvalidArgument, "csr_signature_algorithm"},
 		{ca.ErrUnsupportedKey, codes.InvalidArgument, "csr_key"},
 		{ca.ErrInvalidTTL, codes.InvalidArgument, "validity_duration"},
 		{ca.ErrNotReady, codes.Unavailable, "not_ready"},

@@ -220,6 +220,16 @@ func request(t testing.TB, key crypto.Signer, uris []string, dnsNames []string, 
 	}
 }
 
+// sha1Request is a request whose CSR is signed with ECDSA and SHA-1.
+func sha1Request(t testing.TB) *pb.IstioCertificateRequest {
+	t.Helper()
+	der, err := x509.CreateCertificateRequest(rand.Reader, &x509.CertificateRequest{SignatureAlgorithm: x509.ECDSAWithSHA1}, p256(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &pb.IstioCertificateRequest{Csr: string(pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE REQUEST", Bytes: der}))}
+}
+
 func withToken(ctx context.Context, tok string) context.Context {
 	return metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+tok, "ClusterID", "Kubernetes")
 }
@@ -363,6 +373,7 @@ func TestCreateCertificateRefusals(t *testing.T) {
 		{"garbage CSR", h, "Bearer " + h.token(t, mintOptions{}), &pb.IstioCertificateRequest{Csr: "hello"}, codes.InvalidArgument, "csr_malformed"},
 		{"CSR for another identity", h, "Bearer " + h.token(t, mintOptions{}), request(t, p256(t), []string{"spiffe://cluster.local/ns/kube-system/sa/admin"}, nil, 0), codes.PermissionDenied, "csr_identity"},
 		{"CSR with a DNS name", h, "Bearer " + h.token(t, mintOptions{}), request(t, p256(t), nil, []string{"evil.example.com"}, 0), codes.PermissionDenied, "csr_names"},
+		{"CSR signed with SHA-1", h, "Bearer " + h.token(t, mintOptions{}), sha1Request(t), codes.InvalidArgument, "csr_signature_algorithm"},
 		{"CSR with a weak RSA key", h, "Bearer " + h.token(t, mintOptions{}), request(t, weakKey, nil, nil, 0), codes.InvalidArgument, "csr_key"},
 		{"CSR with a P-521 key", h, "Bearer " + h.token(t, mintOptions{}), request(t, p521, nil, nil, 0), codes.InvalidArgument, "csr_key"},
 		{"negative validity", h, "Bearer " + h.token(t, mintOptions{}), &pb.IstioCertificateRequest{Csr: good().Csr, ValidityDuration: -5}, codes.InvalidArgument, "validity_duration"},

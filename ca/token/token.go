@@ -3,11 +3,13 @@
 package token
 
 import (
+	"bytes"
 	"crypto"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
 	"crypto/rsa"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -34,6 +36,31 @@ const subjectPrefix = "system:serviceaccount:"
 type Claims struct {
 	jwt.RegisteredClaims
 	Kubernetes *KubernetesClaims `json:"kubernetes.io,omitempty"`
+}
+
+// UnmarshalJSON decodes the claims, refusing exp, nbf and iat that are not JSON numbers:
+// golang-jwt's NumericDate also takes a string holding a number, which Kubernetes never sends.
+// One token, one encoding.
+func (c *Claims) UnmarshalJSON(data []byte) error {
+	var fields map[string]json.RawMessage
+	if err := json.Unmarshal(data, &fields); err != nil {
+		return err
+	}
+	for name, raw := range fields {
+		for _, date := range []string{"exp", "nbf", "iat"} {
+			// encoding/json matches keys regardless of case: "EXP" would be decoded as exp.
+			if strings.EqualFold(name, date) && !isJSONNumber(raw) {
+				return fmt.Errorf("claim %q is not a number of seconds: %s", date, logkey.Untrusted(string(raw)))
+			}
+		}
+	}
+	type plain Claims // the same fields, without this method
+	return json.Unmarshal(data, (*plain)(c))
+}
+
+func isJSONNumber(raw json.RawMessage) bool {
+	raw = bytes.TrimSpace(raw)
+	return len(raw) > 0 && (raw[0] == '-' || '0' <= raw[0] && raw[0] <= '9')
 }
 
 // KubernetesClaims is the kubernetes.io claim block.

@@ -13,6 +13,7 @@ import (
 	"errors"
 	"math/big"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -568,5 +569,54 @@ func TestRSAKeySizeRuleForEveryTokenKey(t *testing.T) {
 	testutil.WriteFiles(t, filepath.Dir(path), map[string][]byte{filepath.Base(path): testutil.KeyPEM(t, weak)})
 	if _, err := token.LoadKey(path); err == nil || !strings.Contains(err.Error(), "1024") {
 		t.Fatalf("LoadKey(RSA 1024) = %v, want a refusal naming the size", err)
+	}
+}
+
+// Attack: a token whose exp was the JSON string "1773500000" was accepted: golang-jwt's
+// NumericDate takes a string holding a number. Kubernetes always sends numbers, and a second
+// encoding of a claim is a second way to read it (another parser may see no exp at all).
+// exp, nbf and iat must be JSON numbers, whatever the case of their key.
+func TestVerifierRefusesNumericDatesAsStrings(t *testing.T) {
+	t.Parallel()
+	key := newKey(t)
+	kid := keyID(t, key.Public())
+	v := verifier(t, keySet(t, key.Public()), nil)
+	exp, iat := goodClaims()["exp"].(int64), goodClaims()["iat"].(int64)
+	with := func(edits map[string]any) jwt.MapClaims {
+		c := goodClaims()
+		for name, value := range edits {
+			if value == nil {
+				delete(c, name)
+			} else {
+				c[name] = value
+			}
+		}
+		return c
+	}
+	for _, tc := range []struct {
+		name   string
+		claims jwt.MapClaims
+		ok     bool
+	}{
+		{"numbers (control)", goodClaims(), true},
+		{"exp as a number with a fraction (control)", with(map[string]any{"exp": float64(exp) + 0.5}), true},
+		{"exp as a string", with(map[string]any{"exp": strconv.FormatInt(exp, 10)}), false},
+		{"nbf as a string", with(map[string]any{"nbf": strconv.FormatInt(iat, 10)}), false},
+		{"iat as a string", with(map[string]any{"iat": strconv.FormatInt(iat, 10)}), false},
+		{"EXP as a string instead of exp", with(map[string]any{"exp": nil, "EXP": strconv.FormatInt(exp, 10)}), false},
+		{"Nbf as a string besides exp", with(map[string]any{"Nbf": strconv.FormatInt(iat, 10)}), false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			_, err := v.Verify(sign(t, jwt.SigningMethodES256, key, kid, tc.claims))
+			switch {
+			case tc.ok && err != nil:
+				t.Fatalf("Verify: %v, want accepted", err)
+			case !tc.ok && !errors.Is(err, jwt.ErrTokenMalformed):
+				t.Fatalf("Verify: %v, want ErrTokenMalformed", err)
+			case !tc.ok && !strings.Contains(err.Error(), "not a number"):
+				t.Fatalf("Verify: %q does not say the date is not a number", err)
+			}
+		})
 	}
 }

@@ -70,6 +70,12 @@ func LoadPluggedIn(dir string, now time.Time) (*Bundle, error) {
 	if err != nil {
 		return nil, err
 	}
+	return bundleFromLayouts(dir, files, now)
+}
+
+// bundleFromLayouts builds the bundle of the files of dir, by name, in whichever layout they
+// complete. It reads nothing: FuzzLoadCACerts calls it with arbitrary contents.
+func bundleFromLayouts(dir string, files map[string][]byte, now time.Time) (*Bundle, error) {
 	if complete(files, istioLayout()) {
 		return bundleFromFiles(dir, files, [4]string{CACertFile, CAKeyFile, CertChainFile, RootCertFile}, now)
 	}

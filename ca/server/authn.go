@@ -131,7 +131,10 @@ func (a *MTLSAuthenticator) Authenticate(ctx context.Context) (Caller, error) {
 	}
 	id, err := pki.SPIFFEIDFromURL(leaf.URIs[0])
 	if err != nil {
-		return Caller{}, fmt.Errorf("%w: %w", errClientCertificate, err)
+		// pki's error quotes the whole URI, which a plugged-in root may have certified for
+		// anyone: bounded here instead.
+		return Caller{}, fmt.Errorf("%w: URI SAN %q is not a workload SPIFFE ID (spiffe://TRUST_DOMAIN/ns/NAMESPACE/sa/SERVICE_ACCOUNT)",
+			errClientCertificate, logkey.Untrusted(leaf.URIs[0].String()))
 	}
 	if id.TrustDomain != a.trustDomain {
 		return Caller{}, fmt.Errorf("%w: trust domain %q, want %q", errClientCertificate, logkey.Untrusted(id.TrustDomain), a.trustDomain)

@@ -52,6 +52,10 @@ func TestRefusalsQuoteClientStringsBounded(t *testing.T) {
 	signer := testutil.NewRootCA(t, named)
 	leaf, leafKey := signer.IssueWorkload(t, demoID(), time.Hour)
 	longChain := h.dial(t, tlsCert([]*x509.Certificate{leaf, impostor.Cert}, leafKey))
+	// A certificate the CA's own chain vouches for, but whose URI is no workload's: a plugged-in
+	// corporate root may have certified anything.
+	odd, oddKey := h.intermediate.IssueWorkload(t, "spiffe://cluster.local/x/"+long[:16<<10], time.Hour)
+	longURIClient := h.dial(t, tlsCert([]*x509.Certificate{odd, h.intermediate.Cert}, oddKey))
 	for _, tt := range []struct {
 		name   string
 		client pb.IstioCertificateServiceClient
@@ -65,6 +69,7 @@ func TestRefusalsQuoteClientStringsBounded(t *testing.T) {
 		{"a long namespace", client, longSub(token.Subject(long, "demo")), request(t, p256(t), nil, nil, 0), "token_subject", 1024},
 		{"a long service account", client, longSub(token.Subject("default", long)), request(t, p256(t), nil, nil, 0), "token_subject", 1024},
 		{"a long URI SAN in the CSR", client, h.token(t, mintOptions{}), longURI, "csr_identity", 1024},
+		{"a client certificate with a long URI SAN", longURIClient, "", request(t, p256(t), nil, nil, 0), "client_certificate", 1024},
 		// The whole error text is bounded too, at 1 KB.
 		{"a client certificate naming a long subject", longChain, "", request(t, p256(t), nil, nil, 0), "client_certificate", 1536},
 	} {

@@ -4,7 +4,7 @@ import (
 	"crypto"
 	"crypto/ecdsa"
 	"crypto/elliptic"
-	"crypto/md5" //nolint:gosec // to build the MD5-signed request the CA must refuse
+	"crypto/md5" // to build the MD5-signed request the CA must refuse
 	"crypto/rand"
 	"crypto/rsa"
 	"crypto/x509"
@@ -29,7 +29,7 @@ func md5CSR(t *testing.T, key *rsa.PrivateKey, tmpl *x509.CertificateRequest) []
 	if _, err := asn1.Unmarshal(csrDER(t, key, tmpl), &req); err != nil {
 		t.Fatal(err)
 	}
-	sum := md5.Sum(req.TBS.FullBytes) //nolint:gosec // see the import
+	sum := md5.Sum(req.TBS.FullBytes)
 	sig, err := rsa.SignPKCS1v15(rand.Reader, key, crypto.MD5, sum[:])
 	if err != nil {
 		t.Fatal(err)

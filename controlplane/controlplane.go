@@ -252,10 +252,10 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 		// The stop below may run before Serve begins (a stop as soon as Ready, say, since Ready
 		// does not wait for Serve): Serve then returns ErrServerStopped at once. Only our stop
 		// stops the server, and only once ctx has ended; that is a clean stop.
-		if err != nil && !(errors.Is(err, grpc.ErrServerStopped) && ctx.Err() != nil) {
-			return fmt.Errorf("serve gRPC: %w", err)
+		if err == nil || errors.Is(err, grpc.ErrServerStopped) && ctx.Err() != nil {
+			return nil
 		}
-		return nil
+		return fmt.Errorf("serve gRPC: %w", err)
 	})
 	if c.monitor != nil {
 		g.Go(func() error {

@@ -12,7 +12,8 @@ BENCHTIME ?= 3s
 BENCHOUT  ?= bench.out
 
 # Fuzz targets, as package:Target.
-FUZZ_TARGETS := ./ca:FuzzCheckCSR ./ca/token:FuzzVerify
+FUZZ_TARGETS := ./ca:FuzzCheckCSR ./ca:FuzzLoadCACerts ./ca/token:FuzzVerify \
+                ./secretmanager:FuzzParseFileResource ./sds:FuzzStreamRequests
 
 .PHONY: all build test vet race bench fuzz lint clean
 

@@ -29,7 +29,9 @@ type Signer interface {
 
 // Targeting decides whether this CA instance serves a namespace.
 type Targeting interface {
-	Targets(ctx context.Context, namespace string) (bool, error)
+	// Targets reports whether namespace is served; when it is not, why names the namespace, its
+	// labels and the rule that excluded it.
+	Targets(ctx context.Context, namespace string) (served bool, why string, err error)
 }
 
 // Config configures a Server.
@@ -81,12 +83,12 @@ func (s *Server) CreateCertificate(ctx context.Context, req *pb.IstioCertificate
 	if err != nil {
 		return nil, s.refuse(ctx, caller, err)
 	}
-	served, err := s.targeting.Targets(ctx, caller.Identity.Namespace)
+	served, why, err := s.targeting.Targets(ctx, caller.Identity.Namespace)
 	if err != nil {
 		return nil, s.refuse(ctx, caller, fmt.Errorf("%w: %w", errTargetingUnavailable, err))
 	}
 	if !served {
-		return nil, s.refuse(ctx, caller, errNamespaceNotTargeted)
+		return nil, s.refuse(ctx, caller, fmt.Errorf("%w: %s", errNamespaceNotTargeted, why))
 	}
 	csr, err := ca.ParseCSR([]byte(req.GetCsr()))
 	if err != nil {

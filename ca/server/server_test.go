@@ -60,6 +60,7 @@ type harnessOptions struct {
 	maxTTL           time.Duration
 	signer           server.Signer      // nil: the harness's authority
 	moreTokenKeys    []crypto.PublicKey // trusted besides the harness's token key
+	store            controller.NamespaceStore
 }
 
 func newHarness(t testing.TB, opts harnessOptions) *harness {
@@ -112,7 +113,7 @@ func newHarness(t testing.TB, opts harnessOptions) *harness {
 			server.NewJWTAuthenticator(verifier, trustDomain),
 			server.NewMTLSAuthenticator(authority, trustDomain, clk),
 		},
-		Targeting: controller.NewTargeting(controller.TargetingConfig{CANamespace: "istio-system", EnabledByDefault: enabled}),
+		Targeting: controller.NewTargeting(controller.TargetingConfig{Store: opts.store, CANamespace: "istio-system", EnabledByDefault: enabled}),
 		Metrics:   metrics,
 		Logger:    slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
 	})
@@ -631,8 +632,8 @@ func signClaims(t testing.TB, key crypto.Signer, claims jwt.MapClaims) string {
 
 type failingTargeting struct{}
 
-func (failingTargeting) Targets(context.Context, string) (bool, error) {
-	return false, errors.New("namespace store unreachable")
+func (failingTargeting) Targets(context.Context, string) (bool, string, error) {
+	return false, "", errors.New("namespace store unreachable")
 }
 
 // When the namespace store cannot answer, the caller is told to retry, not refused for good.

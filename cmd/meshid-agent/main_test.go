@@ -20,7 +20,7 @@ func TestLinksNoKubernetesClientAndNoCA(t *testing.T) {
 		t.Fatalf("go list: %v", err)
 	}
 	for _, dep := range strings.Fields(string(out)) {
-		if strings.HasPrefix(dep, "k8s.io/client-go") || strings.HasPrefix(dep, "k8s.io/apimachinery") ||
+		if strings.HasPrefix(dep, "k8s.io/") || strings.HasPrefix(dep, "sigs.k8s.io/") ||
 			dep == "github.com/meshid/meshid/ca" || strings.HasPrefix(dep, "github.com/meshid/meshid/ca/") ||
 			strings.HasPrefix(dep, "github.com/meshid/meshid/controlplane") {
 			t.Fatalf("meshid-agent links %s", dep)

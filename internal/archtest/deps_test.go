@@ -43,12 +43,62 @@ func allowed() map[string][]string {
 	}
 }
 
-func TestDependencyDirection(t *testing.T) {
-	t.Parallel()
+// kubernetesImporters may import Kubernetes' own modules (k8s.io/..., sigs.k8s.io/...): the
+// namespace stores, which decode Kubernetes objects, and the commands that wire them. Everything
+// else stays free of them, so that the slim agent links none.
+func kubernetesImporters() []string {
+	return []string{"ca/controller", "ca/controller/", "cmd/meshid"}
+}
+
+// slim are the packages whose whole dependency graph must stay free of Kubernetes' modules.
+func slim() []string {
+	return []string{"cmd/meshid-agent", "agent"}
+}
+
+func isKubernetes(imp string) bool {
+	return strings.HasPrefix(imp, "k8s.io/") || strings.HasPrefix(imp, "sigs.k8s.io/")
+}
+
+// imports lists, for each package of the module, what it imports.
+func imports(t *testing.T) map[string][]string {
+	t.Helper()
 	out, err := exec.Command("go", "list", "-f", "{{.ImportPath}}{{range .Imports}} {{.}}{{end}}", module+"...").Output()
 	if err != nil {
 		t.Fatalf("go list: %v", err)
 	}
+	graph := map[string][]string{}
+	for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
+		fields := strings.Fields(line)
+		graph[strings.TrimPrefix(fields[0], module)] = fields[1:]
+	}
+	return graph
+}
+
+func TestKubernetesImports(t *testing.T) {
+	t.Parallel()
+	importers := kubernetesImporters()
+	for pkg, deps := range imports(t) {
+		for _, imp := range deps {
+			if isKubernetes(imp) && !permits(importers, pkg) {
+				t.Errorf("%s must not import %s: only %v may import Kubernetes' modules", pkg, imp, importers)
+			}
+		}
+	}
+	for _, pkg := range slim() {
+		out, err := exec.Command("go", "list", "-deps", module+pkg).Output()
+		if err != nil {
+			t.Fatalf("go list -deps %s: %v", pkg, err)
+		}
+		for _, dep := range strings.Fields(string(out)) {
+			if isKubernetes(dep) {
+				t.Errorf("%s links %s; it must link no Kubernetes module", pkg, dep)
+			}
+		}
+	}
+}
+
+func TestDependencyDirection(t *testing.T) {
+	t.Parallel()
 	rules := allowed()
 	keys := make([]string, 0, len(rules))
 	for k := range rules {
@@ -56,15 +106,13 @@ func TestDependencyDirection(t *testing.T) {
 	}
 	sort.Slice(keys, func(i, j int) bool { return len(keys[i]) > len(keys[j]) })
 
-	for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
-		fields := strings.Fields(line)
-		pkg := strings.TrimPrefix(fields[0], module)
+	for pkg, deps := range imports(t) {
 		rule, ok := matchRule(keys, pkg)
 		if !ok {
 			t.Errorf("package %s has no dependency rule; add it to allowed()", pkg)
 			continue
 		}
-		for _, imp := range fields[1:] {
+		for _, imp := range deps {
 			dep, inModule := strings.CutPrefix(imp, module)
 			if !inModule {
 				continue

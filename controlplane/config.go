@@ -47,6 +47,9 @@ type Config struct {
 	JWTAudience string
 	JWTIssuer   string // checked when set
 
+	// Manifests is a directory of Namespace and ServiceAccount YAML that namespace targeting
+	// reads, and follows; empty: no namespace is known, so each follows EnableNamespacesByDefault.
+	Manifests                 string
 	CANamespace               string
 	EnableNamespacesByDefault bool
 

@@ -45,6 +45,7 @@ type ControlPlane struct {
 	grpcLis   net.Listener
 	monitor   *http.Server
 	monLis    net.Listener
+	manifests *controller.Manifests // nil without --manifests
 	ready     atomic.Bool
 	readyCh   chan struct{} // closed once Run serves
 }
@@ -84,6 +85,17 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 		if cp.monLis, err = net.Listen("tcp", cfg.MonitoringAddr); err != nil {
 			return nil, fmt.Errorf("listen for monitoring on %s: %w", cfg.MonitoringAddr, err)
 		}
+	}
+
+	// Before the key material: a wrong --manifests fails the start before the state dir is written.
+	var namespaces controller.NamespaceStore // nil, not a nil *Manifests: no store knows no namespace
+	if cfg.Manifests != "" {
+		if cp.manifests, err = controller.NewManifests(controller.ManifestsConfig{
+			Dir: cfg.Manifests, Clock: clk, Logger: log.With(logkey.Component, "manifests"),
+		}); err != nil {
+			return nil, fmt.Errorf("--manifests: %w", err)
+		}
+		namespaces = cp.manifests
 	}
 
 	registry := prometheus.NewRegistry()
@@ -144,8 +156,10 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 			caserver.NewMTLSAuthenticator(authority, cfg.TrustDomain, clk),
 		},
 		Targeting: controller.NewTargeting(controller.TargetingConfig{
+			Store:            namespaces,
 			CANamespace:      cfg.CANamespace,
 			EnabledByDefault: cfg.EnableNamespacesByDefault,
+			Logger:           log.With(logkey.Component, "targeting"),
 		}),
 		Metrics: metrics,
 		Logger:  log.With(logkey.Component, "ca-server"),
@@ -243,9 +257,20 @@ func (c *ControlPlane) Ready() <-chan struct{} { return c.readyCh }
 // Authority returns the CA core.
 func (c *ControlPlane) Authority() *ca.Authority { return c.authority }
 
+// Namespaces returns the store namespace targeting reads, or nil without --manifests.
+func (c *ControlPlane) Namespaces() controller.Store {
+	if c.manifests == nil {
+		return nil
+	}
+	return c.manifests
+}
+
 // Run serves until ctx ends, then stops the servers, giving in-flight requests a short grace.
 func (c *ControlPlane) Run(ctx context.Context) error {
 	g, ctx := errgroup.WithContext(ctx)
+	if c.manifests != nil {
+		g.Go(func() error { return c.manifests.Run(ctx) })
+	}
 	g.Go(func() error { return c.keys.Run(ctx) })
 	g.Go(func() error {
 		err := c.grpc.Serve(c.grpcLis)

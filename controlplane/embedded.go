@@ -3,6 +3,7 @@ package controlplane
 import (
 	"context"
 	"log/slog"
+	"os"
 	"path/filepath"
 	"time"
 
@@ -36,10 +37,17 @@ type Embedded struct {
 // embeddedTokenTTL is the life of a token minted for one request of the embedding agent.
 const embeddedTokenTTL = 5 * time.Minute
 
+// EmbeddedManifestsDir is where, in its state dir, an embedded control plane finds the
+// Namespace and ServiceAccount manifests namespace targeting reads, when the directory exists.
+const EmbeddedManifestsDir = "manifests"
+
 // NewEmbedded builds the control plane for an agent; see New.
 func NewEmbedded(e EmbeddedConfig) (*Embedded, error) {
 	cfg := DefaultConfig()
 	cfg.StateDir = e.StateDir
+	if dir := filepath.Join(e.StateDir, EmbeddedManifestsDir); isDir(dir) {
+		cfg.Manifests = dir
+	}
 	cfg.GRPCAddr = unixScheme + e.SocketPath
 	cfg.MonitoringAddr = ""
 	cfg.TrustDomain = e.TrustDomain
@@ -56,6 +64,11 @@ func NewEmbedded(e EmbeddedConfig) (*Embedded, error) {
 		return nil, err
 	}
 	return &Embedded{ControlPlane: cp, stateDir: e.StateDir, identity: e.Identity, clock: clock.OrReal(e.Clock), minter: minter}, nil
+}
+
+func isDir(path string) bool {
+	info, err := os.Stat(path)
+	return err == nil && info.IsDir()
 }
 
 // RootCertFile is the trust bundle that verifies the control plane.

@@ -48,7 +48,17 @@ bundle (root-cert.pem, and for client certificates) until it expires or --trust-
 Callers authenticate with a service-account JWT ("authorization: Bearer ...", verified with
 --jwt-keys or the state dir's token-key.pem, which "meshid token" signs with) or with a client
 certificate this CA issued. Each gets a certificate for its own identity only:
-spiffe://<trust-domain>/ns/<namespace>/sa/<service-account>.`,
+spiffe://<trust-domain>/ns/<namespace>/sa/<service-account>.
+
+Several CA instances can share a cluster: each serves the namespaces that Istio's Citadel
+targeting rules give it (ca.istio.io/override, then ca.istio.io/env against --ca-namespace,
+then --enable-namespaces-by-default), and refuses the others with PermissionDenied, saying
+which labels and rule excluded the namespace. The labels come from the Namespace objects in
+--manifests: Kubernetes YAML or JSON, several documents to a file, in the directory's *.yaml,
+*.yml and *.json files (not its subdirectories). The directory is watched: edits take effect
+without a restart, and a malformed file or object is reported and skipped, keeping what it
+held before. A namespace no manifest names counts as unlabelled. "meshid ca targets" shows
+the decision for every namespace.`,
 		Args: cobra.NoArgs,
 		PreRunE: func(cmd *cobra.Command, _ []string) error {
 			alg, err := pki.ParseKeyAlgorithm(keyAlgorithm)
@@ -87,11 +97,13 @@ spiffe://<trust-domain>/ns/<namespace>/sa/<service-account>.`,
 	f.StringVar(&cfg.JWTKeysFile, "jwt-keys", "", "PEM public keys or JWKS of the token issuer (e.g. the kube-apiserver's service-account keys); default: <state-dir>/token-key.pem")
 	f.StringVar(&cfg.JWTAudience, "jwt-audience", cfg.JWTAudience, "audience tokens must carry")
 	f.StringVar(&cfg.JWTIssuer, "jwt-issuer", "", "issuer tokens must carry; empty accepts any")
+	f.StringVar(&cfg.Manifests, "manifests", "", "directory of Namespace and ServiceAccount manifests (*.yaml, *.yml, *.json; not its subdirectories), watched; their labels decide which namespaces this CA serves. Empty: no namespace is known")
 	f.StringVar(&cfg.CANamespace, "ca-namespace", cfg.CANamespace, "namespace of this CA instance, matched against the ca.istio.io/env namespace label")
 	f.BoolVar(&cfg.EnableNamespacesByDefault, "enable-namespaces-by-default", cfg.EnableNamespacesByDefault, "serve namespaces that carry neither the ca.istio.io/override nor the ca.istio.io/env label")
 	f.DurationVar(&cfg.WorkloadCertTTL, "workload-cert-ttl", cfg.WorkloadCertTTL, "lifetime of a workload certificate when the request asks for none")
 	f.DurationVar(&cfg.MaxWorkloadCertTTL, "max-workload-cert-ttl", cfg.MaxWorkloadCertTTL, "longest workload certificate lifetime; longer requests are clamped")
 	f.StringSliceVar(&cfg.GRPCHostIdentities, "grpc-host-identities", nil, "extra DNS names or IPs for the CA's serving certificate, comma-separated (istiod.istio-system.svc, istio-ca, localhost and loopback are always there)")
+	cmd.AddCommand(newCATargetsCommand(g))
 	return cmd
 }
 

@@ -112,18 +112,15 @@ func NewManifests(cfg ManifestsConfig) (*Manifests, error) {
 	if err != nil {
 		return nil, err
 	}
-	dec, err := newDecoder()
-	if err != nil {
-		return nil, err
-	}
 	m := &Manifests{
-		dir: filepath.Clean(cfg.Dir), log: log, watcher: w, decoder: dec, ready: make(chan struct{}),
+		dir: filepath.Clean(cfg.Dir), log: log, watcher: w, decoder: newDecoder(), ready: make(chan struct{}),
 		files: map[string]*manifestFile{}, changed: make(chan struct{}),
 	}
 	m.view.Store(&storeView{namespaces: map[string]Namespace{}})
-	if err := m.load(); err != nil {
+	if _, err := m.load(); err != nil {
 		return nil, err
 	}
+	m.logLoaded()
 	return m, nil
 }
 
@@ -146,21 +143,31 @@ func (m *Manifests) Run(ctx context.Context) error {
 	case err := <-done:
 		return err
 	}
-	// What changed between New and the watch.
-	if err := m.load(); err != nil {
-		m.log.Error("cannot read the manifests directory; what was loaded stays", logkey.Dir, m.dir, logkey.Error, err.Error())
-	}
+	m.reload() // what changed between New and the watch
 	close(m.ready)
 	for {
 		select {
 		case <-changes:
-			if err := m.load(); err != nil {
-				m.log.Error("cannot read the manifests directory; what was loaded stays", logkey.Dir, m.dir, logkey.Error, err.Error())
-			}
+			m.reload()
 		case err := <-done:
 			return err
 		}
 	}
+}
+
+func (m *Manifests) reload() {
+	changed, err := m.load()
+	switch {
+	case err != nil:
+		m.log.Error("cannot read the manifests directory; what was loaded stays", logkey.Dir, m.dir, logkey.Error, err.Error())
+	case changed:
+		m.logLoaded()
+	}
+}
+
+func (m *Manifests) logLoaded() {
+	v := m.view.Load()
+	m.log.Info("manifests loaded", logkey.Dir, m.dir, logkey.Namespaces, len(v.namespaces), logkey.ServiceAccounts, len(v.serviceAccounts))
 }
 
 // Ready is closed once Run watches the directory and has read it: a change made from then on is
@@ -206,10 +213,10 @@ func (m *Manifests) Changed() <-chan struct{} {
 }
 
 // load reads the directory again and publishes the new view if it differs.
-func (m *Manifests) load() error {
+func (m *Manifests) load() (changed bool, err error) {
 	entries, err := os.ReadDir(m.dir)
 	if err != nil {
-		return err
+		return false, err
 	}
 	files := map[string]*manifestFile{}
 	for _, e := range entries {
@@ -227,14 +234,14 @@ func (m *Manifests) load() error {
 	m.files = files
 
 	next := m.merge()
-	if prev := m.view.Swap(next); !prev.equal(next) {
-		m.log.Info("manifests loaded", logkey.Dir, m.dir, logkey.Namespaces, len(next.namespaces), logkey.ServiceAccounts, len(next.serviceAccounts))
-		m.mu.Lock()
-		close(m.changed)
-		m.changed = make(chan struct{})
-		m.mu.Unlock()
+	if prev := m.view.Swap(next); prev.equal(next) {
+		return false, nil
 	}
-	return nil
+	m.mu.Lock()
+	close(m.changed)
+	m.changed = make(chan struct{})
+	m.mu.Unlock()
+	return true, nil
 }
 
 func isManifestFile(name string) bool {
@@ -321,7 +328,7 @@ func (m *Manifests) merge() *storeView {
 		for _, o := range m.files[path].objects {
 			where := fmt.Sprintf("%s, document %d", path, o.document)
 			if first, dup := seen[o.key]; dup {
-				m.log.Warn("manifest object defined twice; the first stays", logkey.Kind, o.key.String(), logkey.Path, where, logkey.Kept, first)
+				m.log.Warn("manifest object defined twice; the first stays", logkey.Object, o.key.String(), logkey.Path, where, logkey.Kept, first)
 				continue
 			}
 			seen[o.key] = where
@@ -404,12 +411,12 @@ type decoder struct {
 	json runtime.Decoder
 }
 
-func newDecoder() (*decoder, error) {
+func newDecoder() *decoder {
 	scheme := runtime.NewScheme()
 	// Only the kinds the store reads: anything else is "not registered", and ignored undecoded.
 	scheme.AddKnownTypes(corev1.SchemeGroupVersion,
 		&corev1.Namespace{}, &corev1.NamespaceList{}, &corev1.ServiceAccount{}, &corev1.ServiceAccountList{}, &corev1.List{})
-	return &decoder{json: kjson.NewSerializerWithOptions(kjson.DefaultMetaFactory, scheme, scheme, kjson.SerializerOptions{Strict: true})}, nil
+	return &decoder{json: kjson.NewSerializerWithOptions(kjson.DefaultMetaFactory, scheme, scheme, kjson.SerializerOptions{Strict: true})}
 }
 
 // problem is an object that could not be read. key names it when that much could be read; item

@@ -16,7 +16,7 @@ const (
 	Value             = "value"
 	Document          = "document"
 	Item              = "item"
-	Kind              = "kind"
+	Object            = "object"
 	Other             = "other"
 	Kept              = "kept"
 	Peer              = "peer"

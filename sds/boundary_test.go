@@ -143,7 +143,7 @@ func TestConnectionSettings(t *testing.T) {
 }
 
 // A request over the size limit (1 MiB; SDS requests are a node and a few names) ends its
-// stream with ResourceExhausted, logged and counted.
+// stream with ResourceExhausted before any secret is subscribed to.
 func TestOversizedRequest(t *testing.T) {
 	t.Parallel()
 	p, f := newPKI(t), newFakeSecrets()
@@ -160,7 +160,8 @@ func TestOversizedRequest(t *testing.T) {
 	if st := d.RecvErr(); st.Code() != codes.ResourceExhausted {
 		t.Fatalf("a 2 MiB delta request: %v, want ResourceExhausted", st)
 	}
-	checkRefusals(t, h, map[string]float64{"request_too_large/ResourceExhausted": 2})
+	// Refused by grpc's transport, before any handler: not counted (a wrapper that could count it
+	// costs every stream 4 kB).
 	if n := f.Calls(dflt); n != 0 {
 		t.Fatalf("the server subscribed to default %d times for an oversized request", n)
 	}

@@ -395,7 +395,6 @@ const (
 	// Over the bounds of the server (boundary.go).
 	reasonTooManyStreams     = "too_many_streams"
 	reasonTooManyConnections = "too_many_connections"
-	reasonRequestTooLarge    = "request_too_large"
 	// codeDropped counts a request ignored while its stream goes on; codeClosed a connection
 	// closed before it carried any stream.
 	codeDropped = "dropped"

@@ -1,14 +1,11 @@
 package secretmanager
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
 	"os"
-	"path/filepath"
-	"strings"
 	"sync"
 	"time"
 
@@ -28,7 +25,7 @@ const (
 )
 
 const (
-	dataLink      = "..data"    // the symlink readers go through; swapped atomically
+	dataLink      = fsutil.DataLink
 	versionPrefix = "..meshid_" // one directory per written generation
 )
 
@@ -214,136 +211,37 @@ func (w *outputWriter) run(ctx context.Context) error {
 	}
 }
 
-type outputFile struct {
-	name string
-	data []byte
-	mode os.FileMode
-}
+// outputFile is one file of a generation.
+type outputFile = fsutil.DataFile
 
 // outputFiles lists the files of one generation, the key first.
 func outputFiles(m outputModes, keyPEM, chainPEM, rootsPEM []byte) []outputFile {
 	return []outputFile{
-		{KeyFile, keyPEM, m.key},
-		{CertChainFile, chainPEM, m.cert},
-		{RootCertFile, rootsPEM, m.cert},
+		{Name: KeyFile, Data: keyPEM, Mode: m.key},
+		{Name: CertChainFile, Data: chainPEM, Mode: m.cert},
+		{Name: RootCertFile, Data: rootsPEM, Mode: m.cert},
 	}
 }
 
 // onDisk reports whether dir already shows exactly these files (after a restart that loaded
 // them, say), so that they are not written again.
-func onDisk(dir string, files []outputFile) bool {
-	for _, f := range files {
-		path := filepath.Join(dir, f.name)
-		info, err := os.Stat(path)
-		if err != nil || info.Mode().Perm() != f.mode {
-			return false
-		}
-		data, err := os.ReadFile(path)
-		if err != nil || !bytes.Equal(data, f.data) {
-			return false
-		}
-	}
-	return true
-}
+func onDisk(dir string, files []outputFile) bool { return fsutil.DataOnDisk(dir, files) }
 
-// writeOutput publishes a key pair and trust bundle in dir so that a reader always sees a
-// matching pair, whatever moment the writer is killed at. As the kubelet does for mounted
-// secrets, each generation goes into a fresh directory (key.pem first, then cert-chain.pem and
-// root-cert.pem, each written atomically and synced); then the "..data" symlink is renamed onto
-// it in one step, and the visible names are symlinks through "..data".
+// writeOutput publishes a key pair and trust bundle in dir through a "..data" symlink swap (see
+// fsutil.WriteData), so that a reader always sees a matching pair.
 func writeOutput(dir string, dirMode os.FileMode, files []outputFile) error {
-	if err := fsutil.EnsureDir(dir, dirMode); err != nil {
-		return err
-	}
-	// An existing directory is opened to the group when asked; otherwise it is left as it is.
-	if dirMode != fsutil.PrivateDirMode {
-		if err := os.Chmod(dir, dirMode); err != nil {
-			return fmt.Errorf("set the mode of %s: %w", dir, err)
-		}
-	}
-	version, err := os.MkdirTemp(dir, versionPrefix) // 0700
-	if err != nil {
-		return fmt.Errorf("create a new output generation in %s: %w", dir, err)
-	}
-	if err := os.Chmod(version, dirMode); err != nil {
-		_ = os.RemoveAll(version)
-		return fmt.Errorf("set the mode of %s: %w", version, err)
-	}
-	for _, f := range files {
-		if err := fsutil.WriteFileAtomic(filepath.Join(version, f.name), f.data, f.mode); err != nil {
-			_ = os.RemoveAll(version)
-			return err
-		}
-	}
-	if err := replaceSymlink(dir, dataLink, filepath.Base(version)); err != nil {
-		_ = os.RemoveAll(version)
-		return err
-	}
-	for _, f := range files {
-		target := filepath.Join(dataLink, f.name)
-		if current, err := os.Readlink(filepath.Join(dir, f.name)); err == nil && current == target {
-			continue
-		}
-		if err := replaceSymlink(dir, f.name, target); err != nil {
-			return err
-		}
-	}
-	if err := fsutil.SyncDir(dir); err != nil {
-		return err
-	}
-	return removeOldGenerations(dir, filepath.Base(version))
-}
-
-// replaceSymlink points dir/name at target in one rename, whatever dir/name was before.
-func replaceSymlink(dir, name, target string) error {
-	tmp := filepath.Join(dir, name+".tmp")
-	_ = os.Remove(tmp)
-	if err := os.Symlink(target, tmp); err != nil {
-		return fmt.Errorf("link %s: %w", tmp, err)
-	}
-	if err := os.Rename(tmp, filepath.Join(dir, name)); err != nil {
-		_ = os.Remove(tmp)
-		return fmt.Errorf("link %s: %w", filepath.Join(dir, name), err)
-	}
-	return nil
+	return fsutil.WriteData(dir, versionPrefix, dirMode, files)
 }
 
 // removeStaleGenerations removes what a writer killed mid-way left in OUTPUT_CERTS: generations
 // that "..data" does not point at, with any temporary key file inside. A restart that finds the
 // pair in service already on disk writes nothing, so this is not left to the next write.
 func (w *outputWriter) removeStaleGenerations() {
-	current, err := os.Readlink(filepath.Join(w.cfg.Dir, dataLink))
-	if err != nil {
-		current = ""
-	}
-	entries, err := os.ReadDir(w.cfg.Dir)
-	if err != nil {
-		return // nothing there yet
-	}
-	for _, e := range entries {
-		if e.IsDir() && strings.HasPrefix(e.Name(), versionPrefix) && e.Name() != current {
-			path := filepath.Join(w.cfg.Dir, e.Name())
-			if err := os.RemoveAll(path); err != nil {
-				w.log.Warn("cannot remove an unfinished OUTPUT_CERTS generation", logkey.Path, path, logkey.Error, err.Error())
-				continue
-			}
-			w.log.Info("removed an unfinished OUTPUT_CERTS generation", logkey.Path, path)
+	for _, path := range fsutil.StaleGenerations(w.cfg.Dir, versionPrefix) {
+		if err := os.RemoveAll(path); err != nil {
+			w.log.Warn("cannot remove an unfinished OUTPUT_CERTS generation", logkey.Path, path, logkey.Error, err.Error())
+			continue
 		}
+		w.log.Info("removed an unfinished OUTPUT_CERTS generation", logkey.Path, path)
 	}
-}
-
-// removeOldGenerations removes every generation but keep, including those a writer killed
-// mid-way left behind.
-func removeOldGenerations(dir, keep string) error {
-	entries, err := os.ReadDir(dir)
-	if err != nil {
-		return fmt.Errorf("list %s: %w", dir, err)
-	}
-	var errs []error
-	for _, e := range entries {
-		if e.IsDir() && strings.HasPrefix(e.Name(), versionPrefix) && e.Name() != keep {
-			errs = append(errs, os.RemoveAll(filepath.Join(dir, e.Name())))
-		}
-	}
-	return errors.Join(errs...)
 }

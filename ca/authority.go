@@ -14,6 +14,7 @@ import (
 	"net"
 	"net/url"
 	"slices"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -46,11 +47,14 @@ type Authority struct {
 	defaultTTL time.Duration
 	maxTTL     time.Duration
 	bundle     atomic.Pointer[Bundle]
+
+	mu      sync.Mutex
+	changed chan struct{} // closed at the next SetBundle
 }
 
 // New returns an Authority serving b. A nil b leaves it not ready until SetBundle.
 func New(cfg Config, b *Bundle) *Authority {
-	a := &Authority{clock: clock.OrReal(cfg.Clock), defaultTTL: cfg.DefaultTTL, maxTTL: cfg.MaxTTL}
+	a := &Authority{clock: clock.OrReal(cfg.Clock), defaultTTL: cfg.DefaultTTL, maxTTL: cfg.MaxTTL, changed: make(chan struct{})}
 	if a.defaultTTL == 0 {
 		a.defaultTTL = DefaultWorkloadCertTTL
 	}
@@ -66,8 +70,23 @@ func New(cfg Config, b *Bundle) *Authority {
 // Bundle returns the key material in service, or nil before any was loaded.
 func (a *Authority) Bundle() *Bundle { return a.bundle.Load() }
 
-// SetBundle puts b in service for every signature that starts after the call.
-func (a *Authority) SetBundle(b *Bundle) { a.bundle.Store(b) }
+// SetBundle puts b in service for every signature that starts after the call, and tells those
+// waiting on Changed.
+func (a *Authority) SetBundle(b *Bundle) {
+	a.bundle.Store(b)
+	a.mu.Lock()
+	close(a.changed)
+	a.changed = make(chan struct{})
+	a.mu.Unlock()
+}
+
+// Changed returns a channel that is closed at the next SetBundle (a reload, a plug-in, a root
+// rotation or pruning). Take it before reading Bundle, then wait on it: no change is missed.
+func (a *Authority) Changed() <-chan struct{} {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.changed
+}
 
 // WorkloadRequest asks for a workload certificate.
 type WorkloadRequest struct {
@@ -83,6 +102,9 @@ type Issued struct {
 	Leaf   *x509.Certificate
 	bundle *Bundle
 }
+
+// Bundle returns the key material that signed the certificate.
+func (i *Issued) Bundle() *Bundle { return i.bundle }
 
 // Chain returns the leaf, its intermediates and the root, in that order.
 func (i *Issued) Chain() []*x509.Certificate {
@@ -180,6 +202,49 @@ func (a *Authority) SignWorkload(_ context.Context, req WorkloadRequest) (*Issue
 		BasicConstraintsValid: true,
 	}
 	leaf, err := a.sign(b, tmpl, req.CSR.PublicKey, ttl)
+	if err != nil {
+		return nil, err
+	}
+	if len(leaf.URIs) != 1 || leaf.URIs[0].String() != req.Identity.String() {
+		return nil, fmt.Errorf("issued certificate names %v, want %s", leaf.URIs, req.Identity)
+	}
+	return &Issued{Leaf: leaf, bundle: b}, nil
+}
+
+// SecretRequest asks for the certificate of a service-account secret, whose key the CA's own
+// secret controller generated: there is no caller and no CSR to check.
+type SecretRequest struct {
+	Identity  pki.SPIFFEID
+	DNSNames  []string // extra SANs, as Citadel adds for webhooks and --custom-dns-names
+	PublicKey crypto.PublicKey
+	TTL       time.Duration // 0: the default; clamped to the maximum
+}
+
+// SignSecret signs a workload certificate for a service-account secret: the SPIFFE ID, then the
+// DNS names, verified before it is returned.
+func (a *Authority) SignSecret(_ context.Context, req SecretRequest) (*Issued, error) {
+	b := a.bundle.Load()
+	if b == nil {
+		return nil, ErrNotReady
+	}
+	if _, err := pki.NewSPIFFEID(req.Identity.TrustDomain, req.Identity.Namespace, req.Identity.ServiceAccount); err != nil {
+		return nil, fmt.Errorf("secret identity: %w", err)
+	}
+	if err := checkPublicKey(req.PublicKey); err != nil {
+		return nil, err
+	}
+	ttl, err := a.workloadTTL(req.TTL)
+	if err != nil {
+		return nil, err
+	}
+	tmpl := &x509.Certificate{
+		URIs:                  []*url.URL{req.Identity.URL()},
+		DNSNames:              slices.Clone(req.DNSNames),
+		KeyUsage:              x509.KeyUsageDigitalSignature | x509.KeyUsageKeyEncipherment,
+		ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
+		BasicConstraintsValid: true,
+	}
+	leaf, err := a.sign(b, tmpl, req.PublicKey, ttl)
 	if err != nil {
 		return nil, err
 	}

@@ -717,3 +717,58 @@ func TestNewRootCertificateWithoutOrg(t *testing.T) {
 		t.Fatalf("Organization = %q, want none", root.Subject.Organization)
 	}
 }
+
+func TestSignSecret(t *testing.T) {
+	t.Parallel()
+	now := baseTime()
+	h := newHierarchy(t, now, defaultLifetimes())
+	b := hierarchyBundle(t, h, now)
+	a := ca.New(ca.Config{Clock: testutil.NewFakeClock(now)}, b)
+	id := testID(t, "istio-system", "istio-pilot-service-account")
+	key := newKey(t)
+	dns := []string{"istio-pilot.istio-system.svc", "istio-pilot.istio-system"}
+
+	issued, err := a.SignSecret(t.Context(), ca.SecretRequest{Identity: id, DNSNames: dns, PublicKey: key.Public(), TTL: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(issued.Leaf.URIs) != 1 || issued.Leaf.URIs[0].String() != id.String() {
+		t.Errorf("URI SANs = %v, want [%s]", issued.Leaf.URIs, id)
+	}
+	if !slices.Equal(issued.Leaf.DNSNames, dns) {
+		t.Errorf("DNS SANs = %q, want %q", issued.Leaf.DNSNames, dns)
+	}
+	if got := issued.Leaf.NotAfter.Sub(now); got != time.Hour {
+		t.Errorf("lifetime from now = %s, want 1h", got)
+	}
+	if issued.Bundle() != b {
+		t.Error("Issued.Bundle is not the bundle that signed")
+	}
+	verifyPath(t, issued.Chain(), b.Roots(), now)
+
+	if _, err := a.SignSecret(t.Context(), ca.SecretRequest{Identity: id}); !errors.Is(err, ca.ErrUnsupportedKey) {
+		t.Errorf("no public key: err = %v, want ErrUnsupportedKey", err)
+	}
+}
+
+func TestChangedClosesOnSetBundle(t *testing.T) {
+	t.Parallel()
+	now := baseTime()
+	b := hierarchyBundle(t, newHierarchy(t, now, defaultLifetimes()), now)
+	a := ca.New(ca.Config{Clock: testutil.NewFakeClock(now)}, b)
+	ch := a.Changed()
+	select {
+	case <-ch:
+		t.Fatal("Changed is closed before any SetBundle")
+	default:
+	}
+	a.SetBundle(b)
+	select {
+	case <-ch:
+	default:
+		t.Fatal("Changed is not closed after SetBundle")
+	}
+	if next := a.Changed(); next == ch {
+		t.Error("Changed returns the closed channel again")
+	}
+}

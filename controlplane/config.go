@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/meshid/meshid/ca"
+	"github.com/meshid/meshid/ca/controller"
 	"github.com/meshid/meshid/ca/token"
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/fsutil"
@@ -57,11 +58,38 @@ type Config struct {
 	MaxWorkloadCertTTL time.Duration
 	GRPCHostIdentities []string
 
+	// Secrets configures the service-account secret controller, which runs when Manifests is set
+	// and writes to <StateDir>/secrets.
+	Secrets SecretsConfig
+
 	Logger *slog.Logger
 	Clock  clock.Clock
 	// OnKeyEvent, when set, is told of every reload, rotation and pruning of the key material.
 	OnKeyEvent func(ca.Event)
 }
+
+// SecretsConfig configures the service-account secret controller (Citadel's flags).
+type SecretsConfig struct {
+	// ListenedNamespace limits the controller to one namespace; empty: all.
+	ListenedNamespace string
+	// A secret is refreshed when less than max(GracePeriodRatio × lifetime, MinGracePeriod) is left.
+	GracePeriodRatio float64
+	MinGracePeriod   time.Duration
+	// AppendDNSNames adds Citadel's webhook DNS names and CustomDNSNames ("<sa>.<ns>:<dns>,…").
+	AppendDNSNames bool
+	CustomDNSNames string
+	// ResyncInterval is how often every secret is checked on disk; 0: the controller's default.
+	ResyncInterval time.Duration
+	// LivenessProbePath, when set, is touched every LivenessProbeInterval while the controller
+	// is healthy (see `meshid probe --probe-path`).
+	LivenessProbePath     string
+	LivenessProbeInterval time.Duration
+	// OnEvent, when set, is told of every reconcile.
+	OnEvent func(controller.SecretEvent)
+}
+
+// SecretsDir is where the control plane whose state dir is stateDir writes service-account secrets.
+func SecretsDir(stateDir string) string { return filepath.Join(stateDir, "secrets") }
 
 // DefaultConfig returns the configuration `meshid ca` starts from.
 func DefaultConfig() Config {
@@ -78,6 +106,11 @@ func DefaultConfig() Config {
 		EnableNamespacesByDefault: true,
 		WorkloadCertTTL:           ca.DefaultWorkloadCertTTL,
 		MaxWorkloadCertTTL:        ca.DefaultMaxWorkloadCertTTL,
+		Secrets: SecretsConfig{
+			GracePeriodRatio: controller.DefaultGracePeriodRatio,
+			MinGracePeriod:   controller.DefaultMinGracePeriod,
+			AppendDNSNames:   true,
+		},
 	}
 }
 
@@ -126,6 +159,7 @@ func (c *Config) Validate() error {
 	if c.TrustBundleOverlap < 0 {
 		errs = append(errs, fmt.Errorf("--trust-bundle-overlap %s must not be negative", c.TrustBundleOverlap))
 	}
+	errs = append(errs, c.Secrets.validate()...)
 	switch c.SelfSigned.KeyAlgorithm {
 	case pki.ECDSA:
 	case pki.RSA:
@@ -146,4 +180,34 @@ func validateListenAddr(flag, addr string) error {
 		return fmt.Errorf("%s %q: want HOST:PORT (port 0 picks a free one): %w", flag, addr, err)
 	}
 	return nil
+}
+
+func (c *SecretsConfig) validate() []error {
+	var errs []error
+	if c.ListenedNamespace != "" {
+		if err := pki.ValidateNamespace(c.ListenedNamespace); err != nil {
+			errs = append(errs, fmt.Errorf("--listened-namespace: %w", err))
+		}
+	}
+	if !(c.GracePeriodRatio > 0 && c.GracePeriodRatio < 1) {
+		errs = append(errs, fmt.Errorf("--workload-cert-grace-period-ratio %g: want above 0 and below 1", c.GracePeriodRatio))
+	}
+	if c.MinGracePeriod < 0 {
+		errs = append(errs, fmt.Errorf("--workload-cert-min-grace-period %s must not be negative", c.MinGracePeriod))
+	}
+	if c.CustomDNSNames != "" {
+		if !c.AppendDNSNames {
+			// Citadel ignores them then; a flag that does nothing is refused.
+			errs = append(errs, errors.New("--custom-dns-names needs --append-dns-names"))
+		} else if _, err := controller.DNSNames(DefaultCANamespace, c.CustomDNSNames); err != nil {
+			errs = append(errs, fmt.Errorf("--custom-dns-names: %w", err))
+		}
+	}
+	if c.LivenessProbePath != "" && c.LivenessProbeInterval <= 0 {
+		errs = append(errs, fmt.Errorf("--liveness-probe-interval %s must be positive with --liveness-probe-path", c.LivenessProbeInterval))
+	}
+	if c.LivenessProbePath == "" && c.LivenessProbeInterval != 0 {
+		errs = append(errs, errors.New("--liveness-probe-interval needs --liveness-probe-path"))
+	}
+	return errs
 }

@@ -46,6 +46,8 @@ type ControlPlane struct {
 	monitor   *http.Server
 	monLis    net.Listener
 	manifests *controller.Manifests // nil without --manifests
+	secrets   *controller.Secrets   // nil without --manifests
+	probe     *livenessProbe        // nil without a liveness probe path
 	ready     atomic.Bool
 	readyCh   chan struct{} // closed once Run serves
 }
@@ -141,6 +143,22 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 		return nil, err
 	}
 
+	targeting := controller.NewTargeting(controller.TargetingConfig{
+		Store:            namespaces,
+		CANamespace:      cfg.CANamespace,
+		EnabledByDefault: cfg.EnableNamespacesByDefault,
+		Logger:           log.With(logkey.Component, "targeting"),
+	})
+	if cp.manifests != nil {
+		if cp.secrets, err = newSecrets(cfg, cp.manifests, targeting, authority, clk, log, registry); err != nil {
+			return nil, err
+		}
+		if cfg.Secrets.LivenessProbePath != "" {
+			cp.probe = &livenessProbe{path: cfg.Secrets.LivenessProbePath, interval: cfg.Secrets.LivenessProbeInterval,
+				healthy: cp.secrets.Healthy, clock: clk, log: log.With(logkey.Component, "liveness-probe")}
+		}
+	}
+
 	serving := caserver.NewServingCertificate(authority, cfg.GRPCHostIdentities, clk)
 	grpcServer := grpc.NewServer(grpc.Creds(credentials.NewTLS(&tls.Config{
 		MinVersion:     tls.VersionTLS12,
@@ -155,15 +173,10 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 			caserver.NewJWTAuthenticator(verifier, cfg.TrustDomain),
 			caserver.NewMTLSAuthenticator(authority, cfg.TrustDomain, clk),
 		},
-		Targeting: controller.NewTargeting(controller.TargetingConfig{
-			Store:            namespaces,
-			CANamespace:      cfg.CANamespace,
-			EnabledByDefault: cfg.EnableNamespacesByDefault,
-			Logger:           log.With(logkey.Component, "targeting"),
-		}),
-		Metrics: metrics,
-		Logger:  log.With(logkey.Component, "ca-server"),
-		Clock:   clk,
+		Targeting: targeting,
+		Metrics:   metrics,
+		Logger:    log.With(logkey.Component, "ca-server"),
+		Clock:     clk,
 	}))
 
 	cp.authority, cp.keys, cp.grpc = authority, keys, grpcServer
@@ -172,6 +185,34 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 	}
 	log.Info("CA serving certificate hosts", logkey.Hosts, serving.Hosts(), logkey.TrustDomain, cfg.TrustDomain)
 	return cp, nil
+}
+
+func newSecrets(cfg Config, store controller.Store, targeting *controller.Targeting, authority *ca.Authority,
+	clk clock.Clock, log *slog.Logger, reg prometheus.Registerer) (*controller.Secrets, error) {
+	var dns map[string][]string
+	if cfg.Secrets.AppendDNSNames {
+		var err error
+		if dns, err = controller.DNSNames(cfg.CANamespace, cfg.Secrets.CustomDNSNames); err != nil {
+			return nil, fmt.Errorf("--custom-dns-names: %w", err)
+		}
+	}
+	return controller.NewSecrets(controller.SecretsConfig{
+		Store:            store,
+		Targeting:        targeting,
+		Signer:           authority,
+		Dir:              SecretsDir(cfg.StateDir),
+		TrustDomain:      cfg.TrustDomain,
+		Namespace:        cfg.Secrets.ListenedNamespace,
+		CertTTL:          cfg.WorkloadCertTTL,
+		GracePeriodRatio: cfg.Secrets.GracePeriodRatio,
+		MinGracePeriod:   cfg.Secrets.MinGracePeriod,
+		DNSNames:         dns,
+		ResyncInterval:   cfg.Secrets.ResyncInterval,
+		Clock:            clk,
+		Logger:           log.With(logkey.Component, "secrets"),
+		Registerer:       reg,
+		OnEvent:          cfg.Secrets.OnEvent,
+	})
 }
 
 func newTokenVerifier(cfg Config, clk clock.Clock, log *slog.Logger) (*token.Verifier, error) {
@@ -272,6 +313,12 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 		g.Go(func() error { return c.manifests.Run(ctx) })
 	}
 	g.Go(func() error { return c.keys.Run(ctx) })
+	if c.secrets != nil {
+		g.Go(func() error { return c.secrets.Run(ctx) })
+	}
+	if c.probe != nil {
+		g.Go(func() error { return c.probe.run(ctx) })
+	}
 	g.Go(func() error {
 		err := c.grpc.Serve(c.grpcLis)
 		// The stop below may run before Serve begins (a stop as soon as Ready, say, since Ready

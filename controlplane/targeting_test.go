@@ -75,7 +75,7 @@ func TestTargetingFromManifests(t *testing.T) {
 		if labels, _, _ := store.NamespaceLabels(t.Context(), "prod"); labels["ca.istio.io/override"] == "true" {
 			break
 		}
-		testutil.Drive(t, clk, filewatch.DefaultDebounce, 1, changed) // 1: the root check timer
+		testutil.Drive(t, clk, filewatch.DefaultDebounce, 2, changed) // 2: the root check and secret resync timers
 	}
 	if err := ask("prod"); err != nil {
 		t.Fatalf("prod, relabelled override=true: %v", err)

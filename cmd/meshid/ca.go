@@ -23,7 +23,13 @@ func runCA(ctx context.Context, cfg controlplane.Config) error {
 	return cp.Run(ctx)
 }
 
-func newCACommand(g *cli.Globals, run caRunner) *cobra.Command {
+// secretFlags are the secret controller's flags: they need --manifests, the store it runs on.
+func secretFlags() []string {
+	return []string{"listened-namespace", "workload-cert-grace-period-ratio", "workload-cert-min-grace-period",
+		"append-dns-names", "custom-dns-names", "liveness-probe-path", "liveness-probe-interval"}
+}
+
+func newCACommand(g *cli.Globals, run caRunner, lookupEnv func(string) (string, bool)) *cobra.Command {
 	cfg := controlplane.DefaultConfig()
 	var keyAlgorithm string
 	cmd := &cobra.Command{
@@ -58,7 +64,16 @@ which labels and rule excluded the namespace. The labels come from the Namespace
 *.yml and *.json files (not its subdirectories). The directory is watched: edits take effect
 without a restart, and a malformed file or object is reported and skipped, keeping what it
 held before. A namespace no manifest names counts as unlabelled. "meshid ca targets" shows
-the decision for every namespace.`,
+the decision for every namespace.
+
+With --manifests, the secret controller keeps, for every ServiceAccount of every namespace this
+instance serves, a secret istio.<sa> in <state-dir>/secrets/<namespace>/istio.<sa>/:
+cert-chain.pem, key.pem (0600) and root-cert.pem, for spiffe://<trust-domain>/ns/<ns>/sa/<sa>,
+laid out as the kubelet mounts a secret (..data), so that "meshid agent --credentials-dir" can
+use it. A secret is re-issued when less than max(--workload-cert-grace-period-ratio x lifetime,
+--workload-cert-min-grace-period) is left, when the CA's roots change, and when it is found
+deleted or altered (checked every minute); it is removed when its ServiceAccount goes or its
+namespace stops being served. Directories it did not make are never touched.`,
 		Args: cobra.NoArgs,
 		PreRunE: func(cmd *cobra.Command, _ []string) error {
 			alg, err := pki.ParseKeyAlgorithm(keyAlgorithm)
@@ -73,6 +88,20 @@ the decision for every namespace.`,
 				}
 			}
 			cfg.SelfSigned.KeyAlgorithm = alg
+			flags := cmd.Flags()
+			if cfg.Manifests == "" {
+				for _, name := range secretFlags() {
+					if flags.Changed(name) {
+						return fmt.Errorf("--%s configures the secret controller, which runs only with --manifests", name)
+					}
+				}
+			}
+			// Citadel's order: the flag, then $NAMESPACE.
+			if !flags.Changed("listened-namespace") && cfg.Manifests != "" {
+				if ns, ok := lookupEnv("NAMESPACE"); ok {
+					cfg.Secrets.ListenedNamespace = ns
+				}
+			}
 			cfg.GRPCHostIdentities = trimAll(cfg.GRPCHostIdentities)
 			cfg.Logger = g.Logger()
 			return cfg.Validate()
@@ -103,6 +132,13 @@ the decision for every namespace.`,
 	f.DurationVar(&cfg.WorkloadCertTTL, "workload-cert-ttl", cfg.WorkloadCertTTL, "lifetime of a workload certificate when the request asks for none")
 	f.DurationVar(&cfg.MaxWorkloadCertTTL, "max-workload-cert-ttl", cfg.MaxWorkloadCertTTL, "longest workload certificate lifetime; longer requests are clamped")
 	f.StringSliceVar(&cfg.GRPCHostIdentities, "grpc-host-identities", nil, "extra DNS names or IPs for the CA's serving certificate, comma-separated (istiod.istio-system.svc, istio-ca, localhost and loopback are always there)")
+	f.StringVar(&cfg.Secrets.ListenedNamespace, "listened-namespace", "", "the only namespace whose service accounts get secrets (env NAMESPACE); empty: every served namespace. Needs --manifests")
+	f.Float64Var(&cfg.Secrets.GracePeriodRatio, "workload-cert-grace-period-ratio", cfg.Secrets.GracePeriodRatio, "re-issue a service-account secret when less than this share of its lifetime is left. Needs --manifests")
+	f.DurationVar(&cfg.Secrets.MinGracePeriod, "workload-cert-min-grace-period", cfg.Secrets.MinGracePeriod, "re-issue a service-account secret at least this long before it expires. Needs --manifests")
+	f.BoolVar(&cfg.Secrets.AppendDNSNames, "append-dns-names", cfg.Secrets.AppendDNSNames, "add DNS names to secrets as Citadel does: <svc>.<ca-namespace>.svc and <svc>.<ca-namespace> for istio-sidecar-injector-service-account and istio-galley-service-account in --ca-namespace, and --custom-dns-names. Needs --manifests")
+	f.StringVar(&cfg.Secrets.CustomDNSNames, "custom-dns-names", "", "extra DNS names for secrets, <sa>.<namespace>:<dns name>, comma-separated; needs --append-dns-names and --manifests")
+	f.StringVar(&cfg.Secrets.LivenessProbePath, "liveness-probe-path", "", "file whose modification time is updated every --liveness-probe-interval while the secret controller is healthy; check it with \"meshid probe --probe-path\". Needs --manifests")
+	f.DurationVar(&cfg.Secrets.LivenessProbeInterval, "liveness-probe-interval", 0, "how often --liveness-probe-path is updated. Needs --manifests")
 	cmd.AddCommand(newCATargetsCommand(g))
 	return cmd
 }

@@ -23,7 +23,7 @@ and keeps it fresh. "meshid agent" runs next to a workload and keeps its certifi
 "meshid token" mints Kubernetes-style service-account tokens for VMs and demos.`, g)
 	root.AddCommand(
 		cli.NewAgentCommand(g, agentRun, lookupEnv, embedControlPlane),
-		newCACommand(g, ca),
+		newCACommand(g, ca, lookupEnv),
 		newTokenCommand(g),
 		cli.NewCertsCommand(),
 		cli.NewProbeCommand(),

@@ -1,0 +1,86 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/meshid/meshid/agent"
+	"github.com/meshid/meshid/controlplane"
+)
+
+// executeEnv is execute with an environment.
+func executeEnv(t *testing.T, env map[string]string, args ...string) (controlplane.Config, error) {
+	t.Helper()
+	var got controlplane.Config
+	root := newRootCommand(func(_ context.Context, cfg controlplane.Config) error {
+		got = cfg
+		return nil
+	}, func(context.Context, agent.Config) error { return nil }, func(k string) (string, bool) {
+		v, ok := env[k]
+		return v, ok
+	})
+	var out bytes.Buffer
+	root.SetOut(&out)
+	root.SetErr(&out)
+	root.SetArgs(args)
+	err := root.ExecuteContext(t.Context())
+	return got, err
+}
+
+func TestCASecretFlags(t *testing.T) {
+	t.Parallel()
+	cfg, err := executeEnv(t, nil, "ca", "--state-dir", "/s", "--manifests", "/m")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s := cfg.Secrets; s.ListenedNamespace != "" || s.GracePeriodRatio != 0.5 || s.MinGracePeriod != 10*time.Minute || !s.AppendDNSNames {
+		t.Fatalf("defaults not applied: %+v", s)
+	}
+
+	cfg, err = executeEnv(t, map[string]string{"NAMESPACE": "from-env"}, "ca", "--state-dir", "/s", "--manifests", "/m",
+		"--workload-cert-grace-period-ratio", "0.3", "--workload-cert-min-grace-period", "1h",
+		"--custom-dns-names", "pilot.istio-system:istio-pilot.istio-system",
+		"--liveness-probe-path", "/tmp/alive", "--liveness-probe-interval", "30s")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := cfg.Secrets
+	if s.ListenedNamespace != "from-env" || s.GracePeriodRatio != 0.3 || s.MinGracePeriod != time.Hour ||
+		s.CustomDNSNames != "pilot.istio-system:istio-pilot.istio-system" || s.LivenessProbePath != "/tmp/alive" || s.LivenessProbeInterval != 30*time.Second {
+		t.Fatalf("flags not applied: %+v", s)
+	}
+
+	cfg, err = executeEnv(t, map[string]string{"NAMESPACE": "from-env"}, "ca", "--state-dir", "/s", "--manifests", "/m", "--listened-namespace", "flag")
+	if err != nil || cfg.Secrets.ListenedNamespace != "flag" {
+		t.Fatalf("the flag does not win over NAMESPACE: %q, %v", cfg.Secrets.ListenedNamespace, err)
+	}
+}
+
+func TestCASecretFlagsRefused(t *testing.T) {
+	t.Parallel()
+	for _, tt := range []struct {
+		name string
+		args []string
+		want string
+	}{
+		{"without manifests", []string{"--listened-namespace", "prod"}, "--listened-namespace configures the secret controller, which runs only with --manifests"},
+		{"custom names without manifests", []string{"--custom-dns-names", "a.b:c"}, "only with --manifests"},
+		{"custom names without append", []string{"--manifests", "/m", "--append-dns-names=false", "--custom-dns-names", "a.b:c"}, "--custom-dns-names needs --append-dns-names"},
+		{"malformed custom names", []string{"--manifests", "/m", "--custom-dns-names", "a.b"}, "--custom-dns-names"},
+		{"ratio", []string{"--manifests", "/m", "--workload-cert-grace-period-ratio", "1"}, "--workload-cert-grace-period-ratio"},
+		{"probe interval without path", []string{"--manifests", "/m", "--liveness-probe-interval", "1s"}, "needs --liveness-probe-path"},
+		{"probe path without interval", []string{"--manifests", "/m", "--liveness-probe-path", "/a"}, "--liveness-probe-interval"},
+		{"bad listened namespace", []string{"--manifests", "/m", "--listened-namespace", "Not_A_Namespace"}, "--listened-namespace"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			_, err := executeEnv(t, nil, append([]string{"ca", "--state-dir", "/s"}, tt.args...)...)
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("error %v, want %q", err, tt.want)
+			}
+		})
+	}
+}

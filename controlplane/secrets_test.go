@@ -1,0 +1,63 @@
+package controlplane_test
+
+import (
+	"crypto/x509"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/meshid/meshid/ca/controller"
+	"github.com/meshid/meshid/controlplane"
+	"github.com/meshid/meshid/internal/pki"
+	"github.com/meshid/meshid/internal/testutil"
+)
+
+func serviceAccountManifest(ns, name string) []byte {
+	return []byte("apiVersion: v1\nkind: ServiceAccount\nmetadata:\n  name: " + name + "\n  namespace: " + ns + "\n")
+}
+
+// `meshid ca --manifests DIR`: every service account of a served namespace gets a secret under
+// the state dir that chains to the trust bundle clients read, and a namespace not served gets none.
+func TestSecretsFromManifests(t *testing.T) {
+	t.Parallel()
+	manifests := t.TempDir()
+	testutil.WriteFiles(t, manifests, map[string][]byte{
+		"ns.yaml":  append(namespaceManifest("prod", `ca.istio.io/override: "false"`), []byte("---\n")...),
+		"web.yaml": serviceAccountManifest("default", "web"),
+		"off.yaml": serviceAccountManifest("prod", "web"),
+	})
+	events := make(chan controller.SecretEvent, 1024)
+	cfg := testConfig(t.TempDir())
+	cfg.Manifests = manifests
+	cfg.Secrets.OnEvent = func(ev controller.SecretEvent) { events <- ev }
+	start(t, cfg)
+
+	seen := map[string]controller.SecretEventKind{}
+	giveUp := time.NewTimer(30 * time.Second)
+	defer giveUp.Stop()
+	for seen["default/web"] != controller.SecretCreated || seen["prod/web"] != controller.SecretAbsent {
+		select {
+		case ev := <-events:
+			seen[ev.Namespace+"/"+ev.ServiceAccount] = ev.Kind
+		case <-giveUp.C:
+			t.Fatalf("events so far: %v", seen)
+		}
+	}
+	dir := filepath.Join(controlplane.SecretsDir(cfg.StateDir), "default", "istio.web")
+	chain, err := pki.ParseCertificates([]byte(readFile(t, filepath.Join(dir, "cert-chain.pem"))))
+	if err != nil {
+		t.Fatal(err)
+	}
+	roots := x509.NewCertPool()
+	roots.AppendCertsFromPEM([]byte(readFile(t, filepath.Join(cfg.StateDir, "root-cert.pem"))))
+	if _, err := chain[0].Verify(x509.VerifyOptions{Roots: roots}); err != nil {
+		t.Errorf("the secret does not chain to the state dir's root-cert.pem: %v", err)
+	}
+	if got := chain[0].URIs[0].String(); got != "spiffe://cluster.local/ns/default/sa/web" {
+		t.Errorf("identity %s", got)
+	}
+	if _, err := os.Stat(filepath.Join(controlplane.SecretsDir(cfg.StateDir), "prod")); err == nil {
+		t.Error("a namespace not served got secrets")
+	}
+}

@@ -3,6 +3,8 @@ package main
 import (
 	"bytes"
 	"context"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -78,6 +80,48 @@ func TestCASecretFlagsRefused(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
 			_, err := executeEnv(t, nil, append([]string{"ca", "--state-dir", "/s"}, tt.args...)...)
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("error %v, want %q", err, tt.want)
+			}
+		})
+	}
+}
+
+// `meshid probe --probe-path FILE --interval D`: Citadel's liveness check of a file.
+func TestProbeFile(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	fresh, stale := filepath.Join(dir, "fresh"), filepath.Join(dir, "stale")
+	for _, p := range []string{fresh, stale} {
+		if err := os.WriteFile(p, nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	old := time.Now().Add(-time.Hour)
+	if err := os.Chtimes(stale, old, old); err != nil {
+		t.Fatal(err)
+	}
+	for _, tt := range []struct {
+		name string
+		args []string
+		want string // "" means success
+	}{
+		{"fresh", []string{"--probe-path", fresh, "--interval", "1m"}, ""},
+		{"stale", []string{"--probe-path", stale, "--interval", "1m"}, "last updated 1h0m0s ago"},
+		{"missing", []string{"--probe-path", filepath.Join(dir, "none"), "--interval", "1m"}, "no such file"},
+		{"no interval", []string{"--probe-path", fresh}, "--interval must be positive"},
+		{"interval alone", []string{"--addr", "127.0.0.1:1", "--interval", "1m"}, "--interval needs --probe-path"},
+		{"both", []string{"--addr", "127.0.0.1:1", "--probe-path", fresh, "--interval", "1m"}, "not both"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			_, _, _, err := execute(t, append([]string{"probe"}, tt.args...)...)
+			if tt.want == "" {
+				if err != nil {
+					t.Fatal(err)
+				}
+				return
+			}
 			if err == nil || !strings.Contains(err.Error(), tt.want) {
 				t.Fatalf("error %v, want %q", err, tt.want)
 			}

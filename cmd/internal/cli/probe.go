@@ -6,35 +6,70 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"os"
 	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
 )
 
-// NewProbeCommand returns `probe`: exit 0 when http://ADDR/PATH answers 200, 1 otherwise.
+// NewProbeCommand returns `probe`: exit 0 when http://ADDR/PATH answers 200, or when the
+// liveness file --probe-path was updated within --interval; 1 otherwise.
 func NewProbeCommand() *cobra.Command {
 	var (
-		addr    string
-		path    string
-		timeout time.Duration
+		addr      string
+		path      string
+		timeout   time.Duration
+		probePath string
+		interval  time.Duration
 	)
 	cmd := &cobra.Command{
 		Use:   "probe",
 		Short: "Check that a running agent or CA is ready",
 		Long: `Probe asks a running meshid agent (status port, :15020) or CA (monitoring port, :9093)
 whether it is ready, by GET http://ADDR/healthz/ready. It exits 0 when the answer is
-200 OK and 1 otherwise, printing the reason on stderr. Use it as an exec readiness probe.`,
+200 OK and 1 otherwise, printing the reason on stderr. Use it as an exec readiness probe.
+
+With --probe-path FILE --interval D instead (Citadel's probe), it checks a liveness file
+that "meshid ca --liveness-probe-path" keeps fresh: it exits 0 when FILE was modified
+less than D ago.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			switch {
+			case probePath != "" && addr != "":
+				return errors.New("give either --addr or --probe-path, not both")
+			case probePath != "":
+				return ProbeFile(probePath, interval, time.Now())
+			case cmd.Flags().Changed("interval"):
+				return errors.New("--interval needs --probe-path")
+			case addr == "":
+				return errors.New("--addr (or --probe-path) is required")
+			}
 			return Probe(cmd.Context(), addr, path, timeout)
 		},
 	}
-	cmd.Flags().StringVar(&addr, "addr", "", "HOST:PORT of the status or monitoring server (required)")
+	cmd.Flags().StringVar(&addr, "addr", "", "HOST:PORT of the status or monitoring server (required unless --probe-path)")
 	cmd.Flags().StringVar(&path, "path", "/healthz/ready", "path to GET")
 	cmd.Flags().DurationVar(&timeout, "timeout", 5*time.Second, "give up after this long")
-	_ = cmd.MarkFlagRequired("addr")
+	cmd.Flags().StringVar(&probePath, "probe-path", "", "liveness file to check instead of --addr (meshid ca --liveness-probe-path)")
+	cmd.Flags().DurationVar(&interval, "interval", 0, "with --probe-path: the file must have been modified less than this long ago")
 	return cmd
+}
+
+// ProbeFile returns nil when path was modified less than interval before now, else why not.
+func ProbeFile(path string, interval time.Duration, now time.Time) error {
+	if interval <= 0 {
+		return errors.New("--interval must be positive with --probe-path")
+	}
+	info, err := os.Stat(path)
+	if err != nil {
+		return fmt.Errorf("probe %s: %w", path, err)
+	}
+	if age := now.Sub(info.ModTime()); age >= interval {
+		return fmt.Errorf("probe %s: last updated %s ago, at %s; want less than %s", path, age.Round(time.Second),
+			info.ModTime().UTC().Format(time.RFC3339), interval)
+	}
+	return nil
 }
 
 // Probe returns nil when http://addr/path answers 200 within timeout, else an error saying why.

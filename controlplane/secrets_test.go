@@ -4,6 +4,7 @@ import (
 	"crypto/x509"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -31,7 +32,7 @@ func TestSecretsFromManifests(t *testing.T) {
 	cfg := testConfig(t.TempDir())
 	cfg.Manifests = manifests
 	cfg.Secrets.OnEvent = func(ev controller.SecretEvent) { events <- ev }
-	start(t, cfg)
+	cp := start(t, cfg)
 
 	seen := map[string]controller.SecretEventKind{}
 	giveUp := time.NewTimer(30 * time.Second)
@@ -59,5 +60,12 @@ func TestSecretsFromManifests(t *testing.T) {
 	}
 	if _, err := os.Stat(filepath.Join(controlplane.SecretsDir(cfg.StateDir), "prod")); err == nil {
 		t.Error("a namespace not served got secrets")
+	}
+	_, metrics := get(t, "http://"+cp.MonitoringAddr()+"/metrics")
+	for _, want := range []string{"meshid_ca_secrets_created_total 1", "meshid_ca_secrets_deleted_total 0",
+		"meshid_ca_secrets_refreshed_total 0", "meshid_ca_secret_reconcile_errors_total 0", "meshid_ca_secret_queue_depth "} {
+		if !strings.Contains(metrics, want) {
+			t.Errorf("/metrics lacks %q", want)
+		}
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/logkey"
 )
 
@@ -48,7 +49,7 @@ func (p *livenessProbe) touch() error {
 	if err := os.Chtimes(p.path, now, now); err == nil {
 		return nil
 	}
-	f, err := os.OpenFile(p.path, os.O_CREATE|os.O_WRONLY, 0o644)
+	f, err := os.OpenFile(p.path, os.O_CREATE|os.O_WRONLY, fsutil.PrivateFileMode)
 	if err != nil {
 		return err
 	}

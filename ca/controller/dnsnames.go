@@ -54,10 +54,14 @@ func validDNSName(name string) bool {
 			return false
 		}
 		for _, r := range label {
-			if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-') {
+			if !isHostnameRune(r) {
 				return false
 			}
 		}
 	}
 	return true
+}
+
+func isHostnameRune(r rune) bool {
+	return r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-'
 }

@@ -28,7 +28,7 @@ import (
 // Service-account secrets, as Citadel names and types them.
 const (
 	SecretPrefix = "istio."
-	SecretType   = "istio.io/key-and-cert"
+	SecretType   = "istio.io/key-and-cert" //nolint:gosec // a Kubernetes secret type, not a credential
 	// SecretMarkerFile marks a secret directory this controller made: only those are ever
 	// replaced or removed.
 	SecretMarkerFile = ".meshid-secret"

@@ -408,6 +408,11 @@ func (s *Secrets) secretDir(k secretKey) string {
 // only at the next resync). It is repeatable: a secret already right is left alone.
 func (s *Secrets) reconcile(ctx context.Context, k secretKey) (SecretEvent, time.Time, error) {
 	dir := s.secretDir(k)
+	// Names become paths: one that is not a valid name (a stray directory, say) is never touched.
+	if pki.ValidateNamespace(k.namespace) != nil || pki.ValidateServiceAccount(k.serviceAccount) != nil {
+		s.warnForeign(k, dir, true)
+		return SecretEvent{Kind: SecretForeign}, time.Time{}, nil
+	}
 	wanted, why, err := s.wanted(ctx, k)
 	if err != nil {
 		return SecretEvent{}, time.Time{}, err
@@ -421,6 +426,13 @@ func (s *Secrets) reconcile(ctx context.Context, k secretKey) (SecretEvent, time
 		return SecretEvent{Kind: SecretForeign}, time.Time{}, nil
 	}
 	s.warnForeign(k, dir, false)
+	if exists {
+		// Generations a write interrupted by a crash left behind; the next write would remove
+		// them, but a secret that stays valid is not written again.
+		for _, stale := range fsutil.StaleGenerations(dir, generationPrefix) {
+			_ = os.RemoveAll(stale)
+		}
+	}
 	if !wanted {
 		if !exists {
 			return SecretEvent{Kind: SecretAbsent}, time.Time{}, nil

@@ -483,3 +483,19 @@ func TestDNSNamesRefusesMalformedEntries(t *testing.T) {
 		}
 	}
 }
+
+func TestSecretsRemoveUnfinishedGenerations(t *testing.T) {
+	t.Parallel()
+	h := newSecretsHarness(t, nil)
+	h.store.update(func() { h.store.accounts["prod"] = []string{"web"} })
+	h.run()
+	h.await("prod", "web", controller.SecretCreated)
+	unfinished := filepath.Join(h.secretDir("prod", "web"), "..meshid_killed")
+	if err := os.Mkdir(unfinished, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	h.advance(controller.DefaultResyncInterval)
+	h.await("prod", "web", controller.SecretUnchanged)
+	assertGone(t, unfinished)
+	h.leaf("prod", "web")
+}

@@ -425,9 +425,10 @@ func write(t *testing.T, path string, data []byte, mode os.FileMode) {
 func TestSecretsLeaveForeignDirectoriesAlone(t *testing.T) {
 	t.Parallel()
 	h := newSecretsHarness(t, nil)
-	mine := h.secretDir("prod", "web")   // wanted, but made by someone else
-	stray := h.secretDir("prod", "gone") // not wanted, made by someone else
-	for _, dir := range []string{mine, stray} {
+	mine := h.secretDir("prod", "web")             // wanted, but made by someone else
+	stray := h.secretDir("prod", "gone")           // not wanted, made by someone else
+	invalid := h.secretDir("Not_A_Namespace", "x") // not a name we would ever write
+	for _, dir := range []string{mine, stray, invalid} {
 		if err := os.MkdirAll(dir, 0o700); err != nil {
 			t.Fatal(err)
 		}
@@ -437,7 +438,8 @@ func TestSecretsLeaveForeignDirectoriesAlone(t *testing.T) {
 	h.run()
 	h.await("prod", "web", controller.SecretForeign)
 	h.await("prod", "gone", controller.SecretForeign)
-	for _, dir := range []string{mine, stray} {
+	h.await("Not_A_Namespace", "x", controller.SecretForeign)
+	for _, dir := range []string{mine, stray, invalid} {
 		data, err := os.ReadFile(filepath.Join(dir, "cert-chain.pem"))
 		if err != nil || string(data) != "theirs" {
 			t.Errorf("%s was touched: %q, %v", dir, data, err)

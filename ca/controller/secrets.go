@@ -263,7 +263,12 @@ func (s *Secrets) Run(ctx context.Context) error {
 		if timer != nil {
 			timer.Stop()
 		}
-		timer = s.clock.NewTimer(next.Sub(now))
+		timer = s.clock.NewTimer(next.Sub(s.clock.Now()))
+		// The timer is relative: had the clock passed next while it was armed, it would fire
+		// late by as much. Looking again after arming it closes that window.
+		if !s.clock.Now().Before(next) {
+			continue
+		}
 		select {
 		case <-ctx.Done():
 			timer.Stop()

@@ -225,18 +225,25 @@ func (s *Secrets) Healthy() bool {
 	return s.healthy && s.clock.Now().Sub(s.lastSync) < 2*s.cfg.ResyncInterval
 }
 
-// Run reconciles until ctx ends; the worker it starts has returned when Run does.
+// secretWorkers reconcile at once; beyond the cores, they overlap the writes' waits on the disk.
+const secretWorkers = 8
+
+// Run reconciles until ctx ends; the workers it starts have returned when Run does.
 func (s *Secrets) Run(ctx context.Context) error {
 	queue := workqueue.NewTyped[secretKey]()
 	s.mu.Lock()
 	s.queue = queue
 	s.mu.Unlock()
 
+	// Several workers: a secret's write waits on the disk (each file and directory is synced),
+	// and the queue never hands one key to two workers at once.
 	var wg sync.WaitGroup
-	wg.Go(func() {
-		for s.processNext(ctx, queue) {
-		}
-	})
+	for range secretWorkers {
+		wg.Go(func() {
+			for s.processNext(ctx, queue) {
+			}
+		})
+	}
 	defer func() {
 		queue.ShutDown()
 		wg.Wait()

@@ -18,10 +18,12 @@ func BenchmarkCASecrets(b *testing.B) {
 	bin := agentBinary(b) // meshid: the CA and its controller
 	for _, tc := range []struct {
 		name                 string
-		namespaces, accounts int // accounts per namespace
+		namespaces, accounts int  // accounts per namespace
+		tmpfs                bool // the state dir in memory: what the disk's inode allocation costs
 	}{
-		{"baseline-10-accounts", 1, 10},
-		{"10000-accounts-1000-namespaces", 1000, 10},
+		{"baseline-10-accounts", 1, 10, false},
+		{"10000-accounts-1000-namespaces", 1000, 10, false},
+		{"10000-accounts-1000-namespaces-tmpfs", 1000, 10, true},
 	} {
 		b.Run(tc.name, func(b *testing.B) {
 			manifests := b.TempDir()
@@ -30,6 +32,9 @@ func BenchmarkCASecrets(b *testing.B) {
 			for range b.N {
 				b.StopTimer()
 				state := b.TempDir()
+				if tc.tmpfs {
+					state = memoryDir(b)
+				}
 				cmd := exec.Command(bin, "ca", "--state-dir", state, "--manifests", manifests,
 					"--grpc-addr", "127.0.0.1:0", "--monitoring-addr", "127.0.0.1:0", "--log-level", "warn")
 				cmd.Stderr = os.Stderr
@@ -78,4 +83,15 @@ func secretsWritten(b *testing.B, state string) int {
 		b.Fatal(err)
 	}
 	return len(links)
+}
+
+// memoryDir is a temporary directory on /dev/shm (tmpfs), removed when the benchmark ends.
+func memoryDir(b *testing.B) string {
+	b.Helper()
+	dir, err := os.MkdirTemp("/dev/shm", "meshid-bench-")
+	if err != nil {
+		b.Skipf("no tmpfs at /dev/shm: %v", err)
+	}
+	b.Cleanup(func() { _ = os.RemoveAll(dir) })
+	return dir
 }

@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"context"
 	"crypto/x509"
-	"encoding/json"
 	"io"
 	"log/slog"
 	"net/http"
@@ -284,17 +283,7 @@ func (s *logSink) logger() *slog.Logger {
 // records returns the decoded log records whose message is msg.
 func (s *logSink) records(t *testing.T, msg string) []map[string]any {
 	t.Helper()
-	var out []map[string]any
-	for line := range strings.Lines(s.buf.String()) {
-		var rec map[string]any
-		if err := json.Unmarshal([]byte(line), &rec); err != nil {
-			t.Fatalf("log line %q: %v", line, err)
-		}
-		if rec["msg"] == msg {
-			out = append(out, rec)
-		}
-	}
-	return out
+	return s.buf.Records(t, msg)
 }
 
 // ---- key material and checks ----

@@ -2,7 +2,6 @@ package controller_test
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"log/slog"
 	"maps"
@@ -117,17 +116,7 @@ func (m *manifests) serviceAccounts(t *testing.T, ns string) []string {
 // logged returns the store's log records whose message is msg.
 func (m *manifests) logged(t *testing.T, msg string) []map[string]any {
 	t.Helper()
-	var out []map[string]any
-	for line := range strings.Lines(m.logs.String()) {
-		var rec map[string]any
-		if err := json.Unmarshal([]byte(line), &rec); err != nil {
-			t.Fatalf("log line %q: %v", line, err)
-		}
-		if rec["msg"] == msg {
-			out = append(out, rec)
-		}
-	}
-	return out
+	return m.logs.Records(t, msg)
 }
 
 // writeFile replaces a file at once, as an editor that saves by rename does, so that the store

@@ -102,6 +102,9 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 
 	registry := prometheus.NewRegistry()
 	registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	if cp.manifests != nil {
+		registerManifestProblems(registry, cp.manifests)
+	}
 
 	authority := ca.New(ca.Config{Clock: clk, DefaultTTL: cfg.WorkloadCertTTL, MaxTTL: cfg.MaxWorkloadCertTTL}, nil)
 	keys, err := ca.NewKeyManager(ca.KeyManagerConfig{
@@ -410,4 +413,20 @@ func (c *ControlPlane) monitoringHandler(registry *prometheus.Registry) http.Han
 // signing key: what `meshid token` and an embedding agent mint with (see token.LoadMinter).
 func TokenKeyPath(stateDir string) string {
 	return filepath.Join(stateDir, ca.TokenKeyFile)
+}
+
+// registerManifestProblems exports what the last load of --manifests skipped, by kind: an
+// operator alerts on it rather than reading logs for a typo that leaves a namespace unlabelled.
+func registerManifestProblems(reg prometheus.Registerer, m *controller.Manifests) {
+	for kind, count := range map[string]func(controller.ManifestProblems) int{
+		"file":      func(p controller.ManifestProblems) int { return p.Files },
+		"object":    func(p controller.ManifestProblems) int { return p.Objects },
+		"duplicate": func(p controller.ManifestProblems) int { return p.Duplicates },
+	} {
+		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name:        "meshid_ca_manifest_problems",
+			Help:        "What the last load of --manifests skipped: unreadable files, objects that could not be used, objects defined twice.",
+			ConstLabels: prometheus.Labels{"kind": kind},
+		}, func() float64 { return float64(count(m.Problems())) }))
+	}
 }

@@ -27,6 +27,7 @@ func TestSecretsFromManifests(t *testing.T) {
 		"ns.yaml":  append(namespaceManifest("prod", `ca.istio.io/override: "false"`), []byte("---\n")...),
 		"web.yaml": serviceAccountManifest("default", "web"),
 		"off.yaml": serviceAccountManifest("prod", "web"),
+		"bad.yaml": []byte("apiVersion: v1\nkind: Namespace\nmetadata:\n  name: Bad_Name\n"),
 	})
 	events := make(chan controller.SecretEvent, 1024)
 	cfg := testConfig(t.TempDir())
@@ -63,7 +64,8 @@ func TestSecretsFromManifests(t *testing.T) {
 	}
 	_, metrics := get(t, "http://"+cp.MonitoringAddr()+"/metrics")
 	for _, want := range []string{"meshid_ca_secrets_created_total 1", "meshid_ca_secrets_deleted_total 0",
-		"meshid_ca_secrets_refreshed_total 0", "meshid_ca_secret_reconcile_errors_total 0", "meshid_ca_secret_queue_depth "} {
+		"meshid_ca_secrets_refreshed_total 0", "meshid_ca_secret_reconcile_errors_total 0", "meshid_ca_secret_queue_depth ",
+		`meshid_ca_manifest_problems{kind="object"} 1`, `meshid_ca_manifest_problems{kind="file"} 0`} {
 		if !strings.Contains(metrics, want) {
 			t.Errorf("/metrics lacks %q", want)
 		}

@@ -62,12 +62,32 @@ type Manifests struct {
 
 	mu      sync.Mutex
 	changed chan struct{} // closed and replaced at every change of the view
+
+	problems atomic.Pointer[ManifestProblems] // of the last load
+}
+
+// ManifestProblems counts what the last load of the directory had to skip: files it could not
+// read or split, objects it could not decode or check, and objects defined twice.
+type ManifestProblems struct {
+	Files, Objects, Duplicates int
+}
+
+// Problems returns what the last load skipped, for the metrics an operator alerts on.
+func (m *Manifests) Problems() ManifestProblems {
+	if p := m.problems.Load(); p != nil {
+		return *p
+	}
+	return ManifestProblems{}
 }
 
 // manifestFile is what one file yielded.
 type manifestFile struct {
 	sum     [sha256.Size]byte // of the bytes last parsed, so that an unchanged file is not re-reported
 	objects []manifestObject
+	// skipped counts the objects this file's last parse could not use; unreadable says the file
+	// itself could not be read or split at the last load.
+	skipped    int
+	unreadable bool
 }
 
 type objectKey struct {
@@ -233,7 +253,15 @@ func (m *Manifests) load() (changed bool, err error) {
 	}
 	m.files = files
 
-	next := m.merge()
+	next, duplicates := m.merge()
+	problems := ManifestProblems{Duplicates: duplicates}
+	for _, f := range files {
+		problems.Objects += f.skipped
+		if f.unreadable {
+			problems.Files++
+		}
+	}
+	m.problems.Store(&problems)
 	if prev := m.view.Swap(next); prev.equal(next) {
 		return false, nil
 	}
@@ -257,7 +285,12 @@ func (m *Manifests) loadFile(path string, prev *manifestFile) *manifestFile {
 	data, err := os.ReadFile(path)
 	if err != nil {
 		m.skippedFile(path, prev, err)
-		return prev
+		if prev == nil {
+			return &manifestFile{unreadable: true}
+		}
+		kept := *prev
+		kept.unreadable, kept.sum = true, [sha256.Size]byte{} // parsed again once readable
+		return &kept
 	}
 	sum := sha256.Sum256(data)
 	if prev != nil && prev.sum == sum {
@@ -267,9 +300,9 @@ func (m *Manifests) loadFile(path string, prev *manifestFile) *manifestFile {
 	if err != nil {
 		m.skippedFile(path, prev, err)
 		if prev == nil {
-			return &manifestFile{sum: sum}
+			return &manifestFile{sum: sum, unreadable: true}
 		}
-		return &manifestFile{sum: sum, objects: prev.objects}
+		return &manifestFile{sum: sum, objects: prev.objects, unreadable: true}
 	}
 	f := &manifestFile{sum: sum}
 	other := map[string]int{}
@@ -279,6 +312,7 @@ func (m *Manifests) loadFile(path string, prev *manifestFile) *manifestFile {
 			objects[j].document = i + 1
 		}
 		f.objects = append(f.objects, objects...)
+		f.skipped += len(problems)
 		for _, p := range problems {
 			attrs := []any{logkey.Path, path, logkey.Document, i + 1, logkey.Error, p.err.Error()}
 			if p.item > 0 {
@@ -320,15 +354,16 @@ func previousVersion(prev *manifestFile, key *objectKey) *manifestObject {
 }
 
 // merge builds the view from every file, in name order; of two definitions of one object the
-// first stays.
-func (m *Manifests) merge() *storeView {
-	v := &storeView{namespaces: map[string]Namespace{}}
+// first stays. It returns how many definitions it left out.
+func (m *Manifests) merge() (v *storeView, duplicates int) {
+	v = &storeView{namespaces: map[string]Namespace{}}
 	seen := map[objectKey]string{}
 	for _, path := range slices.Sorted(maps.Keys(m.files)) {
 		for _, o := range m.files[path].objects {
 			where := fmt.Sprintf("%s, document %d", path, o.document)
 			if first, dup := seen[o.key]; dup {
 				m.log.Warn("manifest object defined twice; the first stays", logkey.Object, o.key.String(), logkey.Path, where, logkey.Kept, first)
+				duplicates++
 				continue
 			}
 			seen[o.key] = where
@@ -343,7 +378,7 @@ func (m *Manifests) merge() *storeView {
 	slices.SortFunc(v.serviceAccounts, func(a, b ServiceAccount) int {
 		return cmp.Or(cmp.Compare(a.Namespace, b.Namespace), cmp.Compare(a.Name, b.Name))
 	})
-	return v
+	return v, duplicates
 }
 
 func (v *storeView) equal(o *storeView) bool {

@@ -306,6 +306,13 @@ func TestManifestsMalformedObjectsAreSkipped(t *testing.T) {
 			if tc.doc != 0 && rec["document"] != tc.doc {
 				t.Fatalf("report %v: want document %v", rec, tc.doc)
 			}
+			want := controller.ManifestProblems{Objects: 1}
+			if tc.doc == 0 {
+				want = controller.ManifestProblems{Files: 1}
+			}
+			if got := m.store.Problems(); got != want {
+				t.Fatalf("Problems() = %+v, want %+v", got, want)
+			}
 		})
 	}
 }
@@ -412,6 +419,9 @@ func TestManifestsDuplicateObjects(t *testing.T) {
 	recs := m.logged(t, "manifest object defined twice; the first stays")
 	if len(recs) != 1 || !strings.Contains(fmt.Sprint(recs[0]["path"]), "b.yaml") || !strings.Contains(fmt.Sprint(recs[0]["kept"]), "a.yaml") {
 		t.Fatalf("reports: %v", recs)
+	}
+	if got := m.store.Problems(); got != (controller.ManifestProblems{Duplicates: 1}) {
+		t.Fatalf("Problems() = %+v, want one duplicate", got)
 	}
 }
 

@@ -351,23 +351,8 @@ func TestRunStoppedAsSoonAsReady(t *testing.T) {
 		if i%2 == 1 {
 			cfg.CACertsDir = t.TempDir()
 		}
-		cp, err := controlplane.New(cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		ctx, cancel := context.WithCancel(t.Context())
-		done := make(chan error, 1)
-		go func() { done <- cp.Run(ctx) }()
-		select {
-		case <-cp.Ready():
-		case err := <-done:
-			cancel()
-			t.Fatalf("run %d ended before it was ready: %v", i, err)
-		}
-		cancel()
-		if err := <-done; err != nil {
-			t.Fatalf("run %d, stopped as soon as it was ready: Run = %v, want nil", i, err)
-		}
+		_, stop := runUntilStopped(t, cfg) // fails the test unless Run ends cleanly
+		stop()
 	}
 }
 

@@ -260,23 +260,14 @@ func (fz *fuzzServer) openSotW(ctx context.Context) (*fuzzStream, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &fuzzStream{
-		send:       func(req any) error { return st.Send(req.(*discovery.DiscoveryRequest)) },
-		closeSend:  st.CloseSend,
-		done:       make(chan struct{}),
-		subscribed: map[string]bool{},
-	}
-	go func() {
-		defer close(s.done)
-		for {
-			resp, err := st.Recv()
-			if err != nil {
-				return
-			}
+	send := func(req any) error { return st.Send(req.(*discovery.DiscoveryRequest)) }
+	return newFuzzStream(send, st.CloseSend, func(s *fuzzStream) error {
+		resp, err := st.Recv()
+		if err == nil {
 			s.received(resp.GetTypeUrl(), resp.GetNonce(), resp.GetVersionInfo(), resp.GetResources(), nil)
 		}
-	}()
-	return s, nil
+		return err
+	}), nil
 }
 
 func (fz *fuzzServer) openDelta(ctx context.Context) (*fuzzStream, error) {
@@ -284,28 +275,32 @@ func (fz *fuzzServer) openDelta(ctx context.Context) (*fuzzStream, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &fuzzStream{
-		send:       func(req any) error { return st.Send(req.(*discovery.DeltaDiscoveryRequest)) },
-		closeSend:  st.CloseSend,
-		done:       make(chan struct{}),
-		subscribed: map[string]bool{},
-	}
+	send := func(req any) error { return st.Send(req.(*discovery.DeltaDiscoveryRequest)) }
+	return newFuzzStream(send, st.CloseSend, func(s *fuzzStream) error {
+		resp, err := st.Recv()
+		if err != nil {
+			return err
+		}
+		anys := make([]*anypb.Any, 0, len(resp.GetResources()))
+		names := make([]string, 0, len(resp.GetResources()))
+		for _, r := range resp.GetResources() {
+			anys, names = append(anys, r.GetResource()), append(names, r.GetName())
+		}
+		s.received(resp.GetTypeUrl(), resp.GetNonce(), resp.GetSystemVersionInfo(), anys, names)
+		return nil
+	}), nil
+}
+
+// newFuzzStream records what recvOne receives, one response a call, until the server ends the
+// stream.
+func newFuzzStream(send func(any) error, closeSend func() error, recvOne func(*fuzzStream) error) *fuzzStream {
+	s := &fuzzStream{send: send, closeSend: closeSend, done: make(chan struct{}), subscribed: map[string]bool{}}
 	go func() {
 		defer close(s.done)
-		for {
-			resp, err := st.Recv()
-			if err != nil {
-				return
-			}
-			anys := make([]*anypb.Any, 0, len(resp.GetResources()))
-			names := make([]string, 0, len(resp.GetResources()))
-			for _, r := range resp.GetResources() {
-				anys, names = append(anys, r.GetResource()), append(names, r.GetName())
-			}
-			s.received(resp.GetTypeUrl(), resp.GetNonce(), resp.GetSystemVersionInfo(), anys, names)
+		for recvOne(s) == nil {
 		}
 	}()
-	return s, nil
+	return s
 }
 
 // ended reports whether the server has ended s.

@@ -117,7 +117,7 @@ func TestDependencyDirection(t *testing.T) {
 			if !inModule {
 				continue
 			}
-			if dep == "internal/testutil" || dep == "controlplane/controlplanetest" || dep == "sds/sdstest" {
+			if dep == "internal/testutil" || dep == "controlplane/controlplanetest" || dep == "sds/sdstest" || dep == "ca/controller/kube/kubetest" {
 				t.Errorf("%s imports the test helper %s outside its tests", pkg, dep)
 			}
 			if !permits(rules[rule], dep) {

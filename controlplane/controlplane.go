@@ -203,7 +203,7 @@ func newSecrets(cfg Config, store controller.Store, targeting *controller.Target
 		Store:            store,
 		Targeting:        targeting,
 		Signer:           authority,
-		Dir:              SecretsDir(cfg.StateDir),
+		Secrets:          controller.NewFileSecrets(SecretsDir(cfg.StateDir)),
 		TrustDomain:      cfg.TrustDomain,
 		Namespace:        cfg.Secrets.ListenedNamespace,
 		CertTTL:          cfg.WorkloadCertTTL,

@@ -7,10 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"os"
-	"path/filepath"
 	"slices"
-	"strings"
 	"sync"
 	"time"
 
@@ -19,7 +16,6 @@ import (
 
 	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/internal/clock"
-	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/istio"
 	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/internal/pki"
@@ -56,8 +52,8 @@ type SecretsConfig struct {
 	Store     Store
 	Targeting *Targeting
 	Signer    SecretSigner
-	// Dir receives <namespace>/istio.<sa>/{cert-chain.pem,key.pem,root-cert.pem}.
-	Dir         string
+	// Secrets keeps the secrets: NewFileSecrets for a directory, or the Kubernetes API.
+	Secrets     SecretStore
 	TrustDomain string
 	// Namespace limits the controller to one namespace (Citadel's --listened-namespace); "" is all.
 	Namespace string
@@ -102,19 +98,13 @@ type SecretEvent struct {
 	Kind           SecretEventKind
 	Namespace      string
 	ServiceAccount string
-	Dir            string
+	Where          string // the secret's directory, or its name in the API
 	Reason         string // why a secret was refreshed or deleted
 	Err            error
 }
 
-// secretKey names one secret: its namespace and service account.
-type secretKey struct{ namespace, serviceAccount string }
-
-func (k secretKey) String() string { return k.namespace + "/" + k.serviceAccount }
-
 // Secrets keeps a secret istio.<sa> for every service account of every served namespace: a
-// key pair for spiffe://<trust domain>/ns/<ns>/sa/<sa> and the CA's roots, in a directory laid out
-// as the kubelet mounts a secret ("..data"), so that an agent can use it as --credentials-dir.
+// key pair for spiffe://<trust domain>/ns/<ns>/sa/<sa> and the CA's roots, in a SecretStore.
 //
 // Work goes through client-go's workqueue (one reconcile per secret at a time, repeats merged)
 // with its per-item exponential rate limiter. Delays run on the injected clock: the queue's own
@@ -124,13 +114,13 @@ type Secrets struct {
 	cfg     SecretsConfig
 	clock   clock.Clock
 	log     *slog.Logger
-	limiter workqueue.TypedRateLimiter[secretKey]
+	limiter workqueue.TypedRateLimiter[SecretKey]
 	metrics secretMetrics
 
 	mu       sync.Mutex
-	queue    *workqueue.Typed[secretKey] // set while Run runs
-	due      map[secretKey]time.Time     // next refresh or retry
-	foreign  map[secretKey]bool          // warned about, until it goes
+	queue    *workqueue.Typed[SecretKey] // set while Run runs
+	due      map[SecretKey]time.Time     // next refresh or retry
+	foreign  map[SecretKey]bool          // warned about, until it goes
 	wake     chan struct{}               // the schedule changed
 	listErr  string                      // the last failure to list, logged once
 	healthy  bool                        // the last resync listed the store
@@ -150,8 +140,8 @@ func NewSecrets(cfg SecretsConfig) (*Secrets, error) {
 		return nil, errors.New("secret controller needs namespace targeting")
 	case cfg.Signer == nil:
 		return nil, errors.New("secret controller needs a signer")
-	case cfg.Dir == "":
-		return nil, errors.New("secret controller needs a directory")
+	case cfg.Secrets == nil:
+		return nil, errors.New("secret controller needs a secret store")
 	}
 	if err := pki.ValidateTrustDomain(cfg.TrustDomain); err != nil {
 		return nil, err
@@ -185,8 +175,8 @@ func NewSecrets(cfg SecretsConfig) (*Secrets, error) {
 	}
 	s := &Secrets{
 		cfg: cfg, clock: clock.OrReal(cfg.Clock), log: log,
-		limiter: workqueue.NewTypedItemExponentialFailureRateLimiter[secretKey](cfg.RetryBase, cfg.RetryMax),
-		due:     map[secretKey]time.Time{}, foreign: map[secretKey]bool{}, wake: make(chan struct{}, 1),
+		limiter: workqueue.NewTypedItemExponentialFailureRateLimiter[SecretKey](cfg.RetryBase, cfg.RetryMax),
+		due:     map[SecretKey]time.Time{}, foreign: map[SecretKey]bool{}, wake: make(chan struct{}, 1),
 	}
 	counter := func(name, help string) prometheus.Counter {
 		return prometheus.NewCounter(prometheus.CounterOpts{Name: name, Help: help})
@@ -230,7 +220,7 @@ const secretWorkers = 8
 
 // Run reconciles until ctx ends; the workers it starts have returned when Run does.
 func (s *Secrets) Run(ctx context.Context) error {
-	queue := workqueue.NewTyped[secretKey]()
+	queue := workqueue.NewTyped[SecretKey]()
 	s.mu.Lock()
 	s.queue = queue
 	s.mu.Unlock()
@@ -291,7 +281,7 @@ func (s *Secrets) Run(ctx context.Context) error {
 }
 
 // addDue adds the keys whose time has come, and returns the next time something is due.
-func (s *Secrets) addDue(queue *workqueue.Typed[secretKey], now, next time.Time) time.Time {
+func (s *Secrets) addDue(queue *workqueue.Typed[SecretKey], now, next time.Time) time.Time {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for k, at := range s.due {
@@ -305,7 +295,7 @@ func (s *Secrets) addDue(queue *workqueue.Typed[secretKey], now, next time.Time)
 	return next
 }
 
-func (s *Secrets) schedule(k secretKey, at time.Time) {
+func (s *Secrets) schedule(k SecretKey, at time.Time) {
 	s.mu.Lock()
 	if at.IsZero() {
 		delete(s.due, k)
@@ -320,8 +310,14 @@ func (s *Secrets) schedule(k secretKey, at time.Time) {
 }
 
 // resync queues every secret that should exist and every one on disk.
-func (s *Secrets) resync(ctx context.Context, queue *workqueue.Typed[secretKey]) {
+func (s *Secrets) resync(ctx context.Context, queue *workqueue.Typed[SecretKey]) {
 	accounts, err := s.cfg.Store.ServiceAccounts(ctx, s.cfg.Namespace)
+	var present []SecretKey
+	if err == nil {
+		if present, err = s.cfg.Secrets.Keys(ctx, s.cfg.Namespace); err != nil {
+			err = fmt.Errorf("list secrets: %w", err)
+		}
+	}
 	s.mu.Lock()
 	s.lastSync, s.healthy = s.clock.Now(), err == nil
 	report := ""
@@ -337,53 +333,33 @@ func (s *Secrets) resync(ctx context.Context, queue *workqueue.Typed[secretKey])
 	s.mu.Unlock()
 	switch {
 	case report != "":
-		// Secrets on disk stay as they are until the store answers again.
-		s.log.Error("cannot list service accounts; secrets are left as they are", logkey.Error, report)
+		// Secrets stay as they are until the stores answer again.
+		s.log.Error("cannot list service accounts or their secrets; secrets are left as they are", logkey.Error, report)
 		return
 	case err != nil:
 		return
 	case recovered:
-		s.log.Info("service accounts listed again")
+		s.log.Info("service accounts and secrets listed again")
 	}
 	for _, sa := range accounts {
-		queue.Add(secretKey{sa.Namespace, sa.Name})
+		queue.Add(SecretKey{sa.Namespace, sa.Name})
 	}
-	for _, k := range s.onDisk() {
+	for _, k := range present {
 		queue.Add(k)
 	}
 }
 
-// onDisk lists the secret directories under Dir (in the listened namespace only, if any).
-func (s *Secrets) onDisk() []secretKey {
-	namespaces := []string{s.cfg.Namespace}
-	if s.cfg.Namespace == "" {
-		entries, err := os.ReadDir(s.cfg.Dir)
-		if err != nil {
-			return nil // nothing written yet
-		}
-		namespaces = namespaces[:0]
-		for _, e := range entries {
-			if e.IsDir() {
-				namespaces = append(namespaces, e.Name())
-			}
-		}
+// Requeue reconciles one secret soon, without a resync: for a store that sees a secret change
+// (a user deleting or editing it). It does nothing while Run is not running.
+func (s *Secrets) Requeue(k SecretKey) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.queue != nil {
+		s.queue.Add(k)
 	}
-	var keys []secretKey
-	for _, ns := range namespaces {
-		entries, err := os.ReadDir(filepath.Join(s.cfg.Dir, ns))
-		if err != nil {
-			continue
-		}
-		for _, e := range entries {
-			if sa, ok := strings.CutPrefix(e.Name(), SecretPrefix); ok && sa != "" {
-				keys = append(keys, secretKey{ns, sa})
-			}
-		}
-	}
-	return keys
 }
 
-func (s *Secrets) processNext(ctx context.Context, queue *workqueue.Typed[secretKey]) bool {
+func (s *Secrets) processNext(ctx context.Context, queue *workqueue.Typed[SecretKey]) bool {
 	k, shutdown := queue.Get()
 	if shutdown {
 		return false
@@ -397,7 +373,7 @@ func (s *Secrets) processNext(ctx context.Context, queue *workqueue.Typed[secret
 		delay := s.limiter.When(k)
 		retryAt := s.clock.Now().Add(delay)
 		s.metrics.errors.Inc()
-		s.log.Error("cannot reconcile a service-account secret", logkey.Namespace, k.namespace, logkey.ServiceAccount, k.serviceAccount,
+		s.log.Error("cannot reconcile a service-account secret", logkey.Namespace, k.Namespace, logkey.ServiceAccount, k.ServiceAccount,
 			logkey.Error, err.Error(), logkey.RetryAt, retryAt)
 		ev = SecretEvent{Kind: SecretFailed, Err: err}
 		next = retryAt
@@ -405,106 +381,98 @@ func (s *Secrets) processNext(ctx context.Context, queue *workqueue.Typed[secret
 		s.limiter.Forget(k)
 	}
 	s.schedule(k, next)
-	ev.Namespace, ev.ServiceAccount, ev.Dir = k.namespace, k.serviceAccount, s.secretDir(k)
+	ev.Namespace, ev.ServiceAccount, ev.Where = k.Namespace, k.ServiceAccount, s.cfg.Secrets.Where(k)
 	if s.cfg.OnEvent != nil {
 		s.cfg.OnEvent(ev)
 	}
 	return true
 }
 
-func (s *Secrets) secretDir(k secretKey) string {
-	return filepath.Join(s.cfg.Dir, k.namespace, SecretPrefix+k.serviceAccount)
-}
-
 // reconcile makes one secret what it should be, and returns when to look at it again (zero:
 // only at the next resync). It is repeatable: a secret already right is left alone.
-func (s *Secrets) reconcile(ctx context.Context, k secretKey) (SecretEvent, time.Time, error) {
-	dir := s.secretDir(k)
-	// Names become paths: one that is not a valid name (a stray directory, say) is never touched.
-	if pki.ValidateNamespace(k.namespace) != nil || pki.ValidateServiceAccount(k.serviceAccount) != nil {
-		s.warnForeign(k, dir, true)
+func (s *Secrets) reconcile(ctx context.Context, k SecretKey) (SecretEvent, time.Time, error) {
+	// Names may become paths: one that is not a valid name (a stray directory, say) is never touched.
+	if pki.ValidateNamespace(k.Namespace) != nil || pki.ValidateServiceAccount(k.ServiceAccount) != nil {
+		s.warnForeign(k, true)
 		return SecretEvent{Kind: SecretForeign}, time.Time{}, nil
 	}
 	wanted, why, err := s.wanted(ctx, k)
 	if err != nil {
 		return SecretEvent{}, time.Time{}, err
 	}
-	ours, exists, err := owned(dir)
+	stored, err := s.cfg.Secrets.Read(ctx, k)
 	if err != nil {
 		return SecretEvent{}, time.Time{}, err
 	}
-	if exists && !ours {
-		s.warnForeign(k, dir, true)
+	if stored.Exists && !stored.Ours {
+		s.warnForeign(k, true)
 		return SecretEvent{Kind: SecretForeign}, time.Time{}, nil
 	}
-	s.warnForeign(k, dir, false)
-	if exists {
-		// Generations a write interrupted by a crash left behind; the next write would remove
-		// them, but a secret that stays valid is not written again.
-		for _, stale := range fsutil.StaleGenerations(dir, generationPrefix) {
-			_ = os.RemoveAll(stale)
-		}
-	}
+	s.warnForeign(k, false)
 	if !wanted {
-		if !exists {
+		if !stored.Exists {
 			return SecretEvent{Kind: SecretAbsent}, time.Time{}, nil
 		}
-		if err := os.RemoveAll(dir); err != nil {
-			return SecretEvent{}, time.Time{}, fmt.Errorf("remove %s: %w", dir, err)
+		if err := s.cfg.Secrets.Delete(ctx, k); err != nil {
+			return SecretEvent{}, time.Time{}, err
 		}
-		// The namespace's directory goes with its last secret; one holding anything else stays.
-		_ = os.Remove(filepath.Dir(dir))
 		s.metrics.deleted.Inc()
-		s.log.Info("service-account secret removed", logkey.Namespace, k.namespace, logkey.ServiceAccount, k.serviceAccount, logkey.Reason, why)
+		s.log.Info("service-account secret removed", logkey.Namespace, k.Namespace, logkey.ServiceAccount, k.ServiceAccount, logkey.Reason, why)
 		return SecretEvent{Kind: SecretDeleted, Reason: why}, time.Time{}, nil
 	}
 
-	id, err := pki.NewSPIFFEID(s.cfg.TrustDomain, k.namespace, k.serviceAccount)
+	id, err := pki.NewSPIFFEID(s.cfg.TrustDomain, k.Namespace, k.ServiceAccount)
 	if err != nil {
 		return SecretEvent{}, time.Time{}, err
 	}
-	dns := s.cfg.DNSNames[k.serviceAccount+"."+k.namespace]
+	dns := s.cfg.DNSNames[k.ServiceAccount+"."+k.Namespace]
 	b := s.cfg.Signer.Bundle()
 	if b == nil {
 		return SecretEvent{}, time.Time{}, ca.ErrNotReady
 	}
 	now := s.clock.Now()
 	problem := "new"
-	if exists {
-		refreshAt, p := s.check(dir, id, dns, b, now)
+	if stored.Exists {
+		refreshAt, p := s.check(stored, id, dns, b, now)
 		if p == "" {
 			return SecretEvent{Kind: SecretUnchanged}, refreshAt, nil
 		}
 		problem = p
 	}
-	refreshAt, err := s.issue(ctx, dir, id, dns)
+	refreshAt, err := s.issue(ctx, k, id, dns)
+	if errors.Is(err, ErrForeignSecret) {
+		// Made by someone else since it was read (or invisible to this store's view).
+		s.warnForeign(k, true)
+		return SecretEvent{Kind: SecretForeign}, time.Time{}, nil
+	}
 	if err != nil {
 		return SecretEvent{}, time.Time{}, err
 	}
-	if !exists {
+	if !stored.Exists {
 		s.metrics.created.Inc()
-		s.log.Info("service-account secret created", logkey.Namespace, k.namespace, logkey.ServiceAccount, k.serviceAccount, logkey.Dir, dir, logkey.RenewAt, refreshAt)
+		s.log.Info("service-account secret created", logkey.Namespace, k.Namespace, logkey.ServiceAccount, k.ServiceAccount,
+			logkey.Secret, s.cfg.Secrets.Where(k), logkey.RenewAt, refreshAt)
 		return SecretEvent{Kind: SecretCreated}, refreshAt, nil
 	}
 	s.metrics.refreshed.Inc()
-	s.log.Info("service-account secret re-issued", logkey.Namespace, k.namespace, logkey.ServiceAccount, k.serviceAccount,
+	s.log.Info("service-account secret re-issued", logkey.Namespace, k.Namespace, logkey.ServiceAccount, k.ServiceAccount,
 		logkey.Reason, problem, logkey.RenewAt, refreshAt)
 	return SecretEvent{Kind: SecretRefreshed, Reason: problem}, refreshAt, nil
 }
 
 // wanted reports whether the secret should exist, and when not, why.
-func (s *Secrets) wanted(ctx context.Context, k secretKey) (bool, string, error) {
-	if s.cfg.Namespace != "" && k.namespace != s.cfg.Namespace {
+func (s *Secrets) wanted(ctx context.Context, k SecretKey) (bool, string, error) {
+	if s.cfg.Namespace != "" && k.Namespace != s.cfg.Namespace {
 		return false, "namespace not listened to", nil
 	}
-	accounts, err := s.cfg.Store.ServiceAccounts(ctx, k.namespace)
+	accounts, err := s.cfg.Store.ServiceAccounts(ctx, k.Namespace)
 	if err != nil {
-		return false, "", fmt.Errorf("list service accounts of %s: %w", k.namespace, err)
+		return false, "", fmt.Errorf("list service accounts of %s: %w", k.Namespace, err)
 	}
-	if !slices.Contains(accounts, ServiceAccount{Namespace: k.namespace, Name: k.serviceAccount}) {
+	if !slices.Contains(accounts, ServiceAccount{Namespace: k.Namespace, Name: k.ServiceAccount}) {
 		return false, "service account deleted", nil
 	}
-	served, why, err := s.cfg.Targeting.Targets(ctx, k.namespace)
+	served, why, err := s.cfg.Targeting.Targets(ctx, k.Namespace)
 	if err != nil {
 		return false, "", err
 	}
@@ -514,7 +482,7 @@ func (s *Secrets) wanted(ctx context.Context, k secretKey) (bool, string, error)
 	return true, "", nil
 }
 
-func (s *Secrets) warnForeign(k secretKey, dir string, foreign bool) {
+func (s *Secrets) warnForeign(k SecretKey, foreign bool) {
 	s.mu.Lock()
 	warn := foreign && !s.foreign[k]
 	if foreign {
@@ -524,30 +492,9 @@ func (s *Secrets) warnForeign(k secretKey, dir string, foreign bool) {
 	}
 	s.mu.Unlock()
 	if warn {
-		s.log.Warn("a secret directory this controller did not make is left alone", logkey.Dir, dir,
-			logkey.Detail, "no "+SecretMarkerFile+" in it")
+		s.log.Warn("a secret this controller did not make is left alone", logkey.Secret, s.cfg.Secrets.Where(k),
+			logkey.Detail, "it lacks the controller's mark ("+SecretMarkerFile+" on disk, type "+SecretType+" in the API)")
 	}
-}
-
-// owned reports whether dir exists and whether it is ours (it holds our marker).
-func owned(dir string) (ours, exists bool, err error) {
-	info, err := os.Lstat(dir)
-	switch {
-	case errors.Is(err, os.ErrNotExist):
-		return false, false, nil
-	case err != nil:
-		return false, false, err
-	case !info.IsDir():
-		return false, true, nil
-	}
-	marker, err := os.Lstat(filepath.Join(dir, SecretMarkerFile))
-	switch {
-	case errors.Is(err, os.ErrNotExist):
-		return false, true, nil
-	case err != nil:
-		return false, true, err
-	}
-	return marker.Mode().IsRegular(), true, nil
 }
 
 // gracePeriod is how long before expiry a certificate of this lifetime is refreshed.
@@ -559,32 +506,19 @@ func (s *Secrets) refreshAt(leaf *x509.Certificate) time.Time {
 	return leaf.NotAfter.Add(-s.gracePeriod(leaf.NotAfter.Sub(leaf.NotBefore)))
 }
 
-// check returns when the secret in dir is due, or what is wrong with it: unreadable files, a
-// private key readable by others, a key that does not match, another identity or DNS names, a
-// chain or roots not the CA's in service, or a certificate due for refresh.
-func (s *Secrets) check(dir string, id pki.SPIFFEID, dns []string, b *ca.Bundle, now time.Time) (time.Time, string) {
-	read := func(name string) ([]byte, string) {
-		data, err := os.ReadFile(filepath.Join(dir, name))
-		if err != nil {
-			return nil, "cannot read " + name
+// check returns when the stored secret is due, or what is wrong with it: missing data, a problem
+// the store found (a private key readable by others), a key that does not match, another identity
+// or DNS names, a chain or roots not the CA's in service, or a certificate due for refresh.
+func (s *Secrets) check(stored StoredSecret, id pki.SPIFFEID, dns []string, b *ca.Bundle, now time.Time) (time.Time, string) {
+	if stored.Problem != "" {
+		return time.Time{}, stored.Problem
+	}
+	for _, name := range []string{istio.KeyFile, istio.CertChainFile, istio.RootCertFile} {
+		if len(stored.Data[name]) == 0 {
+			return time.Time{}, "no " + name
 		}
-		return data, ""
 	}
-	keyPEM, p := read(istio.KeyFile)
-	if p != "" {
-		return time.Time{}, p
-	}
-	if info, err := os.Stat(filepath.Join(dir, istio.KeyFile)); err != nil || info.Mode().Perm() != fsutil.PrivateFileMode {
-		return time.Time{}, istio.KeyFile + " is not private"
-	}
-	chainPEM, p := read(istio.CertChainFile)
-	if p != "" {
-		return time.Time{}, p
-	}
-	rootsPEM, p := read(istio.RootCertFile)
-	if p != "" {
-		return time.Time{}, p
-	}
+	keyPEM, chainPEM, rootsPEM := stored.Data[istio.KeyFile], stored.Data[istio.CertChainFile], stored.Data[istio.RootCertFile]
 	key, err := pki.ParsePrivateKey(keyPEM)
 	if err != nil {
 		return time.Time{}, "unreadable key"
@@ -621,9 +555,8 @@ func (s *Secrets) check(dir string, id pki.SPIFFEID, dns []string, b *ca.Bundle,
 	return at, ""
 }
 
-// issue writes a new key pair and the roots to dir, marking it ours first, and returns when it
-// is due for refresh.
-func (s *Secrets) issue(ctx context.Context, dir string, id pki.SPIFFEID, dns []string) (time.Time, error) {
+// issue writes a new key pair and the roots, and returns when it is due for refresh.
+func (s *Secrets) issue(ctx context.Context, k SecretKey, id pki.SPIFFEID, dns []string) (time.Time, error) {
 	key, err := pki.GenerateKey(pki.ECDSA, 0)
 	if err != nil {
 		return time.Time{}, err
@@ -636,24 +569,12 @@ func (s *Secrets) issue(ctx context.Context, dir string, id pki.SPIFFEID, dns []
 	if err != nil {
 		return time.Time{}, err
 	}
-	for _, d := range []string{s.cfg.Dir, filepath.Dir(dir), dir} {
-		if err := fsutil.EnsureDir(d, fsutil.PrivateDirMode); err != nil {
-			return time.Time{}, err
-		}
+	data := map[string][]byte{
+		istio.KeyFile:       keyPEM,
+		istio.CertChainFile: pki.EncodeCertificates(issued.Chain()...),
+		istio.RootCertFile:  issued.Bundle().RootsPEM(),
 	}
-	// The marker first: a write interrupted after it leaves a directory we still own.
-	marker := filepath.Join(dir, SecretMarkerFile)
-	if _, err := os.Lstat(marker); err != nil {
-		if err := fsutil.WriteFileAtomic(marker, []byte("type: "+SecretType+"\nidentity: "+id.String()+"\n"), fsutil.PublicFileMode); err != nil {
-			return time.Time{}, err
-		}
-	}
-	files := []fsutil.DataFile{
-		{Name: istio.KeyFile, Data: keyPEM, Mode: fsutil.PrivateFileMode},
-		{Name: istio.CertChainFile, Data: pki.EncodeCertificates(issued.Chain()...), Mode: fsutil.PublicFileMode},
-		{Name: istio.RootCertFile, Data: issued.Bundle().RootsPEM(), Mode: fsutil.PublicFileMode},
-	}
-	if err := fsutil.WriteData(dir, generationPrefix, fsutil.PrivateDirMode, files); err != nil {
+	if err := s.cfg.Secrets.Write(ctx, k, data, id.String()); err != nil {
 		return time.Time{}, err
 	}
 	return s.refreshAt(issued.Leaf), nil

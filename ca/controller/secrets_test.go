@@ -98,7 +98,7 @@ func newSecretsHarness(t *testing.T, mutate func(*controller.SecretsConfig)) *se
 	h.cfg = controller.SecretsConfig{
 		Store:     h.store,
 		Targeting: controller.NewTargeting(controller.TargetingConfig{Store: h.store, CANamespace: caNamespace, EnabledByDefault: true}),
-		Signer:    h.auth, Dir: h.dir, TrustDomain: trustDomain,
+		Signer:    h.auth, Secrets: controller.NewFileSecrets(h.dir), TrustDomain: trustDomain,
 		Clock: h.clock, Logger: slog.New(slog.NewTextHandler(testWriter{t}, nil)), OnEvent: func(ev controller.SecretEvent) { h.events <- ev },
 	}
 	if mutate != nil {

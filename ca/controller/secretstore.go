@@ -1,0 +1,188 @@
+package controller
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+
+	"github.com/meshid/meshid/internal/fsutil"
+	"github.com/meshid/meshid/internal/istio"
+)
+
+// SecretKey names one service-account secret: istio.<ServiceAccount> in Namespace.
+type SecretKey struct{ Namespace, ServiceAccount string }
+
+func (k SecretKey) String() string { return k.Namespace + "/" + k.ServiceAccount }
+
+// StoredSecret is a secret as its store holds it.
+type StoredSecret struct {
+	Exists bool
+	// Ours: the secret carries this controller's mark; only those are ever replaced or removed.
+	Ours bool
+	// Data holds the files by name (istio.KeyFile, istio.CertChainFile, istio.RootCertFile); it
+	// may be shared with the store's cache and must not be modified.
+	Data map[string][]byte
+	// Problem is what the store finds wrong beyond the data, e.g. a key readable by others.
+	Problem string
+}
+
+// ErrForeignSecret is returned by a SecretStore's Write when a secret of that name exists that
+// the controller did not make: it is left alone.
+var ErrForeignSecret = errors.New("a secret of that name exists that this controller did not make")
+
+// SecretStore keeps service-account secrets: directories on disk (FileSecrets) or Secrets of type
+// istio.io/key-and-cert in the Kubernetes API.
+type SecretStore interface {
+	// Keys lists the secrets present in namespace ("" is every namespace), ours or not.
+	Keys(ctx context.Context, namespace string) ([]SecretKey, error)
+	Read(ctx context.Context, k SecretKey) (StoredSecret, error)
+	// Write replaces the secret's data, marking it as ours for identity.
+	Write(ctx context.Context, k SecretKey, data map[string][]byte, identity string) error
+	// Delete removes one of our secrets; one already gone is not an error.
+	Delete(ctx context.Context, k SecretKey) error
+	// Where names the secret in logs and events.
+	Where(k SecretKey) string
+}
+
+// FileSecrets keeps secrets in directories <dir>/<namespace>/istio.<sa>, laid out as the kubelet
+// mounts a secret ("..data"), so that an agent can use one as --credentials-dir. A directory is
+// ours when it holds SecretMarkerFile.
+type FileSecrets struct{ dir string }
+
+// NewFileSecrets returns the secrets kept under dir.
+func NewFileSecrets(dir string) *FileSecrets { return &FileSecrets{dir: dir} }
+
+// Where returns the secret's directory.
+func (f *FileSecrets) Where(k SecretKey) string {
+	return filepath.Join(f.dir, k.Namespace, SecretPrefix+k.ServiceAccount)
+}
+
+// Keys lists the entries named istio.<sa> under the namespace directories.
+func (f *FileSecrets) Keys(_ context.Context, namespace string) ([]SecretKey, error) {
+	namespaces := []string{namespace}
+	if namespace == "" {
+		entries, err := os.ReadDir(f.dir)
+		if errors.Is(err, os.ErrNotExist) {
+			return nil, nil // nothing written yet
+		}
+		if err != nil {
+			return nil, err
+		}
+		namespaces = namespaces[:0]
+		for _, e := range entries {
+			if e.IsDir() {
+				namespaces = append(namespaces, e.Name())
+			}
+		}
+	}
+	var keys []SecretKey
+	for _, ns := range namespaces {
+		entries, err := os.ReadDir(filepath.Join(f.dir, ns))
+		if err != nil {
+			continue
+		}
+		for _, e := range entries {
+			if sa, ok := strings.CutPrefix(e.Name(), SecretPrefix); ok && sa != "" {
+				keys = append(keys, SecretKey{ns, sa})
+			}
+		}
+	}
+	return keys, nil
+}
+
+// Read reads one of our directories' files; a key file readable by others is a problem.
+func (f *FileSecrets) Read(_ context.Context, k SecretKey) (StoredSecret, error) {
+	dir := f.Where(k)
+	ours, exists, err := owned(dir)
+	if err != nil || !exists || !ours {
+		return StoredSecret{Exists: exists}, err
+	}
+	// Generations a write interrupted by a crash left behind; the next write would remove them,
+	// but a secret that stays valid is not written again.
+	for _, stale := range fsutil.StaleGenerations(dir, generationPrefix) {
+		_ = os.RemoveAll(stale)
+	}
+	s := StoredSecret{Exists: true, Ours: true, Data: map[string][]byte{}}
+	for _, name := range []string{istio.KeyFile, istio.CertChainFile, istio.RootCertFile} {
+		data, err := os.ReadFile(filepath.Join(dir, name))
+		if err != nil {
+			s.Problem = "cannot read " + name
+			return s, nil
+		}
+		s.Data[name] = data
+	}
+	if info, err := os.Stat(filepath.Join(dir, istio.KeyFile)); err != nil || info.Mode().Perm() != fsutil.PrivateFileMode {
+		s.Problem = istio.KeyFile + " is not private"
+	}
+	return s, nil
+}
+
+// Write writes the files as a new generation, marking the directory ours first.
+func (f *FileSecrets) Write(_ context.Context, k SecretKey, data map[string][]byte, identity string) error {
+	dir := f.Where(k)
+	ours, exists, err := owned(dir)
+	if err != nil {
+		return err
+	}
+	if exists && !ours {
+		return fmt.Errorf("%s: %w", dir, ErrForeignSecret)
+	}
+	for _, d := range []string{f.dir, filepath.Dir(dir), dir} {
+		if err := fsutil.EnsureDir(d, fsutil.PrivateDirMode); err != nil {
+			return err
+		}
+	}
+	// The marker first: a write interrupted after it leaves a directory we still own.
+	marker := filepath.Join(dir, SecretMarkerFile)
+	if _, err := os.Lstat(marker); err != nil {
+		if err := fsutil.WriteFileAtomic(marker, []byte("type: "+SecretType+"\nidentity: "+identity+"\n"), fsutil.PublicFileMode); err != nil {
+			return err
+		}
+	}
+	files := make([]fsutil.DataFile, 0, len(data))
+	for name, content := range data {
+		mode := fsutil.PublicFileMode
+		if name == istio.KeyFile {
+			mode = fsutil.PrivateFileMode
+		}
+		files = append(files, fsutil.DataFile{Name: name, Data: content, Mode: mode})
+	}
+	slices.SortFunc(files, func(a, b fsutil.DataFile) int { return strings.Compare(a.Name, b.Name) })
+	return fsutil.WriteData(dir, generationPrefix, fsutil.PrivateDirMode, files)
+}
+
+// Delete removes the directory, and the namespace's directory with its last secret.
+func (f *FileSecrets) Delete(_ context.Context, k SecretKey) error {
+	dir := f.Where(k)
+	if err := os.RemoveAll(dir); err != nil {
+		return fmt.Errorf("remove %s: %w", dir, err)
+	}
+	// One holding anything else stays.
+	_ = os.Remove(filepath.Dir(dir))
+	return nil
+}
+
+// owned reports whether dir exists and whether it is ours (it holds our marker).
+func owned(dir string) (ours, exists bool, err error) {
+	info, err := os.Lstat(dir)
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		return false, false, nil
+	case err != nil:
+		return false, false, err
+	case !info.IsDir():
+		return false, true, nil
+	}
+	marker, err := os.Lstat(filepath.Join(dir, SecretMarkerFile))
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		return false, true, nil
+	case err != nil:
+		return false, true, err
+	}
+	return marker.Mode().IsRegular(), true, nil
+}

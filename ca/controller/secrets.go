@@ -408,7 +408,6 @@ func (s *Secrets) reconcile(ctx context.Context, k SecretKey) (SecretEvent, time
 		s.warnForeign(k, true)
 		return SecretEvent{Kind: SecretForeign}, time.Time{}, nil
 	}
-	s.warnForeign(k, false)
 	if !wanted {
 		if !stored.Exists {
 			return SecretEvent{Kind: SecretAbsent}, time.Time{}, nil
@@ -435,6 +434,7 @@ func (s *Secrets) reconcile(ctx context.Context, k SecretKey) (SecretEvent, time
 	if stored.Exists {
 		refreshAt, p := s.check(stored, id, dns, b, now)
 		if p == "" {
+			s.warnForeign(k, false)
 			return SecretEvent{Kind: SecretUnchanged}, refreshAt, nil
 		}
 		problem = p
@@ -448,6 +448,8 @@ func (s *Secrets) reconcile(ctx context.Context, k SecretKey) (SecretEvent, time
 	if err != nil {
 		return SecretEvent{}, time.Time{}, err
 	}
+	// Ours now: a foreign secret of that name that comes back is warned about again.
+	s.warnForeign(k, false)
 	if !stored.Exists {
 		s.metrics.created.Inc()
 		s.log.Info("service-account secret created", logkey.Namespace, k.Namespace, logkey.ServiceAccount, k.ServiceAccount,

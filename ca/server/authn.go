@@ -47,7 +47,7 @@ var (
 	ErrAuthenticatorUnavailable = errors.New("cannot check the credentials now")
 	// ErrAuthenticatorMisconfigured: the CA itself is not allowed to check credentials (missing
 	// RBAC, say); the operator must act. Internal, logged as an error.
-	ErrAuthenticatorMisconfigured = errors.New("the CA cannot check credentials: it is misconfigured")
+	ErrAuthenticatorMisconfigured = errors.New("the CA is not set up to check credentials")
 
 	errMalformedBearer   = errors.New("authorization header is not a bearer token")
 	errClientCertificate = errors.New("client certificate not accepted")

@@ -514,3 +514,111 @@ func reviewWait(t testing.TB, what string, cond func() bool) {
 		<-tick.C
 	}
 }
+
+// blockingReviews holds each TokenReview until release is closed, then sends it on.
+type blockingReviews struct {
+	authenticationv1client.TokenReviewInterface
+	started chan struct{} // receives one value per review that began
+	release chan struct{}
+	n       atomic.Int64
+}
+
+func (b *blockingReviews) Create(ctx context.Context, tr *authenticationv1.TokenReview, opts metav1.CreateOptions) (*authenticationv1.TokenReview, error) {
+	b.n.Add(1)
+	b.started <- struct{}{}
+	<-b.release
+	return b.TokenReviewInterface.Create(ctx, tr, opts)
+}
+
+// A caller that gives up does not cancel the review it shares with others.
+func TestTokenReviewSharedReviewOutlivesACaller(t *testing.T) {
+	t.Parallel()
+	ns := env.Namespace(t, nil)
+	env.ServiceAccount(t, ns, "workload")
+	tok := env.Token(t, ns, "workload", time.Hour, "istio-ca")
+	clients, err := kube.NewClients(env.Admin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	reviews := &blockingReviews{TokenReviewInterface: clients.Authentication.TokenReviews(), started: make(chan struct{}, 1), release: make(chan struct{})}
+	auth, err := kube.NewTokenReviewAuthenticator(kube.TokenReviewConfig{Reviews: reviews, TrustDomain: reviewTrustDomain})
+	if err != nil {
+		t.Fatal(err)
+	}
+	impatient, cancel := context.WithCancel(t.Context())
+	first := make(chan error, 1)
+	go func() {
+		_, err := auth.Authenticate(reviewBearer(impatient, tok))
+		first <- err
+	}()
+	<-reviews.started
+	second := make(chan error, 1)
+	go func() {
+		_, err := auth.Authenticate(reviewBearer(t.Context(), tok))
+		second <- err
+	}()
+	cancel()
+	if err := <-first; !errors.Is(err, context.Canceled) {
+		t.Fatalf("the caller that gave up got %v, want context.Canceled", err)
+	}
+	close(reviews.release)
+	if err := <-second; err != nil {
+		t.Fatalf("the caller that waited got %v", err)
+	}
+	if n := reviews.n.Load(); n != 1 {
+		t.Fatalf("%d TokenReviews, want 1", n)
+	}
+}
+
+// An API server that cannot be reached makes the CA unavailable, not the token refused, and
+// nothing is cached: the next try asks again.
+func TestTokenReviewAPIServerUnreachable(t *testing.T) {
+	t.Parallel()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := lis.Addr().String()
+	_ = lis.Close()
+	cfg := rest.CopyConfig(env.Admin)
+	cfg.Host = "https://" + addr
+	r := newReviewer(t, cfg, "")
+	for range 2 {
+		_, err := r.auth.Authenticate(reviewBearer(t.Context(), "some-token"))
+		if !errors.Is(err, caserver.ErrAuthenticatorUnavailable) || errors.Is(err, caserver.ErrTokenRejected) {
+			t.Fatalf("error %v, want one wrapping ErrAuthenticatorUnavailable", err)
+		}
+	}
+	if n := r.reviews.n.Load(); n != 2 {
+		t.Fatalf("%d TokenReviews tried, want 2", n)
+	}
+}
+
+func TestTokenReviewConfig(t *testing.T) {
+	t.Parallel()
+	clients, err := kube.NewClients(env.Admin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	reviews := clients.Authentication.TokenReviews()
+	for _, tt := range []struct {
+		name string
+		cfg  kube.TokenReviewConfig
+		ok   bool
+	}{
+		{"defaults", kube.TokenReviewConfig{Reviews: reviews, TrustDomain: "cluster.local"}, true},
+		{"a minute", kube.TokenReviewConfig{Reviews: reviews, TrustDomain: "cluster.local", CacheTTL: time.Minute}, true},
+		{"no client", kube.TokenReviewConfig{TrustDomain: "cluster.local"}, false},
+		{"no trust domain", kube.TokenReviewConfig{Reviews: reviews}, false},
+		{"cache TTL over a minute", kube.TokenReviewConfig{Reviews: reviews, TrustDomain: "cluster.local", CacheTTL: 2 * time.Minute}, false},
+		{"negative cache TTL", kube.TokenReviewConfig{Reviews: reviews, TrustDomain: "cluster.local", CacheTTL: -time.Second}, false},
+		{"negative max entries", kube.TokenReviewConfig{Reviews: reviews, TrustDomain: "cluster.local", MaxEntries: -1}, false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			if _, err := kube.NewTokenReviewAuthenticator(tt.cfg); (err == nil) != tt.ok {
+				t.Fatalf("NewTokenReviewAuthenticator: %v, want success %v", err, tt.ok)
+			}
+		})
+	}
+}

@@ -19,7 +19,6 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
@@ -93,7 +92,7 @@ func reviewBearer(ctx context.Context, tok string) context.Context {
 	return metadata.NewIncomingContext(ctx, metadata.Pairs("authorization", "Bearer "+tok))
 }
 
-// reviewMetric returns the value of the counter name with labels in reg.
+// reviewMetric returns the value of the counter name with exactly labels in reg.
 func reviewMetric(t testing.TB, reg *prometheus.Registry, name string, labels map[string]string) float64 {
 	t.Helper()
 	families, err := reg.Gather()
@@ -104,25 +103,20 @@ func reviewMetric(t testing.TB, reg *prometheus.Registry, name string, labels ma
 		if f.GetName() != name {
 			continue
 		}
+	metrics:
 		for _, m := range f.GetMetric() {
-			if reviewLabelsMatch(m, labels) {
-				return m.GetCounter().GetValue()
+			if len(m.GetLabel()) != len(labels) {
+				continue
 			}
+			for _, l := range m.GetLabel() {
+				if labels[l.GetName()] != l.GetValue() {
+					continue metrics
+				}
+			}
+			return m.GetCounter().GetValue()
 		}
 	}
 	return 0
-}
-
-func reviewLabelsMatch(m *dto.Metric, labels map[string]string) bool {
-	if len(m.GetLabel()) != len(labels) {
-		return false
-	}
-	for _, l := range m.GetLabel() {
-		if labels[l.GetName()] != l.GetValue() {
-			return false
-		}
-	}
-	return true
 }
 
 func TestTokenReviewAuthenticatesServiceAccount(t *testing.T) {

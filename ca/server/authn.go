@@ -22,21 +22,51 @@ import (
 // Caller is an authenticated client of the CA.
 type Caller struct {
 	Identity pki.SPIFFEID
-	// Method names how the caller proved its identity: "jwt" or "mtls".
+	// Method names how the caller proved its identity ("jwt", "mtls", "tokenreview"); it is the
+	// auth_method label of the issued-certificates metric.
 	Method string
 }
 
 // Authenticator establishes a caller's identity from a request's credentials. It returns an
-// error wrapping errNoCredentials when the request carries none of the kind it checks.
+// error wrapping ErrNoCredentials when the request carries none of the kind it checks, so that
+// the next authenticator is tried.
 type Authenticator interface {
 	Authenticate(ctx context.Context) (Caller, error)
 }
 
+// Errors of authenticators, mapped to status codes by the server. Authenticators outside this
+// package wrap them; test with errors.Is.
 var (
-	errNoCredentials     = errors.New("no credentials")
+	// ErrNoCredentials: the request carries no credentials of the kind an authenticator checks.
+	ErrNoCredentials = errors.New("no credentials")
+	// ErrTokenRejected: the token's issuer (the API server's TokenReview, say) did not authenticate
+	// the token. Unauthenticated.
+	ErrTokenRejected = errors.New("token not authenticated by its issuer")
+	// ErrAuthenticatorUnavailable: the authenticator could not reach whoever vouches for the
+	// credentials; the caller may retry. Unavailable.
+	ErrAuthenticatorUnavailable = errors.New("cannot check the credentials now")
+	// ErrAuthenticatorMisconfigured: the CA itself is not allowed to check credentials (missing
+	// RBAC, say); the operator must act. Internal, logged as an error.
+	ErrAuthenticatorMisconfigured = errors.New("the CA is not set up to check credentials")
+
 	errMalformedBearer   = errors.New("authorization header is not a bearer token")
 	errClientCertificate = errors.New("client certificate not accepted")
 )
+
+// BearerToken returns the token of the request's "authorization: Bearer <token>" metadata. With
+// no authorization metadata the error wraps ErrNoCredentials.
+func BearerToken(ctx context.Context) (string, error) {
+	md, _ := metadata.FromIncomingContext(ctx)
+	values := md.Get("authorization")
+	if len(values) == 0 {
+		return "", fmt.Errorf("bearer token: %w", ErrNoCredentials)
+	}
+	scheme, raw, ok := strings.Cut(values[0], " ")
+	if !ok || !strings.EqualFold(scheme, "bearer") || strings.TrimSpace(raw) == "" {
+		return "", errMalformedBearer
+	}
+	return strings.TrimSpace(raw), nil
+}
 
 // JWTAuthenticator accepts Kubernetes service-account tokens sent as "authorization: Bearer <JWT>".
 type JWTAuthenticator struct {
@@ -51,16 +81,11 @@ func NewJWTAuthenticator(v *token.Verifier, trustDomain string) *JWTAuthenticato
 
 // Authenticate implements Authenticator.
 func (a *JWTAuthenticator) Authenticate(ctx context.Context) (Caller, error) {
-	md, _ := metadata.FromIncomingContext(ctx)
-	values := md.Get("authorization")
-	if len(values) == 0 {
-		return Caller{}, fmt.Errorf("bearer token: %w", errNoCredentials)
+	raw, err := BearerToken(ctx)
+	if err != nil {
+		return Caller{}, err
 	}
-	scheme, raw, ok := strings.Cut(values[0], " ")
-	if !ok || !strings.EqualFold(scheme, "bearer") || strings.TrimSpace(raw) == "" {
-		return Caller{}, errMalformedBearer
-	}
-	claims, err := a.verifier.Verify(strings.TrimSpace(raw))
+	claims, err := a.verifier.Verify(raw)
 	if err != nil {
 		return Caller{}, fmt.Errorf("bearer token: %w", err)
 	}
@@ -94,11 +119,11 @@ func NewMTLSAuthenticator(trust TrustSource, trustDomain string, clk clock.Clock
 func (a *MTLSAuthenticator) Authenticate(ctx context.Context) (Caller, error) {
 	p, ok := peer.FromContext(ctx)
 	if !ok {
-		return Caller{}, fmt.Errorf("client certificate: %w", errNoCredentials)
+		return Caller{}, fmt.Errorf("client certificate: %w", ErrNoCredentials)
 	}
 	info, ok := p.AuthInfo.(credentials.TLSInfo)
 	if !ok || len(info.State.PeerCertificates) == 0 {
-		return Caller{}, fmt.Errorf("client certificate: %w", errNoCredentials)
+		return Caller{}, fmt.Errorf("client certificate: %w", ErrNoCredentials)
 	}
 	b := a.trust.Bundle()
 	if b == nil {
@@ -155,7 +180,7 @@ func anyTrustedRoot(b *ca.Bundle, chains [][]*x509.Certificate, now time.Time) e
 }
 
 // authenticate tries each authenticator in order; the first success wins. When every one fails,
-// the error of the first that found credentials is returned, or errNoCredentials if none did.
+// the error of the first that found credentials is returned, or ErrNoCredentials if none did.
 func authenticate(ctx context.Context, authenticators []Authenticator) (Caller, error) {
 	var errs []error
 	for _, a := range authenticators {
@@ -163,12 +188,12 @@ func authenticate(ctx context.Context, authenticators []Authenticator) (Caller, 
 		if err == nil {
 			return caller, nil
 		}
-		if !errors.Is(err, errNoCredentials) {
+		if !errors.Is(err, ErrNoCredentials) {
 			errs = append(errs, err)
 		}
 	}
 	if len(errs) == 0 {
-		return Caller{}, fmt.Errorf("%w: send a bearer token or a client certificate issued by this CA", errNoCredentials)
+		return Caller{}, fmt.Errorf("%w: send a bearer token or a client certificate issued by this CA", ErrNoCredentials)
 	}
 	return Caller{}, errors.Join(errs...)
 }

@@ -172,8 +172,11 @@ type rule struct {
 // rules map errors to status codes and metric reasons; the first match wins.
 func rules() []rule {
 	return []rule{
-		{errNoCredentials, codes.Unauthenticated, "no_credentials"},
+		{ErrNoCredentials, codes.Unauthenticated, "no_credentials"},
 		{errMalformedBearer, codes.Unauthenticated, "token_malformed"},
+		{ErrTokenRejected, codes.Unauthenticated, "token_rejected"},
+		{ErrAuthenticatorUnavailable, codes.Unavailable, "authenticator_unavailable"},
+		{ErrAuthenticatorMisconfigured, codes.Internal, "authenticator_misconfigured"},
 		{jwt.ErrTokenExpired, codes.Unauthenticated, "token_expired"},
 		{jwt.ErrTokenNotValidYet, codes.Unauthenticated, "token_not_yet_valid"},
 		{jwt.ErrTokenUsedBeforeIssued, codes.Unauthenticated, "token_not_yet_valid"},

@@ -1,7 +1,6 @@
 package kube
 
 import (
-	"container/list"
 	"context"
 	"crypto/sha256"
 	"encoding/base64"
@@ -12,7 +11,6 @@ import (
 	"math"
 	"slices"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -20,6 +18,7 @@ import (
 	authenticationv1 "k8s.io/api/authentication/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	utilcache "k8s.io/apimachinery/pkg/util/cache"
 	authenticationv1client "k8s.io/client-go/kubernetes/typed/authentication/v1"
 
 	caserver "github.com/meshid/meshid/ca/server"
@@ -84,11 +83,9 @@ type TokenReviewAuthenticator struct {
 	// flight makes concurrent reviews of one token a single API call.
 	flight singleflight.Group
 
-	mu       sync.Mutex
-	accepted *reviewCache
-	// Refusals have their own cache, so that a flood of distinct bad tokens cannot evict the
-	// accepted ones.
-	refused *reviewCache
+	// Keyed by the token's SHA-256. Refusals have their own cache, so that a flood of distinct
+	// bad tokens cannot evict the accepted ones.
+	accepted, refused *utilcache.LRUExpireCache
 
 	reviewsSent *prometheus.CounterVec // by outcome
 	cacheHits   *prometheus.CounterVec // by outcome
@@ -121,10 +118,12 @@ func NewTokenReviewAuthenticator(cfg TokenReviewConfig) (*TokenReviewAuthenticat
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
+	clk := clock.OrReal(cfg.Clock)
 	a := &TokenReviewAuthenticator{
 		reviews: cfg.Reviews, audience: cfg.Audience, trustDomain: cfg.TrustDomain, ttl: cfg.CacheTTL,
-		clock: clock.OrReal(cfg.Clock), log: log,
-		accepted: newReviewCache(cfg.MaxEntries), refused: newReviewCache(cfg.MaxEntries),
+		clock: clk, log: log,
+		accepted: utilcache.NewLRUExpireCacheWithClock(cfg.MaxEntries, clk),
+		refused:  utilcache.NewLRUExpireCacheWithClock(cfg.MaxEntries, clk),
 		reviewsSent: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "meshid_ca_token_reviews_total",
 			Help: "TokenReviews sent to the API server, by outcome: authenticated, refused, or error (the API call failed).",
@@ -186,19 +185,17 @@ func (a *TokenReviewAuthenticator) Authenticate(ctx context.Context) (caserver.C
 
 // cached returns the cached result for a token's key, counting the hit.
 func (a *TokenReviewAuthenticator) cached(key [sha256.Size]byte) (reviewResult, bool) {
-	now := a.clock.Now()
-	a.mu.Lock()
-	r, ok := a.accepted.get(key, now)
+	v, ok := a.accepted.Get(string(key[:]))
 	outcome := "authenticated"
 	if !ok {
-		r, ok = a.refused.get(key, now)
+		v, ok = a.refused.Get(string(key[:]))
 		outcome = "refused"
 	}
-	a.mu.Unlock()
-	if ok {
-		a.cacheHits.WithLabelValues(outcome).Inc()
+	if !ok {
+		return reviewResult{}, false
 	}
-	return r, ok
+	a.cacheHits.WithLabelValues(outcome).Inc()
+	return v.(reviewResult), true
 }
 
 // review asks the API server about raw and caches the answer. A failed API call is not cached.
@@ -288,9 +285,7 @@ func (a *TokenReviewAuthenticator) check(st authenticationv1.TokenReviewStatus) 
 func (a *TokenReviewAuthenticator) remember(r reviewResult, raw string, key [sha256.Size]byte) reviewResult {
 	now := a.clock.Now()
 	if r.err != nil {
-		a.mu.Lock()
-		a.refused.put(key, r, now.Add(refusalCacheTTL))
-		a.mu.Unlock()
+		a.refused.Add(string(key[:]), r, refusalCacheTTL)
 		return r
 	}
 	until := now.Add(a.ttl)
@@ -301,9 +296,7 @@ func (a *TokenReviewAuthenticator) remember(r reviewResult, raw string, key [sha
 	if !until.After(now) {
 		return r
 	}
-	a.mu.Lock()
-	a.accepted.put(key, r, until)
-	a.mu.Unlock()
+	a.accepted.Add(string(key[:]), r, until.Sub(now))
 	return r
 }
 
@@ -328,50 +321,4 @@ func tokenExpiry(raw string) (time.Time, bool) {
 		return time.Time{}, false
 	}
 	return time.Unix(int64(f), 0), true
-}
-
-// reviewCache maps token hashes to review results until a deadline, holding at most max
-// entries: when full, the oldest entry goes. Not safe for concurrent use.
-type reviewCache struct {
-	max     int
-	entries map[[sha256.Size]byte]*list.Element
-	order   *list.List // of *cacheEntry, oldest first
-}
-
-type cacheEntry struct {
-	key     [sha256.Size]byte
-	result  reviewResult
-	expires time.Time
-}
-
-func newReviewCache(maxEntries int) *reviewCache {
-	return &reviewCache{max: maxEntries, entries: map[[sha256.Size]byte]*list.Element{}, order: list.New()}
-}
-
-func (c *reviewCache) get(key [sha256.Size]byte, now time.Time) (reviewResult, bool) {
-	el, ok := c.entries[key]
-	if !ok {
-		return reviewResult{}, false
-	}
-	e := el.Value.(*cacheEntry)
-	if !now.Before(e.expires) {
-		c.remove(el)
-		return reviewResult{}, false
-	}
-	return e.result, true
-}
-
-func (c *reviewCache) put(key [sha256.Size]byte, r reviewResult, expires time.Time) {
-	if el, ok := c.entries[key]; ok {
-		c.remove(el)
-	}
-	for c.order.Len() >= c.max {
-		c.remove(c.order.Front())
-	}
-	c.entries[key] = c.order.PushBack(&cacheEntry{key: key, result: r, expires: expires})
-}
-
-func (c *reviewCache) remove(el *list.Element) {
-	delete(c.entries, el.Value.(*cacheEntry).key)
-	c.order.Remove(el)
 }

@@ -245,7 +245,7 @@ func TestTokenReviewCache(t *testing.T) {
 		if n := r.reviews.n.Load(); n != 1 {
 			t.Fatalf("%d TokenReviews before the TTL ran out, want 1", n)
 		}
-		r.clock.Advance(time.Second)
+		r.clock.Advance(2 * time.Second)
 		mustReview(t, r, tok)
 		if n := r.reviews.n.Load(); n != 2 {
 			t.Fatalf("%d TokenReviews once the TTL ran out, want 2", n)
@@ -282,7 +282,7 @@ func TestTokenReviewCache(t *testing.T) {
 		if n := r.reviews.n.Load(); n != 1 {
 			t.Fatalf("%d TokenReviews for one bad token sent 20 times, want 1", n)
 		}
-		r.clock.Advance(10 * time.Second)
+		r.clock.Advance(11 * time.Second)
 		if _, err := r.auth.Authenticate(reviewBearer(t.Context(), "not-a-token")); !errors.Is(err, caserver.ErrTokenRejected) {
 			t.Fatalf("error %v, want a refusal", err)
 		}

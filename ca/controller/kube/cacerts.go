@@ -309,10 +309,10 @@ func (c *CACerts) Run(ctx context.Context, keys Offerer) error {
 		if !cache.WaitForCacheSync(ctx.Done(), informer.HasSynced) {
 			return nil // ctx ended
 		}
-		var seen string // the resource version last offered
+		var v versions
 		for {
 			if obj, ok, _ := informer.GetStore().GetByKey(c.cfg.Namespace + "/" + CACertsSecret); ok {
-				seen = c.sync(ctx, obj.(*corev1.Secret), seen, keys)
+				c.sync(ctx, obj.(*corev1.Secret), &v, keys)
 			}
 			wait := time.Duration(float64(c.cfg.RootCheckInterval) * (0.95 + 0.1*c.cfg.Jitter()))
 			timer := c.clock.NewTimer(wait)
@@ -329,23 +329,32 @@ func (c *CACerts) Run(ctx context.Context, keys Offerer) error {
 	return g.Wait()
 }
 
-// sync offers a version of the Secret not offered yet, and renews its root when it is due. It
-// returns the resource version now offered.
-func (c *CACerts) sync(ctx context.Context, s *corev1.Secret, seen string, keys Offerer) string {
+// versions is what the follower knows of the Secret's versions.
+type versions struct {
+	offered string // the last one offered
+	refused string // the last one found invalid, logged and counted once
+}
+
+// sync offers a version of the Secret not offered yet, and renews its root when it is due. A
+// version found invalid is tried again at each sync, since validity depends on the time (a root
+// renewed by a replica whose clock runs ahead is not valid here yet), but reported once.
+func (c *CACerts) sync(ctx context.Context, s *corev1.Secret, v *versions, keys Offerer) {
 	now := c.clock.Now()
-	if s.ResourceVersion != seen {
+	if s.ResourceVersion != v.offered {
 		b, err := ca.BundleFromData(s.Data, c.where, now)
-		if err != nil {
+		switch {
+		case err != nil && s.ResourceVersion != v.refused:
+			v.refused = s.ResourceVersion
 			c.offers.WithLabelValues("invalid").Inc()
 			c.log.Warn("the cacerts secret holds no valid key material; the CA keeps serving the key material it has",
 				logkey.Secret, c.where, logkey.ResourceVersion, s.ResourceVersion, logkey.Reason, err.Error())
-		} else {
+		case err == nil:
+			v.offered = s.ResourceVersion
 			ev := keys.Offer(b, c.where)
 			c.offers.WithLabelValues(string(ev.Kind)).Inc()
 		}
 	}
 	c.rotateIfDue(ctx, s, now)
-	return s.ResourceVersion
 }
 
 // rotateIfDue renews a generated root from the same key once less than the threshold of its

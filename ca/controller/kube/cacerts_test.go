@@ -318,6 +318,9 @@ func startReplicaWith(t *testing.T, cfg *rest.Config, ns string, log *slog.Logge
 	r := &replica{clock: testutil.NewFakeClock(time.Now()), reg: prometheus.NewRegistry()}
 	ccfg := caCertsConfig(t, cfg, ns, r.clock, r.reg)
 	ccfg.Logger = log
+	if log == nil {
+		ccfg.Logger = slog.New(slog.NewTextHandler(tWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	}
 	r.cacerts = newCACerts(t, ccfg)
 	b, origin, err := r.cacerts.Load(t.Context())
 	if err != nil {
@@ -655,3 +658,7 @@ func (l *logRecorder) wait(t *testing.T, msg string) {
 		}
 	}
 }
+
+type tWriter struct{ t *testing.T }
+
+func (w tWriter) Write(p []byte) (int, error) { w.t.Log(string(p)); return len(p), nil }

@@ -20,6 +20,9 @@ type Source string
 const (
 	SourcePluggedIn  Source = "plugged-in"
 	SourceSelfSigned Source = "self-signed"
+	// SourceSecret: the cacerts Secret on Kubernetes, whose writer (an operator, or the replica
+	// that generated it) rotates it; see BundleFromData.
+	SourceSecret Source = "secret"
 )
 
 // Bundle is one generation of the CA's key material. It is immutable: a new generation is a new

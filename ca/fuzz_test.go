@@ -196,7 +196,7 @@ func FuzzLoadCACerts(f *testing.F) {
 				files[names[i]] = data
 			}
 		}
-		b, err := bundleFromLayouts(dir, files, now)
+		b, err := bundleFromLayouts(dir, files, now, SourcePluggedIn)
 		if err != nil {
 			if !strings.Contains(err.Error(), dir) {
 				t.Fatalf("error %q does not name the directory", err)

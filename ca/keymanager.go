@@ -43,9 +43,11 @@ type EventKind string
 
 // Key manager events.
 const (
-	// EventReloaded: new plugged-in files replaced the bundle in service.
+	// EventReloaded: new plugged-in files, or key material offered (Offer), replaced the bundle
+	// in service.
 	EventReloaded EventKind = "reloaded"
-	// EventUnchanged: the plugged-in files changed on disk but hold the key material in service.
+	// EventUnchanged: the plugged-in files changed on disk, or key material was offered, but they
+	// hold the key material in service.
 	EventUnchanged EventKind = "unchanged"
 	// EventRejected: the plugged-in files are incomplete or invalid; the bundle in service stays.
 	EventRejected EventKind = "rejected"
@@ -95,6 +97,12 @@ type KeyManagerConfig struct {
 	Registerer prometheus.Registerer // optional
 	// OnEvent, when set, is told of every reload attempt, rotation and pruning, after the fact.
 	OnEvent func(Event)
+
+	// Initial, when set, is the key material to start from, found outside the state dir (the
+	// cacerts Secret) by the step InitialOrigin names, instead of LoadOrCreate's own steps. The
+	// state dir still keeps the trust bundle and the roots it replaced (see LoadOrCreate).
+	Initial       *Bundle
+	InitialOrigin Origin
 }
 
 // KeyManager keeps the CA's key material current while it runs: it reloads plugged-in files when
@@ -147,7 +155,7 @@ func NewKeyManager(cfg KeyManagerConfig) (*KeyManager, error) {
 		ready: make(chan struct{}),
 		reloads: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "meshid", Subsystem: "ca", Name: "key_material_reloads_total",
-			Help: "Reloads of the plugged-in CA files, by outcome (reloaded, unchanged, rejected).",
+			Help: "Reloads of the plugged-in CA files and offers of key material (the cacerts Secret), by outcome (reloaded, unchanged, rejected).",
 		}, []string{"outcome"}),
 		rotates: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "meshid", Subsystem: "ca", Name: "root_rotations_total",
@@ -166,6 +174,8 @@ func NewKeyManager(cfg KeyManagerConfig) (*KeyManager, error) {
 		Now:                now,
 		Logger:             m.log,
 		OnTempFileRemoved:  func(path string) { m.emit(Event{Kind: EventTempFileRemoved, Path: path}) },
+		Initial:            cfg.Initial,
+		InitialOrigin:      cfg.InitialOrigin,
 	})
 	if err != nil {
 		return nil, err
@@ -253,7 +263,8 @@ func (m *KeyManager) reload() Event {
 	current := m.cfg.Authority.Bundle()
 	next, err := LoadPluggedIn(m.cfg.CACertsDir, now)
 	switch {
-	case errors.Is(err, ErrNoPluggedInCA) && current.Source() == SourceSelfSigned:
+	case errors.Is(err, ErrNoPluggedInCA) && current.Source() != SourcePluggedIn:
+		// Nothing was loaded from the files, so their absence changes nothing.
 		return Event{Kind: EventUnchanged}
 	case errors.Is(err, ErrNoPluggedInCA):
 		m.log.Warn("the plugged-in CA files are gone; the loaded CA keeps serving until they return", logkey.CACertsDir, m.cfg.CACertsDir)
@@ -267,6 +278,38 @@ func (m *KeyManager) reload() Event {
 	m.install(next, now)
 	m.log.Info("plugged-in CA reloaded",
 		logkey.CACertsDir, m.cfg.CACertsDir,
+		logkey.Subject, next.signingCert.Subject.String(),
+		logkey.Root, next.Root().Subject.String(),
+		logkey.NotAfter, next.notAfter,
+		logkey.TookOverFrom, string(current.Source()))
+	return Event{Kind: EventReloaded}
+}
+
+// Offer puts key material from outside the state dir (the cacerts Secret, named by from) in
+// service as a reload of plugged-in files would: the same material changes nothing, other
+// material replaces the bundle in service, whose roots stay trusted for the overlap. A bundle
+// whose Source is not SourceSelfSigned is never renewed by this manager's rotator.
+func (m *KeyManager) Offer(b *Bundle, from string) Event {
+	ev := m.offer(b, from)
+	m.reloads.WithLabelValues(string(ev.Kind)).Inc()
+	m.emit(ev)
+	return ev
+}
+
+func (m *KeyManager) offer(next *Bundle, from string) Event {
+	if next == nil {
+		return Event{Kind: EventRejected, Err: errors.New("no key material offered")}
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	now := m.clock.Now()
+	current := m.cfg.Authority.Bundle()
+	if next.sameMaterial(current) {
+		return Event{Kind: EventUnchanged}
+	}
+	m.install(next, now)
+	m.log.Info("new key material put in service",
+		logkey.From, from,
 		logkey.Subject, next.signingCert.Subject.String(),
 		logkey.Root, next.Root().Subject.String(),
 		logkey.NotAfter, next.notAfter,
@@ -379,7 +422,7 @@ func (m *KeyManager) rotateIfDue(now time.Time) []Event {
 	}
 
 	root := current.signingCert
-	if now.Before(renewalTime(root, m.cfg.RootRotationThreshold)) {
+	if now.Before(RootRenewalTime(root, m.cfg.RootRotationThreshold)) {
 		return events
 	}
 	left := root.NotAfter.Sub(now)
@@ -406,11 +449,11 @@ func (m *KeyManager) rotateIfDue(now time.Time) []Event {
 	return append(events, Event{Kind: EventRotated})
 }
 
-// renewalTime is when only threshold of root's lifetime is left. The lifetime counts from when
+// RootRenewalTime is when only threshold of root's lifetime is left. The lifetime counts from when
 // the root was issued, not from its NotBefore, which selfSignRoot backdates: with the backdate
 // counted, a root whose TTL is short next to the backdate would be due as soon as it is made, and
 // its successor too, at every check.
-func renewalTime(root *x509.Certificate, threshold float64) time.Time {
+func RootRenewalTime(root *x509.Certificate, threshold float64) time.Time {
 	issued := root.NotBefore.Add(Backdate)
 	if !issued.Before(root.NotAfter) {
 		issued = root.NotBefore // not backdated by us: its whole validity is its lifetime

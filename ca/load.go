@@ -70,17 +70,24 @@ func LoadPluggedIn(dir string, now time.Time) (*Bundle, error) {
 	if err != nil {
 		return nil, err
 	}
-	return bundleFromLayouts(dir, files, now)
+	return bundleFromLayouts(dir, files, now, SourcePluggedIn)
+}
+
+// BundleFromData builds the bundle of a cacerts Secret's data, in either layout of LoadPluggedIn;
+// where names the Secret in errors ("secret istio-system/cacerts"). Its Source is SourceSecret,
+// which the key manager's self-signed rotator never touches: the Secret's owner rotates it.
+func BundleFromData(files map[string][]byte, where string, now time.Time) (*Bundle, error) {
+	return bundleFromLayouts(where, files, now, SourceSecret)
 }
 
 // bundleFromLayouts builds the bundle of the files of dir, by name, in whichever layout they
 // complete. It reads nothing: FuzzLoadCACerts calls it with arbitrary contents.
-func bundleFromLayouts(dir string, files map[string][]byte, now time.Time) (*Bundle, error) {
+func bundleFromLayouts(dir string, files map[string][]byte, now time.Time, source Source) (*Bundle, error) {
 	if complete(files, istioLayout()) {
-		return bundleFromFiles(dir, files, [4]string{CACertFile, CAKeyFile, CertChainFile, RootCertFile}, now)
+		return bundleFromFiles(dir, files, [4]string{CACertFile, CAKeyFile, CertChainFile, RootCertFile}, now, source)
 	}
 	if complete(files, tlsLayout()) {
-		return bundleFromFiles(dir, files, [4]string{TLSCertFile, TLSKeyFile, "", TLSCAFile}, now)
+		return bundleFromFiles(dir, files, [4]string{TLSCertFile, TLSKeyFile, "", TLSCAFile}, now, source)
 	}
 	if len(files) == 0 {
 		return nil, fmt.Errorf("%s: %w", dir, ErrNoPluggedInCA)
@@ -131,7 +138,7 @@ func describeMissing(files map[string][]byte) string {
 
 // bundleFromFiles builds a bundle from the files named (signing cert, key, chain, roots); an empty
 // chain name means the layout has no chain file.
-func bundleFromFiles(dir string, files map[string][]byte, names [4]string, now time.Time) (*Bundle, error) {
+func bundleFromFiles(dir string, files map[string][]byte, names [4]string, now time.Time, source Source) (*Bundle, error) {
 	certName, keyName, chainName, rootName := names[0], names[1], names[2], names[3]
 	certs, err := pki.ParseCertificates(files[certName])
 	if err != nil {
@@ -161,7 +168,7 @@ func bundleFromFiles(dir string, files map[string][]byte, names [4]string, now t
 		SigningKey:    key,
 		Intermediates: intermediates,
 		Roots:         roots,
-		Source:        SourcePluggedIn,
+		Source:        source,
 		Now:           now,
 	})
 	if err != nil {
@@ -297,14 +304,24 @@ func completeInterruptedPair(cfg StartupConfig) error {
 	return nil
 }
 
+// GenerateSelfSignedRoot generates a root key and its self-signed certificate, valid from now
+// for cfg.TTL, and persists nothing.
+func GenerateSelfSignedRoot(cfg SelfSignedConfig, now time.Time) (*x509.Certificate, crypto.Signer, error) {
+	key, err := pki.GenerateKey(cfg.KeyAlgorithm, cfg.RSAKeySize)
+	if err != nil {
+		return nil, nil, err
+	}
+	root, err := NewRootCertificate(key, cfg.Org, cfg.TTL, now)
+	if err != nil {
+		return nil, nil, err
+	}
+	return root, key, nil
+}
+
 // CreateSelfSigned generates a root key and certificate and persists them in stateDir as one
 // unit (see persistPair).
 func CreateSelfSigned(stateDir string, cfg SelfSignedConfig, now time.Time) (*Bundle, error) {
-	key, err := pki.GenerateKey(cfg.KeyAlgorithm, cfg.RSAKeySize)
-	if err != nil {
-		return nil, err
-	}
-	root, err := NewRootCertificate(key, cfg.Org, cfg.TTL, now)
+	root, key, err := GenerateSelfSignedRoot(cfg, now)
 	if err != nil {
 		return nil, err
 	}
@@ -325,6 +342,11 @@ const (
 	OriginPluggedIn Origin = "plugged-in cacerts"
 	OriginPersisted Origin = "persisted self-signed CA"
 	OriginGenerated Origin = "new self-signed CA"
+	// The key material of the cacerts Secret (seed 001): found there, copied there from
+	// istio-ca-secret, or generated and stored there by this replica.
+	OriginCACertsSecret   Origin = "cacerts secret"
+	OriginIstioCASecret   Origin = "cacerts secret created from istio-ca-secret"
+	OriginGeneratedSecret Origin = "new self-signed CA in the cacerts secret"
 )
 
 // StartupConfig configures LoadOrCreate.
@@ -339,6 +361,10 @@ type StartupConfig struct {
 	// OnTempFileRemoved, when set, is told of each temporary file left by an interrupted write
 	// that LoadOrCreate removed from StateDir.
 	OnTempFileRemoved func(path string)
+	// Initial, when set, is the key material, found outside the state dir (the cacerts Secret)
+	// with InitialOrigin: the plugged-in and self-signed steps are skipped, the rest is done.
+	Initial       *Bundle
+	InitialOrigin Origin
 }
 
 // lockFile serialises replicas that share a state dir while they create or rotate the root.
@@ -347,7 +373,8 @@ const lockFile = ".lock"
 // LoadOrCreate finds the CA's key material in Istio's start-up order: a complete plugged-in
 // bundle in CACertsDir (a missing CACertsDir is refused before anything is written; an empty one
 // holds no bundle), else the self-signed CA persisted in StateDir (renewed with the same key
-// if it has expired), else a new self-signed root, persisted there. Roots that the previous
+// if it has expired), else a new self-signed root, persisted there; cfg.Initial, when set, takes
+// the place of those steps. Roots that the previous
 // root-cert.pem trusted and that are still within their overlap stay trusted, as retained roots
 // (see retainPrevious). It then writes the record of replaced roots and the trust bundle to
 // StateDir/root-cert.pem for clients. Replicas sharing StateDir take turns.
@@ -369,9 +396,11 @@ func LoadOrCreate(cfg StartupConfig) (*Bundle, Origin, error) {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
 	removeTempFiles(cfg)
-	b, origin, err := loadOrCreate(cfg)
-	if err != nil {
-		return nil, "", err
+	b, origin := cfg.Initial, cfg.InitialOrigin
+	if b == nil {
+		if b, origin, err = loadOrCreate(cfg); err != nil {
+			return nil, "", err
+		}
 	}
 	previous, err := readTrustBundle(cfg.StateDir)
 	if err != nil {

@@ -69,4 +69,8 @@ const (
 	Detail            = "detail"
 	Replaced          = "replaced"
 	Suppressed        = "suppressed"
+	From              = "from"
+	ResourceVersion   = "resource_version"
+	Operation         = "operation"
+	ConfigMap         = "configmap"
 )

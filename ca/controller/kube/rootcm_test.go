@@ -1,0 +1,229 @@
+package kube_test
+
+import (
+	"context"
+	"maps"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/meshid/meshid/ca"
+	"github.com/meshid/meshid/ca/controller"
+	"github.com/meshid/meshid/ca/controller/kube"
+	"github.com/meshid/meshid/internal/testutil"
+)
+
+// nsStore is the tests' namespace store, an informer on namespaces as admin (kube.Store is
+// written elsewhere).
+type nsStore struct {
+	informer cache.SharedIndexInformer
+
+	mu      sync.Mutex
+	changed chan struct{}
+}
+
+func startNamespaceStore(t *testing.T) *nsStore {
+	t.Helper()
+	namespaces := env.Core().Namespaces()
+	s := &nsStore{changed: make(chan struct{})}
+	s.informer = cache.NewSharedIndexInformer(&cache.ListWatch{
+		ListWithContextFunc: func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
+			return namespaces.List(ctx, opts)
+		},
+		WatchFuncWithContext: func(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error) {
+			return namespaces.Watch(ctx, opts)
+		},
+	}, &corev1.Namespace{}, 0, cache.Indexers{})
+	notify := func() {
+		s.mu.Lock()
+		close(s.changed)
+		s.changed = make(chan struct{})
+		s.mu.Unlock()
+	}
+	if _, err := s.informer.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc: func(any) { notify() }, UpdateFunc: func(any, any) { notify() }, DeleteFunc: func(any) { notify() },
+	}); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { s.informer.RunWithContext(ctx); close(done) }()
+	t.Cleanup(func() { cancel(); <-done })
+	if !cache.WaitForCacheSync(t.Context().Done(), s.informer.HasSynced) {
+		t.Fatal("the namespace informer never synced")
+	}
+	return s
+}
+
+func (s *nsStore) NamespaceLabels(_ context.Context, name string) (map[string]string, bool, error) {
+	obj, ok, err := s.informer.GetStore().GetByKey(name)
+	if err != nil || !ok {
+		return nil, false, err
+	}
+	return maps.Clone(obj.(*corev1.Namespace).Labels), true, nil
+}
+
+func (s *nsStore) Namespaces(context.Context) ([]controller.Namespace, error) {
+	var out []controller.Namespace
+	for _, obj := range s.informer.GetStore().List() {
+		ns := obj.(*corev1.Namespace)
+		out = append(out, controller.Namespace{Name: ns.Name, Labels: maps.Clone(ns.Labels)})
+	}
+	slices.SortFunc(out, func(a, b controller.Namespace) int { return strings.Compare(a.Name, b.Name) })
+	return out, nil
+}
+
+func (s *nsStore) Changed() <-chan struct{} {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.changed
+}
+
+// selfSignedBundle is key material of a new self-signed root, as a cacerts Secret gives it.
+func selfSignedBundle(t *testing.T, name string) *ca.Bundle {
+	t.Helper()
+	root := testutil.NewRootCA(t, testutil.CAOptions{CommonName: name})
+	b, err := ca.BundleFromData(map[string][]byte{
+		ca.CACertFile: testutil.CertPEM(root.Cert), ca.CAKeyFile: testutil.KeyPEM(t, root.Key),
+		ca.CertChainFile: nil, ca.RootCertFile: nil,
+	}, name, time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+// runRootConfigMaps publishes authority's roots for the CA instance of caNS, as cfg's user,
+// until the test ends.
+func runRootConfigMaps(t *testing.T, cfg *rest.Config, caNS string, store *nsStore, authority *ca.Authority, reg prometheus.Registerer) {
+	t.Helper()
+	clients, err := kube.NewClients(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := kube.NewRootConfigMaps(kube.RootConfigMapsConfig{
+		Clients:    clients,
+		Store:      store,
+		Targeting:  controller.NewTargeting(controller.TargetingConfig{Store: store, CANamespace: caNS}),
+		Bundle:     authority,
+		RetryBase:  10 * time.Millisecond,
+		Registerer: reg,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	})
+}
+
+// waitConfigMap polls the API server until the namespace's root ConfigMap holds want.
+func waitConfigMap(t *testing.T, ns string, want []byte) *corev1.ConfigMap {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		cm, err := env.Core().ConfigMaps(ns).Get(context.Background(), kube.RootCertConfigMap, metav1.GetOptions{})
+		if err == nil && cm.Data[kube.RootCertKey] == string(want) {
+			return cm
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the root configmap of %s never held the expected roots (last: %v)", ns, err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func requireNoConfigMap(t *testing.T, ns string) {
+	t.Helper()
+	_, err := env.Core().ConfigMaps(ns).Get(context.Background(), kube.RootCertConfigMap, metav1.GetOptions{})
+	if !apierrors.IsNotFound(err) {
+		t.Fatalf("namespace %s, which the CA does not serve, has a root configmap (err %v)", ns, err)
+	}
+}
+
+func TestRootConfigMaps(t *testing.T) {
+	t.Parallel()
+	caNS := env.Namespace(t, nil)
+	mine := map[string]string{controller.LabelEnv: caNS}
+	served := env.Namespace(t, mine)
+	servedToo := env.Namespace(t, mine)
+	off := env.Namespace(t, map[string]string{controller.LabelEnv: caNS, controller.LabelOverride: "false"})
+	other := env.Namespace(t, map[string]string{controller.LabelEnv: caNS + "-other"})
+
+	authority := ca.New(ca.Config{}, nil)
+	keys, err := ca.NewKeyManager(ca.KeyManagerConfig{
+		Authority: authority, StateDir: t.TempDir(), Initial: selfSignedBundle(t, "first root"), InitialOrigin: ca.OriginCACertsSecret,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	runRootConfigMaps(t, env.Admin, caNS, startNamespaceStore(t), authority, prometheus.NewRegistry())
+
+	roots := authority.Bundle().RootsPEM()
+	for _, ns := range []string{served, servedToo} {
+		cm := waitConfigMap(t, ns, roots)
+		if cm.Labels[kube.LabelIstioConfig] != "true" {
+			t.Fatalf("the root configmap of %s is labelled %v", ns, cm.Labels)
+		}
+	}
+	requireNoConfigMap(t, off)
+	requireNoConfigMap(t, other)
+
+	// A new root: the old one stays trusted, and both are published.
+	if ev := keys.Offer(selfSignedBundle(t, "second root"), "test"); ev.Kind != ca.EventReloaded {
+		t.Fatalf("offer: %s", ev.Kind)
+	}
+	roots = authority.Bundle().RootsPEM()
+	if n := strings.Count(string(roots), "BEGIN CERTIFICATE"); n != 2 {
+		t.Fatalf("%d roots in the trust bundle, want the new and the retained one", n)
+	}
+	waitConfigMap(t, served, roots)
+	waitConfigMap(t, servedToo, roots)
+
+	// A user deletes one and edits the other.
+	if err := env.Core().ConfigMaps(served).Delete(t.Context(), kube.RootCertConfigMap, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	cm := waitConfigMap(t, servedToo, roots)
+	cm.Data[kube.RootCertKey] = "junk"
+	cm.Data["mine"] = "kept"
+	delete(cm.Labels, kube.LabelIstioConfig)
+	if _, err := env.Core().ConfigMaps(servedToo).Update(t.Context(), cm, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitConfigMap(t, served, roots)
+	cm = waitConfigMap(t, servedToo, roots)
+	if cm.Data["mine"] != "kept" || cm.Labels[kube.LabelIstioConfig] != "true" {
+		t.Fatalf("the restored configmap has data keys %v and labels %v", slices.Collect(maps.Keys(cm.Data)), cm.Labels)
+	}
+
+	// Namespaces that become served get theirs.
+	ns, err := env.Core().Namespaces().Get(t.Context(), off, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	delete(ns.Labels, controller.LabelOverride)
+	if _, err := env.Core().Namespaces().Update(t.Context(), ns, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitConfigMap(t, off, roots)
+	waitConfigMap(t, env.Namespace(t, mine), roots)
+	requireNoConfigMap(t, other)
+}

@@ -662,3 +662,30 @@ func (l *logRecorder) wait(t *testing.T, msg string) {
 type tWriter struct{ t *testing.T }
 
 func (w tWriter) Write(p []byte) (int, error) { w.t.Log(string(p)); return len(p), nil }
+
+// A version not valid yet here (written by a replica or operator whose clock runs ahead) is
+// reported once and taken once it is valid, with no new version needed.
+func TestCACertsVersionNotValidYetIsTakenLater(t *testing.T) {
+	t.Parallel()
+	ns := env.Namespace(t, nil)
+	logs := newLogRecorder()
+	r := startReplicaWith(t, env.Admin, ns, logs.logger())
+	const invalid = "the cacerts secret holds no valid key material; the CA keeps serving the key material it has"
+
+	ahead := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "ahead", NotBefore: r.clock.Now().Add(time.Hour)})
+	s := getSecret(t, ns, kube.CACertsSecret)
+	s.Data = map[string][]byte{
+		ca.CACertFile: testutil.CertPEM(ahead.Cert), ca.CAKeyFile: testutil.KeyPEM(t, ahead.Key),
+		ca.CertChainFile: {}, ca.RootCertFile: {},
+	}
+	s.Annotations = nil
+	if _, err := env.Core().Secrets(ns).Update(t.Context(), s, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	logs.wait(t, invalid)
+	r.check(t, checkInterval) // the next root check is an hour on
+	r.waitSigner(t, "the root valid from an hour on", func(c *x509.Certificate) bool { return c.Equal(ahead.Cert) })
+	if n := logs.count(invalid); n != 1 {
+		t.Errorf("the version not valid yet was reported %d times, want once", n)
+	}
+}

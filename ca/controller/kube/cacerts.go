@@ -19,8 +19,6 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
-	"k8s.io/apimachinery/pkg/runtime"
-	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/meshid/meshid/ca"
@@ -76,7 +74,9 @@ type CACerts struct {
 	offers  *prometheus.CounterVec
 	rotates *prometheus.CounterVec
 	apiErrs *prometheus.CounterVec
-	deletes prometheus.Counter
+	// watchErrs counts failed lists and watches, shared with the other informers.
+	watchErrs *prometheus.CounterVec
+	deletes   prometheus.Counter
 }
 
 // NewCACerts returns a CACerts. It starts no goroutine.
@@ -100,10 +100,11 @@ func NewCACerts(cfg CACertsConfig) (*CACerts, error) {
 		cfg.Jitter = rand.Float64
 	}
 	c := &CACerts{
-		cfg:   cfg,
-		clock: clock.OrReal(cfg.Clock),
-		log:   cfg.Logger,
-		where: "secret " + cfg.Namespace + "/" + CACertsSecret,
+		watchErrs: watchErrors(cfg.Registerer),
+		cfg:       cfg,
+		clock:     clock.OrReal(cfg.Clock),
+		log:       cfg.Logger,
+		where:     "secret " + cfg.Namespace + "/" + CACertsSecret,
 		offers: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "meshid", Subsystem: "ca", Name: "cacerts_secret_versions_total",
 			Help: "Versions of the cacerts Secret seen, by outcome (reloaded, unchanged, rejected by the key manager; invalid data).",
@@ -266,24 +267,8 @@ func generated(s *corev1.Secret) bool {
 // rotation or plug-in by any replica or operator reaches every replica with no restart. On each
 // version and every RootCheckInterval (±5%) it renews a generated root that nears its end.
 func (c *CACerts) Run(ctx context.Context, keys Offerer) error {
-	secrets := c.cfg.Clients.Core.Secrets(c.cfg.Namespace)
-	byName := fields.OneTermEqualSelector("metadata.name", CACertsSecret).String()
-	informer := cache.NewSharedIndexInformer(&cache.ListWatch{
-		ListWithContextFunc: func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
-			opts.FieldSelector = byName
-			return secrets.List(ctx, opts)
-		},
-		WatchFuncWithContext: func(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error) {
-			opts.FieldSelector = byName
-			return secrets.Watch(ctx, opts)
-		},
-	}, &corev1.Secret{}, 0, cache.Indexers{})
-	if err := informer.SetWatchErrorHandlerWithContext(func(_ context.Context, _ *cache.Reflector, err error) {
-		c.apiErrs.WithLabelValues("watch").Inc()
-		c.log.Warn("cannot watch the cacerts secret; retrying", logkey.Secret, c.where, logkey.Error, err.Error())
-	}); err != nil {
-		return err
-	}
+	informer := newInformer(cache.NewListWatchFromClient(c.cfg.Clients.Core.RESTClient(), "secrets", c.cfg.Namespace,
+		fields.OneTermEqualSelector("metadata.name", CACertsSecret)), &corev1.Secret{}, "secrets/"+CACertsSecret, nil, c.log, c.watchErrs)
 	// One pending wake-up is enough: each sync reads the latest version.
 	wake := make(chan struct{}, 1)
 	poke := func() {

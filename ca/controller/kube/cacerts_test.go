@@ -94,33 +94,6 @@ func pluggedIn(t *testing.T) (map[string][]byte, *testutil.CA, *testutil.CA) {
 	}, root, inter
 }
 
-func counter(t *testing.T, reg *prometheus.Registry, name, label, value string) float64 {
-	t.Helper()
-	families, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range families {
-		if mf.GetName() != name {
-			continue
-		}
-		sum := 0.0
-		for _, m := range mf.GetMetric() {
-			if label == "" {
-				sum += m.GetCounter().GetValue()
-				continue
-			}
-			for _, l := range m.GetLabel() {
-				if l.GetName() == label && l.GetValue() == value {
-					return m.GetCounter().GetValue()
-				}
-			}
-		}
-		return sum
-	}
-	return 0
-}
-
 func TestCACertsLoadStartupPaths(t *testing.T) {
 	t.Parallel()
 	istiodRoot := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "istiod root"})
@@ -319,7 +292,7 @@ func startReplicaWith(t *testing.T, cfg *rest.Config, ns string, log *slog.Logge
 	ccfg := caCertsConfig(t, cfg, ns, r.clock, r.reg)
 	ccfg.Logger = log
 	if log == nil {
-		ccfg.Logger = slog.New(slog.NewTextHandler(tWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug}))
+		ccfg.Logger = testLogger(t)
 	}
 	r.cacerts = newCACerts(t, ccfg)
 	b, origin, err := r.cacerts.Load(t.Context())
@@ -470,11 +443,11 @@ func TestCACertsReplicasShareOneRootAndRotateItOnce(t *testing.T) {
 		}
 	}
 	const rotations = "meshid_ca_cacerts_secret_rotations_total"
-	if got := counter(t, a.reg, rotations, "outcome", "rotated"); got != 1 {
+	if got := metric(t, a.reg, rotations, "outcome", "rotated"); got != 1 {
 		t.Errorf("replica a rotated %v times, want 1", got)
 	}
 	b.idle(t)
-	if got, conflicts := counter(t, b.reg, rotations, "outcome", "rotated"), counter(t, b.reg, rotations, "outcome", "conflict"); got != 0 || conflicts != 1 {
+	if got, conflicts := metric(t, b.reg, rotations, "outcome", "rotated"), metric(t, b.reg, rotations, "outcome", "conflict"); got != 0 || conflicts != 1 {
 		t.Errorf("replica b rotated %v times with %v conflicts, want 0 and 1", got, conflicts)
 	}
 	s := getSecret(t, ns, kube.CACertsSecret)
@@ -485,7 +458,7 @@ func TestCACertsReplicasShareOneRootAndRotateItOnce(t *testing.T) {
 		t.Fatal("the renewed cacerts is not marked as generated")
 	}
 	for name, r := range map[string]*replica{"a": a, "b": b} {
-		if got := counter(t, r.reg, "meshid_ca_cacerts_secret_versions_total", "outcome", string(ca.EventReloaded)); got != 1 {
+		if got := metric(t, r.reg, "meshid_ca_cacerts_secret_versions_total", "outcome", string(ca.EventReloaded)); got != 1 {
 			t.Errorf("replica %s reloaded %v versions, want 1", name, got)
 		}
 	}
@@ -531,7 +504,7 @@ func TestCACertsOperatorPlugInReachesReplicas(t *testing.T) {
 				t.Fatalf("the operator's cacerts was rewritten (version %s, then %s)", version, got)
 			}
 			for name, r := range map[string]*replica{"a": a, "b": b} {
-				if got := counter(t, r.reg, "meshid_ca_cacerts_secret_rotations_total", "", ""); got != 0 {
+				if got := metric(t, r.reg, "meshid_ca_cacerts_secret_rotations_total"); got != 0 {
 					t.Errorf("replica %s tried %v rotations, want none", name, got)
 				}
 				if !isPlugged(r.authority.Bundle().SigningCert()) {
@@ -577,10 +550,10 @@ func TestCACertsInvalidOrDeletedKeepsServing(t *testing.T) {
 			t.Errorf("logged %d times, want once: %s", n, msg)
 		}
 	}
-	if got := counter(t, r.reg, "meshid_ca_cacerts_secret_versions_total", "outcome", "invalid"); got != 1 {
+	if got := metric(t, r.reg, "meshid_ca_cacerts_secret_versions_total", "outcome", "invalid"); got != 1 {
 		t.Errorf("%v invalid versions counted, want 1", got)
 	}
-	if got := counter(t, r.reg, "meshid_ca_cacerts_secret_deletions_total", "", ""); got != 1 {
+	if got := metric(t, r.reg, "meshid_ca_cacerts_secret_deletions_total"); got != 1 {
 		t.Errorf("%v deletions counted, want 1", got)
 	}
 	if logs.contains("PRIVATE KEY") || logs.contains("not a key") {
@@ -658,10 +631,6 @@ func (l *logRecorder) wait(t *testing.T, msg string) {
 		}
 	}
 }
-
-type tWriter struct{ t *testing.T }
-
-func (w tWriter) Write(p []byte) (int, error) { w.t.Log(string(p)); return len(p), nil }
 
 // A version not valid yet here (written by a replica or operator whose clock runs ahead) is
 // reported once and taken once it is valid, with no new version needed.

@@ -49,7 +49,7 @@ func TestLeaderElectionHandsOver(t *testing.T) {
 
 	first := receive(t, leading, "a leader")
 	follower := map[string]string{"a": "b", "b": "a"}[first]
-	gauge := func(id string) float64 { return metricValue(t, replicas[id].reg, "meshid_ca_leader") }
+	gauge := func(id string) float64 { return metric(t, replicas[id].reg, "meshid_ca_leader") }
 	if gauge(first) != 1 || gauge(follower) != 0 {
 		t.Errorf("meshid_ca_leader: %s %g, %s %g", first, gauge(first), follower, gauge(follower))
 	}
@@ -85,21 +85,4 @@ func receive[T any](t *testing.T, ch <-chan T, what string) T {
 		t.Fatalf("%s: not within %s", what, waitLimit)
 		panic("unreachable")
 	}
-}
-
-// metricValue is the value of an unlabelled gauge or counter.
-func metricValue(t *testing.T, reg *prometheus.Registry, name string) float64 {
-	t.Helper()
-	families, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, f := range families {
-		if f.GetName() == name && len(f.GetMetric()) == 1 {
-			m := f.GetMetric()[0]
-			return m.GetGauge().GetValue() + m.GetCounter().GetValue()
-		}
-	}
-	t.Fatalf("no metric %s", name)
-	return 0
 }

@@ -15,8 +15,6 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
-	"k8s.io/apimachinery/pkg/runtime"
-	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/workqueue"
 
@@ -73,7 +71,9 @@ type RootConfigMaps struct {
 	limiter workqueue.TypedRateLimiter[string]
 	writes  *prometheus.CounterVec
 	apiErrs *prometheus.CounterVec
-	wake    chan struct{} // a retry was scheduled
+	// watchErrs counts failed lists and watches, shared with the other informers.
+	watchErrs *prometheus.CounterVec
+	wake      chan struct{} // a retry was scheduled
 
 	mu  sync.Mutex
 	due map[string]time.Time // namespaces to retry, and when
@@ -99,12 +99,13 @@ func NewRootConfigMaps(cfg RootConfigMapsConfig) (*RootConfigMaps, error) {
 		cfg.RetryMax = max(5*time.Minute, cfg.RetryBase)
 	}
 	r := &RootConfigMaps{
-		cfg:     cfg,
-		clock:   clock.OrReal(cfg.Clock),
-		log:     cfg.Logger,
-		limiter: workqueue.NewTypedItemExponentialFailureRateLimiter[string](cfg.RetryBase, cfg.RetryMax),
-		wake:    make(chan struct{}, 1),
-		due:     map[string]time.Time{},
+		watchErrs: watchErrors(cfg.Registerer),
+		cfg:       cfg,
+		clock:     clock.OrReal(cfg.Clock),
+		log:       cfg.Logger,
+		limiter:   workqueue.NewTypedItemExponentialFailureRateLimiter[string](cfg.RetryBase, cfg.RetryMax),
+		wake:      make(chan struct{}, 1),
+		due:       map[string]time.Time{},
 		writes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "meshid", Subsystem: "ca", Name: "root_configmap_writes_total",
 			Help: "Writes of the istio-ca-root-cert ConfigMaps, by operation (create, update).",
@@ -129,24 +130,8 @@ func NewRootConfigMaps(cfg RootConfigMapsConfig) (*RootConfigMaps, error) {
 
 // Run keeps the ConfigMaps current until ctx ends.
 func (r *RootConfigMaps) Run(ctx context.Context) error {
-	configMaps := r.cfg.Clients.Core.ConfigMaps(metav1.NamespaceAll)
-	byName := fields.OneTermEqualSelector("metadata.name", RootCertConfigMap).String()
-	informer := cache.NewSharedIndexInformer(&cache.ListWatch{
-		ListWithContextFunc: func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
-			opts.FieldSelector = byName
-			return configMaps.List(ctx, opts)
-		},
-		WatchFuncWithContext: func(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error) {
-			opts.FieldSelector = byName
-			return configMaps.Watch(ctx, opts)
-		},
-	}, &corev1.ConfigMap{}, 0, cache.Indexers{})
-	if err := informer.SetWatchErrorHandlerWithContext(func(_ context.Context, _ *cache.Reflector, err error) {
-		r.apiErrs.WithLabelValues("watch").Inc()
-		r.log.Warn("cannot watch the root configmaps; retrying", logkey.ConfigMap, RootCertConfigMap, logkey.Error, err.Error())
-	}); err != nil {
-		return err
-	}
+	informer := newInformer(cache.NewListWatchFromClient(r.cfg.Clients.Core.RESTClient(), "configmaps", metav1.NamespaceAll,
+		fields.OneTermEqualSelector("metadata.name", RootCertConfigMap)), &corev1.ConfigMap{}, "configmaps/"+RootCertConfigMap, nil, r.log, r.watchErrs)
 	queue := workqueue.NewTyped[string]()
 	enqueue := func(obj any) {
 		if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {

@@ -2,10 +2,10 @@ package kube_test
 
 import (
 	"context"
+	"errors"
 	"maps"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -13,10 +13,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/runtime"
-	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/cache"
 
 	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/ca/controller"
@@ -24,70 +21,13 @@ import (
 	"github.com/meshid/meshid/internal/testutil"
 )
 
-// nsStore is the tests' namespace store, an informer on namespaces as admin (kube.Store is
-// written elsewhere).
-type nsStore struct {
-	informer cache.SharedIndexInformer
-
-	mu      sync.Mutex
-	changed chan struct{}
-}
-
-func startNamespaceStore(t *testing.T) *nsStore {
+// startNamespaceStore runs a Store of every namespace, as admin, until the test ends.
+func startNamespaceStore(t *testing.T) *kube.Store {
 	t.Helper()
-	namespaces := env.Core().Namespaces()
-	s := &nsStore{changed: make(chan struct{})}
-	s.informer = cache.NewSharedIndexInformer(&cache.ListWatch{
-		ListWithContextFunc: func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
-			return namespaces.List(ctx, opts)
-		},
-		WatchFuncWithContext: func(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error) {
-			return namespaces.Watch(ctx, opts)
-		},
-	}, &corev1.Namespace{}, 0, cache.Indexers{})
-	notify := func() {
-		s.mu.Lock()
-		close(s.changed)
-		s.changed = make(chan struct{})
-		s.mu.Unlock()
-	}
-	if _, err := s.informer.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc: func(any) { notify() }, UpdateFunc: func(any, any) { notify() }, DeleteFunc: func(any) { notify() },
-	}); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { s.informer.RunWithContext(ctx); close(done) }()
-	t.Cleanup(func() { cancel(); <-done })
-	if !cache.WaitForCacheSync(t.Context().Done(), s.informer.HasSynced) {
-		t.Fatal("the namespace informer never synced")
-	}
-	return s
-}
-
-func (s *nsStore) NamespaceLabels(_ context.Context, name string) (map[string]string, bool, error) {
-	obj, ok, err := s.informer.GetStore().GetByKey(name)
-	if err != nil || !ok {
-		return nil, false, err
-	}
-	return maps.Clone(obj.(*corev1.Namespace).Labels), true, nil
-}
-
-func (s *nsStore) Namespaces(context.Context) ([]controller.Namespace, error) {
-	var out []controller.Namespace
-	for _, obj := range s.informer.GetStore().List() {
-		ns := obj.(*corev1.Namespace)
-		out = append(out, controller.Namespace{Name: ns.Name, Labels: maps.Clone(ns.Labels)})
-	}
-	slices.SortFunc(out, func(a, b controller.Namespace) int { return strings.Compare(a.Name, b.Name) })
-	return out, nil
-}
-
-func (s *nsStore) Changed() <-chan struct{} {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.changed
+	store := kube.NewStore(kube.StoreConfig{Clients: clientsFor(t, env.Admin), Logger: testLogger(t)})
+	start(t, store.Run)
+	waitClosed(t, store.Synced(), "namespace store synced")
+	return store
 }
 
 // selfSignedBundle is key material of a new self-signed root, as a cacerts Secret gives it.
@@ -106,7 +46,7 @@ func selfSignedBundle(t *testing.T, name string) *ca.Bundle {
 
 // runRootConfigMaps publishes authority's roots for the CA instance of caNS, as cfg's user,
 // until the test ends.
-func runRootConfigMaps(t *testing.T, cfg *rest.Config, caNS string, store *nsStore, authority *ca.Authority, reg prometheus.Registerer) {
+func runRootConfigMaps(t *testing.T, cfg *rest.Config, caNS string, store *kube.Store, authority *ca.Authority, reg prometheus.Registerer) {
 	t.Helper()
 	clients, err := kube.NewClients(cfg)
 	if err != nil {
@@ -123,31 +63,20 @@ func runRootConfigMaps(t *testing.T, cfg *rest.Config, caNS string, store *nsSto
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Run: %v", err)
-		}
-	})
+	start(t, r.Run)
 }
 
 // waitConfigMap polls the API server until the namespace's root ConfigMap holds want.
 func waitConfigMap(t *testing.T, ns string, want []byte) *corev1.ConfigMap {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		cm, err := env.Core().ConfigMaps(ns).Get(context.Background(), kube.RootCertConfigMap, metav1.GetOptions{})
-		if err == nil && cm.Data[kube.RootCertKey] == string(want) {
-			return cm
+	var cm *corev1.ConfigMap
+	eventually(t, "the root configmap of "+ns+" holds the expected roots", func() (err error) {
+		if cm, err = env.Core().ConfigMaps(ns).Get(context.Background(), kube.RootCertConfigMap, metav1.GetOptions{}); err == nil && cm.Data[kube.RootCertKey] != string(want) {
+			err = errors.New("other roots")
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the root configmap of %s never held the expected roots (last: %v)", ns, err)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+		return err
+	})
+	return cm
 }
 
 func requireNoConfigMap(t *testing.T, ns string) {

@@ -13,7 +13,6 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	rbacv1client "k8s.io/client-go/kubernetes/typed/rbac/v1"
 	"k8s.io/client-go/rest"
 
 	"github.com/meshid/meshid/ca"
@@ -28,31 +27,6 @@ import (
 var secretControllerRules = []rbacv1.PolicyRule{
 	{APIGroups: []string{""}, Resources: []string{"namespaces", "serviceaccounts"}, Verbs: []string{"get", "list", "watch"}},
 	{APIGroups: []string{""}, Resources: []string{"secrets"}, Verbs: []string{"get", "list", "watch", "create", "update", "delete"}},
-}
-
-// grant binds a ClusterRole of rules to a service account, for the test's life.
-func grant(t *testing.T, ns, sa string, rules []rbacv1.PolicyRule) {
-	t.Helper()
-	ctx := context.Background()
-	rbac, err := rbacv1client.NewForConfig(env.Admin)
-	if err != nil {
-		t.Fatal(err)
-	}
-	name := "meshid-test-" + ns + "-" + sa
-	if _, err := rbac.ClusterRoles().Create(ctx, &rbacv1.ClusterRole{ObjectMeta: metav1.ObjectMeta{Name: name}, Rules: rules}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := rbac.ClusterRoleBindings().Create(ctx, &rbacv1.ClusterRoleBinding{
-		ObjectMeta: metav1.ObjectMeta{Name: name},
-		RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: name},
-		Subjects:   []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Namespace: ns, Name: sa}},
-	}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = rbac.ClusterRoleBindings().Delete(ctx, name, metav1.DeleteOptions{})
-		_ = rbac.ClusterRoles().Delete(ctx, name, metav1.DeleteOptions{})
-	})
 }
 
 // secretsOnKube runs the secret controller of namespace ns over the Kubernetes stores, with the
@@ -157,7 +131,7 @@ func TestSecretsLifecycleOnKubernetes(t *testing.T) {
 	ctx := context.Background()
 	caNS, ns := env.Namespace(t, nil), env.Namespace(t, nil)
 	env.ServiceAccount(t, caNS, "meshid-ca")
-	grant(t, caNS, "meshid-ca", secretControllerRules)
+	bind(t, caNS, "meshid-ca", nil, secretControllerRules)
 	// A Secret of that name that no CA made, with its service account: never touched.
 	env.ServiceAccount(t, ns, "legacy")
 	foreign, err := env.Core().Secrets(ns).Create(ctx, &corev1.Secret{

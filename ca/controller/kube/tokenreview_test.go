@@ -93,31 +93,6 @@ func reviewBearer(ctx context.Context, tok string) context.Context {
 }
 
 // reviewMetric returns the value of the counter name with exactly labels in reg.
-func reviewMetric(t testing.TB, reg *prometheus.Registry, name string, labels map[string]string) float64 {
-	t.Helper()
-	families, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, f := range families {
-		if f.GetName() != name {
-			continue
-		}
-	metrics:
-		for _, m := range f.GetMetric() {
-			if len(m.GetLabel()) != len(labels) {
-				continue
-			}
-			for _, l := range m.GetLabel() {
-				if labels[l.GetName()] != l.GetValue() {
-					continue metrics
-				}
-			}
-			return m.GetCounter().GetValue()
-		}
-	}
-	return 0
-}
 
 func TestTokenReviewAuthenticatesServiceAccount(t *testing.T) {
 	t.Parallel()
@@ -131,7 +106,7 @@ func TestTokenReviewAuthenticatesServiceAccount(t *testing.T) {
 	if want := "spiffe://" + reviewTrustDomain + "/ns/" + ns + "/sa/workload"; caller.Identity.String() != want || caller.Method != "tokenreview" {
 		t.Fatalf("caller %s by %q, want %s by tokenreview", caller.Identity, caller.Method, want)
 	}
-	if got := reviewMetric(t, r.registry, "meshid_ca_token_reviews_total", map[string]string{"outcome": "authenticated"}); got != 1 {
+	if got := metric(t, r.registry, "meshid_ca_token_reviews_total", "outcome", "authenticated"); got != 1 {
 		t.Fatalf("%v authenticated reviews counted, want 1", got)
 	}
 }
@@ -151,7 +126,7 @@ func TestTokenReviewRefusals(t *testing.T) {
 	}
 	// The API server learns of the deletion through its own watch: wait until it refuses the
 	// token, so that the authenticator below sees the settled state.
-	reviewWait(t, "the API server to refuse the deleted service account's token", func() bool {
+	waitFor(t, "the API server to refuse the deleted service account's token", func() bool {
 		tr, err := admin.Authentication.TokenReviews().Create(t.Context(), &authenticationv1.TokenReview{
 			Spec: authenticationv1.TokenReviewSpec{Token: goneToken, Audiences: []string{"istio-ca"}},
 		}, metav1.CreateOptions{})
@@ -187,7 +162,7 @@ func TestTokenReviewRefusals(t *testing.T) {
 			if strings.Contains(err.Error(), tt.token) {
 				t.Fatal("the error quotes the token")
 			}
-			if got := reviewMetric(t, r.registry, "meshid_ca_token_reviews_total", map[string]string{"outcome": "refused"}); got != 1 {
+			if got := metric(t, r.registry, "meshid_ca_token_reviews_total", "outcome", "refused"); got != 1 {
 				t.Fatalf("%v refused reviews counted, want 1", got)
 			}
 		})
@@ -237,7 +212,7 @@ func TestTokenReviewCache(t *testing.T) {
 			t.Fatalf("%d TokenReviews for %d authentications of one token, want 1", n, callers*rounds)
 		}
 		// Those that joined the one review in flight are neither reviews nor hits.
-		if hits := reviewMetric(t, r.registry, "meshid_ca_token_review_cache_hits_total", map[string]string{"outcome": "authenticated"}); hits < callers*(rounds-1) {
+		if hits := metric(t, r.registry, "meshid_ca_token_review_cache_hits_total", "outcome", "authenticated"); hits < callers*(rounds-1) {
 			t.Fatalf("%v cache hits, want at least %d", hits, callers*(rounds-1))
 		}
 		r.clock.Advance(time.Minute - time.Second)
@@ -376,7 +351,7 @@ func TestTokenReviewRBAC(t *testing.T) {
 	// The API server's authorizer learns of the binding through its watch; a refused call is not
 	// cached, so each try asks again.
 	var caller caserver.Caller
-	reviewWait(t, "the CA's role binding to take effect", func() bool {
+	waitFor(t, "the CA's role binding to take effect", func() bool {
 		caller, err = granted.auth.Authenticate(reviewBearer(t.Context(), tok))
 		return err == nil
 	})
@@ -399,7 +374,7 @@ func TestTokenReviewRBAC(t *testing.T) {
 	if n := denied.reviews.n.Load(); n != 2 {
 		t.Fatalf("%d TokenReviews tried, want 2", n)
 	}
-	if got := reviewMetric(t, denied.registry, "meshid_ca_token_reviews_total", map[string]string{"outcome": "error"}); got != 2 {
+	if got := metric(t, denied.registry, "meshid_ca_token_reviews_total", "outcome", "error"); got != 2 {
 		t.Fatalf("%v failed reviews counted, want 2", got)
 	}
 }
@@ -475,7 +450,7 @@ func TestTokenReviewThroughCAServer(t *testing.T) {
 	if len(leaf[0].URIs) != 1 || leaf[0].URIs[0].String() != id.String() {
 		t.Fatalf("certificate for %v, want %s", leaf[0].URIs, id)
 	}
-	if got := reviewMetric(t, registry, "meshid_ca_certificates_issued_total", map[string]string{"auth_method": "tokenreview"}); got != 1 {
+	if got := metric(t, registry, "meshid_ca_certificates_issued_total", "auth_method", "tokenreview"); got != 1 {
 		t.Fatalf("%v certificates counted as issued by tokenreview, want 1", got)
 	}
 
@@ -484,7 +459,7 @@ func TestTokenReviewThroughCAServer(t *testing.T) {
 	if status.Code(err) != codes.Unauthenticated || !strings.Contains(status.Convert(err).Message(), "audience") {
 		t.Fatalf("error %v, want Unauthenticated naming the audience", err)
 	}
-	if got := reviewMetric(t, registry, "meshid_ca_requests_refused_total", map[string]string{"reason": "token_rejected", "code": "Unauthenticated"}); got != 1 {
+	if got := metric(t, registry, "meshid_ca_requests_refused_total", "reason", "token_rejected", "code", "Unauthenticated"); got != 1 {
 		t.Fatalf("refusal counted %v times, want 1", got)
 	}
 	if got := strings.Count(logs.String(), "certificate request refused"); got != 1 {
@@ -496,18 +471,6 @@ func TestTokenReviewThroughCAServer(t *testing.T) {
 }
 
 // reviewWait polls state in the API server, which sends no event for it, every 10 ms for up to 30 s.
-func reviewWait(t testing.TB, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	tick := time.NewTicker(10 * time.Millisecond)
-	defer tick.Stop()
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("waited 30 s for %s", what)
-		}
-		<-tick.C
-	}
-}
 
 // blockingReviews holds each TokenReview until release is closed, then sends it on.
 type blockingReviews struct {

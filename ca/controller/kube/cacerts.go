@@ -194,7 +194,7 @@ func (c *CACerts) Load(ctx context.Context) (*ca.Bundle, ca.Origin, error) {
 		c.apiErrs.WithLabelValues("create").Inc()
 		return nil, "", fmt.Errorf("create %s: %w", c.where, err)
 	}
-	c.log.Info("created the cacerts secret", logkey.Secret, c.where, logkey.Source, string(origin),
+	c.log.Info("created the cacerts secret", logkey.Object, c.where, logkey.Source, string(origin),
 		logkey.Root, b.Root().Subject.String(), logkey.NotAfter, b.Root().NotAfter)
 	return b, origin, nil
 }
@@ -282,7 +282,7 @@ func (c *CACerts) Run(ctx context.Context, keys Offerer) error {
 		UpdateFunc: func(any, any) { poke() },
 		DeleteFunc: func(any) {
 			c.deletes.Inc()
-			c.log.Warn("the cacerts secret was deleted; the CA keeps serving its key material and does not recreate it", logkey.Secret, c.where)
+			c.log.Warn("the cacerts secret was deleted; the CA keeps serving its key material and does not recreate it", logkey.Object, c.where)
 		},
 	}); err != nil {
 		return err
@@ -332,7 +332,7 @@ func (c *CACerts) sync(ctx context.Context, s *corev1.Secret, v *versions, keys 
 			v.refused = s.ResourceVersion
 			c.offers.WithLabelValues("invalid").Inc()
 			c.log.Warn("the cacerts secret holds no valid key material; the CA keeps serving the key material it has",
-				logkey.Secret, c.where, logkey.ResourceVersion, s.ResourceVersion, logkey.Reason, err.Error())
+				logkey.Object, c.where, logkey.ResourceVersion, s.ResourceVersion, logkey.Reason, err.Error())
 		case err == nil:
 			v.offered = s.ResourceVersion
 			ev := keys.Offer(b, c.where)
@@ -356,7 +356,7 @@ func (c *CACerts) rotateIfDue(ctx context.Context, s *corev1.Secret, now time.Ti
 	renewed, err := ca.RenewRoot(root, key, c.cfg.SelfSigned.TTL, now)
 	if err != nil {
 		c.rotates.WithLabelValues("failed").Inc()
-		c.log.Error("cannot renew the generated root of the cacerts secret", logkey.Secret, c.where, logkey.Error, err.Error())
+		c.log.Error("cannot renew the generated root of the cacerts secret", logkey.Object, c.where, logkey.Error, err.Error())
 		return
 	}
 	next := s.DeepCopy()
@@ -373,16 +373,16 @@ func (c *CACerts) rotateIfDue(ctx context.Context, s *corev1.Secret, now time.Ti
 	case apierrors.IsConflict(err):
 		c.rotates.WithLabelValues("conflict").Inc()
 		c.log.Debug("another writer changed the cacerts secret first; its version comes with the watch",
-			logkey.Secret, c.where, logkey.ResourceVersion, s.ResourceVersion)
+			logkey.Object, c.where, logkey.ResourceVersion, s.ResourceVersion)
 	case err != nil:
 		c.rotates.WithLabelValues("failed").Inc()
 		c.apiErrs.WithLabelValues("update").Inc()
 		c.log.Error("cannot write the renewed root to the cacerts secret; retrying at the next check",
-			logkey.Secret, c.where, logkey.Error, err.Error())
+			logkey.Object, c.where, logkey.Error, err.Error())
 	default:
 		c.rotates.WithLabelValues("rotated").Inc()
 		c.log.Info("renewed the generated root in the cacerts secret; the old root stays trusted",
-			logkey.Secret, c.where, logkey.OldNotAfter, root.NotAfter, logkey.NotAfter, renewed.NotAfter)
+			logkey.Object, c.where, logkey.OldNotAfter, root.NotAfter, logkey.NotAfter, renewed.NotAfter)
 	}
 }
 

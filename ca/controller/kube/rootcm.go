@@ -276,11 +276,21 @@ func (r *RootConfigMaps) enqueueServed(ctx context.Context, queue *workqueue.Typ
 		return err
 	}
 	for _, d := range decisions {
-		if d.Served {
+		if d.Served && !systemNamespace(d.Namespace) {
 			queue.Add(d.Namespace)
 		}
 	}
 	return nil
+}
+
+// systemNamespaces get no ConfigMap, as istiod's namespace controller leaves them alone: no
+// workload of the mesh runs there.
+func systemNamespace(ns string) bool {
+	switch ns {
+	case "kube-system", "kube-public", "kube-node-lease", "local-path-storage":
+		return true
+	}
+	return false
 }
 
 // reconcile makes the ConfigMap of ns hold the trusted roots, if the CA serves ns.
@@ -290,7 +300,7 @@ func (r *RootConfigMaps) reconcile(ctx context.Context, ns string, cms cache.Sto
 		return err
 	}
 	b := r.cfg.Bundle.Bundle()
-	if !d.Known || !d.Served || b == nil {
+	if !d.Known || !d.Served || b == nil || systemNamespace(ns) {
 		return nil // not ours (or no roots yet: their arrival queues every namespace)
 	}
 	want := string(b.RootsPEM())

@@ -13,6 +13,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/rest"
 
 	"github.com/meshid/meshid/ca"
@@ -155,4 +156,24 @@ func TestRootConfigMaps(t *testing.T) {
 	waitConfigMap(t, off, roots)
 	waitConfigMap(t, env.Namespace(t, mine), roots)
 	requireNoConfigMap(t, other)
+}
+
+// The system namespaces get no ConfigMap even when served, as with istiod.
+func TestRootConfigMapsLeaveSystemNamespacesAlone(t *testing.T) {
+	t.Parallel()
+	caNS := env.Namespace(t, nil)
+	// Served by every CA instance: override=true wins over the env label and the default.
+	labelNamespace(t, "kube-system", controller.LabelOverride, "true")
+	t.Cleanup(func() {
+		patch := `{"metadata":{"labels":{"` + controller.LabelOverride + `":null}}}`
+		if _, err := env.Core().Namespaces().Patch(context.Background(), "kube-system", types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+			t.Error(err)
+		}
+	})
+	served := env.Namespace(t, map[string]string{controller.LabelEnv: caNS})
+	authority := ca.New(ca.Config{}, selfSignedBundle(t, "root"))
+	runRootConfigMaps(t, env.Admin, caNS, startNamespaceStore(t), authority, prometheus.NewRegistry())
+	// One worker takes the namespaces in name order: kube-system's turn came before this one's.
+	waitConfigMap(t, served, authority.Bundle().RootsPEM())
+	requireNoConfigMap(t, "kube-system")
 }

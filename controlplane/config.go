@@ -58,8 +58,11 @@ type Config struct {
 	MaxWorkloadCertTTL time.Duration
 	GRPCHostIdentities []string
 
+	// Kubernetes, when enabled, replaces Manifests with the Kubernetes API (see KubernetesConfig).
+	Kubernetes KubernetesConfig
+
 	// Secrets configures the service-account secret controller, which runs when Manifests is set
-	// and writes to <StateDir>/secrets.
+	// (writing to <StateDir>/secrets) or on Kubernetes (writing Secrets).
 	Secrets SecretsConfig
 
 	Logger *slog.Logger
@@ -160,6 +163,7 @@ func (c *Config) Validate() error {
 		errs = append(errs, fmt.Errorf("--trust-bundle-overlap %s must not be negative", c.TrustBundleOverlap))
 	}
 	errs = append(errs, c.Secrets.validate()...)
+	errs = append(errs, c.Kubernetes.validate(c)...)
 	switch c.SelfSigned.KeyAlgorithm {
 	case pki.ECDSA:
 	case pki.RSA:

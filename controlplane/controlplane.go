@@ -46,7 +46,8 @@ type ControlPlane struct {
 	monitor   *http.Server
 	monLis    net.Listener
 	manifests *controller.Manifests // nil without --manifests
-	secrets   *controller.Secrets   // nil without --manifests
+	kube      *onKubernetes         // nil off Kubernetes
+	secrets   *controller.Secrets   // nil without a store of service accounts
 	probe     *livenessProbe        // nil without a liveness probe path
 	ready     atomic.Bool
 	readyCh   chan struct{} // closed once Run serves
@@ -89,21 +90,32 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 		}
 	}
 
+	registry := prometheus.NewRegistry()
+	registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+
 	// Before the key material: a wrong --manifests fails the start before the state dir is written.
-	var namespaces controller.NamespaceStore // nil, not a nil *Manifests: no store knows no namespace
+	var store controller.Store // nil, not a nil *Manifests: no store knows no namespace
 	if cfg.Manifests != "" {
 		if cp.manifests, err = controller.NewManifests(controller.ManifestsConfig{
 			Dir: cfg.Manifests, Clock: clk, Logger: log.With(logkey.Component, "manifests"),
 		}); err != nil {
 			return nil, fmt.Errorf("--manifests: %w", err)
 		}
-		namespaces = cp.manifests
-	}
-
-	registry := prometheus.NewRegistry()
-	registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	if cp.manifests != nil {
+		store = cp.manifests
 		registerManifestProblems(registry, cp.manifests)
+	}
+	var (
+		initial       *ca.Bundle
+		initialOrigin ca.Origin
+	)
+	if cfg.Kubernetes.Enabled() {
+		if cp.kube, err = newOnKubernetes(cfg, clk, log, registry); err != nil {
+			return nil, err
+		}
+		store = cp.kube.store
+		if initial, initialOrigin, err = cp.kube.initialBundle(cfg.CACertsDir, clk.Now()); err != nil {
+			return nil, fmt.Errorf("load CA key material: %w", err)
+		}
 	}
 
 	authority := ca.New(ca.Config{Clock: clk, DefaultTTL: cfg.WorkloadCertTTL, MaxTTL: cfg.MaxWorkloadCertTTL}, nil)
@@ -120,6 +132,8 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 		Logger:                log.With(logkey.Component, "ca"),
 		Registerer:            registry,
 		OnEvent:               cfg.OnKeyEvent,
+		Initial:               initial,
+		InitialOrigin:         initialOrigin,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("load CA key material: %w", err)
@@ -133,7 +147,7 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 		logkey.TrustedRoots, len(bundle.Roots()),
 		logkey.Path, filepath.Join(cfg.StateDir, ca.RootCertFile))
 
-	verifier, err := newTokenVerifier(cfg, clk, log)
+	authenticators, err := newAuthenticators(cfg, cp.kube, authority, clk, log, registry)
 	if err != nil {
 		return nil, err
 	}
@@ -146,15 +160,27 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 		return nil, err
 	}
 
+	var namespaces controller.NamespaceStore // a nil Store must stay a nil interface
+	if store != nil {
+		namespaces = store
+	}
 	targeting := controller.NewTargeting(controller.TargetingConfig{
 		Store:            namespaces,
 		CANamespace:      cfg.CANamespace,
 		EnabledByDefault: cfg.EnableNamespacesByDefault,
 		Logger:           log.With(logkey.Component, "targeting"),
 	})
-	if cp.manifests != nil {
-		if cp.secrets, err = newSecrets(cfg, cp.manifests, targeting, authority, clk, log, registry); err != nil {
+	if cp.kube != nil {
+		if err := cp.kube.newLeaderWork(cfg, targeting, authority, log, registry); err != nil {
 			return nil, err
+		}
+	}
+	if store != nil {
+		if cp.secrets, err = newSecrets(cfg, store, cp.secretStore(cfg), targeting, authority, clk, log, registry); err != nil {
+			return nil, err
+		}
+		if cp.kube != nil {
+			cp.kube.secrets = cp.secrets
 		}
 		if cfg.Secrets.LivenessProbePath != "" {
 			cp.probe = &livenessProbe{path: cfg.Secrets.LivenessProbePath, interval: cfg.Secrets.LivenessProbeInterval,
@@ -171,15 +197,12 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 		ClientAuth: tls.RequestClientCert,
 	})))
 	pb.RegisterIstioCertificateServiceServer(grpcServer, caserver.New(caserver.Config{
-		Signer: authority,
-		Authenticators: []caserver.Authenticator{
-			caserver.NewJWTAuthenticator(verifier, cfg.TrustDomain),
-			caserver.NewMTLSAuthenticator(authority, cfg.TrustDomain, clk),
-		},
-		Targeting: targeting,
-		Metrics:   metrics,
-		Logger:    log.With(logkey.Component, "ca-server"),
-		Clock:     clk,
+		Signer:         authority,
+		Authenticators: authenticators,
+		Targeting:      targeting,
+		Metrics:        metrics,
+		Logger:         log.With(logkey.Component, "ca-server"),
+		Clock:          clk,
 	}))
 
 	cp.authority, cp.keys, cp.grpc = authority, keys, grpcServer
@@ -190,7 +213,7 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 	return cp, nil
 }
 
-func newSecrets(cfg Config, store controller.Store, targeting *controller.Targeting, authority *ca.Authority,
+func newSecrets(cfg Config, store controller.Store, secrets controller.SecretStore, targeting *controller.Targeting, authority *ca.Authority,
 	clk clock.Clock, log *slog.Logger, reg prometheus.Registerer) (*controller.Secrets, error) {
 	var dns map[string][]string
 	if cfg.Secrets.AppendDNSNames {
@@ -203,7 +226,7 @@ func newSecrets(cfg Config, store controller.Store, targeting *controller.Target
 		Store:            store,
 		Targeting:        targeting,
 		Signer:           authority,
-		Secrets:          controller.NewFileSecrets(SecretsDir(cfg.StateDir)),
+		Secrets:          secrets,
 		TrustDomain:      cfg.TrustDomain,
 		Namespace:        cfg.Secrets.ListenedNamespace,
 		CertTTL:          cfg.WorkloadCertTTL,
@@ -216,6 +239,29 @@ func newSecrets(cfg Config, store controller.Store, targeting *controller.Target
 		Registerer:       reg,
 		OnEvent:          cfg.Secrets.OnEvent,
 	})
+}
+
+// newAuthenticators returns how callers prove who they are, in the order tried: a JWT checked
+// offline (with --jwt-keys, or off Kubernetes the state dir's own token key), a JWT checked by the
+// API server's TokenReview (on Kubernetes), a client certificate this CA issued.
+func newAuthenticators(cfg Config, k *onKubernetes, authority *ca.Authority, clk clock.Clock, log *slog.Logger,
+	reg prometheus.Registerer) ([]caserver.Authenticator, error) {
+	var authenticators []caserver.Authenticator
+	if cfg.JWTKeysFile != "" || k == nil {
+		verifier, err := newTokenVerifier(cfg, clk, log)
+		if err != nil {
+			return nil, err
+		}
+		authenticators = append(authenticators, caserver.NewJWTAuthenticator(verifier, cfg.TrustDomain))
+	}
+	if k != nil {
+		reviews, err := k.tokenReviews(cfg, clk, reg)
+		if err != nil {
+			return nil, err
+		}
+		authenticators = append(authenticators, reviews)
+	}
+	return append(authenticators, caserver.NewMTLSAuthenticator(authority, cfg.TrustDomain, clk)), nil
 }
 
 func newTokenVerifier(cfg Config, clk clock.Clock, log *slog.Logger) (*token.Verifier, error) {
@@ -301,12 +347,24 @@ func (c *ControlPlane) Ready() <-chan struct{} { return c.readyCh }
 // Authority returns the CA core.
 func (c *ControlPlane) Authority() *ca.Authority { return c.authority }
 
-// Namespaces returns the store namespace targeting reads, or nil without --manifests.
+// Namespaces returns the store namespace targeting reads, or nil without one.
 func (c *ControlPlane) Namespaces() controller.Store {
-	if c.manifests == nil {
-		return nil
+	switch {
+	case c.manifests != nil:
+		return c.manifests
+	case c.kube != nil:
+		return c.kube.store
 	}
-	return c.manifests
+	return nil
+}
+
+// secretStore is where the secret controller keeps its secrets: Kubernetes Secrets, or
+// directories under the state dir.
+func (c *ControlPlane) secretStore(cfg Config) controller.SecretStore {
+	if c.kube != nil {
+		return c.kube.secretStore
+	}
+	return controller.NewFileSecrets(SecretsDir(cfg.StateDir))
 }
 
 // Run serves until ctx ends, then stops the servers, giving in-flight requests a short grace.
@@ -316,7 +374,9 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 		g.Go(func() error { return c.manifests.Run(ctx) })
 	}
 	g.Go(func() error { return c.keys.Run(ctx) })
-	if c.secrets != nil {
+	if c.kube != nil {
+		c.kube.run(ctx, g, c.keys, c.secrets)
+	} else if c.secrets != nil {
 		g.Go(func() error { return c.secrets.Run(ctx) })
 	}
 	if c.probe != nil {
@@ -354,6 +414,14 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 		case <-c.keys.Ready(): // the cacerts files are watched: a change from now on is seen
 		case <-ctx.Done():
 			return nil
+		}
+		if c.kube != nil {
+			// Targeting answers only from a complete view of the namespaces.
+			select {
+			case <-c.kube.store.Synced():
+			case <-ctx.Done():
+				return nil
+			}
 		}
 		if ctx.Err() != nil { // both at once: stopping wins
 			return nil

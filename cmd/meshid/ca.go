@@ -6,9 +6,11 @@ import (
 	"strings"
 
 	"github.com/spf13/cobra"
+	"k8s.io/klog/v2"
 
 	"github.com/meshid/meshid/cmd/internal/cli"
 	"github.com/meshid/meshid/controlplane"
+	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/internal/pki"
 )
 
@@ -23,7 +25,8 @@ func runCA(ctx context.Context, cfg controlplane.Config) error {
 	return cp.Run(ctx)
 }
 
-// secretFlags are the secret controller's flags: they need --manifests, the store it runs on.
+// secretFlags are the secret controller's flags: they need a store of service accounts to run on,
+// --manifests or the Kubernetes API.
 func secretFlags() []string {
 	return []string{"listened-namespace", "workload-cert-grace-period-ratio", "workload-cert-min-grace-period",
 		"append-dns-names", "custom-dns-names", "liveness-probe-path", "liveness-probe-interval"}
@@ -73,7 +76,21 @@ laid out as the kubelet mounts a secret (..data), so that "meshid agent --creden
 use it. A secret is re-issued when less than max(--workload-cert-grace-period-ratio x lifetime,
 --workload-cert-min-grace-period) is left, when the CA's roots change, and when it is found
 deleted or altered (checked every minute); it is removed when its ServiceAccount goes or its
-namespace stops being served. Directories it did not make are never touched.`,
+namespace stops being served. Directories it did not make are never touched.
+
+On Kubernetes (--kubeconfig FILE, or --in-cluster in a pod), the API server replaces the files:
+  - namespaces and service accounts come from informers, labels taking effect as they change;
+  - the secrets are Secrets istio.<sa> of type istio.io/key-and-cert in each served namespace,
+    kept by the one replica holding the Lease "meshid-ca" in --ca-namespace (every replica signs);
+  - the key material is the Secret cacerts in --ca-namespace: mounted files in --cacerts-dir
+    first; else cacerts, created from istio-ca-secret when only that exists, or from a new
+    self-signed root when neither does. A cacerts the CA generated carries the annotation
+    meshid.io/generated and its root is rotated in place; one an operator writes is never
+    rotated. Every replica watches cacerts: a rotation or a plug-in reaches all of them with no
+    restart, the old root trusted for the overlap;
+  - the roots are published as ConfigMap istio-ca-root-cert (root-cert.pem) in served namespaces;
+  - tokens are checked with TokenReview (audience --jwt-audience), besides --jwt-keys when given.
+The RBAC this needs is in deploy/kubernetes/rbac.yaml.`,
 		Args: cobra.NoArgs,
 		PreRunE: func(cmd *cobra.Command, _ []string) error {
 			alg, err := pki.ParseKeyAlgorithm(keyAlgorithm)
@@ -89,15 +106,16 @@ namespace stops being served. Directories it did not make are never touched.`,
 			}
 			cfg.SelfSigned.KeyAlgorithm = alg
 			flags := cmd.Flags()
-			if cfg.Manifests == "" {
+			hasStore := cfg.Manifests != "" || cfg.Kubernetes.Enabled()
+			if !hasStore {
 				for _, name := range secretFlags() {
 					if flags.Changed(name) {
-						return fmt.Errorf("--%s configures the secret controller, which runs only with --manifests", name)
+						return fmt.Errorf("--%s configures the secret controller, which runs only with a store of service accounts: --manifests, --kubeconfig or --in-cluster", name)
 					}
 				}
 			}
 			// Citadel's order: the flag, then $NAMESPACE.
-			if !flags.Changed("listened-namespace") && cfg.Manifests != "" {
+			if !flags.Changed("listened-namespace") && hasStore {
 				if ns, ok := lookupEnv("NAMESPACE"); ok {
 					cfg.Secrets.ListenedNamespace = ns
 				}
@@ -107,6 +125,10 @@ namespace stops being served. Directories it did not make are never touched.`,
 			return cfg.Validate()
 		},
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if cfg.Kubernetes.Enabled() {
+				// client-go logs through klog: one stream, one format.
+				klog.SetSlogLogger(cfg.Logger.With(logkey.Component, "client-go"))
+			}
 			return run(cmd.Context(), cfg)
 		},
 	}
@@ -127,16 +149,18 @@ namespace stops being served. Directories it did not make are never touched.`,
 	f.StringVar(&cfg.JWTAudience, "jwt-audience", cfg.JWTAudience, "audience tokens must carry")
 	f.StringVar(&cfg.JWTIssuer, "jwt-issuer", "", "issuer tokens must carry; empty accepts any")
 	f.StringVar(&cfg.Manifests, "manifests", "", "directory of Namespace and ServiceAccount manifests (*.yaml, *.yml, *.json; not its subdirectories), watched; their labels decide which namespaces this CA serves. Empty: no namespace is known")
-	f.StringVar(&cfg.CANamespace, "ca-namespace", cfg.CANamespace, "namespace of this CA instance, matched against the ca.istio.io/env namespace label")
+	f.StringVar(&cfg.Kubernetes.Kubeconfig, "kubeconfig", "", "kubeconfig file of the Kubernetes API to run on, instead of --manifests")
+	f.BoolVar(&cfg.Kubernetes.InCluster, "in-cluster", false, "run on the Kubernetes API of the cluster this pod runs in, as its service account (see deploy/kubernetes)")
+	f.StringVar(&cfg.CANamespace, "ca-namespace", cfg.CANamespace, "namespace of this CA instance, matched against the ca.istio.io/env namespace label; on Kubernetes, where its cacerts Secret and its Lease are")
 	f.BoolVar(&cfg.EnableNamespacesByDefault, "enable-namespaces-by-default", cfg.EnableNamespacesByDefault, "serve namespaces that carry neither the ca.istio.io/override nor the ca.istio.io/env label")
 	f.DurationVar(&cfg.WorkloadCertTTL, "workload-cert-ttl", cfg.WorkloadCertTTL, "lifetime of a workload certificate when the request asks for none")
 	f.DurationVar(&cfg.MaxWorkloadCertTTL, "max-workload-cert-ttl", cfg.MaxWorkloadCertTTL, "longest workload certificate lifetime; longer requests are clamped")
 	f.StringSliceVar(&cfg.GRPCHostIdentities, "grpc-host-identities", nil, "extra DNS names or IPs for the CA's serving certificate, comma-separated (istiod.istio-system.svc, istio-ca, localhost and loopback are always there)")
-	f.StringVar(&cfg.Secrets.ListenedNamespace, "listened-namespace", "", "the only namespace whose service accounts get secrets (env NAMESPACE); empty: every served namespace. Needs --manifests")
-	f.Float64Var(&cfg.Secrets.GracePeriodRatio, "workload-cert-grace-period-ratio", cfg.Secrets.GracePeriodRatio, "re-issue a service-account secret when less than this share of its lifetime is left. Needs --manifests")
-	f.DurationVar(&cfg.Secrets.MinGracePeriod, "workload-cert-min-grace-period", cfg.Secrets.MinGracePeriod, "re-issue a service-account secret at least this long before it expires. Needs --manifests")
-	f.BoolVar(&cfg.Secrets.AppendDNSNames, "append-dns-names", cfg.Secrets.AppendDNSNames, "add DNS names to secrets as Citadel does: <svc>.<ca-namespace>.svc and <svc>.<ca-namespace> for istio-sidecar-injector-service-account and istio-galley-service-account in --ca-namespace, and --custom-dns-names. Needs --manifests")
-	f.StringVar(&cfg.Secrets.CustomDNSNames, "custom-dns-names", "", "extra DNS names for secrets, <sa>.<namespace>:<dns name>, comma-separated; needs --append-dns-names and --manifests")
+	f.StringVar(&cfg.Secrets.ListenedNamespace, "listened-namespace", "", "the only namespace whose service accounts get secrets (env NAMESPACE); empty: every served namespace. Needs --manifests or Kubernetes")
+	f.Float64Var(&cfg.Secrets.GracePeriodRatio, "workload-cert-grace-period-ratio", cfg.Secrets.GracePeriodRatio, "re-issue a service-account secret when less than this share of its lifetime is left. Needs --manifests or Kubernetes")
+	f.DurationVar(&cfg.Secrets.MinGracePeriod, "workload-cert-min-grace-period", cfg.Secrets.MinGracePeriod, "re-issue a service-account secret at least this long before it expires. Needs --manifests or Kubernetes")
+	f.BoolVar(&cfg.Secrets.AppendDNSNames, "append-dns-names", cfg.Secrets.AppendDNSNames, "add DNS names to secrets as Citadel does: <svc>.<ca-namespace>.svc and <svc>.<ca-namespace> for istio-sidecar-injector-service-account and istio-galley-service-account in --ca-namespace, and --custom-dns-names. Needs --manifests or Kubernetes")
+	f.StringVar(&cfg.Secrets.CustomDNSNames, "custom-dns-names", "", "extra DNS names for secrets, <sa>.<namespace>:<dns name>, comma-separated; needs --append-dns-names, and --manifests or Kubernetes")
 	f.StringVar(&cfg.Secrets.LivenessProbePath, "liveness-probe-path", "", "file whose modification time is updated every --liveness-probe-interval while the secret controller is healthy; check it with \"meshid probe --probe-path\". Needs --manifests")
 	f.DurationVar(&cfg.Secrets.LivenessProbeInterval, "liveness-probe-interval", 0, "how often --liveness-probe-path is updated. Needs --manifests")
 	cmd.AddCommand(newCATargetsCommand(g))

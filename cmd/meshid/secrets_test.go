@@ -68,14 +68,17 @@ func TestCASecretFlagsRefused(t *testing.T) {
 		args []string
 		want string
 	}{
-		{"without manifests", []string{"--listened-namespace", "prod"}, "--listened-namespace configures the secret controller, which runs only with --manifests"},
-		{"custom names without manifests", []string{"--custom-dns-names", "a.b:c"}, "only with --manifests"},
+		{"without manifests", []string{"--listened-namespace", "prod"}, "--listened-namespace configures the secret controller, which runs only with a store of service accounts: --manifests, --kubeconfig or --in-cluster"},
+		{"custom names without manifests", []string{"--custom-dns-names", "a.b:c"}, "only with a store of service accounts"},
 		{"custom names without append", []string{"--manifests", "/m", "--append-dns-names=false", "--custom-dns-names", "a.b:c"}, "--custom-dns-names needs --append-dns-names"},
 		{"malformed custom names", []string{"--manifests", "/m", "--custom-dns-names", "a.b"}, "--custom-dns-names"},
 		{"ratio", []string{"--manifests", "/m", "--workload-cert-grace-period-ratio", "1"}, "--workload-cert-grace-period-ratio"},
 		{"probe interval without path", []string{"--manifests", "/m", "--liveness-probe-interval", "1s"}, "needs --liveness-probe-path"},
 		{"probe path without interval", []string{"--manifests", "/m", "--liveness-probe-path", "/a"}, "--liveness-probe-interval"},
 		{"bad listened namespace", []string{"--manifests", "/m", "--listened-namespace", "Not_A_Namespace"}, "--listened-namespace"},
+		{"two stores", []string{"--manifests", "/m", "--kubeconfig", "/k"}, "--manifests and the Kubernetes API (--kubeconfig, --in-cluster) are two stores"},
+		{"two Kubernetes APIs", []string{"--kubeconfig", "/k", "--in-cluster"}, "--kubeconfig and --in-cluster both name the Kubernetes API"},
+		{"probe file on Kubernetes", []string{"--in-cluster", "--liveness-probe-path", "/a", "--liveness-probe-interval", "1s"}, "--liveness-probe-path works with --manifests only"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
@@ -84,6 +87,26 @@ func TestCASecretFlagsRefused(t *testing.T) {
 				t.Fatalf("error %v, want %q", err, tt.want)
 			}
 		})
+	}
+}
+
+// On Kubernetes the secret controller runs over the API: its flags and $NAMESPACE apply.
+func TestCAKubernetesFlags(t *testing.T) {
+	t.Parallel()
+	cfg, err := executeEnv(t, map[string]string{"NAMESPACE": "prod"}, "ca", "--state-dir", "/s", "--kubeconfig", "/k",
+		"--workload-cert-grace-period-ratio", "0.3")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if k := cfg.Kubernetes; k.Kubeconfig != "/k" || k.InCluster || !k.Enabled() {
+		t.Fatalf("Kubernetes config %+v", k)
+	}
+	if cfg.Secrets.ListenedNamespace != "prod" || cfg.Secrets.GracePeriodRatio != 0.3 {
+		t.Fatalf("secret controller config %+v", cfg.Secrets)
+	}
+	cfg, err = executeEnv(t, nil, "ca", "--state-dir", "/s", "--in-cluster")
+	if err != nil || !cfg.Kubernetes.InCluster {
+		t.Fatalf("--in-cluster: %+v, %v", cfg.Kubernetes, err)
 	}
 }
 

@@ -1,0 +1,223 @@
+package controlplane
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/meshid/meshid/ca"
+	"github.com/meshid/meshid/ca/controller"
+	"github.com/meshid/meshid/ca/controller/kube"
+	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/logkey"
+)
+
+// KubernetesConfig puts the control plane on Kubernetes: the API server is its store of
+// namespaces and service accounts, keeps its key material (the cacerts Secret) and the
+// service-account secrets, authenticates tokens (TokenReview) and elects the replica that runs
+// the secret controller (a Lease in the CA namespace).
+type KubernetesConfig struct {
+	// Kubeconfig is the kubeconfig file to use; with InCluster, the pod's own service account.
+	Kubeconfig string
+	InCluster  bool
+	// Identity names this replica in the leader election; empty: the host name and a random suffix.
+	Identity string
+	// LeaseDuration, RenewDeadline and RetryPeriod tune the election; zero: client-go's defaults.
+	LeaseDuration, RenewDeadline, RetryPeriod time.Duration
+	// StartTimeout bounds the start-up's calls to the API server; zero: DefaultKubernetesStartTimeout.
+	StartTimeout time.Duration
+}
+
+// DefaultKubernetesStartTimeout bounds loading or creating cacerts at start-up: a CA that cannot
+// reach its API server fails and is restarted, rather than hanging unready.
+const DefaultKubernetesStartTimeout = time.Minute
+
+// LeaseName is the Lease, in the CA namespace, whose holder runs the secret controller.
+const LeaseName = "meshid-ca"
+
+// Enabled reports whether the control plane runs on Kubernetes.
+func (k KubernetesConfig) Enabled() bool { return k.Kubeconfig != "" || k.InCluster }
+
+func (k KubernetesConfig) validate(cfg *Config) []error {
+	var errs []error
+	if k.Kubeconfig != "" && k.InCluster {
+		errs = append(errs, errors.New("--kubeconfig and --in-cluster both name the Kubernetes API: give one"))
+	}
+	if k.Enabled() && cfg.Manifests != "" {
+		errs = append(errs, errors.New("--manifests and the Kubernetes API (--kubeconfig, --in-cluster) are two stores of namespaces: give one"))
+	}
+	if k.Enabled() && cfg.Secrets.LivenessProbePath != "" {
+		errs = append(errs, errors.New("--liveness-probe-path works with --manifests only: on Kubernetes, only the elected replica runs the secret controller; probe /healthz instead"))
+	}
+	for name, d := range map[string]time.Duration{"lease duration": k.LeaseDuration, "renew deadline": k.RenewDeadline, "retry period": k.RetryPeriod, "start timeout": k.StartTimeout} {
+		if d < 0 {
+			errs = append(errs, fmt.Errorf("Kubernetes %s %s must not be negative", name, d))
+		}
+	}
+	return errs
+}
+
+// onKubernetes is what the control plane runs on Kubernetes.
+type onKubernetes struct {
+	cfg         KubernetesConfig
+	caNamespace string
+	clients     *kube.Clients
+	store       *kube.Store
+	secretStore *kube.SecretStore
+	cacerts     *kube.CACerts
+	rootCMs     *kube.RootConfigMaps // set once the targeting exists
+	secrets     *controller.Secrets  // what the secret store's events requeue
+	reg         prometheus.Registerer
+	log         *slog.Logger
+}
+
+func newOnKubernetes(cfg Config, clk clock.Clock, log *slog.Logger, reg prometheus.Registerer) (*onKubernetes, error) {
+	restCfg, err := kube.LoadConfig(cfg.Kubernetes.Kubeconfig)
+	if err != nil {
+		return nil, err
+	}
+	clients, err := kube.NewClients(restCfg)
+	if err != nil {
+		return nil, err
+	}
+	k := &onKubernetes{cfg: cfg.Kubernetes, caNamespace: cfg.CANamespace, clients: clients, reg: reg, log: log.With(logkey.Component, "kubernetes")}
+	if k.cfg.Identity == "" {
+		if k.cfg.Identity, err = replicaIdentity(); err != nil {
+			return nil, err
+		}
+	}
+	if k.cfg.StartTimeout == 0 {
+		k.cfg.StartTimeout = DefaultKubernetesStartTimeout
+	}
+	k.store = kube.NewStore(kube.StoreConfig{Clients: clients, Namespace: cfg.Secrets.ListenedNamespace,
+		Logger: log.With(logkey.Component, "kube-store"), Registerer: reg})
+	if k.cacerts, err = kube.NewCACerts(kube.CACertsConfig{
+		Clients:               clients,
+		Namespace:             cfg.CANamespace,
+		SelfSigned:            cfg.SelfSigned,
+		RootRotationThreshold: cfg.RootRotationThreshold,
+		RootCheckInterval:     cfg.RootCheckInterval,
+		Clock:                 clk,
+		Logger:                log.With(logkey.Component, "cacerts"),
+		Registerer:            reg,
+	}); err != nil {
+		return nil, err
+	}
+	return k, nil
+}
+
+// replicaIdentity names this process in the leader election: the host name (a pod's name) and a
+// random suffix, so that two processes on one host never both believe they hold the Lease.
+func replicaIdentity() (string, error) {
+	host, err := os.Hostname()
+	if err != nil {
+		return "", fmt.Errorf("leader election identity: %w", err)
+	}
+	suffix := make([]byte, 4)
+	if _, err := rand.Read(suffix); err != nil {
+		return "", err
+	}
+	return host + "_" + hex.EncodeToString(suffix), nil
+}
+
+// initialBundle returns the key material from the cacerts Secret, or nil when the mounted
+// cacerts files hold a complete bundle (the RFC's first step, which the key manager takes).
+func (k *onKubernetes) initialBundle(cacertsDir string, now time.Time) (*ca.Bundle, ca.Origin, error) {
+	if cacertsDir != "" {
+		_, err := ca.LoadPluggedIn(cacertsDir, now)
+		if err == nil {
+			return nil, "", nil
+		}
+		if !errors.Is(err, ca.ErrNoPluggedInCA) {
+			return nil, "", fmt.Errorf("--cacerts-dir: %w", err)
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), k.cfg.StartTimeout)
+	defer cancel()
+	return k.cacerts.Load(ctx)
+}
+
+// newLeaderWork builds what the elected replica runs besides the secret controller: the
+// istio-ca-root-cert ConfigMaps. The secret store is built here too, for the secret controller.
+func (k *onKubernetes) newLeaderWork(cfg Config, targeting *controller.Targeting, authority *ca.Authority,
+	log *slog.Logger, reg prometheus.Registerer) error {
+	var err error
+	k.rootCMs, err = kube.NewRootConfigMaps(kube.RootConfigMapsConfig{
+		Clients:    k.clients,
+		Store:      k.store,
+		Targeting:  targeting,
+		Bundle:     authority,
+		Logger:     log.With(logkey.Component, "root-configmaps"),
+		Registerer: reg,
+	})
+	if err != nil {
+		return err
+	}
+	k.secretStore = kube.NewSecretStore(kube.SecretStoreConfig{
+		Clients:    k.clients,
+		Namespace:  cfg.Secrets.ListenedNamespace,
+		Logger:     log.With(logkey.Component, "kube-secrets"),
+		Registerer: reg,
+		OnChange: func(key controller.SecretKey) {
+			if k.secrets != nil {
+				k.secrets.Requeue(key)
+			}
+		},
+	})
+	return nil
+}
+
+func (k *onKubernetes) tokenReviews(cfg Config, clk clock.Clock, reg prometheus.Registerer) (*kube.TokenReviewAuthenticator, error) {
+	return kube.NewTokenReviewAuthenticator(kube.TokenReviewConfig{
+		Reviews:     k.clients.Authentication.TokenReviews(),
+		Audience:    cfg.JWTAudience,
+		TrustDomain: cfg.TrustDomain,
+		Clock:       clk,
+		Logger:      k.log,
+		Registerer:  reg,
+	})
+}
+
+// run runs the informers and the cacerts watch on every replica, and the secret controller and
+// the root ConfigMaps on the one holding the Lease.
+func (k *onKubernetes) run(ctx context.Context, g *errgroup.Group, keys *ca.KeyManager, secrets *controller.Secrets) {
+	g.Go(func() error { return k.store.Run(ctx) })
+	g.Go(func() error { return k.cacerts.Run(ctx, keys) })
+	g.Go(func() error { return k.secretStore.Run(ctx) })
+	g.Go(func() error {
+		// The elected replica's work reads both views: it starts once they are complete.
+		for _, synced := range []<-chan struct{}{k.store.Synced(), k.secretStore.Synced()} {
+			select {
+			case <-synced:
+			case <-ctx.Done():
+				return nil
+			}
+		}
+		return kube.RunLeaderElected(ctx, kube.LeaderConfig{
+			Clients:       k.clients,
+			Namespace:     k.caNamespace,
+			Name:          LeaseName,
+			Identity:      k.cfg.Identity,
+			LeaseDuration: k.cfg.LeaseDuration,
+			RenewDeadline: k.cfg.RenewDeadline,
+			RetryPeriod:   k.cfg.RetryPeriod,
+			Logger:        k.log,
+			Registerer:    k.reg,
+		}, func(ctx context.Context) error {
+			lg, ctx := errgroup.WithContext(ctx)
+			lg.Go(func() error { return k.rootCMs.Run(ctx) })
+			if secrets != nil {
+				lg.Go(func() error { return secrets.Run(ctx) })
+			}
+			return lg.Wait()
+		})
+	})
+}

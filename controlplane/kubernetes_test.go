@@ -1,0 +1,240 @@
+package controlplane_test
+
+import (
+	"context"
+	"crypto/x509"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	coordinationv1client "k8s.io/client-go/kubernetes/typed/coordination/v1"
+
+	"github.com/meshid/meshid/ca"
+	"github.com/meshid/meshid/ca/controller/kube/kubetest"
+	"github.com/meshid/meshid/controlplane"
+	"github.com/meshid/meshid/internal/pki"
+	"github.com/meshid/meshid/internal/testutil"
+)
+
+// replica is one `meshid ca` of the Deployment, run in-process so that the test can stop it.
+type replica struct {
+	cp     *controlplane.ControlPlane
+	cfg    controlplane.Config
+	cancel context.CancelFunc
+	done   chan error
+	once   sync.Once
+}
+
+// startReplica runs a control plane on Kubernetes as deploy/kubernetes runs it: in istio-system,
+// as the service account meshid-ca, with a token from TokenRequest and exactly the RBAC of
+// deploy/kubernetes/rbac.yaml.
+func startReplica(t *testing.T, identity string) *replica {
+	t.Helper()
+	cfg := testConfig(t.TempDir())
+	cfg.CANamespace = "istio-system"
+	cfg.Kubernetes = controlplane.KubernetesConfig{
+		Kubeconfig: kubetest.Kubeconfig(t, t.TempDir(), kubeEnv.As(t, "istio-system", "meshid-ca")),
+		Identity:   identity,
+		// Short, so that a hand-over takes a moment, not the default 15 s.
+		LeaseDuration: 2 * time.Second, RenewDeadline: time.Second, RetryPeriod: 100 * time.Millisecond,
+	}
+	cp, err := controlplane.New(cfg)
+	if err != nil {
+		t.Fatalf("replica %s: %v", identity, err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	r := &replica{cp: cp, cfg: cfg, cancel: cancel, done: make(chan error, 1)}
+	go func() { r.done <- cp.Run(ctx) }()
+	t.Cleanup(func() { r.stop(t) })
+	select {
+	case <-cp.Ready():
+	case err := <-r.done:
+		r.done <- err // for the cleanup
+		t.Fatalf("replica %s ended before serving: %v", identity, err)
+	}
+	return r
+}
+
+// stop stops the replica and waits for it, once.
+func (r *replica) stop(t *testing.T) {
+	r.once.Do(func() {
+		r.cancel()
+		if err := <-r.done; err != nil {
+			t.Errorf("replica Run: %v", err)
+		}
+	})
+}
+
+func (r *replica) root() *x509.Certificate { return r.cp.Authority().Bundle().Root() }
+
+func (r *replica) rootFile() string { return filepath.Join(r.cfg.StateDir, ca.RootCertFile) }
+
+// eventually polls cond, state held by the API server or reached through its watches, until it
+// holds or 30 s pass.
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("after 30s: %s", what)
+		}
+		time.Sleep(20 * time.Millisecond) // waiting on other processes' watches, not on time
+	}
+}
+
+// The issue's acceptance, on a real API server: two replicas share one root created from
+// nothing; a token from TokenRequest gets a certificate through TokenReview; override=false takes
+// a namespace's secrets and certificates away and override=true gives them back; an operator's
+// cacerts replaces the generated root on both replicas with no restart; the leader's exit hands
+// the secret controller over. It alone uses istio-system, which the manifests name.
+func TestTwoReplicasOnKubernetes(t *testing.T) {
+	t.Parallel()
+	deploy := filepath.Join("..", "deploy", "kubernetes")
+	kubeEnv.Apply(t, false, filepath.Join(deploy, "namespace.yaml"), filepath.Join(deploy, "rbac.yaml"))
+	kubeEnv.Apply(t, true, filepath.Join(deploy, "ca.yaml"))
+	core := kubeEnv.Core()
+	leases, err := coordinationv1client.NewForConfig(kubeEnv.Admin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := t.Context()
+
+	// Started together: both race to create cacerts from nothing.
+	replicas := make(chan *replica, 2)
+	for _, id := range []string{"replica-a", "replica-b"} {
+		go func() { replicas <- startReplica(t, id) }()
+	}
+	a, b := <-replicas, <-replicas
+	if !a.root().Equal(b.root()) {
+		t.Fatal("the replicas serve different roots")
+	}
+	cacerts, err := core.Secrets("istio-system").Get(ctx, "cacerts", metav1.GetOptions{})
+	if err != nil {
+		t.Fatalf("no cacerts Secret: %v", err)
+	}
+	if cacerts.Type != "istio.io/ca-root" || cacerts.Annotations["meshid.io/generated"] == "" {
+		t.Fatalf("cacerts: type %q, annotations %v; want a generated istio.io/ca-root", cacerts.Type, cacerts.Annotations)
+	}
+
+	app := kubeEnv.Namespace(t, nil)
+	kubeEnv.ServiceAccount(t, app, "web")
+	id := "spiffe://cluster.local/ns/" + app + "/sa/web"
+	tok := kubeEnv.Token(t, app, "web", time.Hour, "istio-ca")
+	for _, r := range []*replica{a, b} {
+		chain, err := createCertificate(t, r.cp.GRPCAddr(), r.rootFile(), tok, id)
+		if err != nil {
+			t.Fatalf("a TokenRequest token through TokenReview: %v", err)
+		}
+		if got := chain[0].URIs[0].String(); got != id {
+			t.Fatalf("certificate for %s, want %s", got, id)
+		}
+	}
+	wrongAudience := kubeEnv.Token(t, app, "web", time.Hour, "someone-else")
+	if _, err := createCertificate(t, a.cp.GRPCAddr(), a.rootFile(), wrongAudience, id); status.Code(err) != codes.Unauthenticated {
+		t.Fatalf("a token for another audience: %v, want Unauthenticated", err)
+	}
+
+	secretExists := func() bool {
+		_, err := core.Secrets(app).Get(ctx, "istio.web", metav1.GetOptions{})
+		return err == nil
+	}
+	eventually(t, "the leader creates secret istio.web", secretExists)
+	eventually(t, "istio-ca-root-cert is published in the workload namespace", func() bool {
+		cm, err := core.ConfigMaps(app).Get(ctx, "istio-ca-root-cert", metav1.GetOptions{})
+		return err == nil && cm.Data["root-cert.pem"] == string(pki.EncodeCertificates(a.root()))
+	})
+
+	label := func(value string) {
+		t.Helper()
+		ns, err := core.Namespaces().Get(ctx, app, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ns.Labels = map[string]string{"ca.istio.io/override": value}
+		if _, err := core.Namespaces().Update(ctx, ns, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	refused := func(r *replica) bool {
+		_, err := createCertificate(t, r.cp.GRPCAddr(), r.rootFile(), tok, id)
+		return status.Code(err) == codes.PermissionDenied
+	}
+	label("false")
+	eventually(t, "override=false removes istio.web", func() bool { return !secretExists() })
+	for _, r := range []*replica{a, b} {
+		eventually(t, "override=false: the CSR is refused", func() bool { return refused(r) })
+	}
+	label("true")
+	eventually(t, "override=true recreates istio.web", secretExists)
+	for _, r := range []*replica{a, b} {
+		eventually(t, "override=true: the CSR is signed again", func() bool { return !refused(r) })
+	}
+
+	// An operator plugs in their own CA, as `kubectl create secret generic cacerts ... | kubectl
+	// replace` does: new data, none of our annotations.
+	oldRoot := a.root()
+	root := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "operator root"})
+	inter := root.NewIntermediate(t, testutil.CAOptions{CommonName: "operator intermediate"})
+	cacerts.Annotations = nil
+	cacerts.Type = corev1.SecretTypeOpaque
+	cacerts.Data = map[string][]byte{
+		"ca-cert.pem":    testutil.CertPEM(inter.Cert),
+		"ca-key.pem":     testutil.KeyPEM(t, inter.Key),
+		"cert-chain.pem": testutil.CertPEM(inter.Cert, root.Cert),
+		"root-cert.pem":  testutil.CertPEM(root.Cert),
+	}
+	if err := core.Secrets("istio-system").Delete(ctx, "cacerts", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	cacerts.ResourceVersion = ""
+	if _, err := core.Secrets("istio-system").Create(ctx, cacerts, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range []*replica{a, b} {
+		eventually(t, "the operator's CA is in service", func() bool {
+			bundle := r.cp.Authority().Bundle()
+			return bundle.SigningCert().Equal(inter.Cert) && containsCert(bundle.Roots(), oldRoot)
+		})
+	}
+	chain, err := createCertificate(t, b.cp.GRPCAddr(), b.rootFile(), tok, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !chain[1].Equal(inter.Cert) {
+		t.Fatalf("signed by %s, want the operator's intermediate", chain[1].Subject)
+	}
+
+	// The leader goes: the other replica takes the Lease and the secret controller with it.
+	lease, err := leases.Leases("istio-system").Get(ctx, controlplane.LeaseName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	leader, follower := a, b
+	if *lease.Spec.HolderIdentity == b.cfg.Kubernetes.Identity {
+		leader, follower = b, a
+	}
+	leader.stop(t)
+	if err := core.Secrets(app).Delete(ctx, "istio.web", metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
+		t.Fatal(err)
+	}
+	eventually(t, "the remaining replica recreates istio.web", secretExists)
+	lease, err = leases.Leases("istio-system").Get(ctx, controlplane.LeaseName, metav1.GetOptions{})
+	if err != nil || *lease.Spec.HolderIdentity != follower.cfg.Kubernetes.Identity {
+		t.Fatalf("lease after the leader stopped: %v, %v", lease, err)
+	}
+}
+
+func containsCert(certs []*x509.Certificate, c *x509.Certificate) bool {
+	for _, x := range certs {
+		if x.Equal(c) {
+			return true
+		}
+	}
+	return false
+}

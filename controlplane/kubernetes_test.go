@@ -34,7 +34,7 @@ type replica struct {
 // startReplica runs a control plane on Kubernetes as deploy/kubernetes runs it: in istio-system,
 // as the service account meshid-ca, with a token from TokenRequest and exactly the RBAC of
 // deploy/kubernetes/rbac.yaml.
-func startReplica(t *testing.T, identity string) *replica {
+func startReplica(t *testing.T, identity string, mutate ...func(*controlplane.Config)) *replica {
 	t.Helper()
 	cfg := testConfig(t.TempDir())
 	cfg.CANamespace = "istio-system"
@@ -43,6 +43,9 @@ func startReplica(t *testing.T, identity string) *replica {
 		Identity:   identity,
 		// Short, so that a hand-over takes a moment, not the default 15 s.
 		LeaseDuration: 2 * time.Second, RenewDeadline: time.Second, RetryPeriod: 100 * time.Millisecond,
+	}
+	for _, m := range mutate {
+		m(&cfg)
 	}
 	cp, err := controlplane.New(cfg)
 	if err != nil {
@@ -227,6 +230,32 @@ func TestTwoReplicasOnKubernetes(t *testing.T) {
 	lease, err = leases.Leases("istio-system").Get(ctx, controlplane.LeaseName, metav1.GetOptions{})
 	if err != nil || *lease.Spec.HolderIdentity != follower.cfg.Kubernetes.Identity {
 		t.Fatalf("lease after the leader stopped: %v, %v", lease, err)
+	}
+}
+
+// Mounted cacerts files come first, the RFC's first step: the CA serves them and neither reads
+// nor creates the Secret.
+func TestMountedCACertsOnKubernetes(t *testing.T) {
+	t.Parallel()
+	ns := kubeEnv.Namespace(t, nil)
+	root := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "mounted root"})
+	inter := root.NewIntermediate(t, testutil.CAOptions{CommonName: "mounted intermediate"})
+	mounted := t.TempDir()
+	testutil.WriteFiles(t, mounted, map[string][]byte{
+		ca.CACertFile:    testutil.CertPEM(inter.Cert),
+		ca.CAKeyFile:     testutil.KeyPEM(t, inter.Key),
+		ca.CertChainFile: testutil.CertPEM(inter.Cert, root.Cert),
+		ca.RootCertFile:  testutil.CertPEM(root.Cert),
+	})
+	r := startReplica(t, "mounted", func(cfg *controlplane.Config) {
+		cfg.CANamespace, cfg.CACertsDir = ns, mounted
+		cfg.Kubernetes.Kubeconfig = kubetest.Kubeconfig(t, t.TempDir(), kubeEnv.Admin)
+	})
+	if got := r.cp.Authority().Bundle().SigningCert(); !got.Equal(inter.Cert) {
+		t.Fatalf("signing with %s, want the mounted intermediate", got.Subject)
+	}
+	if _, err := kubeEnv.Core().Secrets(ns).Get(t.Context(), "cacerts", metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+		t.Fatalf("a cacerts Secret beside mounted files: %v", err)
 	}
 }
 

@@ -39,13 +39,15 @@ func startReplica(t *testing.T, identity string, mutate ...func(*controlplane.Co
 	cfg := testConfig(t.TempDir())
 	cfg.CANamespace = "istio-system"
 	cfg.Kubernetes = controlplane.KubernetesConfig{
-		Kubeconfig: kubetest.Kubeconfig(t, t.TempDir(), kubeEnv.As(t, "istio-system", "meshid-ca")),
-		Identity:   identity,
+		Identity: identity,
 		// Short, so that a hand-over takes a moment, not the default 15 s.
 		LeaseDuration: 2 * time.Second, RenewDeadline: time.Second, RetryPeriod: 100 * time.Millisecond,
 	}
 	for _, m := range mutate {
 		m(&cfg)
+	}
+	if cfg.Kubernetes.Kubeconfig == "" {
+		cfg.Kubernetes.Kubeconfig = kubetest.Kubeconfig(t, t.TempDir(), kubeEnv.As(t, "istio-system", "meshid-ca"))
 	}
 	cp, err := controlplane.New(cfg)
 	if err != nil {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/x509"
 	"path/filepath"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -204,7 +205,7 @@ func TestTwoReplicasOnKubernetes(t *testing.T) {
 	for _, r := range []*replica{a, b} {
 		eventually(t, "the operator's CA is in service", func() bool {
 			bundle := r.cp.Authority().Bundle()
-			return bundle.SigningCert().Equal(inter.Cert) && containsCert(bundle.Roots(), oldRoot)
+			return bundle.SigningCert().Equal(inter.Cert) && slices.ContainsFunc(bundle.Roots(), oldRoot.Equal)
 		})
 	}
 	chain, err := createCertificate(t, b.cp.GRPCAddr(), b.rootFile(), tok, id)
@@ -259,13 +260,4 @@ func TestMountedCACertsOnKubernetes(t *testing.T) {
 	if _, err := kubeEnv.Core().Secrets(ns).Get(t.Context(), "cacerts", metav1.GetOptions{}); !apierrors.IsNotFound(err) {
 		t.Fatalf("a cacerts Secret beside mounted files: %v", err)
 	}
-}
-
-func containsCert(certs []*x509.Certificate, c *x509.Certificate) bool {
-	for _, x := range certs {
-		if x.Equal(c) {
-			return true
-		}
-	}
-	return false
 }

@@ -8,6 +8,7 @@ import (
 	"encoding/hex"
 	"log/slog"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -383,18 +384,6 @@ type roundTripper func(*http.Request) (*http.Response, error)
 
 func (f roundTripper) RoundTrip(req *http.Request) (*http.Response, error) { return f(req) }
 
-func sameCerts(a, b []*x509.Certificate) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if !a[i].Equal(b[i]) {
-			return false
-		}
-	}
-	return true
-}
-
 func TestCACertsReplicasShareOneRootAndRotateItOnce(t *testing.T) {
 	t.Parallel()
 	ns := env.Namespace(t, nil)
@@ -438,7 +427,7 @@ func TestCACertsReplicasShareOneRootAndRotateItOnce(t *testing.T) {
 		t.Fatal("the renewed root has another subject or key")
 	}
 	for name, r := range map[string]*replica{"a": a, "b": b} {
-		if got := r.authority.Bundle().Roots(); !sameCerts(got, []*x509.Certificate{renewed, old}) {
+		if got := r.authority.Bundle().Roots(); !slices.EqualFunc(got, []*x509.Certificate{renewed, old}, (*x509.Certificate).Equal) {
 			t.Errorf("replica %s trusts %d roots, want the renewed root then the old one", name, len(got))
 		}
 	}
@@ -490,7 +479,7 @@ func TestCACertsOperatorPlugInReachesReplicas(t *testing.T) {
 			isPlugged := func(c *x509.Certificate) bool { return c.Equal(inter.Cert) }
 			for name, r := range map[string]*replica{"a": a, "b": b} {
 				r.waitSigner(t, "the plugged-in intermediate", isPlugged)
-				if got := r.authority.Bundle().Roots(); !sameCerts(got, []*x509.Certificate{root.Cert, generatedRoot}) {
+				if got := r.authority.Bundle().Roots(); !slices.EqualFunc(got, []*x509.Certificate{root.Cert, generatedRoot}, (*x509.Certificate).Equal) {
 					t.Errorf("replica %s trusts %d roots, want the plugged-in root then the generated one", name, len(got))
 				}
 			}

@@ -22,7 +22,8 @@ import (
 // StoreConfig configures a Store.
 type StoreConfig struct {
 	Clients *Clients
-	// Namespace limits the store to one namespace (--listened-namespace); "" is every namespace.
+	// Namespace limits the service accounts to one namespace (--listened-namespace); "" is every
+	// namespace. Namespaces are always all known.
 	Namespace  string
 	Logger     *slog.Logger
 	Registerer prometheus.Registerer // optional
@@ -31,7 +32,6 @@ type StoreConfig struct {
 // Store is the controller.Store of a cluster: its namespaces and service accounts, as two
 // informers see them.
 type Store struct {
-	namespace            string
 	namespaces, accounts cache.SharedIndexInformer
 	synced               chan struct{}
 
@@ -50,13 +50,10 @@ func NewStore(cfg StoreConfig) *Store {
 	}
 	errs := watchErrors(cfg.Registerer)
 	core := cfg.Clients.Core.RESTClient()
-	nsSelector := fields.Everything()
-	if cfg.Namespace != "" {
-		nsSelector = fields.OneTermEqualSelector("metadata.name", cfg.Namespace)
-	}
 	s := &Store{
-		namespace: cfg.Namespace,
-		namespaces: newInformer(cache.NewListWatchFromClient(core, "namespaces", metav1.NamespaceAll, nsSelector),
+		// Every namespace, whatever the listened one: targeting decides on every caller's
+		// namespace from its labels, and an unknown namespace would take the default.
+		namespaces: newInformer(cache.NewListWatchFromClient(core, "namespaces", metav1.NamespaceAll, fields.Everything()),
 			&corev1.Namespace{}, "namespaces", nil, log, errs),
 		accounts: newInformer(cache.NewListWatchFromClient(core, "serviceaccounts", cfg.Namespace, fields.Everything()),
 			&corev1.ServiceAccount{}, "serviceaccounts", cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc}, log, errs),
@@ -90,10 +87,13 @@ func (s *Store) Run(ctx context.Context) error {
 	wg.Go(func() { s.accounts.RunWithContext(ctx) })
 	if cache.WaitForCacheSync(ctx.Done(), s.namespaces.HasSynced, s.accounts.HasSynced) {
 		s.mu.Lock()
+		first := !s.ready
 		s.ready = true
 		s.mu.Unlock()
-		close(s.synced)
-		s.notify()
+		if first {
+			close(s.synced)
+			s.notify()
+		}
 	}
 	wg.Wait()
 	return nil
@@ -164,14 +164,9 @@ func (s *Store) ServiceAccounts(_ context.Context, namespace string) ([]controll
 	if err := s.checkSynced(); err != nil {
 		return nil, err
 	}
-	var objs []any
-	if namespace == "" {
-		objs = s.accounts.GetStore().List()
-	} else {
-		var err error
-		if objs, err = s.accounts.GetIndexer().ByIndex(cache.NamespaceIndex, namespace); err != nil {
-			return nil, err
-		}
+	objs, err := listIn(s.accounts, namespace)
+	if err != nil {
+		return nil, err
 	}
 	out := make([]controller.ServiceAccount, 0, len(objs))
 	for _, obj := range objs {

@@ -74,10 +74,10 @@ func TestStoreFollowsNamespacesAndServiceAccounts(t *testing.T) {
 	})
 }
 
-func TestStoreListenedNamespaceSeesOnlyIt(t *testing.T) {
+func TestStoreListenedNamespaceLimitsServiceAccountsOnly(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	listened, other := env.Namespace(t, nil), env.Namespace(t, nil)
+	listened, other := env.Namespace(t, nil), env.Namespace(t, map[string]string{controller.LabelOverride: "false"})
 	env.ServiceAccount(t, listened, "web")
 	env.ServiceAccount(t, other, "web")
 
@@ -88,7 +88,8 @@ func TestStoreListenedNamespaceSeesOnlyIt(t *testing.T) {
 	if want := []controller.ServiceAccount{{Namespace: listened, Name: "web"}}; err != nil || !slices.Equal(accounts, want) {
 		t.Errorf("service accounts %v (%v), want %v", accounts, err, want)
 	}
-	if _, found, err := store.NamespaceLabels(ctx, other); err != nil || found {
-		t.Errorf("namespace %s not listened to: found %v, %v", other, found, err)
+	// Its labels still count: a CSR from there is targeted by them, not by the default.
+	if labels, found, err := store.NamespaceLabels(ctx, other); err != nil || !found || labels[controller.LabelOverride] != "false" {
+		t.Errorf("namespace %s, not listened to: labels %v, found %v, %v; want its labels known", other, labels, found, err)
 	}
 }

@@ -51,6 +51,9 @@ const (
 	EventUnchanged EventKind = "unchanged"
 	// EventRejected: the plugged-in files are incomplete or invalid; the bundle in service stays.
 	EventRejected EventKind = "rejected"
+	// EventIgnored: key material was offered while the plugged-in files are in service, which
+	// come first.
+	EventIgnored EventKind = "ignored"
 	// EventRotated: the self-signed root neared its end and was renewed from the same key.
 	EventRotated EventKind = "rotated"
 	// EventRotationFailed: the self-signed root is due for renewal but could not be renewed.
@@ -287,8 +290,9 @@ func (m *KeyManager) reload() Event {
 
 // Offer puts key material from outside the state dir (the cacerts Secret, named by from) in
 // service as a reload of plugged-in files would: the same material changes nothing, other
-// material replaces the bundle in service, whose roots stay trusted for the overlap. A bundle
-// whose Source is not SourceSelfSigned is never renewed by this manager's rotator.
+// material replaces the bundle in service, whose roots stay trusted for the overlap. While
+// plugged-in files are in service, offers are ignored. A bundle whose Source is not
+// SourceSelfSigned is never renewed by this manager's rotator.
 func (m *KeyManager) Offer(b *Bundle, from string) Event {
 	ev := m.offer(b, from)
 	m.reloads.WithLabelValues(string(ev.Kind)).Inc()
@@ -304,6 +308,12 @@ func (m *KeyManager) offer(next *Bundle, from string) Event {
 	defer m.mu.Unlock()
 	now := m.clock.Now()
 	current := m.cfg.Authority.Bundle()
+	if current.Source() == SourcePluggedIn {
+		// The watched files come first (seed 001's first step); when they mount the offered
+		// Secret, its versions arrive through them, and taking both would let a lagging copy
+		// undo a newer one.
+		return Event{Kind: EventIgnored}
+	}
 	if next.sameMaterial(current) {
 		return Event{Kind: EventUnchanged}
 	}

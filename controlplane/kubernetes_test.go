@@ -3,6 +3,7 @@ package controlplane_test
 import (
 	"context"
 	"crypto/x509"
+	"fmt"
 	"path/filepath"
 	"slices"
 	"sync"
@@ -32,10 +33,10 @@ type replica struct {
 	once   sync.Once
 }
 
-// startReplica runs a control plane on Kubernetes as deploy/kubernetes runs it: in istio-system,
+// replicaConfig is a control plane on Kubernetes as deploy/kubernetes runs it: in istio-system,
 // as the service account meshid-ca, with a token from TokenRequest and exactly the RBAC of
-// deploy/kubernetes/rbac.yaml.
-func startReplica(t *testing.T, identity string, mutate ...func(*controlplane.Config)) *replica {
+// deploy/kubernetes/rbac.yaml (unless mutate gives other credentials).
+func replicaConfig(t *testing.T, identity string, mutate ...func(*controlplane.Config)) controlplane.Config {
 	t.Helper()
 	cfg := testConfig(t.TempDir())
 	cfg.CANamespace = "istio-system"
@@ -50,9 +51,15 @@ func startReplica(t *testing.T, identity string, mutate ...func(*controlplane.Co
 	if cfg.Kubernetes.Kubeconfig == "" {
 		cfg.Kubernetes.Kubeconfig = kubetest.Kubeconfig(t, t.TempDir(), kubeEnv.As(t, "istio-system", "meshid-ca"))
 	}
+	return cfg
+}
+
+// runReplica runs the control plane until the test ends, and returns once it serves; it may be
+// called from any goroutine.
+func runReplica(t *testing.T, cfg controlplane.Config) (*replica, error) {
 	cp, err := controlplane.New(cfg)
 	if err != nil {
-		t.Fatalf("replica %s: %v", identity, err)
+		return nil, fmt.Errorf("replica %s: %w", cfg.Kubernetes.Identity, err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	r := &replica{cp: cp, cfg: cfg, cancel: cancel, done: make(chan error, 1)}
@@ -60,9 +67,18 @@ func startReplica(t *testing.T, identity string, mutate ...func(*controlplane.Co
 	t.Cleanup(func() { r.stop(t) })
 	select {
 	case <-cp.Ready():
+		return r, nil
 	case err := <-r.done:
 		r.done <- err // for the cleanup
-		t.Fatalf("replica %s ended before serving: %v", identity, err)
+		return nil, fmt.Errorf("replica %s ended before serving: %w", cfg.Kubernetes.Identity, err)
+	}
+}
+
+func startReplica(t *testing.T, identity string, mutate ...func(*controlplane.Config)) *replica {
+	t.Helper()
+	r, err := runReplica(t, replicaConfig(t, identity, mutate...))
+	if err != nil {
+		t.Fatal(err)
 	}
 	return r
 }
@@ -112,11 +128,32 @@ func TestTwoReplicasOnKubernetes(t *testing.T) {
 	ctx := t.Context()
 
 	// Started together: both race to create cacerts from nothing.
-	replicas := make(chan *replica, 2)
-	for _, id := range []string{"replica-a", "replica-b"} {
-		go func() { replicas <- startReplica(t, id) }()
+	// What an earlier run of this test left (go test -count): the test starts from nothing.
+	t.Cleanup(func() {
+		_ = core.Secrets("istio-system").Delete(context.Background(), "cacerts", metav1.DeleteOptions{})
+		_ = leases.Leases("istio-system").Delete(context.Background(), controlplane.LeaseName, metav1.DeleteOptions{})
+	})
+	type started struct {
+		r   *replica
+		err error
 	}
-	a, b := <-replicas, <-replicas
+	replicas := make(chan started, 2)
+	for _, id := range []string{"replica-a", "replica-b"} {
+		cfg := replicaConfig(t, id)
+		go func() {
+			r, err := runReplica(t, cfg)
+			replicas <- started{r, err}
+		}()
+	}
+	var both []*replica
+	for range 2 {
+		s := <-replicas
+		if s.err != nil {
+			t.Fatal(s.err)
+		}
+		both = append(both, s.r)
+	}
+	a, b := both[0], both[1]
 	if !a.root().Equal(b.root()) {
 		t.Fatal("the replicas serve different roots")
 	}
@@ -250,14 +287,39 @@ func TestMountedCACertsOnKubernetes(t *testing.T) {
 		ca.CertChainFile: testutil.CertPEM(inter.Cert, root.Cert),
 		ca.RootCertFile:  testutil.CertPEM(root.Cert),
 	})
+	events := make(chan ca.Event, 256)
 	r := startReplica(t, "mounted", func(cfg *controlplane.Config) {
 		cfg.CANamespace, cfg.CACertsDir = ns, mounted
 		cfg.Kubernetes.Kubeconfig = kubetest.Kubeconfig(t, t.TempDir(), kubeEnv.Admin)
+		cfg.OnKeyEvent = func(ev ca.Event) { events <- ev }
 	})
 	if got := r.cp.Authority().Bundle().SigningCert(); !got.Equal(inter.Cert) {
 		t.Fatalf("signing with %s, want the mounted intermediate", got.Subject)
 	}
 	if _, err := kubeEnv.Core().Secrets(ns).Get(t.Context(), "cacerts", metav1.GetOptions{}); !apierrors.IsNotFound(err) {
 		t.Fatalf("a cacerts Secret beside mounted files: %v", err)
+	}
+
+	// A cacerts Secret with other material appears: the files in service still come first.
+	other := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "secret root"})
+	if _, err := kubeEnv.Core().Secrets(ns).Create(t.Context(), &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Name: "cacerts"},
+		Data: map[string][]byte{
+			ca.CACertFile: testutil.CertPEM(other.Cert), ca.CAKeyFile: testutil.KeyPEM(t, other.Key),
+			ca.CertChainFile: testutil.CertPEM(other.Cert), ca.RootCertFile: testutil.CertPEM(other.Cert),
+		},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	for ignored := false; !ignored; {
+		select {
+		case ev := <-events:
+			ignored = ev.Kind == ca.EventIgnored
+		case <-time.After(30 * time.Second):
+			t.Fatal("the Secret's version was never offered")
+		}
+	}
+	if got := r.cp.Authority().Bundle().SigningCert(); !got.Equal(inter.Cert) {
+		t.Fatalf("signing with %s after a cacerts Secret appeared, want the mounted intermediate", got.Subject)
 	}
 }

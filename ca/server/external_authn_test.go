@@ -74,7 +74,7 @@ func TestExternalAuthenticatorErrors(t *testing.T) {
 		message string // in the status sent back; "" for Internal's fixed text
 	}{
 		{"rejected", fmt.Errorf("%w: token audiences do not include istio-ca", server.ErrTokenRejected), codes.Unauthenticated, "token_rejected", "audiences"},
-		{"unavailable", fmt.Errorf("%w: TokenReview: connection refused", server.ErrAuthenticatorUnavailable), codes.Unavailable, "authenticator_unavailable", "connection refused"},
+		{"unavailable", fmt.Errorf("%w: TokenReview: dial https://10.0.0.1:6443: connection refused", server.ErrAuthenticatorUnavailable), codes.Unavailable, "authenticator_unavailable", "retry"},
 		{"misconfigured", fmt.Errorf("%w: may not create tokenreviews", server.ErrAuthenticatorMisconfigured), codes.Internal, "authenticator_misconfigured", ""},
 		{"no credentials, then the JWT authenticator", fmt.Errorf("review: %w", server.ErrNoCredentials), codes.OK, "", ""},
 	} {
@@ -117,6 +117,10 @@ func TestExternalAuthenticatorErrors(t *testing.T) {
 			if !strings.Contains(status.Convert(err).Message(), tt.message) {
 				t.Fatalf("message %q, want it to mention %q", status.Convert(err).Message(), tt.message)
 			}
+			// What the authenticator saw of the CA's own infrastructure stays in the log.
+			if msg := status.Convert(err).Message(); strings.Contains(msg, "10.0.0.1") || strings.Contains(msg, "tokenreviews") {
+				t.Fatalf("message %q tells the caller the CA's internals", msg)
+			}
 			labels := map[string]string{"reason": tt.reason, "code": tt.code.String()}
 			if got := promtest.ToFloat64(counter(t, registry, "meshid_ca_requests_refused_total", labels)); got != 1 {
 				t.Fatalf("refusal counted %v times under %v, want 1", got, labels)
@@ -125,5 +129,36 @@ func TestExternalAuthenticatorErrors(t *testing.T) {
 				t.Fatalf("refusal logged %d times, want once:\n%s", got, logs.String())
 			}
 		})
+	}
+}
+
+// Production's order puts the offline JWT check first: its refusal of a token it cannot verify
+// must not hide that the authenticator that could is unavailable, which the caller should retry.
+func TestAuthenticatorUnavailableWinsOverARefusal(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessOptions{})
+	keys, err := token.NewKeySet(h.tokenKey.Public())
+	if err != nil {
+		t.Fatal(err)
+	}
+	verifier, err := token.NewVerifier(token.VerifierConfig{Keys: keys, Audience: "istio-ca", Now: h.clock.Now})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := server.New(server.Config{
+		Signer: h.authority,
+		Authenticators: []server.Authenticator{
+			server.NewJWTAuthenticator(verifier, trustDomain),
+			stubAuthenticator{fmt.Errorf("%w: TokenReview: connection refused", server.ErrAuthenticatorUnavailable)},
+		},
+		Targeting: controller.NewTargeting(controller.TargetingConfig{CANamespace: "istio-system", EnabledByDefault: true}),
+		Logger:    slog.New(slog.DiscardHandler),
+	})
+	// Signed by a key the offline verifier does not know: an API server's token, say.
+	other := p256(t)
+	ctx := metadata.NewIncomingContext(t.Context(), metadata.Pairs("authorization", "Bearer "+h.token(t, mintOptions{key: other})))
+	_, err = srv.CreateCertificate(ctx, request(t, p256(t), []string{demoID()}, nil, 0))
+	if got := status.Code(err); got != codes.Unavailable {
+		t.Fatalf("code = %v (%v), want Unavailable", got, err)
 	}
 }

@@ -131,6 +131,9 @@ func secondsToDuration(s int64) time.Duration {
 // key backends or other internals, so it goes to the log only.
 const internalMessage = "internal error in the CA; its log has the details"
 
+// unavailableMessage is what a caller learns when the CA cannot check its credentials now.
+const unavailableMessage = "the CA cannot check credentials now; retry"
+
 // refuse counts a refusal, logs it once (bounded: see refusalLog), and returns it as a gRPC
 // status. The error texts never contain the token: golang-jwt's errors describe claims, not the
 // raw token; the strings of the client they quote are bounded.
@@ -157,8 +160,12 @@ func (s *Server) refuse(ctx context.Context, caller Caller, err error) error {
 		}
 		s.log.Log(ctx, level, "certificate request refused", attrs...)
 	}
-	if code == codes.Internal {
+	switch {
+	case code == codes.Internal:
 		return status.Error(code, internalMessage)
+	case reason == "authenticator_unavailable":
+		// Its error names the CA's token authority (the API server's address, say).
+		return status.Error(code, unavailableMessage)
 	}
 	return status.Error(code, text)
 }
@@ -208,10 +215,17 @@ func rules() []rule {
 }
 
 func classify(err error) (codes.Code, string) {
-	// Of several authentication failures, the first authenticator's decides.
+	// Of several authentication failures, the first authenticator's decides, unless one could
+	// not decide at all: the token may be good, and the caller should retry rather than give up.
 	if joined, ok := err.(interface{ Unwrap() []error }); ok {
 		if errs := joined.Unwrap(); len(errs) > 0 {
 			err = errs[0]
+			for _, e := range errs {
+				if errors.Is(e, ErrAuthenticatorUnavailable) || errors.Is(e, ErrAuthenticatorMisconfigured) {
+					err = e
+					break
+				}
+			}
 		}
 	}
 	for _, r := range rules() {

@@ -1,6 +1,7 @@
 package controlplane
 
 import (
+	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sync/errgroup"
+	"k8s.io/client-go/tools/leaderelection"
 
 	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/ca/controller"
@@ -61,6 +63,12 @@ func (k KubernetesConfig) validate(cfg *Config) []error {
 		if d < 0 {
 			errs = append(errs, fmt.Errorf("Kubernetes %s %s must not be negative", name, d))
 		}
+	}
+	// client-go's own rules, checked here so that a bad election fails the start, not a running CA.
+	lease, renew, retry := cmp.Or(k.LeaseDuration, 15*time.Second), cmp.Or(k.RenewDeadline, 10*time.Second), cmp.Or(k.RetryPeriod, 2*time.Second)
+	if lease <= renew || float64(renew) <= leaderelection.JitterFactor*float64(retry) {
+		errs = append(errs, fmt.Errorf("leader election: want lease duration (%s) > renew deadline (%s) > %g × retry period (%s)",
+			lease, renew, leaderelection.JitterFactor, retry))
 	}
 	return errs
 }

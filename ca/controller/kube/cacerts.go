@@ -49,7 +49,8 @@ type Offerer interface {
 	Offer(b *ca.Bundle, from string) ca.Event
 }
 
-// CACertsConfig configures CACerts. Zero values take the key manager's defaults.
+// CACertsConfig configures CACerts. Zero rotation settings take the key manager's defaults;
+// SelfSigned is used as given (the composition root fills it, as for the state dir's root).
 type CACertsConfig struct {
 	Clients   *Clients
 	Namespace string // --ca-namespace, where the Secrets live
@@ -94,7 +95,7 @@ func NewCACerts(cfg CACertsConfig) (*CACerts, error) {
 		cfg.RootRotationThreshold = ca.DefaultRootRotationThreshold
 	}
 	if err := ca.ValidateRootRotationThreshold(cfg.RootRotationThreshold); err != nil {
-		return nil, err
+		return nil, fmt.Errorf("cacerts: %w", err)
 	}
 	if cfg.Jitter == nil {
 		cfg.Jitter = rand.Float64
@@ -128,7 +129,7 @@ func NewCACerts(cfg CACertsConfig) (*CACerts, error) {
 	if cfg.Registerer != nil {
 		for _, col := range []prometheus.Collector{c.offers, c.rotates, c.apiErrs, c.deletes} {
 			if err := cfg.Registerer.Register(col); err != nil {
-				return nil, err
+				return nil, fmt.Errorf("cacerts metrics: %w", err)
 			}
 		}
 	}
@@ -225,7 +226,7 @@ func (c *CACerts) generate(now time.Time) (map[string][]byte, error) {
 	}
 	keyPEM, err := pki.EncodePrivateKey(key)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("encode the key of the root for %s: %w", c.where, err)
 	}
 	rootPEM := pki.EncodeCertificate(root)
 	return map[string][]byte{

@@ -86,10 +86,7 @@ func TestCACertsAndRootConfigMapsWithLeastPrivilege(t *testing.T) {
 	}
 
 	// Nothing more: no other Secret, and no Secret list without the name.
-	clients, err := kube.NewClients(env.As(t, caNS, sa))
-	if err != nil {
-		t.Fatal(err)
-	}
+	clients := clientsFor(t, env.As(t, caNS, sa))
 	createSecret(t, newOpaqueSecret(caNS, "other"))
 	if _, err := clients.Core.Secrets(caNS).Get(t.Context(), "other", metav1.GetOptions{}); !apierrors.IsForbidden(err) {
 		t.Errorf("get another secret: %v, want forbidden", err)

@@ -41,10 +41,7 @@ func digest(certPEM []byte) string {
 
 func caCertsConfig(t *testing.T, cfg *rest.Config, ns string, clk *testutil.FakeClock, reg prometheus.Registerer) kube.CACertsConfig {
 	t.Helper()
-	clients, err := kube.NewClients(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	clients := clientsFor(t, cfg)
 	return kube.CACertsConfig{
 		Clients:               clients,
 		Namespace:             ns,
@@ -343,7 +340,7 @@ func (r *replica) check(t *testing.T, d time.Duration) {
 // waitSigner waits until the replica signs with a certificate for which ok holds.
 func (r *replica) waitSigner(t *testing.T, what string, ok func(*x509.Certificate) bool) *ca.Bundle {
 	t.Helper()
-	deadline := time.NewTimer(30 * time.Second)
+	deadline := time.NewTimer(waitLimit)
 	defer deadline.Stop()
 	for {
 		changed := r.authority.Changed()
@@ -414,7 +411,7 @@ func TestCACertsReplicasShareOneRootAndRotateItOnce(t *testing.T) {
 	b.clock.Advance(pastRenewal)
 	select {
 	case <-g.arrived:
-	case <-time.After(30 * time.Second):
+	case <-time.After(waitLimit):
 		t.Fatal("replica b never tried to rotate the root")
 	}
 	a.check(t, pastRenewal)
@@ -604,7 +601,7 @@ func (l *logRecorder) contains(s string) bool {
 // wait blocks until msg was logged.
 func (l *logRecorder) wait(t *testing.T, msg string) {
 	t.Helper()
-	deadline := time.NewTimer(30 * time.Second)
+	deadline := time.NewTimer(waitLimit)
 	defer deadline.Stop()
 	for {
 		l.mu.Lock()

@@ -28,6 +28,11 @@ func NewClients(cfg *rest.Config) (*Clients, error) {
 	if cfg.UserAgent == "" {
 		cfg.UserAgent = "meshid-ca"
 	}
+	// client-go's 5 QPS would queue the TokenReviews of a renewal storm past their deadline;
+	// istiod's defaults.
+	if cfg.QPS == 0 {
+		cfg.QPS, cfg.Burst = 80, 160
+	}
 	core, err := corev1client.NewForConfig(cfg)
 	if err != nil {
 		return nil, err

@@ -26,7 +26,7 @@ import (
 // waitLimit bounds every wait on the API server; nothing here takes more than a second or two.
 const waitLimit = 30 * time.Second
 
-func clientsFor(t *testing.T, cfg *rest.Config) *kube.Clients {
+func clientsFor(t testing.TB, cfg *rest.Config) *kube.Clients {
 	t.Helper()
 	c, err := kube.NewClients(cfg)
 	if err != nil {

@@ -74,3 +74,12 @@ func newInformer(lw cache.ListerWatcher, example runtime.Object, resource string
 	})
 	return informer
 }
+
+// listIn lists what an informer holds in namespace, or everywhere when it is "". The informer
+// must index by namespace.
+func listIn(informer cache.SharedIndexInformer, namespace string) ([]any, error) {
+	if namespace == "" {
+		return informer.GetStore().List(), nil
+	}
+	return informer.GetIndexer().ByIndex(cache.NamespaceIndex, namespace)
+}

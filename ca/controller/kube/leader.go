@@ -51,19 +51,29 @@ func RunLeaderElected(ctx context.Context, cfg LeaderConfig, run func(ctx contex
 		}
 	}
 	for ctx.Err() == nil {
-		if err := electOnce(ctx, cfg, log, leading, run); err != nil {
+		failed, err := electOnce(ctx, cfg, log, leading, run)
+		if err != nil {
 			return err
+		}
+		if failed {
+			// Work that fails at once would fail again: let another replica try it first.
+			wait := time.NewTimer(cfg.LeaseDuration)
+			select {
+			case <-ctx.Done():
+			case <-wait.C:
+			}
+			wait.Stop()
 		}
 	}
 	return nil
 }
 
 // electOnce runs one client-go election: until this replica has led and lost the Lease, or ctx
-// ends. It returns after run has.
-func electOnce(ctx context.Context, cfg LeaderConfig, log *slog.Logger, leading prometheus.Gauge, run func(context.Context) error) error {
+// ends. It returns after run has, and whether run failed.
+func electOnce(ctx context.Context, cfg LeaderConfig, log *slog.Logger, leading prometheus.Gauge, run func(context.Context) error) (failed bool, err error) {
 	var (
 		mu       sync.Mutex
-		stopping bool // ctx ended: lead no more
+		stopping bool // ctx ended, or this election is over: lead no more
 		led      bool
 		running  sync.WaitGroup
 	)
@@ -111,7 +121,10 @@ func electOnce(ctx context.Context, cfg LeaderConfig, log *slog.Logger, leading 
 				leading.Set(1)
 				defer leading.Set(0)
 				if err := run(runCtx); err != nil {
-					log.Error("the leader's work failed", logkey.Error, err.Error())
+					log.Error("the leader's work failed; the Lease is given up", logkey.Error, err.Error())
+					mu.Lock()
+					failed = true
+					mu.Unlock()
 				}
 			},
 			OnStoppedLeading: func() {},
@@ -123,9 +136,14 @@ func electOnce(ctx context.Context, cfg LeaderConfig, log *slog.Logger, leading 
 		},
 	})
 	if err != nil {
-		return err
+		return false, err
 	}
 	elector.Run(electCtx)
+	// Run returns without waiting for the callback it started: one that has not begun yet must
+	// not begin now, while the next election may already be won elsewhere.
+	mu.Lock()
+	stopping = true
+	mu.Unlock()
 	running.Wait()
 	mu.Lock()
 	defer mu.Unlock()
@@ -136,5 +154,5 @@ func electOnce(ctx context.Context, cfg LeaderConfig, log *slog.Logger, leading 
 	default:
 		log.Info("stopped leading; the Lease is released")
 	}
-	return nil
+	return failed, nil
 }

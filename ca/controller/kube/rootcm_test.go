@@ -49,10 +49,7 @@ func selfSignedBundle(t *testing.T, name string) *ca.Bundle {
 // until the test ends.
 func runRootConfigMaps(t *testing.T, cfg *rest.Config, caNS string, store *kube.Store, authority *ca.Authority, reg prometheus.Registerer) {
 	t.Helper()
-	clients, err := kube.NewClients(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	clients := clientsFor(t, cfg)
 	r, err := kube.NewRootConfigMaps(kube.RootConfigMapsConfig{
 		Clients:    clients,
 		Store:      store,

@@ -9,13 +9,13 @@ import (
 	"strings"
 	"sync"
 
+	"github.com/go-logr/logr"
 	"github.com/prometheus/client_golang/prometheus"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/client-go/tools/cache"
-	"k8s.io/klog/v2"
 
 	"github.com/meshid/meshid/ca/controller"
 )
@@ -65,12 +65,9 @@ func NewSecretStore(cfg SecretStoreConfig) *SecretStore {
 			log, watchErrors(cfg.Registerer)),
 		synced: make(chan struct{}),
 	}
-	s.view = cache.NewIntegerResourceVersionMutationCacheWithOptions(klog.Background(), s.informer.GetStore(),
+	s.view = cache.NewIntegerResourceVersionMutationCacheWithOptions(logr.FromSlogHandler(log.Handler()), s.informer.GetStore(),
 		cache.MutationCacheOptions{Indexer: s.informer.GetIndexer(), IncludeAdds: true, MaxCacheSize: 1024})
 	changed := func(obj any) {
-		if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
-			obj = tomb.Obj
-		}
 		secret, ok := obj.(*corev1.Secret)
 		if !ok {
 			return
@@ -93,6 +90,10 @@ func NewSecretStore(cfg SecretStoreConfig) *SecretStore {
 			changed(obj)
 		},
 		DeleteFunc: func(obj any) {
+			// A delete the watch missed comes as a tombstone: the view must drop it all the same.
+			if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+				obj = tomb.Obj
+			}
 			if secret, ok := obj.(*corev1.Secret); ok {
 				s.view.OnDelete(secret)
 			}
@@ -136,14 +137,9 @@ func (s *SecretStore) Keys(_ context.Context, namespace string) ([]controller.Se
 	if err := s.checkSynced(); err != nil {
 		return nil, err
 	}
-	var objs []any
-	if namespace == "" {
-		objs = s.informer.GetStore().List()
-	} else {
-		var err error
-		if objs, err = s.informer.GetIndexer().ByIndex(cache.NamespaceIndex, namespace); err != nil {
-			return nil, err
-		}
+	objs, err := listIn(s.informer, namespace)
+	if err != nil {
+		return nil, err
 	}
 	var keys []controller.SecretKey
 	for _, obj := range objs {

@@ -24,9 +24,11 @@ import (
 
 // secretControllerRules are what the secret controller needs cluster-wide, as
 // deploy/kubernetes/rbac.yaml grants them.
-var secretControllerRules = []rbacv1.PolicyRule{
-	{APIGroups: []string{""}, Resources: []string{"namespaces", "serviceaccounts"}, Verbs: []string{"get", "list", "watch"}},
-	{APIGroups: []string{""}, Resources: []string{"secrets"}, Verbs: []string{"get", "list", "watch", "create", "update", "delete"}},
+func secretControllerRules() []rbacv1.PolicyRule {
+	return []rbacv1.PolicyRule{
+		{APIGroups: []string{""}, Resources: []string{"namespaces", "serviceaccounts"}, Verbs: []string{"get", "list", "watch"}},
+		{APIGroups: []string{""}, Resources: []string{"secrets"}, Verbs: []string{"get", "list", "watch", "create", "update", "delete"}},
+	}
 }
 
 // secretsOnKube runs the secret controller of namespace ns over the Kubernetes stores, with the
@@ -131,7 +133,7 @@ func TestSecretsLifecycleOnKubernetes(t *testing.T) {
 	ctx := context.Background()
 	caNS, ns := env.Namespace(t, nil), env.Namespace(t, nil)
 	env.ServiceAccount(t, caNS, "meshid-ca")
-	bind(t, caNS, "meshid-ca", nil, secretControllerRules)
+	bind(t, caNS, "meshid-ca", nil, secretControllerRules())
 	// A Secret of that name that no CA made, with its service account: never touched.
 	env.ServiceAccount(t, ns, "legacy")
 	foreign, err := env.Core().Secrets(ns).Create(ctx, &corev1.Secret{

@@ -69,15 +69,13 @@ func newReviewer(t testing.TB, cfg *rest.Config, audience string) *reviewer {
 	if cfg == nil {
 		cfg = env.Admin
 	}
-	clients, err := kube.NewClients(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	clients := clientsFor(t, cfg)
 	r := &reviewer{
 		reviews:  &countingReviews{TokenReviewInterface: clients.Authentication.TokenReviews()},
 		registry: prometheus.NewRegistry(),
 		clock:    testutil.NewFakeClock(time.Now()),
 	}
+	var err error
 	r.auth, err = kube.NewTokenReviewAuthenticator(kube.TokenReviewConfig{
 		Reviews: r.reviews, Audience: audience, TrustDomain: reviewTrustDomain,
 		Clock: r.clock, Registerer: r.registry,
@@ -91,8 +89,6 @@ func newReviewer(t testing.TB, cfg *rest.Config, audience string) *reviewer {
 func reviewBearer(ctx context.Context, tok string) context.Context {
 	return metadata.NewIncomingContext(ctx, metadata.Pairs("authorization", "Bearer "+tok))
 }
-
-// reviewMetric returns the value of the counter name with exactly labels in reg.
 
 func TestTokenReviewAuthenticatesServiceAccount(t *testing.T) {
 	t.Parallel()
@@ -120,10 +116,7 @@ func TestTokenReviewRefusals(t *testing.T) {
 	if err := env.Core().ServiceAccounts(ns).Delete(t.Context(), "gone", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	admin, err := kube.NewClients(env.Admin)
-	if err != nil {
-		t.Fatal(err)
-	}
+	admin := clientsFor(t, env.Admin)
 	// The API server learns of the deletion through its own watch: wait until it refuses the
 	// token, so that the authenticator below sees the settled state.
 	waitFor(t, "the API server to refuse the deleted service account's token", func() bool {
@@ -268,10 +261,7 @@ func TestTokenReviewCache(t *testing.T) {
 
 	t.Run("bounded", func(t *testing.T) {
 		t.Parallel()
-		clients, err := kube.NewClients(env.Admin)
-		if err != nil {
-			t.Fatal(err)
-		}
+		clients := clientsFor(t, env.Admin)
 		reviews := &countingReviews{TokenReviewInterface: clients.Authentication.TokenReviews()}
 		auth, err := kube.NewTokenReviewAuthenticator(kube.TokenReviewConfig{
 			Reviews: reviews, TrustDomain: reviewTrustDomain, MaxEntries: 2, Clock: testutil.NewFakeClock(time.Now()),
@@ -470,8 +460,6 @@ func TestTokenReviewThroughCAServer(t *testing.T) {
 	}
 }
 
-// reviewWait polls state in the API server, which sends no event for it, every 10 ms for up to 30 s.
-
 // blockingReviews holds each TokenReview until release is closed, then sends it on.
 type blockingReviews struct {
 	authenticationv1client.TokenReviewInterface
@@ -493,10 +481,7 @@ func TestTokenReviewSharedReviewOutlivesACaller(t *testing.T) {
 	ns := env.Namespace(t, nil)
 	env.ServiceAccount(t, ns, "workload")
 	tok := env.Token(t, ns, "workload", time.Hour, "istio-ca")
-	clients, err := kube.NewClients(env.Admin)
-	if err != nil {
-		t.Fatal(err)
-	}
+	clients := clientsFor(t, env.Admin)
 	reviews := &blockingReviews{TokenReviewInterface: clients.Authentication.TokenReviews(), started: make(chan struct{}, 1), release: make(chan struct{})}
 	auth, err := kube.NewTokenReviewAuthenticator(kube.TokenReviewConfig{Reviews: reviews, TrustDomain: reviewTrustDomain})
 	if err != nil {
@@ -531,12 +516,22 @@ func TestTokenReviewSharedReviewOutlivesACaller(t *testing.T) {
 // nothing is cached: the next try asks again.
 func TestTokenReviewAPIServerUnreachable(t *testing.T) {
 	t.Parallel()
+	// A port that hangs up on every connection: held for the test, so nothing else takes it.
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(func() { _ = lis.Close() })
+	go func() {
+		for {
+			conn, err := lis.Accept()
+			if err != nil {
+				return
+			}
+			_ = conn.Close()
+		}
+	}()
 	addr := lis.Addr().String()
-	_ = lis.Close()
 	cfg := rest.CopyConfig(env.Admin)
 	cfg.Host = "https://" + addr
 	r := newReviewer(t, cfg, "")
@@ -553,10 +548,7 @@ func TestTokenReviewAPIServerUnreachable(t *testing.T) {
 
 func TestTokenReviewConfig(t *testing.T) {
 	t.Parallel()
-	clients, err := kube.NewClients(env.Admin)
-	if err != nil {
-		t.Fatal(err)
-	}
+	clients := clientsFor(t, env.Admin)
 	reviews := clients.Authentication.TokenReviews()
 	for _, tt := range []struct {
 		name string

@@ -1,7 +1,6 @@
 package controlplane
 
 import (
-	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -13,7 +12,6 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sync/errgroup"
-	"k8s.io/client-go/tools/leaderelection"
 
 	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/ca/controller"
@@ -65,10 +63,8 @@ func (k KubernetesConfig) validate(cfg *Config) []error {
 		}
 	}
 	// client-go's own rules, checked here so that a bad election fails the start, not a running CA.
-	lease, renew, retry := cmp.Or(k.LeaseDuration, 15*time.Second), cmp.Or(k.RenewDeadline, 10*time.Second), cmp.Or(k.RetryPeriod, 2*time.Second)
-	if lease <= renew || float64(renew) <= leaderelection.JitterFactor*float64(retry) {
-		errs = append(errs, fmt.Errorf("leader election: want lease duration (%s) > renew deadline (%s) > %g × retry period (%s)",
-			lease, renew, leaderelection.JitterFactor, retry))
+	if err := (kube.LeaderConfig{LeaseDuration: k.LeaseDuration, RenewDeadline: k.RenewDeadline, RetryPeriod: k.RetryPeriod}).CheckTimings(); err != nil {
+		errs = append(errs, err)
 	}
 	return errs
 }

@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"sync"
 	"time"
@@ -28,6 +29,24 @@ type LeaderConfig struct {
 	Registerer                                prometheus.Registerer // optional
 }
 
+func (c LeaderConfig) withDefaults() LeaderConfig {
+	c.LeaseDuration = cmp.Or(c.LeaseDuration, 15*time.Second)
+	c.RenewDeadline = cmp.Or(c.RenewDeadline, 10*time.Second)
+	c.RetryPeriod = cmp.Or(c.RetryPeriod, 2*time.Second)
+	return c
+}
+
+// CheckTimings checks the election's timings (zero: the defaults) as client-go will, so that a
+// bad set can fail a start rather than a running CA.
+func (c LeaderConfig) CheckTimings() error {
+	c = c.withDefaults()
+	if c.LeaseDuration <= c.RenewDeadline || float64(c.RenewDeadline) <= leaderelection.JitterFactor*float64(c.RetryPeriod) {
+		return fmt.Errorf("leader election: want lease duration (%s) > renew deadline (%s) > %g × retry period (%s)",
+			c.LeaseDuration, c.RenewDeadline, leaderelection.JitterFactor, c.RetryPeriod)
+	}
+	return nil
+}
+
 // RunLeaderElected runs run while this replica holds the Lease, with a context that ends when it
 // stops holding it, and tries to lead again until ctx ends. Then, once run has returned, it
 // releases the Lease, so that another replica takes over at once rather than when it expires;
@@ -36,9 +55,10 @@ func RunLeaderElected(ctx context.Context, cfg LeaderConfig, run func(ctx contex
 	if cfg.Namespace == "" || cfg.Name == "" || cfg.Identity == "" {
 		return errors.New("leader election needs a namespace, a name and an identity")
 	}
-	cfg.LeaseDuration = cmp.Or(cfg.LeaseDuration, 15*time.Second)
-	cfg.RenewDeadline = cmp.Or(cfg.RenewDeadline, 10*time.Second)
-	cfg.RetryPeriod = cmp.Or(cfg.RetryPeriod, 2*time.Second)
+	cfg = cfg.withDefaults()
+	if err := cfg.CheckTimings(); err != nil {
+		return err
+	}
 	log := cfg.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)

@@ -86,17 +86,9 @@ func TestExternalAuthenticatorErrors(t *testing.T) {
 				t.Fatal(err)
 			}
 			logs := &testutil.SyncBuffer{}
-			keys, err := token.NewKeySet(h.tokenKey.Public())
-			if err != nil {
-				t.Fatal(err)
-			}
-			verifier, err := token.NewVerifier(token.VerifierConfig{Keys: keys, Audience: "istio-ca", Now: h.clock.Now})
-			if err != nil {
-				t.Fatal(err)
-			}
 			srv := server.New(server.Config{
 				Signer:         h.authority,
-				Authenticators: []server.Authenticator{stubAuthenticator{tt.err}, server.NewJWTAuthenticator(verifier, trustDomain)},
+				Authenticators: []server.Authenticator{stubAuthenticator{tt.err}, jwtAuthenticator(t, h)},
 				Targeting:      controller.NewTargeting(controller.TargetingConfig{CANamespace: "istio-system", EnabledByDefault: true}),
 				Metrics:        metrics,
 				Logger:         slog.New(slog.NewTextHandler(logs, nil)),
@@ -137,18 +129,10 @@ func TestExternalAuthenticatorErrors(t *testing.T) {
 func TestAuthenticatorUnavailableWinsOverARefusal(t *testing.T) {
 	t.Parallel()
 	h := newHarness(t, harnessOptions{})
-	keys, err := token.NewKeySet(h.tokenKey.Public())
-	if err != nil {
-		t.Fatal(err)
-	}
-	verifier, err := token.NewVerifier(token.VerifierConfig{Keys: keys, Audience: "istio-ca", Now: h.clock.Now})
-	if err != nil {
-		t.Fatal(err)
-	}
 	srv := server.New(server.Config{
 		Signer: h.authority,
 		Authenticators: []server.Authenticator{
-			server.NewJWTAuthenticator(verifier, trustDomain),
+			jwtAuthenticator(t, h),
 			stubAuthenticator{fmt.Errorf("%w: TokenReview: connection refused", server.ErrAuthenticatorUnavailable)},
 		},
 		Targeting: controller.NewTargeting(controller.TargetingConfig{CANamespace: "istio-system", EnabledByDefault: true}),
@@ -157,8 +141,22 @@ func TestAuthenticatorUnavailableWinsOverARefusal(t *testing.T) {
 	// Signed by a key the offline verifier does not know: an API server's token, say.
 	other := p256(t)
 	ctx := metadata.NewIncomingContext(t.Context(), metadata.Pairs("authorization", "Bearer "+h.token(t, mintOptions{key: other})))
-	_, err = srv.CreateCertificate(ctx, request(t, p256(t), []string{demoID()}, nil, 0))
+	_, err := srv.CreateCertificate(ctx, request(t, p256(t), []string{demoID()}, nil, 0))
 	if got := status.Code(err); got != codes.Unavailable {
 		t.Fatalf("code = %v (%v), want Unavailable", got, err)
 	}
+}
+
+// jwtAuthenticator verifies the harness's tokens offline, as the CA's first authenticator does.
+func jwtAuthenticator(t *testing.T, h *harness) server.Authenticator {
+	t.Helper()
+	keys, err := token.NewKeySet(h.tokenKey.Public())
+	if err != nil {
+		t.Fatal(err)
+	}
+	verifier, err := token.NewVerifier(token.VerifierConfig{Keys: keys, Audience: "istio-ca", Now: h.clock.Now})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return server.NewJWTAuthenticator(verifier, trustDomain)
 }

@@ -58,6 +58,10 @@ type Config struct {
 	MaxWorkloadCertTTL time.Duration
 	GRPCHostIdentities []string
 
+	// XDSConfig, when set, is the discovery server's configuration (--xds-config), served on the
+	// gRPC port beside the CA, as istiod does.
+	XDSConfig string
+
 	// Kubernetes, when enabled, replaces Manifests with the Kubernetes API (see KubernetesConfig).
 	Kubernetes KubernetesConfig
 

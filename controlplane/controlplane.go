@@ -26,6 +26,7 @@ import (
 	"github.com/meshid/meshid/ca/controller"
 	caserver "github.com/meshid/meshid/ca/server"
 	"github.com/meshid/meshid/ca/token"
+	"github.com/meshid/meshid/discovery"
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/logkey"
@@ -47,6 +48,7 @@ type ControlPlane struct {
 	monLis    net.Listener
 	manifests *controller.Manifests // nil without --manifests
 	kube      *onKubernetes         // nil off Kubernetes
+	discovery *discovery.Server     // nil without --xds-config
 	secrets   *controller.Secrets   // nil without a store of service accounts
 	probe     *livenessProbe        // nil without a liveness probe path
 	ready     atomic.Bool
@@ -103,6 +105,19 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 		}
 		store = cp.manifests
 		registerManifestProblems(registry, cp.manifests)
+	}
+	// Before the key material too: a bad --xds-config fails the start with nothing written.
+	discoveryAuth := &credentialNamespace{}
+	if cfg.XDSConfig != "" {
+		if cp.discovery, err = discovery.NewServer(discovery.ServerConfig{
+			ConfigPath:    cfg.XDSConfig,
+			Authenticator: discoveryAuth,
+			Clock:         clk,
+			Logger:        log.With(logkey.Component, "discovery"),
+			Registerer:    registry,
+		}); err != nil {
+			return nil, err
+		}
 	}
 	var (
 		initial       *ca.Bundle
@@ -196,14 +211,19 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 		// bundle in service then; callers with only a token present none.
 		ClientAuth: tls.RequestClientCert,
 	})))
-	pb.RegisterIstioCertificateServiceServer(grpcServer, caserver.New(caserver.Config{
+	caServer := caserver.New(caserver.Config{
 		Signer:         authority,
 		Authenticators: authenticators,
 		Targeting:      targeting,
 		Metrics:        metrics,
 		Logger:         log.With(logkey.Component, "ca-server"),
 		Clock:          clk,
-	}))
+	})
+	pb.RegisterIstioCertificateServiceServer(grpcServer, caServer)
+	if cp.discovery != nil {
+		discoveryAuth.ca = caServer
+		cp.discovery.Register(grpcServer)
+	}
 
 	cp.authority, cp.keys, cp.grpc = authority, keys, grpcServer
 	if cp.monLis != nil {
@@ -358,6 +378,18 @@ func (c *ControlPlane) Namespaces() controller.Store {
 	return nil
 }
 
+// credentialNamespace gives the discovery server the namespace of a caller's credential, as
+// the CA authenticates it; ca is set once the CA server exists, before anything is served.
+type credentialNamespace struct{ ca *caserver.Server }
+
+func (c *credentialNamespace) Namespace(ctx context.Context) (string, error) {
+	caller, err := c.ca.Authenticate(ctx)
+	if err != nil {
+		return "", err
+	}
+	return caller.Identity.Namespace, nil
+}
+
 // secretStore is where the secret controller keeps its secrets: Kubernetes Secrets, or
 // directories under the state dir.
 func (c *ControlPlane) secretStore(cfg Config) controller.SecretStore {
@@ -374,6 +406,9 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 		g.Go(func() error { return c.manifests.Run(ctx) })
 	}
 	g.Go(func() error { return c.keys.Run(ctx) })
+	if c.discovery != nil {
+		g.Go(func() error { return c.discovery.Run(ctx) })
+	}
 	if c.kube != nil {
 		c.kube.run(ctx, g, c.keys, c.secrets)
 	} else if c.secrets != nil {

@@ -281,6 +281,7 @@ func TestNewFailsClearly(t *testing.T) {
 		{"partial cacerts", func(c *controlplane.Config) { c.CACertsDir = partial }, "missing ca-key.pem"},
 		{"bad address", func(c *controlplane.Config) { c.GRPCAddr = "15012" }, "--grpc-addr"},
 		{"bad trust domain", func(c *controlplane.Config) { c.TrustDomain = "Not Valid" }, "--trust-domain"},
+		{"missing xds config", func(c *controlplane.Config) { c.XDSConfig = filepath.Join(partial, "xds.yaml") }, "--xds-config"},
 		{"lease shorter than its renewal", func(c *controlplane.Config) {
 			c.Kubernetes = controlplane.KubernetesConfig{Kubeconfig: "/k", LeaseDuration: 5 * time.Second}
 		}, "lease duration (5s) > renew deadline (10s)"},

@@ -55,6 +55,17 @@ type Server struct {
 	refusals       *refusalLog
 }
 
+// Authenticate authenticates a caller of another service on the CA's port (the discovery
+// server) as CreateCertificate does: the same authenticators, its refusal logged and counted
+// alike and returned as a gRPC status.
+func (s *Server) Authenticate(ctx context.Context) (Caller, error) {
+	caller, err := authenticate(ctx, s.authenticators)
+	if err != nil {
+		return Caller{}, s.refuse(ctx, Caller{}, err)
+	}
+	return caller, nil
+}
+
 // New returns a Server.
 func New(cfg Config) *Server {
 	log := cfg.Logger

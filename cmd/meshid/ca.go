@@ -149,6 +149,7 @@ The RBAC this needs is in deploy/kubernetes/rbac.yaml.`,
 	f.StringVar(&cfg.JWTAudience, "jwt-audience", cfg.JWTAudience, "audience tokens must carry")
 	f.StringVar(&cfg.JWTIssuer, "jwt-issuer", "", "issuer tokens must carry; empty accepts any")
 	f.StringVar(&cfg.Manifests, "manifests", "", "directory of Namespace and ServiceAccount manifests (*.yaml, *.yml, *.json; not its subdirectories), watched; their labels decide which namespaces this CA serves. Empty: no namespace is known")
+	f.StringVar(&cfg.XDSConfig, "xds-config", "", "serve Envoy's aggregated discovery service on the gRPC port from this file (YAML or JSON shaped like bootstrap's static_resources: listeners, clusters, routes, endpoints, and namespaces: {<ns>: {...}} replacing them for that namespace); watched, and a bad edit keeps the last good one")
 	f.StringVar(&cfg.Kubernetes.Kubeconfig, "kubeconfig", "", "kubeconfig file of the Kubernetes API to run on, instead of --manifests")
 	f.BoolVar(&cfg.Kubernetes.InCluster, "in-cluster", false, "run on the Kubernetes API of the cluster this pod runs in, as its service account (see deploy/kubernetes)")
 	f.StringVar(&cfg.CANamespace, "ca-namespace", cfg.CANamespace, "namespace of this CA instance, matched against the ca.istio.io/env namespace label; on Kubernetes, where its cacerts Secret and its Lease are")

@@ -90,6 +90,14 @@ func TestCASecretFlagsRefused(t *testing.T) {
 	}
 }
 
+func TestCAXDSConfigFlag(t *testing.T) {
+	t.Parallel()
+	cfg, err := executeEnv(t, nil, "ca", "--state-dir", "/s", "--xds-config", "/etc/meshid/xds.yaml")
+	if err != nil || cfg.XDSConfig != "/etc/meshid/xds.yaml" {
+		t.Fatalf("--xds-config: %q, %v", cfg.XDSConfig, err)
+	}
+}
+
 // On Kubernetes the secret controller runs over the API: its flags and $NAMESPACE apply.
 func TestCAKubernetesFlags(t *testing.T) {
 	t.Parallel()

@@ -1,0 +1,265 @@
+package discovery
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"sync"
+	"time"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	discoveryv3 "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/cache/v3"
+	serverv3 "github.com/envoyproxy/go-control-plane/pkg/server/v3"
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/filewatch"
+	"github.com/meshid/meshid/internal/logkey"
+)
+
+// NamespaceMetadataKey is the node metadata field the server stamps with the namespace a
+// client authenticated as, overwriting whatever the client declared: it picks the snapshot.
+const NamespaceMetadataKey = "meshid.io/authenticated-namespace"
+
+// Authenticator tells which namespace a client's credential (a service-account JWT or a
+// workload certificate) belongs to. A refusal is returned as a gRPC status, already logged and
+// counted by the authenticator.
+type Authenticator interface {
+	Namespace(ctx context.Context) (string, error)
+}
+
+// ServerConfig configures a Server.
+type ServerConfig struct {
+	// ConfigPath is the --xds-config file, watched and reloaded.
+	ConfigPath    string
+	Authenticator Authenticator
+	Debounce      time.Duration // of the file watch; zero: filewatch's default
+	Clock         clock.Clock
+	Logger        *slog.Logger
+	Registerer    prometheus.Registerer // optional
+	// OnReload, when set, is told of every reload after the fact: nil, or why the file was not
+	// put in service.
+	OnReload func(error)
+}
+
+// Server serves Envoy's aggregated discovery service from the configuration file: each client
+// gets the snapshot of the namespace it authenticated as, pushed again when the file changes.
+type Server struct {
+	cfg     ServerConfig
+	log     *slog.Logger
+	cache   cache.SnapshotCache
+	xds     serverv3.Server
+	stop    context.CancelFunc // ends the open streams
+	watcher *filewatch.Watcher
+
+	mu         sync.Mutex
+	current    *Config
+	namespaces map[string]bool  // with a snapshot: configured or connected
+	streams    map[int64]string // open stream → its namespace
+
+	reloads *prometheus.CounterVec
+	open    prometheus.Gauge
+}
+
+// NewServer loads the configuration; an invalid one fails the start. It starts no goroutine.
+func NewServer(cfg ServerConfig) (*Server, error) {
+	if cfg.Authenticator == nil {
+		return nil, errors.New("discovery server: no authenticator")
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	current, err := loadConfig(cfg.ConfigPath)
+	if err != nil {
+		return nil, err
+	}
+	w, err := filewatch.New(filewatch.Config{Paths: []string{cfg.ConfigPath}, Debounce: cfg.Debounce, Clock: cfg.Clock, Logger: log})
+	if err != nil {
+		return nil, err
+	}
+	ctx, stop := context.WithCancel(context.Background())
+	s := &Server{
+		cfg: cfg, log: log, stop: stop, watcher: w, current: current,
+		namespaces: map[string]bool{}, streams: map[int64]string{},
+		reloads: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "meshid_discovery_config_reloads_total",
+			Help: "Loads of --xds-config after a change, by outcome: loaded, unchanged, or invalid (the last good one keeps serving).",
+		}, []string{"outcome"}),
+		open: prometheus.NewGauge(prometheus.GaugeOpts{Name: "meshid_discovery_streams", Help: "Open xDS streams."}),
+	}
+	s.cache = cache.NewSnapshotCache(true, nodeNamespace{}, nil)
+	s.xds = serverv3.NewServer(ctx, s.cache, serverv3.CallbackFuncs{
+		StreamOpenFunc:         s.opened,
+		DeltaStreamOpenFunc:    s.opened,
+		StreamClosedFunc:       s.closed,
+		DeltaStreamClosedFunc:  s.closed,
+		StreamRequestFunc:      func(id int64, req *discoveryv3.DiscoveryRequest) error { return s.stamp(id, &req.Node) },
+		StreamDeltaRequestFunc: func(id int64, req *discoveryv3.DeltaDiscoveryRequest) error { return s.stamp(id, &req.Node) },
+	})
+	for _, ns := range current.Namespaces() {
+		s.namespaces[ns] = true
+	}
+	if err := s.publish(current); err != nil {
+		return nil, err
+	}
+	if cfg.Registerer != nil {
+		for _, c := range []prometheus.Collector{s.reloads, s.open} {
+			if err := cfg.Registerer.Register(c); err != nil {
+				return nil, fmt.Errorf("discovery metrics: %w", err)
+			}
+		}
+	}
+	return s, nil
+}
+
+// Register serves the aggregated discovery service on g.
+func (s *Server) Register(g *grpc.Server) {
+	discoveryv3.RegisterAggregatedDiscoveryServiceServer(g, s.xds)
+}
+
+// Ready is closed once the file is watched: an edit from then on is reloaded.
+func (s *Server) Ready() <-chan struct{} { return s.watcher.Ready() }
+
+// Run reloads the configuration when its file changes, until ctx ends; then it ends the open
+// streams.
+func (s *Server) Run(ctx context.Context) error {
+	defer s.stop()
+	return s.watcher.Run(ctx, func([]string) { s.reload() })
+}
+
+func loadConfig(path string) (*Config, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("--xds-config: %w", err)
+	}
+	cfg, err := ParseConfig(data)
+	if err != nil {
+		return nil, fmt.Errorf("--xds-config %s: %w", path, err)
+	}
+	return cfg, nil
+}
+
+// reload puts a changed, valid file in service; an invalid one is reported and the last good
+// configuration keeps serving.
+func (s *Server) reload() {
+	err := s.reloadOnce()
+	if s.cfg.OnReload != nil {
+		s.cfg.OnReload(err)
+	}
+}
+
+func (s *Server) reloadOnce() error {
+	next, err := loadConfig(s.cfg.ConfigPath)
+	if err != nil {
+		s.reloads.WithLabelValues("invalid").Inc()
+		s.log.Error("the discovery configuration is not valid; the last good one keeps serving", logkey.Error, err.Error())
+		return err
+	}
+	s.mu.Lock()
+	for _, ns := range next.Namespaces() {
+		s.namespaces[ns] = true
+	}
+	s.mu.Unlock()
+	if err := s.publish(next); err != nil {
+		s.reloads.WithLabelValues("invalid").Inc()
+		s.log.Error("the discovery configuration cannot be served; the last good one keeps serving", logkey.Error, err.Error())
+		return err
+	}
+	s.reloads.WithLabelValues("loaded").Inc()
+	s.log.Info("discovery configuration loaded", logkey.Path, s.cfg.ConfigPath, logkey.Version, next.defaults.version,
+		logkey.Namespaces, len(next.namespaces))
+	return nil
+}
+
+// publish sets the snapshot of every namespace with one; a namespace whose set did not change
+// keeps its version, so its clients get no push.
+func (s *Server) publish(cfg *Config) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for ns := range s.namespaces {
+		if err := s.setSnapshot(cfg, ns); err != nil {
+			return err
+		}
+	}
+	s.current = cfg
+	return nil
+}
+
+func (s *Server) setSnapshot(cfg *Config, namespace string) error {
+	set, version := cfg.For(namespace)
+	snap, err := cache.NewSnapshot(version, set)
+	if err != nil {
+		return err
+	}
+	return s.cache.SetSnapshot(context.Background(), namespace, snap)
+}
+
+// opened authenticates a new stream, and makes sure its namespace has a snapshot before its
+// first request is answered.
+func (s *Server) opened(ctx context.Context, id int64, _ string) error {
+	ns, err := s.cfg.Authenticator.Namespace(ctx)
+	if err != nil {
+		if _, ok := status.FromError(err); ok {
+			return err
+		}
+		return status.Error(codes.Unauthenticated, err.Error())
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.namespaces[ns] {
+		if err := s.setSnapshot(s.current, ns); err != nil {
+			return status.Errorf(codes.Internal, "snapshot for namespace %s: %v", ns, err)
+		}
+		s.namespaces[ns] = true
+	}
+	s.streams[id] = ns
+	s.open.Inc()
+	return nil
+}
+
+func (s *Server) closed(id int64, _ *corev3.Node) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if _, ok := s.streams[id]; ok {
+		delete(s.streams, id)
+		s.open.Dec()
+	}
+}
+
+// stamp writes the stream's authenticated namespace into the request's node, over whatever the
+// client declared, before the cache picks a snapshot by it.
+func (s *Server) stamp(id int64, node **corev3.Node) error {
+	s.mu.Lock()
+	ns, ok := s.streams[id]
+	s.mu.Unlock()
+	if !ok {
+		return status.Error(codes.Unauthenticated, "stream not authenticated")
+	}
+	if *node == nil {
+		*node = &corev3.Node{}
+	}
+	n := *node
+	if n.Metadata == nil {
+		n.Metadata = &structpb.Struct{Fields: map[string]*structpb.Value{}}
+	}
+	if n.Metadata.Fields == nil {
+		n.Metadata.Fields = map[string]*structpb.Value{}
+	}
+	n.Metadata.Fields[NamespaceMetadataKey] = structpb.NewStringValue(ns)
+	return nil
+}
+
+// nodeNamespace keys the snapshot cache by the stamped namespace.
+type nodeNamespace struct{}
+
+func (nodeNamespace) ID(node *corev3.Node) string {
+	return node.GetMetadata().GetFields()[NamespaceMetadataKey].GetStringValue()
+}

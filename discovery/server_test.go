@@ -1,0 +1,269 @@
+package discovery_test
+
+import (
+	"context"
+	"errors"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	discoveryv3 "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/meshid/meshid/discovery"
+)
+
+// headerAuthenticator stands for the CA's authenticators: the namespace is what the caller's
+// credential says, here a header; no header is a refusal.
+type headerAuthenticator struct{}
+
+func (headerAuthenticator) Namespace(ctx context.Context) (string, error) {
+	md, _ := metadata.FromIncomingContext(ctx)
+	if ns := md.Get("x-credential-namespace"); len(ns) == 1 {
+		return ns[0], nil
+	}
+	return "", status.Error(codes.Unauthenticated, "no credential")
+}
+
+type discoveryHarness struct {
+	t        *testing.T
+	path     string
+	registry *prometheus.Registry
+	addr     string
+	reloads  chan error
+}
+
+func startDiscovery(t *testing.T, config string) *discoveryHarness {
+	t.Helper()
+	h := &discoveryHarness{t: t, path: filepath.Join(t.TempDir(), "xds.yaml"), registry: prometheus.NewRegistry(), reloads: make(chan error, 16)}
+	h.write(config)
+	srv, err := discovery.NewServer(discovery.ServerConfig{
+		ConfigPath: h.path, Authenticator: headerAuthenticator{}, Debounce: time.Millisecond, Registerer: h.registry,
+		OnReload: func(err error) { h.reloads <- err },
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := grpc.NewServer()
+	srv.Register(g)
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.addr = lis.Addr().String()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 2)
+	go func() { done <- srv.Run(ctx) }()
+	go func() { done <- g.Serve(lis) }()
+	select {
+	case <-srv.Ready():
+	case <-time.After(30 * time.Second):
+		t.Fatal("the configuration file is never watched")
+	}
+	t.Cleanup(func() {
+		cancel()
+		g.Stop()
+		for range 2 {
+			if err := <-done; err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+				t.Errorf("discovery server: %v", err)
+			}
+		}
+	})
+	return h
+}
+
+// write replaces the file as an editor does: a new file renamed over the old one.
+func (h *discoveryHarness) write(config string) {
+	h.t.Helper()
+	tmp := h.path + ".tmp"
+	if err := os.WriteFile(tmp, []byte(config), 0o600); err != nil {
+		h.t.Fatal(err)
+	}
+	if err := os.Rename(tmp, h.path); err != nil {
+		h.t.Fatal(err)
+	}
+}
+
+// reloaded waits for the next reload and returns its outcome.
+func (h *discoveryHarness) reloaded() error {
+	h.t.Helper()
+	select {
+	case err := <-h.reloads:
+		return err
+	case <-time.After(30 * time.Second):
+		h.t.Fatal("the edit was never reloaded")
+		return nil
+	}
+}
+
+// ads opens an ADS stream as a client of namespace credential (none: no credential), declaring
+// itself in claimed.
+func (h *discoveryHarness) ads(credential, claimed string) discoveryv3.AggregatedDiscoveryService_StreamAggregatedResourcesClient {
+	h.t.Helper()
+	conn, err := grpc.NewClient(h.addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	h.t.Cleanup(func() { _ = conn.Close() })
+	ctx := h.t.Context()
+	if credential != "" {
+		ctx = metadata.AppendToOutgoingContext(ctx, "x-credential-namespace", credential)
+	}
+	stream, err := discoveryv3.NewAggregatedDiscoveryServiceClient(conn).StreamAggregatedResources(ctx)
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	node := &corev3.Node{Id: "sidecar~10.0.0.1~web.default~default.svc.cluster.local", Metadata: &structpb.Struct{Fields: map[string]*structpb.Value{
+		"NAMESPACE":                    structpb.NewStringValue(claimed),
+		discovery.NamespaceMetadataKey: structpb.NewStringValue(claimed),
+	}}}
+	if err := stream.Send(&discoveryv3.DiscoveryRequest{Node: node, TypeUrl: resource.ClusterType}); err != nil {
+		h.t.Fatal(err)
+	}
+	return stream
+}
+
+// clusters receives the next response and returns its cluster names.
+func clusters(t *testing.T, stream discoveryv3.AggregatedDiscoveryService_StreamAggregatedResourcesClient) ([]string, *discoveryv3.DiscoveryResponse) {
+	t.Helper()
+	resp, err := stream.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, r := range resp.GetResources() {
+		c := &clusterv3.Cluster{}
+		if err := r.UnmarshalTo(c); err != nil {
+			t.Fatal(err)
+		}
+		names = append(names, c.GetName())
+	}
+	return names, resp
+}
+
+const twoNamespaces = `
+clusters: [{name: backend, connect_timeout: 1s}]
+namespaces:
+  prod:
+    clusters: [{name: prod-backend, connect_timeout: 1s}]
+`
+
+// A client gets the set of the namespace its credential names, whatever its node declares.
+func TestDiscoveryServesTheAuthenticatedNamespace(t *testing.T) {
+	t.Parallel()
+	h := startDiscovery(t, twoNamespaces)
+	if got, _ := clusters(t, h.ads("default", "prod")); len(got) != 1 || got[0] != "backend" {
+		t.Errorf("a default client claiming prod got %v, want [backend]", got)
+	}
+	if got, _ := clusters(t, h.ads("prod", "default")); len(got) != 1 || got[0] != "prod-backend" {
+		t.Errorf("a prod client got %v, want [prod-backend]", got)
+	}
+}
+
+func TestDiscoveryRefusesAClientWithoutCredentials(t *testing.T) {
+	t.Parallel()
+	h := startDiscovery(t, twoNamespaces)
+	_, err := h.ads("", "prod").Recv()
+	if status.Code(err) != codes.Unauthenticated {
+		t.Fatalf("error %v, want Unauthenticated", err)
+	}
+}
+
+// An edit is pushed; an invalid edit is reported and the last good set keeps serving; the next
+// valid one is pushed.
+func TestDiscoveryPushesEdits(t *testing.T) {
+	t.Parallel()
+	h := startDiscovery(t, twoNamespaces)
+	stream := h.ads("default", "")
+	_, first := clusters(t, stream)
+	if err := stream.Send(&discoveryv3.DiscoveryRequest{TypeUrl: resource.ClusterType, VersionInfo: first.GetVersionInfo(), ResponseNonce: first.GetNonce()}); err != nil {
+		t.Fatal(err)
+	}
+
+	h.write("clusters: [{name: backend, connect_timeout: -1s}]")
+	if err := h.reloaded(); err == nil || !strings.Contains(err.Error(), "ConnectTimeout") {
+		t.Fatalf("an invalid edit: %v, want it refused with the reason", err)
+	}
+	h.write("clusters: [{name: backend, connect_timeout: 1s}, {name: cache, connect_timeout: 1s}]")
+	if err := h.reloaded(); err != nil {
+		t.Fatal(err)
+	}
+	// The next response is the valid edit's: the invalid one was never sent.
+	got, second := clusters(t, stream)
+	if len(got) != 2 || got[1] != "cache" || second.GetVersionInfo() == first.GetVersionInfo() {
+		t.Fatalf("after the edit: %v (version %s, was %s)", got, second.GetVersionInfo(), first.GetVersionInfo())
+	}
+	for outcome, want := range map[string]float64{"invalid": 1, "loaded": 1} {
+		if got := counter(t, h.registry, "meshid_discovery_config_reloads_total", outcome); got != want {
+			t.Errorf("reloads %s: %v, want %v", outcome, got, want)
+		}
+	}
+}
+
+// counter is the value of a counter vector's series of one label value.
+func counter(t *testing.T, reg *prometheus.Registry, name, value string) float64 {
+	t.Helper()
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		for _, m := range f.GetMetric() {
+			if f.GetName() == name && len(m.GetLabel()) == 1 && m.GetLabel()[0].GetValue() == value {
+				return m.GetCounter().GetValue()
+			}
+		}
+	}
+	return 0
+}
+
+func TestNewServerRefusesAnInvalidFile(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "xds.yaml")
+	if err := os.WriteFile(path, []byte("clusters: [{name: a, connect_timeout: -1s}]"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	_, err := discovery.NewServer(discovery.ServerConfig{ConfigPath: path, Authenticator: headerAuthenticator{}})
+	if err == nil || !strings.Contains(err.Error(), path) || !strings.Contains(err.Error(), "ConnectTimeout") {
+		t.Fatalf("error %v, want one naming the file and the field", err)
+	}
+}
+
+// Delta xDS: the same sets, resource by resource.
+func TestDiscoveryDelta(t *testing.T) {
+	t.Parallel()
+	h := startDiscovery(t, twoNamespaces)
+	conn, err := grpc.NewClient(h.addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	ctx := metadata.AppendToOutgoingContext(t.Context(), "x-credential-namespace", "prod")
+	stream, err := discoveryv3.NewAggregatedDiscoveryServiceClient(conn).DeltaAggregatedResources(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := stream.Send(&discoveryv3.DeltaDiscoveryRequest{Node: &corev3.Node{Id: "sidecar"}, TypeUrl: resource.ClusterType,
+		ResourceNamesSubscribe: []string{"*"}}); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := stream.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rs := resp.GetResources(); len(rs) != 1 || rs[0].GetName() != "prod-backend" {
+		t.Fatalf("delta resources %v, want prod-backend", rs)
+	}
+}

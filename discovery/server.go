@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"os"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -64,6 +65,9 @@ type Server struct {
 	namespaces map[string]bool  // with a snapshot: configured or connected
 	streams    map[int64]string // open stream → its namespace
 
+	sync       *syncTracker
+	debugNonce atomic.Uint64
+
 	reloads *prometheus.CounterVec
 	open    prometheus.Gauge
 }
@@ -88,7 +92,7 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	ctx, stop := context.WithCancel(context.Background())
 	s := &Server{
 		cfg: cfg, log: log, stop: stop, watcher: w, current: current,
-		namespaces: map[string]bool{}, streams: map[int64]string{},
+		namespaces: map[string]bool{}, streams: map[int64]string{}, sync: &syncTracker{streams: map[int64]*syncState{}},
 		reloads: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "meshid_discovery_config_reloads_total",
 			Help: "Loads of --xds-config after a change, by outcome: loaded, unchanged, or invalid (the last good one keeps serving).",
@@ -97,12 +101,24 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	}
 	s.cache = cache.NewSnapshotCache(true, nodeNamespace{}, nil)
 	s.xds = serverv3.NewServer(ctx, s.cache, serverv3.CallbackFuncs{
-		StreamOpenFunc:         s.opened,
-		DeltaStreamOpenFunc:    s.opened,
-		StreamClosedFunc:       s.closed,
-		DeltaStreamClosedFunc:  s.closed,
-		StreamRequestFunc:      func(id int64, req *discoveryv3.DiscoveryRequest) error { return s.stamp(id, &req.Node) },
-		StreamDeltaRequestFunc: func(id int64, req *discoveryv3.DeltaDiscoveryRequest) error { return s.stamp(id, &req.Node) },
+		StreamOpenFunc:        s.opened,
+		DeltaStreamOpenFunc:   s.opened,
+		StreamClosedFunc:      s.closed,
+		DeltaStreamClosedFunc: s.closed,
+		StreamRequestFunc: func(id int64, req *discoveryv3.DiscoveryRequest) error {
+			s.sync.request(id, req.GetNode(), req.GetTypeUrl(), req.GetVersionInfo(), req.GetResponseNonce(), req.GetErrorDetail())
+			return s.stamp(id, &req.Node)
+		},
+		StreamDeltaRequestFunc: func(id int64, req *discoveryv3.DeltaDiscoveryRequest) error {
+			s.sync.request(id, req.GetNode(), req.GetTypeUrl(), "", req.GetResponseNonce(), req.GetErrorDetail())
+			return s.stamp(id, &req.Node)
+		},
+		StreamResponseFunc: func(_ context.Context, id int64, _ *discoveryv3.DiscoveryRequest, resp *discoveryv3.DiscoveryResponse) {
+			s.sync.sentResponse(id, resp.GetTypeUrl(), resp.GetVersionInfo(), resp.GetNonce())
+		},
+		StreamDeltaResponseFunc: func(id int64, _ *discoveryv3.DeltaDiscoveryRequest, resp *discoveryv3.DeltaDiscoveryResponse) {
+			s.sync.sentResponse(id, resp.GetTypeUrl(), resp.GetSystemVersionInfo(), resp.GetNonce())
+		},
 	})
 	for _, ns := range current.Namespaces() {
 		s.namespaces[ns] = true
@@ -122,7 +138,7 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 
 // Register serves the aggregated discovery service on g.
 func (s *Server) Register(g *grpc.Server) {
-	discoveryv3.RegisterAggregatedDiscoveryServiceServer(g, s.xds)
+	discoveryv3.RegisterAggregatedDiscoveryServiceServer(g, adsWithDebug{Server: s.xds, s: s})
 }
 
 // Ready is closed once the file is watched: an edit from then on is reloaded.
@@ -221,6 +237,7 @@ func (s *Server) opened(ctx context.Context, id int64, _ string) error {
 		s.namespaces[ns] = true
 	}
 	s.streams[id] = ns
+	s.sync.open(id, ns)
 	s.open.Inc()
 	return nil
 }
@@ -230,6 +247,7 @@ func (s *Server) closed(id int64, _ *corev3.Node) {
 	defer s.mu.Unlock()
 	if _, ok := s.streams[id]; ok {
 		delete(s.streams, id)
+		s.sync.close(id)
 		s.open.Dec()
 	}
 }

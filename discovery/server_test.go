@@ -3,6 +3,7 @@ package discovery_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"os"
 	"path/filepath"
@@ -10,9 +11,11 @@ import (
 	"testing"
 	"time"
 
+	adminv3 "github.com/envoyproxy/go-control-plane/envoy/admin/v3"
 	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discoveryv3 "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	statusv3 "github.com/envoyproxy/go-control-plane/envoy/service/status/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
@@ -265,5 +268,72 @@ func TestDiscoveryDelta(t *testing.T) {
 	}
 	if rs := resp.GetResources(); len(rs) != 1 || rs[0].GetName() != "prod-backend" {
 		t.Fatalf("delta resources %v, want prod-backend", rs)
+	}
+}
+
+// istio.io/debug on the ADS stream: syncz reports what the caller's namespace's nodes ACKed,
+// config_dump the namespace's set.
+func TestDiscoveryDebug(t *testing.T) {
+	t.Parallel()
+	h := startDiscovery(t, twoNamespaces)
+	stream := h.ads("default", "")
+	_, resp := clusters(t, stream)
+	if err := stream.Send(&discoveryv3.DiscoveryRequest{TypeUrl: resource.ClusterType, VersionInfo: resp.GetVersionInfo(), ResponseNonce: resp.GetNonce()}); err != nil {
+		t.Fatal(err)
+	}
+	prod := h.ads("prod", "")
+	clusters(t, prod) // a node of another namespace, not ACKed: not in default's syncz
+
+	debug := func(typeURL string) *discoveryv3.DiscoveryResponse {
+		t.Helper()
+		if err := stream.Send(&discoveryv3.DiscoveryRequest{TypeUrl: typeURL}); err != nil {
+			t.Fatal(err)
+		}
+		resp, err := stream.Recv()
+		if err != nil || resp.GetTypeUrl() != typeURL {
+			t.Fatalf("%s: %v, %v", typeURL, resp, err)
+		}
+		return resp
+	}
+	// The ACK is processed on the server's own goroutine: syncz catches up with it.
+	synced := func() error {
+		syncz := debug(discovery.DebugSyncz)
+		if len(syncz.GetResources()) != 1 {
+			t.Fatalf("syncz lists %d nodes, want the caller's namespace's one", len(syncz.GetResources()))
+		}
+		cc := &statusv3.ClientConfig{}
+		if err := syncz.GetResources()[0].UnmarshalTo(cc); err != nil {
+			t.Fatal(err)
+		}
+		if gx := cc.GetGenericXdsConfigs(); len(gx) != 1 || gx[0].GetConfigStatus() != statusv3.ConfigStatus_SYNCED || gx[0].GetVersionInfo() != resp.GetVersionInfo() {
+			return fmt.Errorf("syncz of the node: %v", cc)
+		}
+		return nil
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for err := synced(); err != nil; err = synced() {
+		if time.Now().After(deadline) {
+			t.Fatal(err)
+		}
+	}
+
+	dump := &adminv3.ConfigDump{}
+	if err := debug(discovery.DebugConfigDump).GetResources()[0].UnmarshalTo(dump); err != nil {
+		t.Fatal(err)
+	}
+	clustersDump := &adminv3.ClustersConfigDump{}
+	if err := dump.GetConfigs()[1].UnmarshalTo(clustersDump); err != nil {
+		t.Fatal(err)
+	}
+	c := &clusterv3.Cluster{}
+	if dc := clustersDump.GetDynamicActiveClusters(); len(dc) != 1 || dc[0].GetCluster().UnmarshalTo(c) != nil || c.GetName() != "backend" {
+		t.Errorf("config_dump clusters: %v", clustersDump)
+	}
+
+	if err := stream.Send(&discoveryv3.DiscoveryRequest{TypeUrl: "istio.io/debug/secrets"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := stream.Recv(); status.Code(err) != codes.InvalidArgument {
+		t.Errorf("an unknown debug type: %v, want InvalidArgument", err)
 	}
 }

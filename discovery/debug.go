@@ -1,0 +1,261 @@
+package discovery
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"maps"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+
+	adminv3 "github.com/envoyproxy/go-control-plane/envoy/admin/v3"
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	discoveryv3 "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	statusv3 "github.com/envoyproxy/go-control-plane/envoy/service/status/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
+	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
+	serverv3 "github.com/envoyproxy/go-control-plane/pkg/server/v3"
+	rpcstatus "google.golang.org/genproto/googleapis/rpc/status"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/anypb"
+
+	"github.com/meshid/meshid/internal/logkey"
+)
+
+// Istio's debug types, asked for on an ADS stream like any other.
+const (
+	debugPrefix     = "istio.io/debug/"
+	DebugSyncz      = debugPrefix + "syncz"
+	DebugConfigDump = debugPrefix + "config_dump"
+)
+
+// syncState is what one stream was sent and what it acknowledged, by type.
+type syncState struct {
+	namespace string
+	node      *corev3.Node
+	sent      map[string]sentVersion
+	acked     map[string]string // the version last ACKed
+	nacked    map[string]string // the error of the last NACK, until the next ACK
+}
+
+type sentVersion struct{ version, nonce string }
+
+// syncTracker follows every stream's sync state for syncz.
+type syncTracker struct {
+	mu      sync.Mutex
+	streams map[int64]*syncState
+}
+
+func (t *syncTracker) open(id int64, namespace string) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.streams[id] = &syncState{namespace: namespace, sent: map[string]sentVersion{}, acked: map[string]string{}, nacked: map[string]string{}}
+}
+
+func (t *syncTracker) close(id int64) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	delete(t.streams, id)
+}
+
+func (t *syncTracker) sentResponse(id int64, typeURL, version, nonce string) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if st, ok := t.streams[id]; ok {
+		st.sent[typeURL] = sentVersion{version, nonce}
+	}
+}
+
+// request records the node and an ACK or NACK of the response the request names.
+func (t *syncTracker) request(id int64, node *corev3.Node, typeURL, version, nonce string, nack *rpcstatus.Status) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	st, ok := t.streams[id]
+	if !ok {
+		return
+	}
+	if node != nil {
+		st.node = node
+	}
+	if nonce == "" || st.sent[typeURL].nonce != nonce {
+		return
+	}
+	if nack != nil {
+		st.nacked[typeURL] = nack.GetMessage()
+		return
+	}
+	if version == "" { // delta acknowledges a nonce, not a version
+		version = st.sent[typeURL].version
+	}
+	delete(st.nacked, typeURL)
+	st.acked[typeURL] = version
+}
+
+// clients reports the streams of namespace: a caller sees only its own namespace's nodes.
+func (t *syncTracker) clients(namespace string) []*statusv3.ClientConfig {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var out []*statusv3.ClientConfig
+	for _, st := range t.streams {
+		if st.namespace != namespace {
+			continue
+		}
+		cc := &statusv3.ClientConfig{Node: proto.CloneOf(st.node)}
+		for _, typeURL := range slices.Sorted(maps.Keys(st.sent)) {
+			state := statusv3.ConfigStatus_STALE
+			switch {
+			case st.nacked[typeURL] != "":
+				state = statusv3.ConfigStatus_ERROR
+			case st.acked[typeURL] == st.sent[typeURL].version:
+				state = statusv3.ConfigStatus_SYNCED
+			}
+			cc.GenericXdsConfigs = append(cc.GenericXdsConfigs, &statusv3.ClientConfig_GenericXdsConfig{
+				TypeUrl: typeURL, VersionInfo: st.acked[typeURL], ConfigStatus: state,
+			})
+		}
+		out = append(out, cc)
+	}
+	slices.SortFunc(out, func(a, b *statusv3.ClientConfig) int {
+		return strings.Compare(a.GetNode().GetId(), b.GetNode().GetId())
+	})
+	return out
+}
+
+// adsWithDebug answers istio.io/debug requests on a state-of-the-world ADS stream itself and
+// hands every other request to go-control-plane's server.
+type adsWithDebug struct {
+	serverv3.Server
+	s *Server
+}
+
+func (a adsWithDebug) StreamAggregatedResources(stream discoveryv3.AggregatedDiscoveryService_StreamAggregatedResourcesServer) error {
+	d := &debugStream{AggregatedDiscoveryService_StreamAggregatedResourcesServer: stream, s: a.s}
+	err := a.Server.StreamAggregatedResources(d)
+	// go-control-plane takes any receive error for the client's end of the stream: the reason
+	// a debug request ended it is returned here instead.
+	if d.err != nil {
+		return d.err
+	}
+	return err
+}
+
+// debugStream takes the debug requests out of a stream and answers them; its sends are
+// serialised with the server's, which come from another goroutine.
+type debugStream struct {
+	discoveryv3.AggregatedDiscoveryService_StreamAggregatedResourcesServer
+	s   *Server
+	mu  sync.Mutex
+	err error // why a debug request ended the stream; read once the server has returned
+}
+
+func (d *debugStream) Send(resp *discoveryv3.DiscoveryResponse) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.AggregatedDiscoveryService_StreamAggregatedResourcesServer.Send(resp)
+}
+
+func (d *debugStream) Recv() (*discoveryv3.DiscoveryRequest, error) {
+	for {
+		req, err := d.AggregatedDiscoveryService_StreamAggregatedResourcesServer.Recv()
+		if err != nil || !strings.HasPrefix(req.GetTypeUrl(), debugPrefix) {
+			return req, err
+		}
+		resp, err := d.s.debug(d.Context(), req)
+		if err != nil {
+			d.err = err
+			return nil, io.EOF
+		}
+		if err := d.Send(resp); err != nil {
+			return nil, err
+		}
+	}
+}
+
+// debug answers one debug request for the caller's namespace. A caller whose credential no
+// longer holds, or an unknown debug type, ends the stream.
+func (s *Server) debug(ctx context.Context, req *discoveryv3.DiscoveryRequest) (*discoveryv3.DiscoveryResponse, error) {
+	ns, err := s.cfg.Authenticator.Namespace(ctx)
+	if err != nil {
+		return nil, err
+	}
+	var answers []proto.Message
+	switch req.GetTypeUrl() {
+	case DebugSyncz:
+		for _, cc := range s.sync.clients(ns) {
+			answers = append(answers, cc)
+		}
+	case DebugConfigDump:
+		s.mu.Lock()
+		set, version := s.current.For(ns)
+		s.mu.Unlock()
+		dump, err := configDump(set, version)
+		if err != nil {
+			return nil, status.Error(codes.Internal, err.Error())
+		}
+		answers = append(answers, dump)
+	default:
+		return nil, status.Errorf(codes.InvalidArgument, "unknown debug type %q: want %s or %s",
+			logkey.Untrusted(req.GetTypeUrl()), DebugSyncz, DebugConfigDump)
+	}
+	resp := &discoveryv3.DiscoveryResponse{TypeUrl: req.GetTypeUrl(), Nonce: strconv.FormatUint(s.debugNonce.Add(1), 10)}
+	for _, m := range answers {
+		a, err := anypb.New(m)
+		if err != nil {
+			return nil, status.Error(codes.Internal, err.Error())
+		}
+		resp.Resources = append(resp.Resources, a)
+	}
+	return resp, nil
+}
+
+// configDump is the namespace's snapshot as Envoy's admin config dump shows it.
+func configDump(set map[resource.Type][]types.Resource, version string) (*adminv3.ConfigDump, error) {
+	anyOf := func(r types.Resource) (*anypb.Any, error) { return anypb.New(r) }
+	clusters := &adminv3.ClustersConfigDump{VersionInfo: version}
+	for _, r := range set[resource.ClusterType] {
+		a, err := anyOf(r)
+		if err != nil {
+			return nil, err
+		}
+		clusters.DynamicActiveClusters = append(clusters.DynamicActiveClusters, &adminv3.ClustersConfigDump_DynamicCluster{VersionInfo: version, Cluster: a})
+	}
+	listeners := &adminv3.ListenersConfigDump{VersionInfo: version}
+	for _, r := range set[resource.ListenerType] {
+		a, err := anyOf(r)
+		if err != nil {
+			return nil, err
+		}
+		listeners.DynamicListeners = append(listeners.DynamicListeners, &adminv3.ListenersConfigDump_DynamicListener{
+			Name: resourceName(r), ActiveState: &adminv3.ListenersConfigDump_DynamicListenerState{VersionInfo: version, Listener: a},
+		})
+	}
+	routes := &adminv3.RoutesConfigDump{}
+	for _, r := range set[resource.RouteType] {
+		a, err := anyOf(r)
+		if err != nil {
+			return nil, err
+		}
+		routes.DynamicRouteConfigs = append(routes.DynamicRouteConfigs, &adminv3.RoutesConfigDump_DynamicRouteConfig{VersionInfo: version, RouteConfig: a})
+	}
+	endpoints := &adminv3.EndpointsConfigDump{}
+	for _, r := range set[resource.EndpointType] {
+		a, err := anyOf(r)
+		if err != nil {
+			return nil, err
+		}
+		endpoints.DynamicEndpointConfigs = append(endpoints.DynamicEndpointConfigs, &adminv3.EndpointsConfigDump_DynamicEndpointConfig{VersionInfo: version, EndpointConfig: a})
+	}
+	dump := &adminv3.ConfigDump{}
+	for _, part := range []proto.Message{listeners, clusters, routes, endpoints} {
+		a, err := anypb.New(part)
+		if err != nil {
+			return nil, fmt.Errorf("config dump: %w", err)
+		}
+		dump.Configs = append(dump.Configs, a)
+	}
+	return dump, nil
+}

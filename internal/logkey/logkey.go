@@ -66,6 +66,8 @@ const (
 	RetryIn           = "retry_in"
 	Streams           = "streams"
 	Protocol          = "protocol"
+	TypeURL           = "type_url"
+	Types             = "types"
 	Detail            = "detail"
 	Replaced          = "replaced"
 	Suppressed        = "suppressed"

@@ -1,0 +1,247 @@
+package xdsproxy
+
+import (
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/types/known/anypb"
+
+	"github.com/meshid/meshid/internal/logkey"
+)
+
+// maxDebugType bounds the <type> of GET /debug/<type>.
+const maxDebugType = 64
+
+// DebugHandler answers GET /debug/<type>[?resourceName=a&resourceName=b] with the upstream's answer
+// to a DiscoveryRequest of type istio.io/debug/<type> for the proxy's node, as JSON. The request
+// goes on the proxy's own upstream stream, never inside one of Envoy's, so it works whether or not
+// Envoy is connected. Mount it at /debug/.
+func (p *Proxy) DebugHandler() http.Handler {
+	return http.HandlerFunc(p.serveDebug)
+}
+
+func (p *Proxy) serveDebug(w http.ResponseWriter, r *http.Request) {
+	if r.Method != http.MethodGet {
+		w.Header().Set("Allow", http.MethodGet)
+		http.Error(w, "only GET is allowed", http.StatusMethodNotAllowed)
+		return
+	}
+	name, ok := strings.CutPrefix(r.URL.Path, "/debug/")
+	if !ok || !validDebugType(name) {
+		http.Error(w, "want /debug/<type>, the type made of letters, digits, '_', '-' and '.' (e.g. /debug/config_dump)", http.StatusBadRequest)
+		return
+	}
+	req := &discovery.DiscoveryRequest{
+		TypeUrl:       DebugTypePrefix + name,
+		Node:          p.cfg.Node,
+		ResourceNames: r.URL.Query()["resourceName"],
+	}
+	resp, code, err := p.askDebug(r.Context(), req)
+	if err != nil {
+		p.log.Warn("xDS debug request failed", logkey.TypeURL, req.TypeUrl, logkey.Code, code, logkey.Error, err.Error())
+		http.Error(w, err.Error(), code)
+		return
+	}
+	body, err := debugJSON(resp)
+	if err != nil {
+		p.log.Warn("xDS debug answer not encoded", logkey.TypeURL, req.TypeUrl, logkey.Error, err.Error())
+		http.Error(w, "encode the answer: "+err.Error(), http.StatusInternalServerError)
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	_, _ = w.Write(body)
+}
+
+func validDebugType(s string) bool {
+	if s == "" || len(s) > maxDebugType {
+		return false
+	}
+	for _, c := range s {
+		switch {
+		case c >= 'a' && c <= 'z', c >= 'A' && c <= 'Z', c >= '0' && c <= '9', c == '_', c == '-', c == '.':
+		default:
+			return false
+		}
+	}
+	return true
+}
+
+// askDebug sends req on the debug stream and waits for the response of its type, at most the
+// debug timeout. On failure it returns the HTTP status to answer with.
+//
+// One request at a time (debugMu): the stream then has at most one answer awaited, and a late
+// answer cannot be taken for the next request's, because a request that times out or fails
+// closes the stream (the next one opens another).
+func (p *Proxy) askDebug(ctx context.Context, req *discovery.DiscoveryRequest) (*discovery.DiscoveryResponse, int, error) {
+	p.debugMu.Lock()
+	defer p.debugMu.Unlock()
+	if p.running == nil || p.running.Err() != nil {
+		return nil, http.StatusServiceUnavailable, errors.New("the xDS proxy is not running")
+	}
+	d := p.debug
+	if d == nil {
+		var err error
+		if d, err = p.openDebug(); err != nil {
+			return nil, http.StatusBadGateway, fmt.Errorf("open the upstream debug stream: %s", describeStatus(err))
+		}
+		p.debug = d
+	}
+	answer := d.await(req.GetTypeUrl())
+	timer := p.clock.NewTimer(p.cfg.DebugTimeout)
+	defer timer.Stop()
+	// A Send that fails leaves the reason to the reader, which sees the stream end.
+	_ = d.stream.Send(req)
+	select {
+	case resp := <-answer:
+		return resp, 0, nil
+	case <-d.done:
+		p.closeDebug()
+		if errors.Is(d.err, io.EOF) {
+			return nil, http.StatusBadGateway, errors.New("the upstream closed the debug stream without answering")
+		}
+		return nil, http.StatusBadGateway, fmt.Errorf("the upstream refused the debug request: %s", describeStatus(d.err))
+	case <-timer.C():
+		p.closeDebug()
+		return nil, http.StatusGatewayTimeout, fmt.Errorf("the upstream did not answer %s within %v", req.GetTypeUrl(), p.cfg.DebugTimeout)
+	case <-ctx.Done():
+		p.closeDebug()
+		return nil, http.StatusServiceUnavailable, fmt.Errorf("the debug request was abandoned: %w", ctx.Err())
+	}
+}
+
+func describeStatus(err error) string {
+	st := status.Convert(err)
+	return fmt.Sprintf("%s: %s", st.Code(), st.Message())
+}
+
+// debugStream is the proxy's own upstream ADS stream, for debug requests. Its reader goroutine
+// hands the awaited answer over and drops anything else (pushes of a type no one waits for).
+type debugStream struct {
+	cancel context.CancelFunc
+	stream grpc.BidiStreamingClient[discovery.DiscoveryRequest, discovery.DiscoveryResponse]
+	// done is closed when the stream has ended, err then saying why.
+	done chan struct{}
+	err  error
+
+	mu     sync.Mutex
+	want   string
+	answer chan *discovery.DiscoveryResponse // buffered: the reader never blocks on it
+}
+
+// openDebug opens the debug stream within Run's context and starts its reader. debugMu is held.
+func (p *Proxy) openDebug() (*debugStream, error) {
+	ctx, cancel := context.WithCancel(p.running)
+	stream, err := p.upstream.StreamAggregatedResources(ctx, p.cfg.CallOptions...)
+	if err != nil {
+		cancel()
+		return nil, err
+	}
+	d := &debugStream{cancel: cancel, stream: stream, done: make(chan struct{})}
+	p.wg.Add(1)
+	go func() {
+		defer p.wg.Done()
+		for {
+			resp, err := stream.Recv()
+			if err != nil {
+				d.err = err
+				close(d.done)
+				return
+			}
+			d.deliver(resp)
+		}
+	}()
+	return d, nil
+}
+
+func (d *debugStream) await(typeURL string) <-chan *discovery.DiscoveryResponse {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.want, d.answer = typeURL, make(chan *discovery.DiscoveryResponse, 1)
+	return d.answer
+}
+
+func (d *debugStream) deliver(resp *discovery.DiscoveryResponse) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.answer == nil || resp.GetTypeUrl() != d.want {
+		return
+	}
+	d.answer <- resp
+	d.answer = nil
+}
+
+// closeDebug ends the debug stream, if any; the next request opens another. debugMu is held.
+func (p *Proxy) closeDebug() {
+	if p.debug != nil {
+		p.debug.cancel()
+		p.debug = nil
+	}
+}
+
+// stopDebug ends the debug stream and refuses further debug requests: Run is returning.
+func (p *Proxy) stopDebug() {
+	p.debugMu.Lock()
+	defer p.debugMu.Unlock()
+	p.closeDebug()
+	p.running = nil
+}
+
+// debugJSON writes a debug answer as protojson. A resource whose type this binary does not link
+// (istio's own debug types, say) is shown as its type URL and its bytes in base64, rather than
+// failing the whole answer.
+func debugJSON(resp *discovery.DiscoveryResponse) ([]byte, error) {
+	head := &discovery.DiscoveryResponse{
+		VersionInfo:  resp.GetVersionInfo(),
+		TypeUrl:      resp.GetTypeUrl(),
+		Nonce:        resp.GetNonce(),
+		ControlPlane: resp.GetControlPlane(),
+	}
+	headJSON, err := protojson.Marshal(head)
+	if err != nil {
+		return nil, err
+	}
+	var out map[string]json.RawMessage
+	if err := json.Unmarshal(headJSON, &out); err != nil {
+		return nil, err
+	}
+	resources := make([]json.RawMessage, 0, len(resp.GetResources()))
+	for _, res := range resp.GetResources() {
+		resources = append(resources, resourceJSON(res))
+	}
+	raw, err := json.Marshal(resources)
+	if err != nil {
+		return nil, err
+	}
+	out["resources"] = raw
+	return json.MarshalIndent(out, "", "  ")
+}
+
+// undecoded is how debugJSON shows a resource it cannot decode.
+type undecoded struct {
+	Type  string `json:"@type"`
+	Value string `json:"value"` // base64
+	Note  string `json:"note"`
+}
+
+func resourceJSON(res *anypb.Any) json.RawMessage {
+	if b, err := protojson.Marshal(res); err == nil {
+		return b
+	}
+	b, _ := json.Marshal(undecoded{
+		Type:  res.GetTypeUrl(),
+		Value: base64.StdEncoding.EncodeToString(res.GetValue()),
+		Note:  "type not known to this agent: value shown in base64",
+	})
+	return b
+}

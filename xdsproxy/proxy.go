@@ -1,0 +1,340 @@
+// Package xdsproxy proxies Envoy's ADS streams to the upstream discovery server: Envoy connects on
+// a Unix socket, and each of its streams (state of the world or delta) gets a stream of its own
+// upstream, over which requests and responses pass unchanged. A pass-through owns no nonces, so it
+// is served with the generated ADS stubs, not go-control-plane's server. It also answers
+// istio.io/debug requests over HTTP on a stream of its own (DebugHandler).
+package xdsproxy
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"slices"
+	"sync"
+	"time"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/status"
+
+	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/fsutil"
+	"github.com/meshid/meshid/internal/logkey"
+)
+
+// Defaults of the proxy.
+const (
+	DefaultSocketMode   = 0o660
+	DefaultDebugTimeout = 5 * time.Second
+	// DebugTypePrefix prefixes the type of a debug request: GET /debug/syncz asks for
+	// istio.io/debug/syncz.
+	DebugTypePrefix = "istio.io/debug/"
+)
+
+// ErrSocketInUse reports a socket path that another server already answers on.
+var ErrSocketInUse = errors.New("another server listens on the socket")
+
+// Config configures a Proxy.
+type Config struct {
+	// Socket is the Unix socket Envoy dials.
+	Socket string
+	// SocketMode is the socket file's mode (default DefaultSocketMode, as the SDS socket's).
+	SocketMode os.FileMode
+	// Upstream is the discovery server, dialed (TLS, credentials) by the caller. The proxy never
+	// closes it.
+	Upstream grpc.ClientConnInterface
+	// CallOptions go with each upstream stream (per-RPC credentials, say).
+	CallOptions []grpc.CallOption
+	// Node is the proxy's own node, sent with debug requests.
+	Node *corev3.Node
+	// DebugTimeout bounds the wait for the answer to a debug request (default
+	// DefaultDebugTimeout).
+	DebugTimeout time.Duration
+
+	Clock      clock.Clock
+	Logger     *slog.Logger
+	Registerer prometheus.Registerer // optional
+}
+
+// Proxy is the ADS proxy.
+type Proxy struct {
+	cfg      Config
+	log      *slog.Logger
+	clock    clock.Clock
+	upstream discovery.AggregatedDiscoveryServiceClient
+	metrics  *metrics
+
+	// wg counts the goroutines Run must wait for besides the gRPC server's own: each Envoy
+	// stream's request forwarder, and the debug stream's reader.
+	wg sync.WaitGroup
+
+	// debugMu serializes debug requests, and guards what follows.
+	debugMu sync.Mutex
+	// running is Run's context while it runs, nil otherwise: the debug stream lives within it.
+	running context.Context
+	debug   *debugStream
+}
+
+// New checks cfg and fills in its defaults. It starts nothing and does not listen; call Run.
+func New(cfg Config) (*Proxy, error) {
+	if cfg.Socket == "" {
+		return nil, errors.New("the xDS proxy needs a socket path")
+	}
+	if err := fsutil.CheckSocketPath(cfg.Socket); err != nil {
+		return nil, err
+	}
+	if cfg.Upstream == nil {
+		return nil, errors.New("the xDS proxy needs an upstream connection")
+	}
+	if cfg.DebugTimeout < 0 {
+		return nil, fmt.Errorf("the debug timeout must be positive, not %v", cfg.DebugTimeout)
+	}
+	if cfg.DebugTimeout == 0 {
+		cfg.DebugTimeout = DefaultDebugTimeout
+	}
+	if cfg.SocketMode == 0 {
+		cfg.SocketMode = DefaultSocketMode
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	p := &Proxy{
+		cfg:      cfg,
+		log:      log,
+		clock:    clock.OrReal(cfg.Clock),
+		upstream: discovery.NewAggregatedDiscoveryServiceClient(cfg.Upstream),
+		metrics:  newMetrics(),
+	}
+	if cfg.Registerer != nil {
+		if err := p.metrics.register(cfg.Registerer); err != nil {
+			return nil, fmt.Errorf("register the xDS proxy's metrics: %w", err)
+		}
+	}
+	return p, nil
+}
+
+// Run listens on the socket and serves until ctx ends; then it ends every stream, Envoy's and its
+// own, and returns once all its goroutines have stopped.
+func (p *Proxy) Run(ctx context.Context) error {
+	lis, err := p.listen()
+	if err != nil {
+		return err
+	}
+	p.debugMu.Lock()
+	p.running = ctx
+	p.debugMu.Unlock()
+	defer p.stopDebug()
+
+	// WaitForHandlers: Stop returns only once every stream handler has, so that none outlives Run.
+	grpcServer := grpc.NewServer(grpc.WaitForHandlers(true))
+	discovery.RegisterAggregatedDiscoveryServiceServer(grpcServer, adsServer{p: p})
+	served := make(chan error, 1)
+	go func() { served <- grpcServer.Serve(lis) }()
+	p.log.Info("xDS proxy serving", logkey.Socket, p.cfg.Socket)
+
+	var serveErr error
+	select {
+	case serveErr = <-served:
+	case <-ctx.Done():
+	}
+	// Envoy's streams never end by themselves, so there is nothing to drain: Stop cancels them,
+	// which cancels their upstream streams.
+	grpcServer.Stop()
+	if serveErr == nil {
+		serveErr = <-served
+	}
+	p.stopDebug()
+	p.wg.Wait()
+	if serveErr != nil && !errors.Is(serveErr, grpc.ErrServerStopped) {
+		return fmt.Errorf("serve the xDS proxy: %w", serveErr)
+	}
+	p.log.Info("xDS proxy stopped")
+	return nil
+}
+
+// listen prepares the socket's directory, removes a stale socket, and listens.
+func (p *Proxy) listen() (net.Listener, error) {
+	path := p.cfg.Socket
+	dir := filepath.Dir(path)
+	if err := fsutil.EnsureDir(dir, 0o750); err != nil {
+		return nil, err
+	}
+	// Served on all the same, as the SDS socket is: Kubernetes makes the emptyDir it usually
+	// lives in writable by everyone, and only the pod's containers can reach it.
+	if err := fsutil.CheckSocketDir(dir); errors.Is(err, fsutil.ErrSharedDir) {
+		p.log.Warn("the xDS proxy socket directory is writable by every user: any of them could replace the socket",
+			logkey.Dir, dir, logkey.Error, err.Error())
+	} else if err != nil {
+		return nil, err
+	}
+	if _, err := os.Lstat(path); err == nil {
+		if socketServing(path) {
+			return nil, fmt.Errorf("%w: %s", ErrSocketInUse, path)
+		}
+		if err := os.Remove(path); err != nil {
+			return nil, fmt.Errorf("remove the stale socket %s: %w", path, err)
+		}
+		p.log.Info("removed a stale xDS proxy socket", logkey.Path, path)
+	}
+	return fsutil.ListenUnix(path, p.cfg.SocketMode)
+}
+
+// socketServing reports whether something accepts connections on the Unix socket at path.
+func socketServing(path string) bool {
+	conn, err := net.DialTimeout("unix", path, time.Second)
+	if err != nil {
+		return false
+	}
+	_ = conn.Close()
+	return true
+}
+
+// adsServer serves Envoy's ADS streams, each by a stream of its own upstream.
+type adsServer struct {
+	discovery.UnimplementedAggregatedDiscoveryServiceServer
+	p *Proxy
+}
+
+func (s adsServer) StreamAggregatedResources(down grpc.BidiStreamingServer[discovery.DiscoveryRequest, discovery.DiscoveryResponse]) error {
+	return pipe(s.p, "sotw", down,
+		func(ctx context.Context) (grpc.BidiStreamingClient[discovery.DiscoveryRequest, discovery.DiscoveryResponse], error) {
+			return s.p.upstream.StreamAggregatedResources(ctx, s.p.cfg.CallOptions...)
+		},
+		func(r *discovery.DiscoveryRequest) (string, string) { return r.GetNode().GetId(), r.GetTypeUrl() })
+}
+
+func (s adsServer) DeltaAggregatedResources(down grpc.BidiStreamingServer[discovery.DeltaDiscoveryRequest, discovery.DeltaDiscoveryResponse]) error {
+	return pipe(s.p, "delta", down,
+		func(ctx context.Context) (grpc.BidiStreamingClient[discovery.DeltaDiscoveryRequest, discovery.DeltaDiscoveryResponse], error) {
+			return s.p.upstream.DeltaAggregatedResources(ctx, s.p.cfg.CallOptions...)
+		},
+		func(r *discovery.DeltaDiscoveryRequest) (string, string) { return r.GetNode().GetId(), r.GetTypeUrl() })
+}
+
+// pipe proxies one Envoy stream (down) through a stream of its own upstream, opened by open, until
+// either end ends it. describe names a request's node and type, for the log.
+//
+// Concurrency: one goroutine per direction, each holding at most the one message it is passing
+// on. Unlike istio's handleStream, which queues Envoy's requests in a channel, nothing here
+// buffers: a slow reader at either end stops its writer's goroutine in Send, and gRPC's flow
+// control pushes back on the other end, so memory stays bounded per stream.
+func pipe[Req, Resp any](p *Proxy, protocol string, down grpc.BidiStreamingServer[Req, Resp],
+	open func(context.Context) (grpc.BidiStreamingClient[Req, Resp], error), describe func(*Req) (string, string),
+) error {
+	p.metrics.streams.Inc()
+	p.metrics.streamsTotal.Inc()
+	defer p.metrics.streams.Dec()
+	info := &streamInfo{protocol: protocol}
+
+	// The upstream stream lives within Envoy's: when Envoy goes, it is cancelled.
+	ctx, cancel := context.WithCancel(down.Context())
+	defer cancel()
+	up, err := open(ctx)
+	if err != nil {
+		return p.upstreamFailed(info, err)
+	}
+
+	// Requests, down to up. This goroutine may be blocked in down.Recv when the handler returns;
+	// gRPC then ends the stream and Recv returns. Run waits for it.
+	p.wg.Add(1)
+	go func() {
+		defer p.wg.Done()
+		for {
+			req, err := down.Recv()
+			if errors.Is(err, io.EOF) {
+				// Envoy is done sending; the responses still flow until the upstream ends.
+				_ = up.CloseSend()
+				return
+			}
+			if err != nil {
+				cancel()
+				return
+			}
+			info.note(describe(req))
+			// Counted as taken from Envoy, before it is passed on, so that the count never
+			// lags behind what the other end has seen.
+			p.metrics.messages.WithLabelValues(directionRequest).Inc()
+			if err := up.Send(req); err != nil {
+				// The upstream stream has ended; up.Recv, in the handler, says why.
+				return
+			}
+		}
+	}()
+
+	// Responses, up to down.
+	for {
+		resp, err := up.Recv()
+		switch {
+		case err == nil:
+		case ctx.Err() != nil:
+			// Envoy went away (or the proxy is stopping), and the upstream stream with it.
+			p.streamEnded(info, slog.LevelInfo, "Envoy closed the stream")
+			return status.FromContextError(ctx.Err()).Err()
+		case errors.Is(err, io.EOF):
+			// The upstream ended the stream with OK: so does Envoy's, and Envoy reconnects.
+			p.streamEnded(info, slog.LevelInfo, "the upstream closed the stream")
+			return nil
+		default:
+			return p.upstreamFailed(info, err)
+		}
+		p.metrics.messages.WithLabelValues(directionResponse).Inc()
+		if err := down.Send(resp); err != nil {
+			p.streamEnded(info, slog.LevelInfo, "Envoy closed the stream")
+			return err
+		}
+	}
+}
+
+// upstreamFailed counts and logs an upstream error, and returns the status that ends Envoy's
+// stream: the upstream's own code and message, so that Envoy reconnects, or sees the refusal.
+func (p *Proxy) upstreamFailed(info *streamInfo, err error) error {
+	st := status.Convert(err)
+	p.metrics.upstreamErrors.WithLabelValues(st.Code().String()).Inc()
+	p.streamEnded(info, slog.LevelWarn, "upstream error", logkey.Code, st.Code().String(), logkey.Error, st.Message())
+	return st.Err()
+}
+
+// streamEnded logs the end of an Envoy stream, once.
+func (p *Proxy) streamEnded(info *streamInfo, level slog.Level, reason string, attrs ...any) {
+	node, types := info.get()
+	attrs = append([]any{logkey.Protocol, info.protocol, logkey.Node, logkey.Untrusted(node),
+		logkey.Types, logkey.UntrustedList(types), logkey.Reason, reason}, attrs...)
+	p.log.Log(context.Background(), level, "xDS proxy stream ended", attrs...)
+}
+
+// maxLoggedTypes bounds the types remembered per stream for its log line.
+const maxLoggedTypes = 16
+
+// streamInfo is what the log says of a stream: its node, and the types it asked for. The request
+// goroutine writes it, the handler reads it.
+type streamInfo struct {
+	protocol string
+	mu       sync.Mutex
+	node     string
+	types    []string
+}
+
+func (i *streamInfo) note(node, typeURL string) {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if i.node == "" {
+		i.node = node
+	}
+	if typeURL != "" && len(i.types) < maxLoggedTypes && !slices.Contains(i.types, typeURL) {
+		i.types = append(i.types, typeURL)
+	}
+}
+
+func (i *streamInfo) get() (string, []string) {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	return i.node, slices.Clone(i.types)
+}

@@ -13,10 +13,12 @@ import (
 	"strings"
 	"time"
 
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"golang.org/x/sync/errgroup"
+	"google.golang.org/grpc"
 
 	"github.com/meshid/meshid/caclient"
 	"github.com/meshid/meshid/internal/clock"
@@ -26,6 +28,7 @@ import (
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/sds"
 	"github.com/meshid/meshid/secretmanager"
+	"github.com/meshid/meshid/xdsproxy"
 )
 
 // Files of the embedded control plane in its state dir.
@@ -55,6 +58,8 @@ type Agent struct {
 	ca         *caclient.Client       // CA modes
 	secrets    *secretmanager.Manager // nil with an external SDS server
 	sds        *sds.Server            // nil with an external SDS server
+	xds        *xdsproxy.Proxy        // nil with PROXY_XDS_VIA_AGENT=false
+	xdsConn    *grpc.ClientConn       // the xDS proxy's upstream
 	status     *http.Server
 	statusLis  net.Listener
 	debug      *http.Server
@@ -111,6 +116,11 @@ func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *p
 			return err
 		}
 	}
+	if cfg.ProxyXDS {
+		if err := a.newXDSProxy(cfg, clk, log, registry); err != nil {
+			return err
+		}
+	}
 	if a.statusLis, err = net.Listen("tcp", cfg.StatusAddr); err != nil {
 		return fmt.Errorf("listen for status on %s: %w", cfg.StatusAddr, err)
 	}
@@ -119,7 +129,7 @@ func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *p
 		if a.debugLis, err = net.Listen("tcp", cfg.DebugAddr); err != nil {
 			return fmt.Errorf("listen for debug on %s: %w", cfg.DebugAddr, err)
 		}
-		a.debug = &http.Server{Handler: a.debugHandler(clk), ReadHeaderTimeout: 10 * time.Second}
+		a.debug = &http.Server{Handler: a.debugHandler(clk, cfg.ProxyXDSDebug), ReadHeaderTimeout: 10 * time.Second}
 	}
 	return nil
 }
@@ -306,6 +316,60 @@ func provRoot(provCert string) string {
 	return filepath.Join(provCert, istio.RootCertFile)
 }
 
+// newXDSProxy builds the proxy of Envoy's xDS: to the discovery address, else the CA's (meshid
+// ca serves both), else the embedded control plane; authenticated as the CA client is, with the
+// token read per stream and the workload certificate held, so that a VM whose token expired
+// keeps its configuration.
+func (a *Agent) newXDSProxy(cfg Config, clk clock.Clock, log *slog.Logger, registry *prometheus.Registry) error {
+	up := caclient.UpstreamConfig{
+		Address: cfg.DiscoveryAddress, ServerName: cfg.CAServerName, TokenPath: cfg.TokenPath, ClusterID: cfg.ClusterID, Clock: clk,
+		RootCertFile: cfg.XDSRootCert,
+	}
+	switch {
+	case up.Address != "":
+	case a.embedded != nil:
+		up.Address, up.TokenPath, up.Token = a.embedded.GRPCAddr(), "", a.embedded.Token
+		if up.RootCertFile == "" {
+			up.RootCertFile = a.embedded.RootCertFile()
+		}
+	default:
+		up.Address = cfg.CAAddress
+	}
+	if up.Address == "" {
+		// Credential files and no control plane named: nothing to proxy to.
+		log.Info("no discovery server to proxy Envoy's xDS to (--discovery-addr, --ca-addr): the xDS proxy is off")
+		return nil
+	}
+	if up.RootCertFile == "" {
+		up.RootCertFile = cfg.caRootCert()
+	}
+	if a.secrets != nil {
+		up.ClientCertificate = a.secrets.TLSCertificate
+	}
+	id, err := cfg.Identity()
+	if err != nil {
+		return err
+	}
+	if a.xdsConn, err = caclient.DialUpstream(up); err != nil {
+		return err
+	}
+	a.xds, err = xdsproxy.New(xdsproxy.Config{
+		Socket:   cfg.xdsSocket(),
+		Upstream: a.xdsConn,
+		// Istio's form of a sidecar's node ID; the discovery server picks the configuration by
+		// the credential, not by this.
+		Node:       &corev3.Node{Id: fmt.Sprintf("sidecar~127.0.0.1~%s.%s~%s.svc.cluster.local", id.ServiceAccount, id.Namespace, id.Namespace)},
+		Clock:      clk,
+		Logger:     log.With(logkey.Component, "xds-proxy"),
+		Registerer: registry,
+	})
+	if err != nil {
+		return err
+	}
+	log.Info("xDS proxy", logkey.Socket, cfg.xdsSocket(), logkey.Address, up.Address, logkey.CARoot, describePath(up.RootCertFile, "the system roots"))
+	return nil
+}
+
 // Source returns where the certificates come from.
 func (a *Agent) Source() Source { return a.source }
 
@@ -338,6 +402,9 @@ func (a *Agent) Run(ctx context.Context) error {
 		g.Go(func() error { return a.secrets.Run(ctx) })
 		g.Go(func() error { return a.sds.Run(ctx) })
 	}
+	if a.xds != nil {
+		g.Go(func() error { return a.xds.Run(ctx) })
+	}
 	for _, srv := range []struct {
 		server *http.Server
 		lis    net.Listener
@@ -363,10 +430,14 @@ func (a *Agent) Run(ctx context.Context) error {
 	return err
 }
 
-// release lets go of what outlives the servers: the CA connection and the embedded state dir.
+// release lets go of what outlives the servers: the CA and xDS connections and the embedded
+// state dir.
 func (a *Agent) release() {
 	if a.ca != nil {
 		_ = a.ca.Close()
+	}
+	if a.xdsConn != nil {
+		_ = a.xdsConn.Close()
 	}
 	if a.unlock != nil {
 		a.unlock()

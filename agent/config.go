@@ -29,6 +29,7 @@ const (
 	DefaultCredentials  = "var/run/secrets/workload-spiffe-credentials" //nolint:gosec // a path, not a credential
 	DefaultMountedCerts = "etc/certs"
 	DefaultEmbeddedDir  = "var/lib/meshid"
+	DefaultXDSSocket    = "etc/istio/proxy/XDS"
 	// Identity of the workload when the agent runs its own CA and none is given.
 	DefaultEmbeddedNamespace      = "default"
 	DefaultEmbeddedServiceAccount = "default"
@@ -58,6 +59,17 @@ type Config struct {
 	ClusterID    string // ISTIO_META_CLUSTER_ID
 	TokenPath    string
 	ProvCert     string // PROV_CERT: a key pair for mTLS to the CA
+
+	// DiscoveryAddress is the discovery server Envoy's xDS is proxied to (Istio's
+	// discoveryAddress); empty: the CA's address (meshid ca serves both), or the embedded
+	// control plane. XDSRootCert verifies it (XDS_ROOT_CA); empty: the CA's root.
+	DiscoveryAddress string
+	XDSRootCert      string
+	// ProxyXDS serves Envoy's ADS on XDSSocket (default <root>/etc/istio/proxy/XDS) and proxies
+	// it upstream (PROXY_XDS_VIA_AGENT); ProxyXDSDebug answers /debug/<type> on the debug
+	// server from the upstream's istio.io/debug (PROXY_XDS_DEBUG_VIA_AGENT).
+	ProxyXDS, ProxyXDSDebug bool
+	XDSSocket               string
 
 	// Embed starts a CA in-process when no CA address is given; cmd/meshid supplies it, and
 	// meshid-agent, which links no CA, does not.
@@ -139,6 +151,8 @@ func DefaultConfig(rootDir string) Config {
 		StatusAddr:       DefaultStatusAddr,
 		DebugAddr:        DefaultDebugAddr,
 		RootDir:          rootDir,
+		ProxyXDS:         true,
+		ProxyXDSDebug:    true,
 
 		SDSMaxStreams:              sds.DefaultMaxStreams,
 		SDSMaxStreamsPerConnection: sds.DefaultMaxStreamsPerConnection,
@@ -153,6 +167,13 @@ func (c *Config) socketDir() string {
 		return c.WorkloadSocketDir
 	}
 	return c.path(DefaultSocketDir)
+}
+
+func (c *Config) xdsSocket() string {
+	if c.XDSSocket != "" {
+		return c.XDSSocket
+	}
+	return c.path(DefaultXDSSocket)
 }
 
 func (c *Config) credentialsDir() string {

@@ -28,8 +28,12 @@ type secretStatus struct {
 	Streams      int       `json:"subscribed_streams"`
 }
 
-func (a *Agent) debugHandler(clk clock.Clock) http.Handler {
+func (a *Agent) debugHandler(clk clock.Clock, xdsDebug bool) http.Handler {
 	mux := http.NewServeMux()
+	if xdsDebug && a.xds != nil {
+		// istio.io/debug/<type> from the discovery server, for this proxy's node.
+		mux.Handle("/debug/", a.xds.DebugHandler())
+	}
 	mux.HandleFunc("GET /debug/secrets", func(w http.ResponseWriter, _ *http.Request) {
 		out := []secretStatus{}
 		if a.secrets != nil {

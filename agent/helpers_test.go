@@ -44,7 +44,7 @@ type env struct {
 	dir      string
 }
 
-func newEnv(t *testing.T) *env {
+func newEnv(t *testing.T, mutate ...func(*controlplane.Config)) *env {
 	t.Helper()
 	e := &env{clock: newFakeClock(), stateDir: t.TempDir(), dir: t.TempDir()}
 	cfg := controlplane.DefaultConfig()
@@ -52,6 +52,9 @@ func newEnv(t *testing.T) *env {
 	cfg.GRPCAddr = "127.0.0.1:0"
 	cfg.MonitoringAddr = ""
 	cfg.Clock = e.clock
+	for _, m := range mutate {
+		m(&cfg)
+	}
 	// The CA checks its root once an hour; the tests step the clock by less between renewals.
 	e.ca = controlplanetest.Start(t, cfg)
 	return e

@@ -41,12 +41,19 @@ const embeddedTokenTTL = 5 * time.Minute
 // Namespace and ServiceAccount manifests namespace targeting reads, when the directory exists.
 const EmbeddedManifestsDir = "manifests"
 
+// EmbeddedXDSConfig is where, in its state dir, an embedded control plane finds the discovery
+// configuration it serves the agent's xDS proxy, when the file exists.
+const EmbeddedXDSConfig = "xds.yaml"
+
 // NewEmbedded builds the control plane for an agent; see New.
 func NewEmbedded(e EmbeddedConfig) (*Embedded, error) {
 	cfg := DefaultConfig()
 	cfg.StateDir = e.StateDir
 	if dir := filepath.Join(e.StateDir, EmbeddedManifestsDir); isDir(dir) {
 		cfg.Manifests = dir
+	}
+	if file := filepath.Join(e.StateDir, EmbeddedXDSConfig); isFile(file) {
+		cfg.XDSConfig = file
 	}
 	cfg.GRPCAddr = unixScheme + e.SocketPath
 	cfg.MonitoringAddr = ""
@@ -69,6 +76,11 @@ func NewEmbedded(e EmbeddedConfig) (*Embedded, error) {
 func isDir(path string) bool {
 	info, err := os.Stat(path)
 	return err == nil && info.IsDir()
+}
+
+func isFile(path string) bool {
+	info, err := os.Stat(path)
+	return err == nil && info.Mode().IsRegular()
 }
 
 // RootCertFile is the trust bundle that verifies the control plane.

@@ -60,6 +60,11 @@ func slim() []string {
 }
 
 func isKubernetes(imp string) bool {
+	// sigs.k8s.io/yaml is YAML read as JSON (go-yaml underneath), no Kubernetes in it: the
+	// discovery configuration is read with it too.
+	if imp == "sigs.k8s.io/yaml" {
+		return false
+	}
 	return strings.HasPrefix(imp, "k8s.io/") || strings.HasPrefix(imp, "sigs.k8s.io/")
 }
 

@@ -48,6 +48,9 @@ func agentEnv() []envBinding {
 		{"key-algorithm", "ECC_SIGNATURE_ALGORITHM"},
 		{"workload-rsa-key-size", "WORKLOAD_RSA_KEY_SIZE"},
 		{"file-mounted-certs", "FILE_MOUNTED_CERTS"},
+		{"xds-root-cert", "XDS_ROOT_CA"},
+		{"proxy-xds-via-agent", "PROXY_XDS_VIA_AGENT"},
+		{"proxy-xds-debug-via-agent", "PROXY_XDS_DEBUG_VIA_AGENT"},
 	}
 }
 
@@ -84,8 +87,11 @@ until it succeeds; the agent is not ready meanwhile).
 Istio's variables are honoured, so the agent is a drop-in; a flag wins over its variable:
 ` + envHelp(agentEnv()) + `
 The status server (--status-addr) answers /healthz/ready (200 once a valid certificate is
-held) and /metrics; the debug server (--debug-addr, loopback) answers /debug/secrets. Every
-default path lives under --root-dir, so no root is needed.`,
+held) and /metrics; the debug server (--debug-addr, loopback) answers /debug/secrets and, with
+the xDS proxy, /debug/<type> (syncz, config_dump) from the discovery server. Envoy's xDS (ADS,
+state of the world or delta) is proxied from --xds-socket to --discovery-addr (by default the
+CA, or the in-process control plane), authenticated as the CA client is. Every default path
+lives under --root-dir, so no root is needed.`,
 		Args: cobra.NoArgs,
 		PreRunE: func(cmd *cobra.Command, _ []string) error {
 			flags := cmd.Flags()
@@ -131,6 +137,20 @@ default path lives under --root-dir, so no root is needed.`,
 			if outputGroupRead != "none" && cfg.OutputCerts == "" {
 				return errors.New("--output-certs-group-read needs --output-certs (OUTPUT_CERTS)")
 			}
+			if cfg.CAAddress == "" && cfg.DiscoveryAddress != "" {
+				cfg.CAAddress = cfg.DiscoveryAddress // CA_ADDR defaults to the discovery address, as in Istio
+			}
+			if !cfg.ProxyXDS {
+				if flags.Changed("proxy-xds-debug-via-agent") && cfg.ProxyXDSDebug {
+					return errors.New("--proxy-xds-debug-via-agent (PROXY_XDS_DEBUG_VIA_AGENT) needs the xDS proxy: --proxy-xds-via-agent (PROXY_XDS_VIA_AGENT) is false")
+				}
+				for _, name := range []string{"discovery-addr", "xds-socket", "xds-root-cert"} {
+					if flags.Changed(name) {
+						return fmt.Errorf("--%s configures the xDS proxy, which --proxy-xds-via-agent=false (PROXY_XDS_VIA_AGENT) turns off", name)
+					}
+				}
+				cfg.ProxyXDSDebug = false
+			}
 			cfg.Logger = g.Logger()
 			return cfg.Validate()
 		},
@@ -169,6 +189,11 @@ default path lives under --root-dir, so no root is needed.`,
 	f.DurationVar(&cfg.DrainDuration, "drain-duration", 0, "how long SDS streams may go on after SIGTERM")
 	f.IntVar(&cfg.SDSMaxStreams, "sds-max-streams", cfg.SDSMaxStreams, "SDS streams and FetchSecrets calls open at once, over all connections, and open connections; past it a stream is refused (ResourceExhausted) and a connection closed. Envoy opens one stream per secret name: a sidecar a handful, a gateway one more per file-mounted certificate; each costs about 25 KB")
 	f.IntVar(&cfg.SDSMaxStreamsPerConnection, "sds-max-streams-per-connection", cfg.SDSMaxStreamsPerConnection, "SDS streams one connection may carry at once, told to the client (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS), which holds further ones back until one ends")
+	f.StringVar(&cfg.DiscoveryAddress, "discovery-addr", "", "discovery server Envoy's xDS is proxied to, HOST:PORT (Istio's discoveryAddress; CA_ADDR defaults to it); default: the CA's address, or the in-process control plane")
+	f.StringVar(&cfg.XDSSocket, "xds-socket", "", "Unix socket Envoy's ADS connects to (default <root-dir>/etc/istio/proxy/XDS)")
+	f.StringVar(&cfg.XDSRootCert, "xds-root-cert", "", "PEM roots that verify the discovery server (XDS_ROOT_CA); default: the CA's roots")
+	f.BoolVar(&cfg.ProxyXDS, "proxy-xds-via-agent", cfg.ProxyXDS, "serve Envoy's ADS on --xds-socket and proxy it to the discovery server (PROXY_XDS_VIA_AGENT)")
+	f.BoolVar(&cfg.ProxyXDSDebug, "proxy-xds-debug-via-agent", cfg.ProxyXDSDebug, "answer /debug/<type> on --debug-addr with the discovery server's istio.io/debug/<type> for this proxy (PROXY_XDS_DEBUG_VIA_AGENT)")
 	f.StringVar(&cfg.StatusAddr, "status-addr", cfg.StatusAddr, "listen address of /healthz/ready and /metrics")
 	f.StringVar(&cfg.DebugAddr, "debug-addr", cfg.DebugAddr, "loopback listen address of /debug/secrets; empty disables it")
 	return cmd

@@ -171,3 +171,30 @@ func TestAgentSDSLimits(t *testing.T) {
 		t.Fatalf("SDS limits %d, %d per connection; want 50, 10", cfg.SDSMaxStreams, cfg.SDSMaxStreamsPerConnection)
 	}
 }
+
+// The xDS proxy's flags and Istio's variables: CA_ADDR defaults to the discovery address; the
+// proxy's settings are refused when it is off.
+func TestAgentXDSProxyFlags(t *testing.T) {
+	t.Parallel()
+	base := map[string]string{"POD_NAMESPACE": "default", "SERVICE_ACCOUNT": "demo"}
+	cfg, err := runAgentCommand(t, base, "--discovery-addr", "istiod.example:15012")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.CAAddress != "istiod.example:15012" || !cfg.ProxyXDS || !cfg.ProxyXDSDebug {
+		t.Errorf("CA address %q, proxy %v, debug %v", cfg.CAAddress, cfg.ProxyXDS, cfg.ProxyXDSDebug)
+	}
+	env := map[string]string{"PROXY_XDS_VIA_AGENT": "false", "CA_ADDR": "ca.example:15012", "XDS_ROOT_CA": "", "POD_NAMESPACE": "default", "SERVICE_ACCOUNT": "demo"}
+	if cfg, err = runAgentCommand(t, env); err != nil || cfg.ProxyXDS || cfg.ProxyXDSDebug {
+		t.Errorf("PROXY_XDS_VIA_AGENT=false: proxy %v, debug %v, %v", cfg.ProxyXDS, cfg.ProxyXDSDebug, err)
+	}
+	for _, args := range [][]string{
+		{"--proxy-xds-debug-via-agent=true"},
+		{"--xds-socket", "/tmp/XDS"},
+		{"--discovery-addr", "istiod.example:15012"},
+	} {
+		if _, err := runAgentCommand(t, env, args...); err == nil || !strings.Contains(err.Error(), "PROXY_XDS_VIA_AGENT") {
+			t.Errorf("%v with the proxy off: %v, want a refusal naming PROXY_XDS_VIA_AGENT", args, err)
+		}
+	}
+}

@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"net"
 	"path/filepath"
+	"slices"
 	"testing"
 	"time"
 
@@ -273,7 +274,7 @@ func (h *proxy) metric(t *testing.T, name string, labels ...string) float64 {
 	return 0
 }
 
-// resourceNames decodes clusters and listeners and returns their names.
+// resourceNames decodes clusters and listeners and returns their names, sorted.
 func resourceNames(t *testing.T, anys []*anypb.Any) []string {
 	t.Helper()
 	out := make([]string, 0, len(anys))
@@ -291,5 +292,6 @@ func resourceNames(t *testing.T, anys []*anypb.Any) []string {
 			t.Fatalf("unexpected resource %s", a.GetTypeUrl())
 		}
 	}
+	slices.Sort(out) // a response's order is the server's
 	return out
 }

@@ -6,6 +6,7 @@ import (
 	"net"
 	"path/filepath"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -167,6 +168,8 @@ type proxy struct {
 	reg      *prometheus.Registry
 	logs     *testutil.SyncBuffer
 	client   discovery.AggregatedDiscoveryServiceClient
+	// stop ends Run and waits for it to return.
+	stop func()
 }
 
 func startProxy(t *testing.T, addr string, adjust ...func(*xdsproxy.Config)) *proxy {
@@ -203,7 +206,7 @@ func startProxy(t *testing.T, addr string, adjust ...func(*xdsproxy.Config)) *pr
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- h.Run(ctx) }()
-	t.Cleanup(func() {
+	h.stop = sync.OnceFunc(func() {
 		cancel()
 		limit := time.NewTimer(waitLimit)
 		defer limit.Stop()
@@ -216,6 +219,7 @@ func startProxy(t *testing.T, addr string, adjust ...func(*xdsproxy.Config)) *pr
 			t.Error("Run did not return")
 		}
 	})
+	t.Cleanup(h.stop)
 	// Run listens before it serves: the client's connection waits for the socket (WaitForReady
 	// on every call below), so no start-up race.
 	client, err := grpc.NewClient("unix://"+h.socket, grpc.WithTransportCredentials(insecure.NewCredentials()),

@@ -75,6 +75,8 @@ type Proxy struct {
 	// stream's request forwarder, and the debug stream's reader.
 	wg sync.WaitGroup
 
+	// started is closed when Run starts.
+	started chan struct{}
 	// debugMu serializes debug requests, and guards what follows.
 	debugMu sync.Mutex
 	// running is Run's context while it runs, nil otherwise: the debug stream lives within it.
@@ -112,6 +114,7 @@ func New(cfg Config) (*Proxy, error) {
 		clock:    clock.OrReal(cfg.Clock),
 		upstream: discovery.NewAggregatedDiscoveryServiceClient(cfg.Upstream),
 		metrics:  newMetrics(),
+		started:  make(chan struct{}),
 	}
 	if cfg.Registerer != nil {
 		if err := p.metrics.register(cfg.Registerer); err != nil {
@@ -122,7 +125,7 @@ func New(cfg Config) (*Proxy, error) {
 }
 
 // Run listens on the socket and serves until ctx ends; then it ends every stream, Envoy's and its
-// own, and returns once all its goroutines have stopped.
+// own, and returns once all its goroutines have stopped. A Proxy runs once.
 func (p *Proxy) Run(ctx context.Context) error {
 	lis, err := p.listen()
 	if err != nil {
@@ -131,6 +134,7 @@ func (p *Proxy) Run(ctx context.Context) error {
 	p.debugMu.Lock()
 	p.running = ctx
 	p.debugMu.Unlock()
+	close(p.started)
 	defer p.stopDebug()
 
 	// WaitForHandlers: Stop returns only once every stream handler has, so that none outlives Run.

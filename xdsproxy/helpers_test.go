@@ -200,6 +200,7 @@ func startProxy(t *testing.T, addr string, adjust ...func(*xdsproxy.Config)) *pr
 	for _, fn := range adjust {
 		fn(&cfg)
 	}
+	h.socket = cfg.Socket
 	if h.Proxy, err = xdsproxy.New(cfg); err != nil {
 		t.Fatal(err)
 	}

@@ -149,4 +149,8 @@ func TestRunEndsTheStreams(t *testing.T) {
 	if got := h.metric(t, "meshid_xds_proxy_streams"); got != 0 {
 		t.Errorf("open streams after Run: %v, want 0", got)
 	}
+	logged := h.logs.Records(t, "xDS proxy stream ended")
+	if len(logged) != 1 || logged[0]["level"] != "INFO" || logged[0]["reason"] != "the proxy is stopping" {
+		t.Errorf("stream end logged as %v", logged)
+	}
 }

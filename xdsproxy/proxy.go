@@ -16,6 +16,7 @@ import (
 	"path/filepath"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -74,6 +75,8 @@ type Proxy struct {
 	// wg counts the goroutines Run must wait for besides the gRPC server's own: each Envoy
 	// stream's request forwarder, and the debug stream's reader.
 	wg sync.WaitGroup
+	// stopping is set once Run's context has ended, for the log of the streams it ends.
+	stopping atomic.Bool
 
 	// started is closed when Run starts.
 	started chan struct{}
@@ -151,6 +154,7 @@ func (p *Proxy) Run(ctx context.Context) error {
 	}
 	// Envoy's streams never end by themselves, so there is nothing to drain: Stop cancels them,
 	// which cancels their upstream streams.
+	p.stopping.Store(true)
 	grpcServer.Stop()
 	if serveErr == nil {
 		serveErr = <-served
@@ -279,8 +283,12 @@ func pipe[Req, Resp any](p *Proxy, protocol string, down grpc.BidiStreamingServe
 		switch {
 		case err == nil:
 		case ctx.Err() != nil:
-			// Envoy went away (or the proxy is stopping), and the upstream stream with it.
-			p.streamEnded(info, slog.LevelInfo, "Envoy closed the stream")
+			// Envoy went away, or the proxy is stopping, and the upstream stream with it.
+			reason := "Envoy closed the stream"
+			if p.stopping.Load() {
+				reason = "the proxy is stopping"
+			}
+			p.streamEnded(info, slog.LevelInfo, reason)
 			return status.FromContextError(ctx.Err()).Err()
 		case errors.Is(err, io.EOF):
 			// The upstream ended the stream with OK: so does Envoy's, and Envoy reconnects.

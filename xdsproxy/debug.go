@@ -84,6 +84,16 @@ func validDebugType(s string) bool {
 // answer cannot be taken for the next request's, because a request that times out or fails
 // closes the stream (the next one opens another).
 func (p *Proxy) askDebug(ctx context.Context, req *discovery.DiscoveryRequest) (*discovery.DiscoveryResponse, int, error) {
+	timer := p.clock.NewTimer(p.cfg.DebugTimeout)
+	defer timer.Stop()
+	// A request that comes as the agent starts waits for Run.
+	select {
+	case <-p.started:
+	case <-timer.C():
+		return nil, http.StatusServiceUnavailable, errors.New("the xDS proxy is not running")
+	case <-ctx.Done():
+		return nil, http.StatusServiceUnavailable, fmt.Errorf("the debug request was abandoned: %w", ctx.Err())
+	}
 	p.debugMu.Lock()
 	defer p.debugMu.Unlock()
 	if p.running == nil || p.running.Err() != nil {
@@ -98,8 +108,6 @@ func (p *Proxy) askDebug(ctx context.Context, req *discovery.DiscoveryRequest) (
 		p.debug = d
 	}
 	answer := d.await(req.GetTypeUrl())
-	timer := p.clock.NewTimer(p.cfg.DebugTimeout)
-	defer timer.Stop()
 	// A Send that fails leaves the reason to the reader, which sees the stream end.
 	_ = d.stream.Send(req)
 	select {

@@ -5,6 +5,8 @@ import (
 	"log/slog"
 	"net"
 	"path/filepath"
+	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -166,6 +168,8 @@ type proxy struct {
 	reg      *prometheus.Registry
 	logs     *testutil.SyncBuffer
 	client   discovery.AggregatedDiscoveryServiceClient
+	// stop ends Run and waits for it to return.
+	stop func()
 }
 
 func startProxy(t *testing.T, addr string, adjust ...func(*xdsproxy.Config)) *proxy {
@@ -196,13 +200,14 @@ func startProxy(t *testing.T, addr string, adjust ...func(*xdsproxy.Config)) *pr
 	for _, fn := range adjust {
 		fn(&cfg)
 	}
+	h.socket = cfg.Socket
 	if h.Proxy, err = xdsproxy.New(cfg); err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- h.Run(ctx) }()
-	t.Cleanup(func() {
+	h.stop = sync.OnceFunc(func() {
 		cancel()
 		limit := time.NewTimer(waitLimit)
 		defer limit.Stop()
@@ -215,6 +220,7 @@ func startProxy(t *testing.T, addr string, adjust ...func(*xdsproxy.Config)) *pr
 			t.Error("Run did not return")
 		}
 	})
+	t.Cleanup(h.stop)
 	// Run listens before it serves: the client's connection waits for the socket (WaitForReady
 	// on every call below), so no start-up race.
 	client, err := grpc.NewClient("unix://"+h.socket, grpc.WithTransportCredentials(insecure.NewCredentials()),
@@ -273,7 +279,7 @@ func (h *proxy) metric(t *testing.T, name string, labels ...string) float64 {
 	return 0
 }
 
-// resourceNames decodes clusters and listeners and returns their names.
+// resourceNames decodes clusters and listeners and returns their names, sorted.
 func resourceNames(t *testing.T, anys []*anypb.Any) []string {
 	t.Helper()
 	out := make([]string, 0, len(anys))
@@ -291,5 +297,6 @@ func resourceNames(t *testing.T, anys []*anypb.Any) []string {
 			t.Fatalf("unexpected resource %s", a.GetTypeUrl())
 		}
 	}
+	slices.Sort(out) // a response's order is the server's
 	return out
 }

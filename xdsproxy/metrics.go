@@ -27,7 +27,7 @@ func newMetrics() *metrics {
 		}),
 		messages: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "meshid", Subsystem: "xds_proxy", Name: "messages_total",
-			Help: "Messages passed on: requests from Envoy upstream, responses from upstream to Envoy.",
+			Help: "Messages proxied, counted as they are taken: requests from Envoy to the upstream, responses from the upstream to Envoy.",
 		}, []string{"direction"}),
 		upstreamErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "meshid", Subsystem: "xds_proxy", Name: "upstream_errors_total",

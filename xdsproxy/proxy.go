@@ -16,6 +16,7 @@ import (
 	"path/filepath"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -74,7 +75,11 @@ type Proxy struct {
 	// wg counts the goroutines Run must wait for besides the gRPC server's own: each Envoy
 	// stream's request forwarder, and the debug stream's reader.
 	wg sync.WaitGroup
+	// stopping is set once Run's context has ended, for the log of the streams it ends.
+	stopping atomic.Bool
 
+	// started is closed when Run starts.
+	started chan struct{}
 	// debugMu serializes debug requests, and guards what follows.
 	debugMu sync.Mutex
 	// running is Run's context while it runs, nil otherwise: the debug stream lives within it.
@@ -112,6 +117,7 @@ func New(cfg Config) (*Proxy, error) {
 		clock:    clock.OrReal(cfg.Clock),
 		upstream: discovery.NewAggregatedDiscoveryServiceClient(cfg.Upstream),
 		metrics:  newMetrics(),
+		started:  make(chan struct{}),
 	}
 	if cfg.Registerer != nil {
 		if err := p.metrics.register(cfg.Registerer); err != nil {
@@ -122,7 +128,7 @@ func New(cfg Config) (*Proxy, error) {
 }
 
 // Run listens on the socket and serves until ctx ends; then it ends every stream, Envoy's and its
-// own, and returns once all its goroutines have stopped.
+// own, and returns once all its goroutines have stopped. A Proxy runs once.
 func (p *Proxy) Run(ctx context.Context) error {
 	lis, err := p.listen()
 	if err != nil {
@@ -131,6 +137,7 @@ func (p *Proxy) Run(ctx context.Context) error {
 	p.debugMu.Lock()
 	p.running = ctx
 	p.debugMu.Unlock()
+	close(p.started)
 	defer p.stopDebug()
 
 	// WaitForHandlers: Stop returns only once every stream handler has, so that none outlives Run.
@@ -147,6 +154,7 @@ func (p *Proxy) Run(ctx context.Context) error {
 	}
 	// Envoy's streams never end by themselves, so there is nothing to drain: Stop cancels them,
 	// which cancels their upstream streams.
+	p.stopping.Store(true)
 	grpcServer.Stop()
 	if serveErr == nil {
 		serveErr = <-served
@@ -275,8 +283,12 @@ func pipe[Req, Resp any](p *Proxy, protocol string, down grpc.BidiStreamingServe
 		switch {
 		case err == nil:
 		case ctx.Err() != nil:
-			// Envoy went away (or the proxy is stopping), and the upstream stream with it.
-			p.streamEnded(info, slog.LevelInfo, "Envoy closed the stream")
+			// Envoy went away, or the proxy is stopping, and the upstream stream with it.
+			reason := "Envoy closed the stream"
+			if p.stopping.Load() {
+				reason = "the proxy is stopping"
+			}
+			p.streamEnded(info, slog.LevelInfo, reason)
 			return status.FromContextError(ctx.Err()).Err()
 		case errors.Is(err, io.EOF):
 			// The upstream ended the stream with OK: so does Envoy's, and Envoy reconnects.

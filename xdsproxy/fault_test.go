@@ -2,6 +2,8 @@ package xdsproxy_test
 
 import (
 	"context"
+	"errors"
+	"io"
 	"testing"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -72,7 +74,11 @@ func TestUpstreamRefusalReachesTheClient(t *testing.T) {
 			if err != nil {
 				return err
 			}
-			sendSotw(t, stream, &discovery.DiscoveryRequest{Node: &corev3.Node{Id: nodeID}, TypeUrl: resource.ClusterType})
+			// The refusal may end the stream before the request is sent: Send then says EOF,
+			// and Recv gives the status.
+			if err := stream.Send(&discovery.DiscoveryRequest{Node: &corev3.Node{Id: nodeID}, TypeUrl: resource.ClusterType}); err != nil && !errors.Is(err, io.EOF) {
+				return err
+			}
 			_, err = stream.Recv()
 			return err
 		}},
@@ -81,7 +87,9 @@ func TestUpstreamRefusalReachesTheClient(t *testing.T) {
 			if err != nil {
 				return err
 			}
-			sendDelta(t, stream, &discovery.DeltaDiscoveryRequest{Node: &corev3.Node{Id: nodeID}, TypeUrl: resource.ClusterType})
+			if err := stream.Send(&discovery.DeltaDiscoveryRequest{Node: &corev3.Node{Id: nodeID}, TypeUrl: resource.ClusterType}); err != nil && !errors.Is(err, io.EOF) {
+				return err
+			}
 			_, err = stream.Recv()
 			return err
 		}},

@@ -20,13 +20,17 @@ import (
 	rpcstatus "google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
+	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/meshid/meshid/internal/logkey"
 )
 
-// Istio's debug types, asked for on an ADS stream like any other.
+// Istio's debug types, asked for on an ADS stream like any other. Each answer is one resource,
+// a google.protobuf.Value holding the JSON of Envoy's type (a ClientConfig per node for syncz,
+// the admin ConfigDump for config_dump).
 const (
 	debugPrefix     = "istio.io/debug/"
 	DebugSyncz      = debugPrefix + "syncz"
@@ -203,13 +207,28 @@ func (s *Server) debug(ctx context.Context, req *discoveryv3.DiscoveryRequest) (
 	}
 	resp := &discoveryv3.DiscoveryResponse{TypeUrl: req.GetTypeUrl(), Nonce: strconv.FormatUint(s.debugNonce.Add(1), 10)}
 	for _, m := range answers {
-		a, err := anypb.New(m)
+		a, err := rendered(m)
 		if err != nil {
 			return nil, status.Error(codes.Internal, err.Error())
 		}
 		resp.Resources = append(resp.Resources, a)
 	}
 	return resp, nil
+}
+
+// rendered is m as JSON in a google.protobuf.Value: debug answers are for people, and the agent
+// that shows them (the slim one links neither Envoy's admin types nor the extensions a
+// configuration names) knows that type whatever it links. This binary links them all.
+func rendered(m proto.Message) (*anypb.Any, error) {
+	data, err := protojson.Marshal(m)
+	if err != nil {
+		return nil, err
+	}
+	v := &structpb.Value{}
+	if err := protojson.Unmarshal(data, v); err != nil {
+		return nil, err
+	}
+	return anypb.New(v)
 }
 
 // configDump is the namespace's snapshot as Envoy's admin config dump shows it.

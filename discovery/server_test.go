@@ -23,6 +23,9 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/anypb"
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/meshid/meshid/discovery"
@@ -295,6 +298,21 @@ func TestDiscoveryDebug(t *testing.T) {
 		}
 		return resp
 	}
+	// Each answer is Envoy's type as JSON in a google.protobuf.Value.
+	decode := func(a *anypb.Any, into proto.Message) {
+		t.Helper()
+		v := &structpb.Value{}
+		if err := a.UnmarshalTo(v); err != nil {
+			t.Fatal(err)
+		}
+		data, err := protojson.Marshal(v)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := protojson.Unmarshal(data, into); err != nil {
+			t.Fatalf("%s: %v", data, err)
+		}
+	}
 	// The ACK is processed on the server's own goroutine: syncz catches up with it.
 	synced := func() error {
 		syncz := debug(discovery.DebugSyncz)
@@ -302,9 +320,7 @@ func TestDiscoveryDebug(t *testing.T) {
 			t.Fatalf("syncz lists %d nodes, want the caller's namespace's one", len(syncz.GetResources()))
 		}
 		cc := &statusv3.ClientConfig{}
-		if err := syncz.GetResources()[0].UnmarshalTo(cc); err != nil {
-			t.Fatal(err)
-		}
+		decode(syncz.GetResources()[0], cc)
 		if gx := cc.GetGenericXdsConfigs(); len(gx) != 1 || gx[0].GetConfigStatus() != statusv3.ConfigStatus_SYNCED || gx[0].GetVersionInfo() != resp.GetVersionInfo() {
 			return fmt.Errorf("syncz of the node: %v", cc)
 		}
@@ -318,9 +334,7 @@ func TestDiscoveryDebug(t *testing.T) {
 	}
 
 	dump := &adminv3.ConfigDump{}
-	if err := debug(discovery.DebugConfigDump).GetResources()[0].UnmarshalTo(dump); err != nil {
-		t.Fatal(err)
-	}
+	decode(debug(discovery.DebugConfigDump).GetResources()[0], dump)
 	clustersDump := &adminv3.ClustersConfigDump{}
 	if err := dump.GetConfigs()[1].UnmarshalTo(clustersDump); err != nil {
 		t.Fatal(err)

@@ -5,60 +5,208 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discoveryv3 "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/cache/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/protobuf/types/known/anypb"
 
 	"github.com/meshid/meshid/agent"
 	"github.com/meshid/meshid/controlplane"
+	"github.com/meshid/meshid/internal/filewatch"
+	"github.com/meshid/meshid/internal/testutil"
 )
 
-// Envoy's ADS on the agent's XDS socket reaches the CA's discovery server, authenticated with
-// the workload's token, and gets the set of its namespace; /debug/config_dump shows it.
-func TestXDSProxiedToTheCA(t *testing.T) {
-	t.Parallel()
-	xdsConfig := filepath.Join(t.TempDir(), "xds.yaml")
-	if err := os.WriteFile(xdsConfig, []byte(`
-clusters: [{name: backend, connect_timeout: 1s}]
+const xdsE2EConfig = `
+listeners:
+  - name: inbound
+    address: {socket_address: {address: 0.0.0.0, port_value: 15006}}
+    filter_chains:
+      - filters:
+          - name: envoy.filters.network.http_connection_manager
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+              stat_prefix: inbound
+              rds: {route_config_name: local, config_source: {ads: {}, resource_api_version: V3}}
+              http_filters:
+                - name: envoy.filters.http.router
+                  typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}
+clusters:
+  - {name: backend, connect_timeout: 1s, type: EDS, eds_cluster_config: {eds_config: {ads: {}, resource_api_version: V3}}}
+routes:
+  - {name: local, virtual_hosts: [{name: all, domains: ["*"], routes: [{match: {prefix: /}, route: {cluster: backend}}]}]}
+endpoints:
+  - {cluster_name: backend, endpoints: [{lb_endpoints: [{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: 8080}}}}]}]}
 namespaces:
   prod:
     clusters: [{name: prod-backend, connect_timeout: 1s}]
-`), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	e := newEnv(t, func(c *controlplane.Config) { c.XDSConfig = xdsConfig })
-	cfg := e.config(t, e.tokenFile(t, "default", "demo"), nil)
-	a := newAgent(t, cfg)
-	runAgent(t, a)
+`
 
-	conn, err := grpc.NewClient("unix://"+filepath.Join(cfg.RootDir, agent.DefaultXDSSocket), grpc.WithTransportCredentials(insecure.NewCredentials()))
+// xdsClient is an ADS client on an agent's XDS socket, as Envoy is.
+func xdsClient(t *testing.T, cfg agent.Config) discoveryv3.AggregatedDiscoveryServiceClient {
+	t.Helper()
+	conn, err := grpc.NewClient("unix://"+filepath.Join(cfg.RootDir, agent.DefaultXDSSocket), grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithDefaultCallOptions(grpc.WaitForReady(true)))
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = conn.Close() })
-	stream, err := discoveryv3.NewAggregatedDiscoveryServiceClient(conn).StreamAggregatedResources(t.Context(), grpc.WaitForReady(true))
-	if err != nil {
-		t.Fatal(err)
-	}
-	// The node claims prod; the token says default.
-	if err := stream.Send(&discoveryv3.DiscoveryRequest{Node: &corev3.Node{Id: "sidecar~10.0.0.1~demo.prod~prod.svc.cluster.local"}, TypeUrl: resource.ClusterType}); err != nil {
+	return discoveryv3.NewAggregatedDiscoveryServiceClient(conn)
+}
+
+// names asks for one type on a state-of-the-world stream, ACKs the answer, and returns the
+// names of the resources.
+func names(t *testing.T, stream discoveryv3.AggregatedDiscoveryService_StreamAggregatedResourcesClient, typeURL string) []string {
+	t.Helper()
+	if err := stream.Send(&discoveryv3.DiscoveryRequest{Node: &corev3.Node{Id: "sidecar~10.0.0.1~demo.prod~prod.svc.cluster.local"}, TypeUrl: typeURL}); err != nil {
 		t.Fatal(err)
 	}
 	resp, err := stream.Recv()
 	if err != nil {
 		t.Fatal(err)
 	}
+	if err := stream.Send(&discoveryv3.DiscoveryRequest{TypeUrl: typeURL, VersionInfo: resp.GetVersionInfo(), ResponseNonce: resp.GetNonce()}); err != nil {
+		t.Fatal(err)
+	}
+	return resourceNames(t, resp.GetResources())
+}
+
+func resourceNames(t *testing.T, resources []*anypb.Any) []string {
+	t.Helper()
+	var out []string
+	for _, r := range resources {
+		m, err := r.UnmarshalNew()
+		if err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, cache.GetResourceName(m))
+	}
+	return out
+}
+
+// Envoy's ADS on the agent's XDS socket reaches the CA's discovery server, authenticated with
+// the workload's token, and gets the set of its namespace whatever its node claims: listeners,
+// clusters, routes and endpoints, by state of the world and by delta; an edit of the file is
+// pushed through; /debug/config_dump shows the set.
+func TestXDSProxiedToTheCA(t *testing.T) {
+	t.Parallel()
+	xdsConfig := filepath.Join(t.TempDir(), "xds.yaml")
+	write := func(config string) {
+		t.Helper()
+		if err := os.WriteFile(xdsConfig+".tmp", []byte(config), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(xdsConfig+".tmp", xdsConfig); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write(xdsE2EConfig)
+	e := newEnv(t, func(c *controlplane.Config) { c.XDSConfig = xdsConfig })
+	cfg := e.config(t, e.tokenFile(t, "default", "demo"), nil)
+	a := newAgent(t, cfg)
+	runAgent(t, a)
+	client := xdsClient(t, cfg)
+
+	stream, err := client.StreamAggregatedResources(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for typeURL, want := range map[string]string{
+		resource.ClusterType: "backend", resource.ListenerType: "inbound", resource.RouteType: "local", resource.EndpointType: "backend",
+	} {
+		if got := names(t, stream, typeURL); len(got) != 1 || got[0] != want {
+			t.Errorf("%s through the proxy: %v, want [%s]", typeURL, got, want)
+		}
+	}
+
+	delta, err := client.DeltaAggregatedResources(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := delta.Send(&discoveryv3.DeltaDiscoveryRequest{Node: &corev3.Node{Id: "sidecar"}, TypeUrl: resource.ClusterType, ResourceNamesSubscribe: []string{"*"}}); err != nil {
+		t.Fatal(err)
+	}
+	dresp, err := delta.Recv()
+	if err != nil || len(dresp.GetResources()) != 1 || dresp.GetResources()[0].GetName() != "backend" {
+		t.Fatalf("delta clusters through the proxy: %v, %v", dresp, err)
+	}
+
+	// The edit reaches the open state-of-the-world stream through the proxy.
+	// Every type's version follows the file, so the other types may come first.
+	clusters := make(chan *discoveryv3.DiscoveryResponse, 1)
+	go func() {
+		defer close(clusters)
+		for {
+			resp, err := stream.Recv()
+			if err != nil || resp.GetTypeUrl() == resource.ClusterType {
+				clusters <- resp
+				return
+			}
+		}
+	}()
+	baseline := e.clock.PendingTimers()
+	write(strings.Replace(xdsE2EConfig, "connect_timeout: 1s, type: EDS", "connect_timeout: 2s, type: EDS", 1))
+	resp := testutil.Drive(t, e.clock, filewatch.DefaultDebounce, baseline, clusters)
 	c := &clusterv3.Cluster{}
-	if len(resp.GetResources()) != 1 || resp.GetResources()[0].UnmarshalTo(c) != nil || c.GetName() != "backend" {
-		t.Fatalf("clusters through the proxy: %v", resp.GetResources())
+	if len(resp.GetResources()) != 1 || resp.GetResources()[0].UnmarshalTo(c) != nil || c.GetConnectTimeout().AsDuration() != 2*time.Second {
+		t.Fatalf("after the edit: %v", resp)
 	}
 
 	code, body := httpGet(t, "http://"+a.DebugAddr()+"/debug/config_dump")
-	if code != 200 || !strings.Contains(body, `"backend"`) {
+	if code != 200 || !strings.Contains(body, `"backend"`) || !strings.Contains(body, `"inbound"`) {
 		t.Fatalf("/debug/config_dump: %d %s", code, body)
+	}
+}
+
+// An agent of another namespace gets that namespace's set.
+func TestXDSOfAnotherNamespace(t *testing.T) {
+	t.Parallel()
+	xdsConfig := filepath.Join(t.TempDir(), "xds.yaml")
+	if err := os.WriteFile(xdsConfig, []byte(xdsE2EConfig), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	e := newEnv(t, func(c *controlplane.Config) { c.XDSConfig = xdsConfig })
+	cfg := e.config(t, e.tokenFile(t, "prod", "demo"), nil)
+	cfg.Namespace = "prod"
+	runAgent(t, newAgent(t, cfg))
+	stream, err := xdsClient(t, cfg).StreamAggregatedResources(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := names(t, stream, resource.ClusterType); len(got) != 1 || got[0] != "prod-backend" {
+		t.Errorf("a prod agent got clusters %v, want [prod-backend]", got)
+	}
+}
+
+// A VM whose provisioned token is gone keeps its configuration: the proxy's upstream stream
+// presents the workload certificate the agent holds.
+func TestXDSAfterTheTokenIsGone(t *testing.T) {
+	t.Parallel()
+	xdsConfig := filepath.Join(t.TempDir(), "xds.yaml")
+	if err := os.WriteFile(xdsConfig, []byte(xdsE2EConfig), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	e := newEnv(t, func(c *controlplane.Config) { c.XDSConfig = xdsConfig })
+	tokenPath := e.tokenFile(t, "prod", "demo")
+	cfg := e.config(t, tokenPath, nil)
+	cfg.Namespace = "prod"
+	a := newAgent(t, cfg)
+	certs := issued(t, a)
+	runAgent(t, a)
+	receive(t, certs, "first certificate")
+	if err := os.Remove(tokenPath); err != nil {
+		t.Fatal(err)
+	}
+	stream, err := xdsClient(t, cfg).StreamAggregatedResources(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := names(t, stream, resource.ClusterType); len(got) != 1 || got[0] != "prod-backend" {
+		t.Errorf("without a token the agent got clusters %v, want [prod-backend]", got)
 	}
 }

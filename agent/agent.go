@@ -134,6 +134,10 @@ func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *p
 	return nil
 }
 
+// ErrNoCA is the refusal of an agent that found no credentials and has neither a CA address nor
+// an embedded control plane to turn to.
+var ErrNoCA = errors.New("this binary carries no CA to run in-process (`meshid agent` does)")
+
 // decide applies the source decision flow and says why it chose as it did. A credentials dir
 // holding some of the three files but not all is refused: it is a mistake, not a reason to fall
 // back to a CA.
@@ -154,7 +158,7 @@ func decide(cfg *Config, socketPath string) (Source, string, error) {
 	}
 	if cfg.embedded() {
 		if cfg.Embed == nil {
-			return "", "", fmt.Errorf("no credential files in %s and no --ca-addr (CA_ADDR): this binary carries no CA to run in-process (`meshid agent` does)", dir)
+			return "", "", fmt.Errorf("no credential files in %s and no --ca-addr (CA_ADDR): %w", dir, ErrNoCA)
 		}
 		return SourceEmbeddedCA, "no CA address given: running the control plane in-process under " + cfg.path(DefaultEmbeddedDir), nil
 	}

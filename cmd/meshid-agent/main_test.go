@@ -12,7 +12,7 @@ import (
 	"github.com/meshid/meshid/internal/testutil"
 )
 
-// The sidecar binary must stay small: it links no Kubernetes client and no CA.
+// The sidecar binary must stay small: it links no Kubernetes client, no CA and no discovery server.
 func TestLinksNoKubernetesClientAndNoCA(t *testing.T) {
 	t.Parallel()
 	out, err := exec.Command("go", "list", "-deps", "github.com/meshid/meshid/cmd/meshid-agent").Output()
@@ -22,7 +22,7 @@ func TestLinksNoKubernetesClientAndNoCA(t *testing.T) {
 	for _, dep := range strings.Fields(string(out)) {
 		if strings.HasPrefix(dep, "k8s.io/") || strings.HasPrefix(dep, "sigs.k8s.io/") ||
 			dep == "github.com/meshid/meshid/ca" || strings.HasPrefix(dep, "github.com/meshid/meshid/ca/") ||
-			strings.HasPrefix(dep, "github.com/meshid/meshid/controlplane") {
+			strings.HasPrefix(dep, "github.com/meshid/meshid/controlplane") || dep == "github.com/meshid/meshid/discovery" {
 			t.Fatalf("meshid-agent links %s", dep)
 		}
 	}
@@ -69,5 +69,21 @@ func TestNoCAAddressWithoutCredentials(t *testing.T) {
 	err := root.ExecuteContext(t.Context())
 	if err == nil || !strings.Contains(err.Error(), "no --ca-addr (CA_ADDR)") || !strings.Contains(err.Error(), "meshid agent") {
 		t.Fatalf("error %v, want one asking for --ca-addr and naming meshid agent", err)
+	}
+}
+
+// Without credentials and without --ca-addr the slim agent has nowhere to get a certificate:
+// it says so and exits 2, as for any other mistake in how it was called.
+func TestAgentWithoutACAExitsTwo(t *testing.T) {
+	t.Parallel()
+	root := newRootCommand(cli.RunAgent, func(string) (string, bool) { return "", false })
+	var stderr bytes.Buffer
+	root.SetErr(&stderr)
+	root.SetArgs([]string{"agent", "--root-dir", testutil.ShortTempDir(t), "--status-addr", "127.0.0.1:0", "--debug-addr", ""})
+	if code := cli.Main(root); code != cli.ExitUsage {
+		t.Fatalf("exit code %d, want %d; stderr:\n%s", code, cli.ExitUsage, stderr.String())
+	}
+	if !strings.Contains(stderr.String(), "no --ca-addr (CA_ADDR): this binary carries no CA") {
+		t.Fatalf("stderr does not say why:\n%s", stderr.String())
 	}
 }

@@ -155,7 +155,11 @@ lives under --root-dir, so no root is needed.`,
 			return cfg.Validate()
 		},
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			return run(cmd.Context(), cfg)
+			err := run(cmd.Context(), cfg)
+			if errors.Is(err, agent.ErrNoCA) {
+				return UsageError{err}
+			}
+			return err
 		},
 	}
 	f := cmd.Flags()

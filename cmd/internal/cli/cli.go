@@ -4,6 +4,7 @@ package cli
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -57,6 +58,9 @@ func NewRoot(use, short, long string, g *Globals) *cobra.Command {
 		Long:          long,
 		SilenceUsage:  true,
 		SilenceErrors: true,
+		// Runnable, so that an unknown command is refused by Args instead of printing help.
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error { return cmd.Help() },
 		PersistentPreRunE: func(cmd *cobra.Command, _ []string) error {
 			logger, err := NewLogger(cmd.ErrOrStderr(), g.LogLevel, g.LogFormat)
 			if err != nil {
@@ -98,9 +102,50 @@ func Main(root *cobra.Command) int {
 		case <-done:
 		}
 	}()
+	markUsageErrors(root)
 	if err := root.ExecuteContext(ctx); err != nil {
 		_, _ = fmt.Fprintf(root.ErrOrStderr(), "%s: %s\n", root.Name(), err)
+		if errors.As(err, new(UsageError)) {
+			return ExitUsage
+		}
 		return 1
 	}
 	return 0
+}
+
+// ExitUsage is the exit code of a command refused as it was called, as flag parsers use it;
+// a failure while running exits 1.
+const ExitUsage = 2
+
+// UsageError is a command refused before it ran: a bad flag, argument or variable, or a
+// configuration that cannot work (the slim agent without a CA, say).
+type UsageError struct{ Err error }
+
+func (e UsageError) Error() string { return e.Err.Error() }
+func (e UsageError) Unwrap() error { return e.Err }
+
+// markUsageErrors makes every refusal that comes before a command runs a UsageError: flag
+// parsing, argument checks and the PreRunE hooks, where the commands validate their
+// configuration.
+func markUsageErrors(c *cobra.Command) {
+	c.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return UsageError{err} })
+	if args := c.Args; args != nil {
+		c.Args = func(cmd *cobra.Command, a []string) error { return usage(args(cmd, a)) }
+	}
+	if pre := c.PersistentPreRunE; pre != nil {
+		c.PersistentPreRunE = func(cmd *cobra.Command, a []string) error { return usage(pre(cmd, a)) }
+	}
+	if pre := c.PreRunE; pre != nil {
+		c.PreRunE = func(cmd *cobra.Command, a []string) error { return usage(pre(cmd, a)) }
+	}
+	for _, sub := range c.Commands() {
+		markUsageErrors(sub)
+	}
+}
+
+func usage(err error) error {
+	if err == nil || errors.As(err, new(UsageError)) {
+		return err
+	}
+	return UsageError{err}
 }

@@ -49,3 +49,41 @@ func TestMainPrintsErrorAndExitsOne(t *testing.T) {
 		t.Fatalf("exit code %d, want 0", code)
 	}
 }
+
+// A command refused as it was called exits 2 (flag parsers' convention), whatever refused it;
+// a failure while running exits 1.
+func TestMainExitsTwoForUsageErrors(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		args []string
+		want int
+	}{
+		{[]string{"run", "--bogus"}, ExitUsage},
+		{[]string{"--log-level", "loud", "run"}, ExitUsage},
+		{[]string{"bogus"}, ExitUsage},
+		{[]string{"run", "extra"}, ExitUsage},
+		{[]string{"run", "--refuse"}, ExitUsage},
+		{[]string{"run", "--fail"}, 1},
+		{[]string{"run"}, 0},
+		{nil, 0},
+	} {
+		g := &Globals{}
+		root := NewRoot("tool", "short", "long", g)
+		var refuse, fail bool
+		run := &cobra.Command{
+			Use:     "run",
+			Args:    cobra.NoArgs,
+			PreRunE: func(*cobra.Command, []string) error { return map[bool]error{true: errors.New("refused")}[refuse] },
+			RunE:    func(*cobra.Command, []string) error { return map[bool]error{true: errors.New("it broke")}[fail] },
+		}
+		run.Flags().BoolVar(&refuse, "refuse", false, "")
+		run.Flags().BoolVar(&fail, "fail", false, "")
+		root.AddCommand(run)
+		root.SetOut(new(bytes.Buffer))
+		root.SetErr(new(bytes.Buffer))
+		root.SetArgs(tc.args)
+		if code := Main(root); code != tc.want {
+			t.Errorf("tool %v: exit code %d, want %d", tc.args, code, tc.want)
+		}
+	}
+}

@@ -119,6 +119,9 @@ func parseResources(sections map[string]json.RawMessage, prefix string) (resourc
 	digest := sha256.New()
 	for _, kind := range resourceKinds() {
 		known[kind.key] = true
+		// Every type is in the set, empty or not: a type missing from a snapshot is never
+		// answered, and Envoy waits for its first LDS and CDS answers before it serves.
+		r.byType[kind.typeURL] = []types.Resource{}
 		raw, ok := sections[kind.key]
 		if !ok {
 			continue

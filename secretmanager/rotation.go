@@ -181,8 +181,9 @@ func (rt *rotator) run(ctx context.Context) error {
 
 func (rt *rotator) failed(err error, current *Secret, now, retryAt time.Time) {
 	rt.env.metrics.failures.Inc()
-	rt.env.event(Event{Kind: EventRenewalFailed, Name: WorkloadCertName, RetryAt: retryAt, Err: err})
 	rt.env.fail(WorkloadCertName, err)
+	// After the failure is recorded, so that whoever hears of it finds it in /debug/secrets.
+	rt.env.event(Event{Kind: EventRenewalFailed, Name: WorkloadCertName, RetryAt: retryAt, Err: err})
 	if current != nil && current.validAt(now) {
 		rt.env.log.Warn("workload certificate renewal failed; the current one keeps serving",
 			logkey.Error, err.Error(), logkey.RetryAt, retryAt, logkey.CurrentExpires, current.NotAfter())

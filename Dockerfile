@@ -13,12 +13,14 @@ RUN for cmd in meshid meshid-agent; do \
         -ldflags "-s -w -X github.com/meshid/meshid/internal/version.version=${VERSION}" \
         -o /out/$cmd ./cmd/$cmd || exit 1; \
     done \
- && mkdir -p /out/root/var/lib/meshid /out/root/var/run/secrets/workload-spiffe-uds
+ && mkdir -p /out/root/var/lib/meshid /out/root/var/run/secrets/workload-spiffe-uds /out/root/etc/istio/proxy
 
 FROM gcr.io/distroless/static-debian12:nonroot AS agent
 COPY --from=build /out/meshid-agent /usr/local/bin/meshid-agent
 # The SDS socket's directory (an emptyDir shared with Envoy in Kubernetes).
 COPY --from=build --chown=65532:65532 /out/root/var/run/secrets/workload-spiffe-uds /var/run/secrets/workload-spiffe-uds
+# The XDS socket's directory (Istio mounts an emptyDir there, shared with Envoy).
+COPY --from=build --chown=65532:65532 /out/root/etc/istio/proxy /etc/istio/proxy
 USER 65532:65532
 EXPOSE 15020
 ENTRYPOINT ["/usr/local/bin/meshid-agent", "agent"]
@@ -28,6 +30,7 @@ COPY --from=build /out/meshid /usr/local/bin/meshid
 # The CA's state (its key) and the embedded control plane's, kept across containers.
 COPY --from=build --chown=65532:65532 /out/root/var/lib/meshid /var/lib/meshid
 COPY --from=build --chown=65532:65532 /out/root/var/run/secrets/workload-spiffe-uds /var/run/secrets/workload-spiffe-uds
+COPY --from=build --chown=65532:65532 /out/root/etc/istio/proxy /etc/istio/proxy
 VOLUME /var/lib/meshid
 USER 65532:65532
 EXPOSE 15012 9093

@@ -160,7 +160,7 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 		logkey.NotAfter, bundle.NotAfter(),
 		logkey.Root, bundle.Root().Subject.String(),
 		logkey.TrustedRoots, len(bundle.Roots()),
-		logkey.Path, filepath.Join(cfg.StateDir, ca.RootCertFile))
+		logkey.Path, RootCertPath(cfg.StateDir))
 
 	authenticators, err := newAuthenticators(cfg, cp.kube, authority, clk, log, registry)
 	if err != nil {
@@ -516,6 +516,12 @@ func (c *ControlPlane) monitoringHandler(registry *prometheus.Registry) http.Han
 // signing key: what `meshid token` and an embedding agent mint with (see token.LoadMinter).
 func TokenKeyPath(stateDir string) string {
 	return filepath.Join(stateDir, ca.TokenKeyFile)
+}
+
+// RootCertPath is the trust bundle of the control plane whose state dir is stateDir: every root
+// it trusts, what verifies it.
+func RootCertPath(stateDir string) string {
+	return filepath.Join(stateDir, ca.RootCertFile)
 }
 
 // registerManifestProblems exports what the last load of --manifests skipped, by kind: an

@@ -7,7 +7,6 @@ import (
 	"path/filepath"
 	"time"
 
-	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/ca/token"
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/pki"
@@ -84,7 +83,7 @@ func isFile(path string) bool {
 }
 
 // RootCertFile is the trust bundle that verifies the control plane.
-func (e *Embedded) RootCertFile() string { return filepath.Join(e.stateDir, ca.RootCertFile) }
+func (e *Embedded) RootCertFile() string { return RootCertPath(e.stateDir) }
 
 // Token mints a short-lived token for the agent's workload, afresh for every request so that none
 // expires in use.

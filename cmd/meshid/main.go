@@ -20,11 +20,13 @@ func newRootCommand(ca caRunner, agentRun cli.AgentRunner, lookupEnv func(string
 		`meshid gives every workload in a service mesh a short-lived X.509 identity (a SPIFFE ID)
 and keeps it fresh. "meshid agent" runs next to a workload and keeps its certificate fresh;
 "meshid ca" runs a Citadel-style CA that Istio's agents can use;
-"meshid token" mints Kubernetes-style service-account tokens for VMs and demos.`, g)
+"meshid token" mints Kubernetes-style service-account tokens for VMs and demos, and
+"meshid vm bootstrap" writes everything one VM needs.`, g)
 	root.AddCommand(
 		cli.NewAgentCommand(g, agentRun, lookupEnv, embedControlPlane),
 		newCACommand(g, ca, lookupEnv),
 		newTokenCommand(g),
+		newVMCommand(g),
 		cli.NewCertsCommand(),
 		cli.NewProbeCommand(),
 		cli.NewVersionCommand(),

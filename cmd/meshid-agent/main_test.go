@@ -3,9 +3,14 @@ package main
 import (
 	"bytes"
 	"context"
+	"os"
 	"os/exec"
+	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
+
+	"sigs.k8s.io/yaml"
 
 	"github.com/meshid/meshid/agent"
 	"github.com/meshid/meshid/cmd/internal/cli"
@@ -85,5 +90,99 @@ func TestAgentWithoutACAExitsTwo(t *testing.T) {
 	}
 	if !strings.Contains(stderr.String(), "no --ca-addr (CA_ADDR): this binary carries no CA") {
 		t.Fatalf("stderr does not say why:\n%s", stderr.String())
+	}
+}
+
+// The agent container of deploy/kubernetes/sidecar, with the values Kubernetes gives its
+// variables, is accepted by this binary, and the agent's default paths are where the pod mounts
+// the token, the CA root and the two sockets Envoy dials.
+func TestSidecarManifestConfiguresTheAgent(t *testing.T) {
+	t.Parallel()
+	data, err := os.ReadFile(filepath.Join("..", "..", "deploy", "kubernetes", "sidecar", "demo.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	type container struct {
+		Name string   `json:"name"`
+		Args []string `json:"args"`
+		Env  []struct {
+			Name      string `json:"name"`
+			Value     string `json:"value"`
+			ValueFrom *struct {
+				FieldRef struct {
+					FieldPath string `json:"fieldPath"`
+				} `json:"fieldRef"`
+			} `json:"valueFrom"`
+		} `json:"env"`
+		Ports []struct {
+			ContainerPort int `json:"containerPort"`
+		} `json:"ports"`
+		VolumeMounts []struct {
+			MountPath string `json:"mountPath"`
+		} `json:"volumeMounts"`
+	}
+	var found *container
+	for _, doc := range strings.Split(string(data), "\n---\n") {
+		var d struct {
+			Kind string `json:"kind"`
+			Spec struct {
+				Template struct {
+					Spec struct {
+						Containers []container `json:"containers"`
+					} `json:"spec"`
+				} `json:"template"`
+			} `json:"spec"`
+		}
+		if err := yaml.Unmarshal([]byte(doc), &d); err != nil {
+			t.Fatal(err)
+		}
+		for _, c := range d.Spec.Template.Spec.Containers {
+			if d.Kind == "Deployment" && c.Name == "meshid-agent" {
+				found = &c
+			}
+		}
+	}
+	if found == nil {
+		t.Fatal("no meshid-agent container in the Deployment")
+	}
+	fieldValues := map[string]string{"metadata.namespace": "demo", "spec.serviceAccountName": "demo"}
+	env := map[string]string{}
+	for _, e := range found.Env {
+		env[e.Name] = e.Value
+		if e.ValueFrom != nil {
+			env[e.Name] = fieldValues[e.ValueFrom.FieldRef.FieldPath]
+		}
+	}
+
+	var got agent.Config
+	root := newRootCommand(func(_ context.Context, cfg agent.Config) error { got = cfg; return nil },
+		func(k string) (string, bool) { v, ok := env[k]; return v, ok })
+	var stderr bytes.Buffer
+	root.SetErr(&stderr)
+	root.SetArgs(found.Args)
+	if err := root.ExecuteContext(t.Context()); err != nil {
+		t.Fatalf("meshid-agent refuses the manifest's container: %v\n%s", err, stderr.String())
+	}
+	if got.CAAddress != "meshid-ca.istio-system.svc:15012" || got.Namespace != "demo" || got.ServiceAccount != "demo" {
+		t.Errorf("CA %q, identity %s/%s; want the meshid-ca Service and demo/demo", got.CAAddress, got.Namespace, got.ServiceAccount)
+	}
+	mounted := func(path string) bool {
+		for _, m := range found.VolumeMounts {
+			if strings.HasPrefix(path, strings.TrimSuffix(m.MountPath, "/")+"/") {
+				return true
+			}
+		}
+		return false
+	}
+	for _, path := range []string{got.TokenPath, "/" + agent.DefaultCARootCert, filepath.Join("/", agent.DefaultSocketDir, "socket"), "/" + agent.DefaultXDSSocket} {
+		if !mounted(path) {
+			t.Errorf("the agent uses %s, which no volume of its container holds", path)
+		}
+	}
+	if got.CARootCert != "" {
+		t.Errorf("CA root %q set: the manifest relies on the default %s", got.CARootCert, agent.DefaultCARootCert)
+	}
+	if _, port, _ := strings.Cut(got.StatusAddr, ":"); len(found.Ports) != 1 || port != strconv.Itoa(found.Ports[0].ContainerPort) {
+		t.Errorf("status address %s, container ports %+v: the readiness probe would miss it", got.StatusAddr, found.Ports)
 	}
 }

@@ -17,6 +17,10 @@ import (
 // name of the test to run there.
 const childEnv = "MESHID_INTEROP_NETNS"
 
+// parentNetnsEnv carries the parent's network namespace to the child, which checks that it has
+// another.
+const parentNetnsEnv = "MESHID_INTEROP_PARENT_NETNS"
+
 // childLimit bounds a child when the test has no deadline of its own.
 const childLimit = 5 * time.Minute
 
@@ -40,6 +44,9 @@ func isolated(t *testing.T) bool {
 		if name != t.Name() {
 			t.Fatalf("child for %s ran %s", name, t.Name())
 		}
+		if ns, err := os.Readlink("/proc/self/ns/net"); err != nil || ns == os.Getenv(parentNetnsEnv) {
+			t.Fatalf("not in a network namespace of its own: %s (%v), the parent's %s", ns, err, os.Getenv(parentNetnsEnv))
+		}
 		if err := loopbackUp(); err != nil {
 			t.Fatalf("bring up the loopback of the private network namespace: %v", err)
 		}
@@ -57,7 +64,11 @@ func isolated(t *testing.T) bool {
 		args = append(args, "-test.v")
 	}
 	cmd := exec.CommandContext(ctx, os.Args[0], args...)
-	cmd.Env = append(os.Environ(), childEnv+"="+t.Name())
+	netns, err := os.Readlink("/proc/self/ns/net")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Env = append(os.Environ(), childEnv+"="+t.Name(), parentNetnsEnv+"="+netns)
 	cmd.SysProcAttr = &syscall.SysProcAttr{
 		Cloneflags: syscall.CLONE_NEWNET,
 		// Killed with the test binary, however it ends; the child's pilot-agent dies with it.

@@ -55,7 +55,8 @@ func isolated(t *testing.T) bool {
 
 	limit := childLimit
 	if deadline, ok := t.Deadline(); ok {
-		limit = time.Until(deadline) - 5*time.Second // leaves time to report the child's output
+		// Leaves the parent time to report the child's output.
+		limit = max(time.Until(deadline)-5*time.Second, time.Second)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), limit)
 	defer cancel()

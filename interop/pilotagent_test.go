@@ -3,7 +3,6 @@ package interop_test
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -133,8 +132,8 @@ func startMesh(t *testing.T, namespace, xdsConfig string) *mesh {
 	m.Ctx = ctx
 	exited := make(chan struct{})
 	go func() {
-		err := cmd.Wait()
-		cancel(fmt.Errorf("pilot-agent exited: %w", errors.Join(err, errors.New("see its log"))))
+		_ = cmd.Wait() // the state says how it ended
+		cancel(fmt.Errorf("pilot-agent ended (%s); its log follows", cmd.ProcessState))
 		close(exited)
 	}()
 	t.Cleanup(func() {

@@ -56,9 +56,10 @@ func isolated(t *testing.T) bool {
 	limit := childLimit
 	if deadline, ok := t.Deadline(); ok {
 		// Leaves the parent time to report the child's output.
-		limit = max(time.Until(deadline)-5*time.Second, time.Second)
+		limit = max(time.Until(deadline)-10*time.Second, time.Second)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), limit)
+	// The child's own -test.timeout comes first, so that its output says where it was stuck.
+	ctx, cancel := context.WithTimeout(context.Background(), limit+5*time.Second)
 	defer cancel()
 	args := []string{"-test.run=^" + regexp.QuoteMeta(t.Name()) + "$", "-test.count=1", "-test.timeout=" + limit.String()}
 	if testing.Verbose() {

@@ -8,6 +8,7 @@ set -euo pipefail
 # istio.io/istio publishes only pseudo-versions on the proxy; this is the newest.
 ISTIO_VERSION=${ISTIO_VERSION:-v0.0.0-20260827124520-eed52ebb66ad}
 CACHE=${MESHID_ISTIO_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/meshid-istio/$ISTIO_VERSION}
+[[ $CACHE == /* ]] || CACHE=$PWD/$CACHE # printed for other directories; GOBIN must be absolute
 
 answers() { [[ -x $1 ]] && "$1" version >/dev/null 2>&1; }
 if answers "$CACHE/pilot-agent"; then
@@ -15,7 +16,8 @@ if answers "$CACHE/pilot-agent"; then
 	exit 0
 fi
 
-export CGO_ENABLED=0 GOTOOLCHAIN=local
+# GOFLAGS cleared: a -mod=vendor or the like of the caller would refuse a module@version build.
+export CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS=
 mkdir -p "$CACHE"
 # go install PKG@VERSION builds outside any module, with istio's own go.mod and replaces.
 GOBIN=$CACHE go install -trimpath -ldflags "-s -w" "istio.io/istio/pilot/cmd/pilot-agent@$ISTIO_VERSION" >&2

@@ -33,6 +33,11 @@ func TestMain(m *testing.M) {
 			fmt.Fprintf(os.Stderr, "interop: cannot build pilot-agent for the tests: %v\n", err)
 			os.Exit(1)
 		}
+		// pilot-agent runs from a directory of its own.
+		if dir, err = filepath.Abs(dir); err != nil {
+			fmt.Fprintf(os.Stderr, "interop: %v\n", err)
+			os.Exit(1)
+		}
 		if err := os.Setenv(istioBinEnv, dir); err != nil {
 			fmt.Fprintf(os.Stderr, "interop: %v\n", err)
 			os.Exit(1)

@@ -167,24 +167,83 @@ func TestPilotAgentProxiesMeshidDiscovery(t *testing.T) {
 	}
 }
 
+// The same over delta xDS, which Istio's Envoy speaks by default (ISTIO_DELTA_XDS).
+func TestPilotAgentProxiesMeshidDeltaDiscovery(t *testing.T) {
+	t.Parallel()
+	if !isolated(t) {
+		return
+	}
+	m := startMesh(t, "prod", xdsConfig)
+	stream, err := discoveryv3.NewAggregatedDiscoveryServiceClient(m.dial(t, xdsSocketPath)).DeltaAggregatedResources(m.Ctx)
+	if err != nil {
+		m.fatal(t, "open a delta ADS stream on pilot-agent's socket", err)
+	}
+	if got := m.deltaNames(t, stream, resource.ClusterType); !slices.Equal(got, []string{"prod-backend"}) {
+		t.Errorf("clusters %v, want prod's [prod-backend]", got)
+	}
+	if got := m.deltaNames(t, stream, resource.ListenerType); !slices.Equal(got, []string{"prod-inbound", "prod-outbound"}) {
+		t.Errorf("listeners %v, want prod's [prod-inbound prod-outbound]", got)
+	}
+
+	// Delta sends only what changed: the edited cluster.
+	writeFile(t, m.XDSConfig, strings.Replace(xdsConfig, "{name: prod-backend, connect_timeout: 1s}", "{name: prod-backend, connect_timeout: 2s}", 1))
+	for {
+		resp, err := stream.Recv()
+		if err != nil {
+			m.fatal(t, "wait for the edit to be pushed", err)
+		}
+		if err := stream.Send(&discoveryv3.DeltaDiscoveryRequest{TypeUrl: resp.GetTypeUrl(), ResponseNonce: resp.GetNonce()}); err != nil {
+			m.fatal(t, "ACK", err)
+		}
+		if resp.GetTypeUrl() != resource.ClusterType {
+			continue
+		}
+		c := &clusterv3.Cluster{}
+		if len(resp.GetResources()) != 1 || resp.GetResources()[0].GetResource().UnmarshalTo(c) != nil || c.GetConnectTimeout().AsDuration() != 2*time.Second {
+			t.Fatalf("clusters after the edit: %v", resp)
+		}
+		return
+	}
+}
+
 // A namespace whose set has no listeners gets an empty answer to LDS through pilot-agent, rather
-// than none: Envoy waits for LDS before it serves.
+// than none, by state of the world and by delta: Envoy waits for LDS before it serves.
 func TestPilotAgentGetsNoListeners(t *testing.T) {
 	t.Parallel()
 	if !isolated(t) {
 		return
 	}
 	m := startMesh(t, "batch", xdsConfig)
-	stream, err := discoveryv3.NewAggregatedDiscoveryServiceClient(m.dial(t, xdsSocketPath)).StreamAggregatedResources(m.Ctx)
-	if err != nil {
-		m.fatal(t, "open an ADS stream on pilot-agent's socket", err)
-	}
-	if got := m.names(t, stream, resource.ClusterType); !slices.Equal(got, []string{"batch-backend"}) {
-		t.Errorf("clusters %v, want batch's [batch-backend]", got)
-	}
-	if got := m.names(t, stream, resource.ListenerType); len(got) != 0 {
-		t.Errorf("listeners %v, want none", got)
-	}
+	client := discoveryv3.NewAggregatedDiscoveryServiceClient(m.dial(t, xdsSocketPath))
+	// One after the other: pilot-agent proxies one Envoy stream at a time.
+	t.Run("state of the world", func(t *testing.T) {
+		ctx, cancel := context.WithCancel(m.Ctx)
+		defer cancel()
+		stream, err := client.StreamAggregatedResources(ctx)
+		if err != nil {
+			m.fatal(t, "open an ADS stream on pilot-agent's socket", err)
+		}
+		if got := m.names(t, stream, resource.ClusterType); !slices.Equal(got, []string{"batch-backend"}) {
+			t.Errorf("clusters %v, want batch's [batch-backend]", got)
+		}
+		if got := m.names(t, stream, resource.ListenerType); len(got) != 0 {
+			t.Errorf("listeners %v, want none", got)
+		}
+	})
+	t.Run("delta", func(t *testing.T) {
+		ctx, cancel := context.WithCancel(m.Ctx)
+		defer cancel()
+		stream, err := client.DeltaAggregatedResources(ctx)
+		if err != nil {
+			m.fatal(t, "open a delta ADS stream on pilot-agent's socket", err)
+		}
+		if got := m.deltaNames(t, stream, resource.ClusterType); !slices.Equal(got, []string{"batch-backend"}) {
+			t.Errorf("clusters %v, want batch's [batch-backend]", got)
+		}
+		if got := m.deltaNames(t, stream, resource.ListenerType); len(got) != 0 {
+			t.Errorf("listeners %v, want none", got)
+		}
+	})
 }
 
 // names asks for one type on a state-of-the-world stream as Envoy does, ACKs the answer, and
@@ -211,6 +270,31 @@ func (m *mesh) names(t *testing.T, stream discoveryv3.AggregatedDiscoveryService
 			t.Fatal(err)
 		}
 		out = append(out, cache.GetResourceName(msg))
+	}
+	slices.Sort(out)
+	return out
+}
+
+// deltaNames subscribes to every resource of one type on a delta stream as Envoy does, ACKs the
+// answer, and returns the names of its resources, sorted.
+func (m *mesh) deltaNames(t *testing.T, stream discoveryv3.AggregatedDiscoveryService_DeltaAggregatedResourcesClient, typeURL string) []string {
+	t.Helper()
+	if err := stream.Send(&discoveryv3.DeltaDiscoveryRequest{Node: envoyNode(), TypeUrl: typeURL, ResourceNamesSubscribe: []string{"*"}}); err != nil {
+		m.fatal(t, "subscribe to "+typeURL, err)
+	}
+	resp, err := stream.Recv()
+	if err != nil {
+		m.fatal(t, "receive "+typeURL, err)
+	}
+	if resp.GetTypeUrl() != typeURL {
+		t.Fatalf("subscribed to %s, got %s", typeURL, resp.GetTypeUrl())
+	}
+	if err := stream.Send(&discoveryv3.DeltaDiscoveryRequest{TypeUrl: typeURL, ResponseNonce: resp.GetNonce()}); err != nil {
+		m.fatal(t, "ACK "+typeURL, err)
+	}
+	var out []string
+	for _, r := range resp.GetResources() {
+		out = append(out, r.GetName())
 	}
 	slices.Sort(out)
 	return out

@@ -15,7 +15,7 @@ BENCHOUT  ?= bench.out
 FUZZ_TARGETS := ./ca:FuzzCheckCSR ./ca:FuzzLoadCACerts ./ca/token:FuzzVerify \
                 ./secretmanager:FuzzParseFileResource ./sds:FuzzStreamRequests
 
-.PHONY: all build test vet race bench fuzz lint clean kube-env
+.PHONY: all build test vet race bench fuzz lint clean kube-env istio-env
 
 all: build
 
@@ -26,16 +26,21 @@ vet:
 	$(GO) vet $(PKGS)
 
 # Unit, integration and fuzz-seed tests under the race detector, the Kubernetes ones against a
-# real kube-apiserver and etcd (built once by hack/kube-env.sh into a cache outside the repo).
+# real kube-apiserver and etcd (built once by hack/kube-env.sh into a cache outside the repo), the
+# Istio interoperability ones against a real pilot-agent (built once by hack/istio-env.sh).
 # atexit_sleep_ms=0: the race detector's default one-second wait at exit, per test binary, buys
 # nothing here.
 test: vet
-	@bin=$$(hack/kube-env.sh) && \
-	MESHID_KUBE_BIN=$$bin GORACE=atexit_sleep_ms=0 $(GO) test -race -count=1 $(PKGS)
+	@bin=$$(hack/kube-env.sh) && istio=$$(hack/istio-env.sh) && \
+	MESHID_KUBE_BIN=$$bin MESHID_ISTIO_BIN=$$istio GORACE=atexit_sleep_ms=0 $(GO) test -race -count=1 $(PKGS)
 
 # Builds (or finds, when cached) the kube-apiserver and etcd the Kubernetes tests run.
 kube-env:
 	hack/kube-env.sh
+
+# Builds (or finds, when cached) the pilot-agent the Istio interoperability tests run.
+istio-env:
+	hack/istio-env.sh
 
 # Go benchmarks; results go to $(BENCHOUT). See BENCHMARKS.md for the recorded figures.
 bench:

@@ -4,6 +4,9 @@
 package e2e_test
 
 import (
+	"fmt"
+	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -163,23 +166,40 @@ func TestMesh(t *testing.T) {
 			got.server, got.client, backendID, frontendID)
 	}
 
-	// ---- 3. The CA's root is rotated while traffic flows ----
+	// ---- 3. The CA's root is replaced while traffic flows ----
 
 	// From here on the frontend calls the backend without pause, each call a new handshake
 	// with the certificates each side holds at that moment.
 	running := startTraffic(frontend, backend, backendID, frontendID)
 
-	// An operator plugs a new CA into --cacerts-dir: a new root and an intermediate under it,
-	// in Istio's cacerts layout, swapped in at once as the kubelet swaps a mounted secret. It
-	// happens right after one of the backend's renewals, so that the frontend, renewing more
-	// often, holds a certificate under the new root while the backend still holds one under
-	// the old root.
+	// An operator plugs a CA under a new root into --cacerts-dir (Istio's cacerts layout,
+	// swapped in at once as the kubelet swaps a mounted secret), in two steps: first the new
+	// root is trusted while the CA still signs with its first key, then the new CA signs. In
+	// one step, a workload renewed under the new root before its peers have loaded it would be
+	// refused by them until they do: the agents' watch of the CA's root file, here; on
+	// Kubernetes, the propagation of the root ConfigMap.
+	newRoot := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "new root"})
+	newCA := newRoot.NewIntermediate(t, testutil.CAOptions{CommonName: "new intermediate"})
+	ca.cacerts.Update(map[string][]byte{
+		"ca-cert.pem":    readFile(t, filepath.Join(ca.stateDir, "ca-cert.pem")), // the self-signed first root
+		"ca-key.pem":     readFile(t, filepath.Join(ca.stateDir, "ca-key.pem")),
+		"cert-chain.pem": nil,
+		"root-cert.pem":  testutil.CertPEM(firstRoot, newRoot.Cert),
+	})
+	for _, e := range []*envoy{frontend, backend} {
+		e.awaitSecret(t, "ROOTCA", "both roots", func(s *tlsv3.Secret) bool {
+			return trusts(s, firstRoot) && trusts(s, newRoot.Cert)
+		})
+	}
+
+	// The new CA comes right after one of the backend's renewals, so that the frontend,
+	// renewing more often, holds a certificate under the new root while the backend still
+	// holds one under the first. Its root-cert.pem has the new root only: the first one
+	// stays trusted for --trust-bundle-overlap.
 	serial := chainOf(t, backend.secret("default"))[0].SerialNumber
 	backend.awaitSecret(t, "default", "a renewal", func(s *tlsv3.Secret) bool {
 		return chainOf(t, s)[0].SerialNumber.Cmp(serial) != 0
 	})
-	newRoot := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "new root"})
-	newCA := newRoot.NewIntermediate(t, testutil.CAOptions{CommonName: "new intermediate"})
 	ca.cacerts.Update(map[string][]byte{
 		"ca-cert.pem":    testutil.CertPEM(newCA.Cert),
 		"ca-key.pem":     testutil.KeyPEM(t, newCA.Key),
@@ -194,15 +214,15 @@ func TestMesh(t *testing.T) {
 	if chainsTo(t, renewed, firstRoot) {
 		t.Fatal("the frontend's new certificate still chains to the first root")
 	}
-	// Both roots are trusted during the overlap (--trust-bundle-overlap): in the CA's root
-	// file, and in what each Envoy verifies its peers with.
-	if roots := readRoots(t, ca.rootFile()); len(roots) != 2 || !roots[0].Equal(newRoot.Cert) && !roots[1].Equal(newRoot.Cert) {
+	// The first root is still trusted, for the overlap: in the CA's root file, and in what
+	// each Envoy verifies its peers with.
+	if roots := readRoots(t, ca.rootFile()); len(roots) != 2 || !slices.ContainsFunc(roots, firstRoot.Equal) || !slices.ContainsFunc(roots, newRoot.Cert.Equal) {
 		t.Fatalf("%s holds %d roots; want the new one and the first one", ca.rootFile(), len(roots))
 	}
 	for _, e := range []*envoy{frontend, backend} {
-		e.awaitSecret(t, "ROOTCA", "both roots", func(s *tlsv3.Secret) bool {
-			return trusts(s, firstRoot) && trusts(s, newRoot.Cert)
-		})
+		if s := e.secret("ROOTCA"); !trusts(s, firstRoot) || !trusts(s, newRoot.Cert) {
+			t.Fatalf("%s: ROOTCA holds %d roots; want the new one and the first one", e.name, len(rootsOf(s)))
+		}
 	}
 	// A workload holding a new-root certificate and one still holding a first-root one accept
 	// each other: the backend verifies the frontend up to the new root, the frontend the backend
@@ -234,11 +254,15 @@ func TestMesh(t *testing.T) {
 	// certificate it holds while it is valid.
 	ca.writeManifests(t, mesh(`ca.istio.io/override: "false"`))
 	refusal := backendAgent.awaitLog(t, "workload certificate renewal failed; the current one keeps serving", func(rec map[string]any) bool {
-		return strings.Contains(rec["error"].(string), "PermissionDenied")
+		return strings.Contains(fmt.Sprint(rec["error"]), "PermissionDenied")
 	})
 	t.Logf("the backend's agent: %s", refusal["error"])
-	if n := backendAgent.metric(t, "meshid_agent_cert_renewal_failures_total"); n < 1 {
-		t.Errorf("meshid_agent_cert_renewal_failures_total = %v after a refusal", n)
+	if n := metric(t, backendAgent.statusAddr, "meshid_agent_cert_renewal_failures_total"); n < 1 {
+		t.Errorf("the backend's agent: meshid_agent_cert_renewal_failures_total = %v after a refusal", n)
+	}
+	const refusals = `meshid_ca_requests_refused_total{code="PermissionDenied",reason="namespace_not_targeted"}`
+	if n := metric(t, ca.monitoringAddr, refusals); n < 1 {
+		t.Errorf("the CA: %s = %v after a refusal", refusals, n)
 	}
 	st := backendAgent.debugSecret(t, "default")
 	for _, want := range []string{"PermissionDenied", "namespace backend", `ca.istio.io/override="false"`} {
@@ -249,11 +273,16 @@ func TestMesh(t *testing.T) {
 	if !st.Valid || st.SPIFFEID != backendID {
 		t.Errorf("/debug/secrets default: %+v; want the backend's certificate, still valid", st)
 	}
+	httpGet(t, "http://"+backendAgent.statusAddr+"/healthz/ready") // 200: a valid certificate is held
 	// The backend's Envoy still holds that certificate, and the frontend, whose namespace is
-	// still served, still reaches it.
+	// still served and which still renews, still reaches it.
 	if leaf := chainOf(t, backend.secret("default"))[0]; leaf.SerialNumber.Text(16) != st.Serial || time.Now().After(leaf.NotAfter) {
 		t.Errorf("the backend's Envoy holds serial %x (until %s); the agent shows %s", leaf.SerialNumber, leaf.NotAfter, st.Serial)
 	}
+	serial = chainOf(t, frontend.secret("default"))[0].SerialNumber
+	frontend.awaitSecret(t, "default", "a renewal", func(s *tlsv3.Secret) bool {
+		return chainOf(t, s)[0].SerialNumber.Cmp(serial) != 0
+	})
 	if got, err := frontend.call(backend); err != nil || got.server != backendID || got.client != frontendID {
 		t.Fatalf("frontend → refused backend, its certificate still valid: %+v, %v", got, err)
 	}

@@ -162,19 +162,6 @@ func (p *process) awaitLog(t *testing.T, msg string, ok func(map[string]any) boo
 	}
 }
 
-// logged counts the records so far whose msg is msg.
-func (p *process) logged(msg string) int {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	n := 0
-	for _, rec := range p.records {
-		if rec["msg"] == msg {
-			n++
-		}
-	}
-	return n
-}
-
 // ---- the CA ----
 
 type caProcess struct {
@@ -279,20 +266,21 @@ func (a *agentProcess) sdsSocket() string {
 
 func (a *agentProcess) xdsSocket() string { return filepath.Join(a.rootDir, "etc/istio/proxy/XDS") }
 
-// metric reads one unlabelled sample from the agent's /metrics.
-func (a *agentProcess) metric(t *testing.T, name string) float64 {
+// metric reads one sample from the /metrics of the server at addr; series is its name and its
+// labels as the text format writes them: name{label="value",...}, labels sorted.
+func metric(t *testing.T, addr, series string) float64 {
 	t.Helper()
-	body := httpGet(t, "http://"+a.statusAddr+"/metrics")
+	body := httpGet(t, "http://"+addr+"/metrics")
 	for line := range strings.Lines(body) {
-		if value, ok := strings.CutPrefix(strings.TrimSpace(line), name+" "); ok {
+		if value, ok := strings.CutPrefix(strings.TrimSpace(line), series+" "); ok {
 			v, err := strconv.ParseFloat(value, 64)
 			if err != nil {
-				t.Fatalf("%s: %q: %v", name, line, err)
+				t.Fatalf("%s: %q: %v", series, line, err)
 			}
 			return v
 		}
 	}
-	t.Fatalf("%s's /metrics has no %s:\n%s", a.name, name, body)
+	t.Fatalf("%s/metrics has no %s:\n%s", addr, series, body)
 	return 0
 }
 
@@ -799,13 +787,18 @@ func trusts(s *tlsv3.Secret, root *x509.Certificate) bool {
 
 func readRoots(t *testing.T, path string) []*x509.Certificate {
 	t.Helper()
-	data, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	roots, err := pki.ParseCertificates(data)
+	roots, err := pki.ParseCertificates(readFile(t, path))
 	if err != nil {
 		t.Fatal(err)
 	}
 	return roots
+}
+
+func readFile(t *testing.T, path string) []byte {
+	t.Helper()
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return data
 }

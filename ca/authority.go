@@ -313,7 +313,9 @@ func (a *Authority) sign(b *Bundle, tmpl *x509.Certificate, pub crypto.PublicKey
 	if tmpl.NotBefore.Before(b.notBefore) {
 		tmpl.NotBefore = b.notBefore
 	}
-	tmpl.NotAfter = now.Add(ttl)
+	// Rounded up: X.509 keeps whole seconds, and truncation would cut up to a second off the
+	// lifetime, all of a one-second certificate's, which its agent would renew without end.
+	tmpl.NotAfter = ceilSecond(now.Add(ttl))
 	if tmpl.NotAfter.After(b.notAfter) {
 		tmpl.NotAfter = b.notAfter
 	}
@@ -336,6 +338,13 @@ func (a *Authority) sign(b *Bundle, tmpl *x509.Certificate, pub crypto.PublicKey
 		return nil, fmt.Errorf("issued certificate does not verify: %w", err)
 	}
 	return leaf, nil
+}
+
+func ceilSecond(t time.Time) time.Time {
+	if r := t.Truncate(time.Second); !r.Equal(t) {
+		return r.Add(time.Second)
+	}
+	return t
 }
 
 // NewRootCertificate creates a self-signed CA certificate for key, valid from now (backdated) for ttl.

@@ -171,6 +171,24 @@ func TestSignWorkloadTTL(t *testing.T) {
 	}
 }
 
+// X.509 keeps whole seconds: a leaf signed at a fraction of a second lives at least its TTL,
+// not up to a second less (a one-second certificate used to be issued already expired).
+func TestSignWorkloadLifetimeIsNeverCutToTheSecond(t *testing.T) {
+	t.Parallel()
+	now := baseTime().Add(700 * time.Millisecond)
+	h := newHierarchy(t, baseTime(), defaultLifetimes())
+	a := ca.New(ca.Config{Clock: testutil.NewFakeClock(now)}, hierarchyBundle(t, h, baseTime()))
+	id := testID(t, "default", "web")
+	csr, _ := workloadCSR(t, id)
+	issued, err := a.SignWorkload(t.Context(), ca.WorkloadRequest{CSR: csr, Identity: id, TTL: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := issued.Leaf.NotAfter.Sub(now); got < time.Second || got >= 2*time.Second {
+		t.Fatalf("a one-second certificate signed at %s lives %s from then, want between 1s and 2s", now.Format(time.StampMilli), got)
+	}
+}
+
 // tamperSignature flips a bit in the last byte of a CSR's DER, which lies in the signature value:
 // the request still parses but its signature no longer verifies.
 func tamperSignature(t *testing.T, der []byte) []byte {

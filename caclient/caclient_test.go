@@ -318,8 +318,8 @@ func TestSignReturnsChainForTheTokenIdentity(t *testing.T) {
 			if _, err := leaf.Verify(x509.VerifyOptions{Roots: roots, Intermediates: inter}); err != nil {
 				t.Errorf("leaf does not verify to the root: %v", err)
 			}
-			// Certificate times have whole seconds.
-			lo, hi := before.Add(tt.ttl).Truncate(time.Second), after.Add(tt.ttl)
+			// Certificate times have whole seconds, rounded up: the TTL is never cut.
+			lo, hi := before.Add(tt.ttl), after.Add(tt.ttl).Add(time.Second)
 			if leaf.NotAfter.Before(lo) || leaf.NotAfter.After(hi) {
 				t.Errorf("NotAfter %s, want between %s and %s", leaf.NotAfter, lo, hi)
 			}

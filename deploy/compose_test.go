@@ -305,8 +305,12 @@ func TestComposeWorkloadsFitTogether(t *testing.T) {
 			if _, exists := f.Services[host]; !exists || port != "15012" {
 				t.Errorf("%s-agent's CA_ADDR %q is not the ca service's gRPC port", w.app, env["CA_ADDR"])
 			}
-			if !slices.Contains(strings.Split(flagValue(ca.Command, "--grpc-host-identities"), ","), host) {
-				t.Errorf("the CA's serving certificate does not name %q, which %s-agent dials", host, w.app)
+			// The agent verifies ISTIOD_SAN in the CA's certificate, whatever host it dials.
+			if env["ISTIOD_SAN"] != host {
+				t.Errorf("%s-agent dials %s but verifies ISTIOD_SAN %q", w.app, host, env["ISTIOD_SAN"])
+			}
+			if !slices.Contains(strings.Split(flagValue(ca.Command, "--grpc-host-identities"), ","), env["ISTIOD_SAN"]) {
+				t.Errorf("the CA's serving certificate does not name %q, which %s-agent verifies", env["ISTIOD_SAN"], w.app)
 			}
 			ttl := strings.TrimSuffix(strings.TrimPrefix(env["SECRET_TTL"], "${SECRET_TTL:-"), "}")
 			if _, err := time.ParseDuration(ttl); err != nil {

@@ -341,6 +341,17 @@ func TestComposeWorkloadsFitTogether(t *testing.T) {
 			if sm, _, ok := mountOf(tokenSvc, flagValue(tokenSvc.Command, "--state-dir")+"/x"); !ok || sm.Source != caState.Source || !sm.ReadOnly {
 				t.Errorf("%s-token does not read the CA's state volume read-only", w.app)
 			}
+			// Who reads whose files: the CA's state dir is 0700 and token-key.pem 0600, the token
+			// 0600, the SDS and xDS sockets 0660.
+			for _, pair := range [][2]string{{"ca", w.app + "-token"}, {"ca", w.app + "-agent"}, {w.app + "-token", w.app + "-agent"}} {
+				if a, b := f.Services[pair[0]].User, f.Services[pair[1]].User; a != b {
+					t.Errorf("%s runs as %s, %s as %s: the second cannot read the first's private files", pair[0], a, pair[1], b)
+				}
+			}
+			_, agentGID, _ := strings.Cut(agent.User, ":")
+			if _, envoyGID, _ := strings.Cut(envoy.User, ":"); envoyGID != agentGID {
+				t.Errorf("%s-envoy's group %s is not the agent's %s: it cannot connect to the sockets (0660)", w.app, envoyGID, agentGID)
+			}
 			written, wrel, ok1 := mountOf(tokenSvc, flagValue(tokenSvc.Command, "-o"))
 			read, rrel, ok2 := mountOf(agent, flagValue(agent.Command, "--token-path"))
 			if !ok1 || !ok2 || written.Source != read.Source || wrel != rrel || written.Type != "volume" || !read.ReadOnly {

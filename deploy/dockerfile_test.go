@@ -3,8 +3,10 @@ package deploy_test
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"debug/elf"
 	"encoding/json"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -170,7 +172,7 @@ func TestDockerfile(t *testing.T) {
 	build := strings.Join(df.stages["build"].runs, "\n")
 	for _, want := range []string{"CGO_ENABLED=0", "go build -trimpath -tags grpcnotrace", "meshid meshid-agent", "./cmd/$cmd"} {
 		if !strings.Contains(build, want) {
-			t.Errorf("the build stage no longer runs %q; keep TestDockerBinariesAreStatic in step", want)
+			t.Errorf("the build stage no longer runs %q; keep TestDockerBinaries in step", want)
 		}
 	}
 }
@@ -198,34 +200,100 @@ func TestDockerImagesOwnTheDemoVolumes(t *testing.T) {
 }
 
 // The build stage's go build, run here: both binaries build from the repository alone and are
-// static, as a distroless static image needs.
-func TestDockerBinariesAreStatic(t *testing.T) {
+// static, as a distroless static image needs; and meshid, run with the compose file's own command
+// for the CA, starts on the demo's manifests and discovery configuration.
+func TestDockerBinaries(t *testing.T) {
 	t.Parallel()
 	if testing.Short() {
 		t.Skip("builds both binaries")
 	}
-	out := t.TempDir() + string(filepath.Separator)
+	out := t.TempDir()
 	start := time.Now()
-	cmd := exec.Command("go", "build", "-trimpath", "-tags", "grpcnotrace", "-o", out, "./cmd/meshid", "./cmd/meshid-agent")
+	cmd := exec.Command("go", "build", "-trimpath", "-tags", "grpcnotrace", "-o", out+string(filepath.Separator), "./cmd/meshid", "./cmd/meshid-agent")
 	cmd.Dir = repoRoot
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if msg, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("go build: %v\n%s", err, msg)
 	}
 	t.Logf("go build took %s", time.Since(start).Round(time.Millisecond))
-	for _, bin := range []string{"meshid", "meshid-agent"} {
-		f, err := elf.Open(filepath.Join(out, bin))
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer f.Close()
-		for _, p := range f.Progs {
-			if p.Type == elf.PT_INTERP {
-				t.Errorf("%s has a program interpreter: it is not static", bin)
+
+	t.Run("static", func(t *testing.T) {
+		for _, bin := range []string{"meshid", "meshid-agent"} {
+			f, err := elf.Open(filepath.Join(out, bin))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			for _, p := range f.Progs {
+				if p.Type == elf.PT_INTERP {
+					t.Errorf("%s has a program interpreter: it is not static", bin)
+				}
+			}
+			if libs, err := f.ImportedLibraries(); err != nil || len(libs) > 0 {
+				t.Errorf("%s needs shared libraries %v (%v)", bin, libs, err)
 			}
 		}
-		if libs, err := f.ImportedLibraries(); err != nil || len(libs) > 0 {
-			t.Errorf("%s needs shared libraries %v (%v)", bin, libs, err)
+	})
+
+	t.Run("the demo's CA starts", func(t *testing.T) {
+		runDemoCA(t, filepath.Join(out, "meshid"))
+	})
+}
+
+// runDemoCA runs the compose file's command for the CA, its container paths mapped to the demo
+// folder and a temporary state dir and its ports to free ones, until it logs that it started; an
+// invalid --xds-config or --manifests makes it exit first.
+func runDemoCA(t *testing.T, meshid string) {
+	t.Helper()
+	ca := loadCompose(t).Services["ca"]
+	demo, err := filepath.Abs(demoDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var bind, state mount
+	for _, m := range ca.Volumes {
+		switch m.Type {
+		case "bind":
+			bind = m
+		case "volume":
+			state = m
 		}
+	}
+	args := []string{}
+	for _, a := range ca.Command {
+		a = strings.Replace(a, bind.Target, filepath.Join(demo, bind.Source), 1)
+		a = strings.Replace(a, state.Target, t.TempDir(), 1)
+		args = append(args, a)
+	}
+	args = append(args, "--grpc-addr", "127.0.0.1:0", "--monitoring-addr", "127.0.0.1:0")
+
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, meshid, args...)
+	cmd.Cancel = func() error { return cmd.Process.Signal(os.Interrupt) }
+	stderr, err := cmd.StderrPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	var logged []string
+	started, manifests := false, false
+	sc := bufio.NewScanner(stderr)
+	for !started && sc.Scan() {
+		line := sc.Text()
+		logged = append(logged, line)
+		started = strings.Contains(line, `msg="CA started"`)
+		manifests = manifests || strings.Contains(line, `msg="manifests loaded"`) && strings.Contains(line, "namespaces=2 service_accounts=2")
+	}
+	cancel()
+	_, _ = io.Copy(io.Discard, stderr)
+	_ = cmd.Wait()
+	if !started {
+		t.Fatalf("meshid %s did not start:\n%s", strings.Join(args, " "), strings.Join(logged, "\n"))
+	}
+	if !manifests {
+		t.Errorf("meshid ca did not load the demo's two namespaces and service accounts:\n%s", strings.Join(logged, "\n"))
 	}
 }

@@ -6,9 +6,12 @@ package deploy_test
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
+	"strings"
 	"testing"
 
 	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
@@ -258,9 +261,10 @@ func TestDiscoveryConfig(t *testing.T) {
 			t.Errorf("backend listener routes to %q, which the backend set lacks", name)
 			continue
 		}
+		appPort := loadCompose(t).Services["backend"].Environment["HTTP_PORT"]
 		for _, a := range endpointSockets(c) {
-			if a.GetAddress() != "127.0.0.1" {
-				t.Errorf("backend cluster %s reaches %s, want the application on loopback", name, a.GetAddress())
+			if a.GetAddress() != "127.0.0.1" || strconv.Itoa(int(a.GetPortValue())) != appPort {
+				t.Errorf("backend cluster %s reaches %s:%d, want the application on 127.0.0.1:%s", name, a.GetAddress(), a.GetPortValue(), appPort)
 			}
 		}
 	}
@@ -275,6 +279,11 @@ func TestDiscoveryConfig(t *testing.T) {
 	outbound := frontend.listeners[0]
 	if a := outbound.GetAddress().GetSocketAddress(); a.GetAddress() != "127.0.0.1" {
 		t.Errorf("frontend listener on %s, want loopback (the application's side)", a.GetAddress())
+	}
+	// The README's curl goes to it.
+	a := outbound.GetAddress().GetSocketAddress()
+	if url := fmt.Sprintf("curl -s http://%s:%d/", a.GetAddress(), a.GetPortValue()); !strings.Contains(string(readDemo(t, "README.md")), url) {
+		t.Errorf("the README does not %s", url)
 	}
 	chain, hcm = onlyHCM(t, "frontend listener", outbound)
 	if chain.GetTransportSocket() != nil {

@@ -223,7 +223,6 @@ func TestDockerBinaries(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			defer f.Close()
 			for _, p := range f.Progs {
 				if p.Type == elf.PT_INTERP {
 					t.Errorf("%s has a program interpreter: it is not static", bin)
@@ -231,6 +230,9 @@ func TestDockerBinaries(t *testing.T) {
 			}
 			if libs, err := f.ImportedLibraries(); err != nil || len(libs) > 0 {
 				t.Errorf("%s needs shared libraries %v (%v)", bin, libs, err)
+			}
+			if err := f.Close(); err != nil {
+				t.Error(err)
 			}
 		}
 	})

@@ -13,7 +13,8 @@ RUN for cmd in meshid meshid-agent; do \
         -ldflags "-s -w -X github.com/meshid/meshid/internal/version.version=${VERSION}" \
         -o /out/$cmd ./cmd/$cmd || exit 1; \
     done \
- && mkdir -p /out/root/var/lib/meshid /out/root/var/run/secrets/workload-spiffe-uds /out/root/etc/istio/proxy
+ && mkdir -p /out/root/var/lib/meshid /out/root/var/run/secrets/workload-spiffe-uds /out/root/etc/istio/proxy \
+      /out/root/var/run/secrets/tokens
 
 FROM gcr.io/distroless/static-debian12:nonroot AS agent
 COPY --from=build /out/meshid-agent /usr/local/bin/meshid-agent
@@ -31,6 +32,9 @@ COPY --from=build /out/meshid /usr/local/bin/meshid
 COPY --from=build --chown=65532:65532 /out/root/var/lib/meshid /var/lib/meshid
 COPY --from=build --chown=65532:65532 /out/root/var/run/secrets/workload-spiffe-uds /var/run/secrets/workload-spiffe-uds
 COPY --from=build --chown=65532:65532 /out/root/etc/istio/proxy /etc/istio/proxy
+# Where `meshid token -o` writes in the compose demo: a volume mounted here starts out owned by the
+# non-root user.
+COPY --from=build --chown=65532:65532 /out/root/var/run/secrets/tokens /var/run/secrets/tokens
 VOLUME /var/lib/meshid
 USER 65532:65532
 EXPOSE 15012 9093

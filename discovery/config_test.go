@@ -107,3 +107,57 @@ func TestParseConfigRefusesWithTheReason(t *testing.T) {
 		})
 	}
 }
+
+// Typed configs that valid Envoy configurations commonly carry beyond the filters: an upstream's
+// HTTP protocol options (Envoy's replacement of a cluster's http2_protocol_options, how a gRPC
+// upstream is declared), the TLS inspector listener filter, and access logs.
+func TestParseConfigDecodesCommonExtensions(t *testing.T) {
+	t.Parallel()
+	for _, tt := range []struct{ name, config string }{
+		{"upstream HTTP/2", `
+clusters:
+  - name: grpc-upstream
+    connect_timeout: 1s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {http2_protocol_options: {}}
+`},
+		{"TLS inspector", `
+listeners:
+  - name: inbound
+    address: {socket_address: {address: 0.0.0.0, port_value: 15006}}
+    listener_filters:
+      - name: envoy.filters.listener.tls_inspector
+        typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.listener.tls_inspector.v3.TlsInspector}
+    filter_chains:
+      - filters:
+          - name: envoy.filters.network.tcp_proxy
+            typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy, stat_prefix: in, cluster: local}
+`},
+		{"access logs", `
+listeners:
+  - name: inbound
+    address: {socket_address: {address: 0.0.0.0, port_value: 15006}}
+    filter_chains:
+      - filters:
+          - name: envoy.filters.network.tcp_proxy
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy
+              stat_prefix: in
+              cluster: local
+              access_log:
+                - name: envoy.access_loggers.stdout
+                  typed_config: {"@type": type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog}
+                - name: envoy.access_loggers.file
+                  typed_config: {"@type": type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog, path: /dev/stdout}
+`},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			if _, err := discovery.ParseConfig([]byte(tt.config)); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}

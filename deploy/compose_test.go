@@ -317,33 +317,38 @@ func TestComposeWorkloadsFitTogether(t *testing.T) {
 				t.Errorf("%s-agent's SECRET_TTL: %v", w.app, err)
 			}
 
-			// CA_ROOT_CA is the root-cert.pem the CA writes in its state dir.
-			m, rel, ok := mountOf(agent, env["CA_ROOT_CA"])
-			wantRel := path.Join(strings.TrimPrefix(flagValue(ca.Command, "--state-dir"), caState.Target+"/"), "root-cert.pem")
-			if !ok || m.Source != caState.Source || !m.ReadOnly || rel != wantRel {
-				t.Errorf("%s-agent's CA_ROOT_CA %s is not the CA's %s (read-only)", w.app, env["CA_ROOT_CA"], wantRel)
+			// The agent mounts nothing of the CA's state (its keys): the one-shot identity
+			// service hands it its token and the CA's root, in a volume of its own.
+			for _, m := range agent.Volumes {
+				if m.Source == caState.Source {
+					t.Errorf("%s-agent mounts the CA's state volume, keys and all", w.app)
+				}
 			}
-
-			// The token it presents is the one the token service minted for its identity.
-			tokenSvc, ok := f.Services[w.app+"-token"]
+			idSvc, ok := f.Services[w.app+"-identity"]
 			if !ok {
-				t.Fatalf("no service %s-token", w.app)
+				t.Fatalf("no service %s-identity", w.app)
 			}
-			if agent.DependsOn[w.app+"-token"].Condition != "service_completed_successfully" {
-				t.Errorf("%s-agent does not wait for its token", w.app)
+			if got := idSvc.Command[:2]; !slices.Equal(got, []string{"vm", "bootstrap"}) {
+				t.Errorf("%s-identity runs %v, want meshid vm bootstrap", w.app, got)
 			}
-			if tokenSvc.DependsOn["ca"].Condition != "service_healthy" {
-				t.Errorf("%s-token does not wait for the CA's key", w.app)
+			if agent.DependsOn[w.app+"-identity"].Condition != "service_completed_successfully" {
+				t.Errorf("%s-agent does not wait for its identity bundle", w.app)
 			}
-			if flagValue(tokenSvc.Command, "--namespace") != w.namespace || flagValue(tokenSvc.Command, "--service-account") != w.serviceAccount {
-				t.Errorf("%s-token mints for %s/%s", w.app, flagValue(tokenSvc.Command, "--namespace"), flagValue(tokenSvc.Command, "--service-account"))
+			if idSvc.DependsOn["ca"].Condition != "service_healthy" {
+				t.Errorf("%s-identity does not wait for the CA's key", w.app)
 			}
-			if sm, _, ok := mountOf(tokenSvc, flagValue(tokenSvc.Command, "--state-dir")+"/x"); !ok || sm.Source != caState.Source || !sm.ReadOnly {
-				t.Errorf("%s-token does not read the CA's state volume read-only", w.app)
+			if flagValue(idSvc.Command, "--namespace") != w.namespace || flagValue(idSvc.Command, "--service-account") != w.serviceAccount {
+				t.Errorf("%s-identity mints for %s/%s", w.app, flagValue(idSvc.Command, "--namespace"), flagValue(idSvc.Command, "--service-account"))
+			}
+			if flagValue(idSvc.Command, "--ca-addr") != env["CA_ADDR"] {
+				t.Errorf("%s-identity names the CA %s, the agent dials %s", w.app, flagValue(idSvc.Command, "--ca-addr"), env["CA_ADDR"])
+			}
+			if sm, _, ok := mountOf(idSvc, flagValue(idSvc.Command, "--state-dir")+"/x"); !ok || sm.Source != caState.Source || !sm.ReadOnly {
+				t.Errorf("%s-identity does not read the CA's state volume read-only", w.app)
 			}
 			// Who reads whose files: the CA's state dir is 0700 and token-key.pem 0600, the token
 			// 0600, the SDS and xDS sockets 0660.
-			for _, pair := range [][2]string{{"ca", w.app + "-token"}, {"ca", w.app + "-agent"}, {w.app + "-token", w.app + "-agent"}} {
+			for _, pair := range [][2]string{{"ca", w.app + "-identity"}, {w.app + "-identity", w.app + "-agent"}} {
 				if a, b := f.Services[pair[0]].User, f.Services[pair[1]].User; a != b {
 					t.Errorf("%s runs as %s, %s as %s: the second cannot read the first's private files", pair[0], a, pair[1], b)
 				}
@@ -352,10 +357,19 @@ func TestComposeWorkloadsFitTogether(t *testing.T) {
 			if _, envoyGID, _ := strings.Cut(envoy.User, ":"); envoyGID != agentGID {
 				t.Errorf("%s-envoy's group %s is not the agent's %s: it cannot connect to the sockets (0660)", w.app, envoyGID, agentGID)
 			}
-			written, wrel, ok1 := mountOf(tokenSvc, flagValue(tokenSvc.Command, "-o"))
-			read, rrel, ok2 := mountOf(agent, flagValue(agent.Command, "--token-path"))
-			if !ok1 || !ok2 || written.Source != read.Source || wrel != rrel || written.Type != "volume" || !read.ReadOnly {
-				t.Errorf("%s-agent reads its token at %s (%+v), not where %s-token writes it (%+v)", w.app, flagValue(agent.Command, "--token-path"), read, w.app, written)
+			// The token and the root the agent reads are the files the bundle holds.
+			tokenPath := flagValue(agent.Command, "--token-path")
+			if tokenPath == "" {
+				tokenPath = "/var/run/secrets/tokens/istio-token" // the agent's default
+			}
+			out := flagValue(idSvc.Command, "--out")
+			written, _, ok1 := mountOf(idSvc, out+"/x")
+			for file, at := range map[string]string{"istio-token": tokenPath, "root-cert.pem": env["CA_ROOT_CA"]} {
+				read, rrel, ok2 := mountOf(agent, at)
+				wrel := strings.TrimPrefix(path.Join(out, file), written.Target+"/")
+				if !ok1 || !ok2 || written.Source != read.Source || wrel != rrel || written.Type != "volume" || !read.ReadOnly {
+					t.Errorf("%s-agent reads %s at %s (%+v), not where %s-identity writes it (%+v)", w.app, file, at, read, w.app, written)
+				}
 			}
 		})
 	}

@@ -99,6 +99,8 @@ type Manager struct {
 	// publishMu orders publications, so that every subscriber sees a name's states in the order
 	// they happened. Subscribers are called with it held; readers (Ready, Snapshot) never take it.
 	publishMu sync.Mutex
+	// workloadServed: a valid workload certificate has been held since start (under publishMu).
+	workloadServed bool
 
 	mu      sync.Mutex // guards slots; held for no I/O and no callback
 	slots   map[string]*slot
@@ -340,8 +342,13 @@ func (m *Manager) workloadStateChanged(wasValid bool, s *Secret, err error) {
 		attrs = append(attrs, logkey.RenewAt, s.RenewAt)
 	}
 	if !wasValid {
-		attrs = append(attrs, logkey.Reason, "a valid certificate is held again")
+		reason := "the first since start"
+		if m.workloadServed {
+			reason = "a valid certificate is held again"
+		}
+		attrs = append(attrs, logkey.Reason, reason)
 	}
+	m.workloadServed = true
 	m.log.Info("workload certificate in service", attrs...)
 }
 

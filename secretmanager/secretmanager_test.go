@@ -11,6 +11,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -119,6 +120,9 @@ func TestInitialIssuance(t *testing.T) {
 	ready(t, m, false, "no workload certificate yet")
 	release()
 	s := early.next(t)
+	if in := e.logs.matching(func(r logRecord) bool { return r.msg == "workload certificate in service" }); len(in) != 1 || in[0].attrs["reason"] != "the first since start" {
+		t.Errorf("the first certificate logged as %+v, want once, as the first since start", in)
+	}
 	if other := r.next(t); other != s {
 		t.Errorf("two subscribers were given different secrets: %s and %s", s.Version, other.Version)
 	}
@@ -930,6 +934,13 @@ func TestNoValidCertificate(t *testing.T) {
 		t.Fatalf("the attempt after the CA recovered reported %+v", ev)
 	}
 	second := early.next(t)
+	var reasons []string
+	for _, r := range e.logs.matching(func(r logRecord) bool { return r.msg == "workload certificate in service" }) {
+		reasons = append(reasons, r.attrs["reason"])
+	}
+	if !slices.Equal(reasons, []string{"the first since start", "a valid certificate is held again"}) {
+		t.Errorf("certificates in service logged with reasons %q, want the first, then again after the expiry", reasons)
+	}
 	late.next(t)
 	r.next(t)
 	ready(t, m, true)

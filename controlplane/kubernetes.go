@@ -59,7 +59,7 @@ func (k KubernetesConfig) validate(cfg *Config) []error {
 	}
 	for name, d := range map[string]time.Duration{"lease duration": k.LeaseDuration, "renew deadline": k.RenewDeadline, "retry period": k.RetryPeriod, "start timeout": k.StartTimeout} {
 		if d < 0 {
-			errs = append(errs, fmt.Errorf("Kubernetes %s %s must not be negative", name, d))
+			errs = append(errs, fmt.Errorf("the Kubernetes %s %s must not be negative", name, d))
 		}
 	}
 	// client-go's own rules, checked here so that a bad election fails the start, not a running CA.

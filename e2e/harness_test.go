@@ -713,7 +713,7 @@ func (e *envoy) call(server *envoy) (exchange, error) {
 		answer, err = bufio.NewReader(tlsConn).ReadString('\n')
 	}
 	if err != nil {
-		return exchange{}, fmt.Errorf("%s → %s: %w (%s says: %v)", e.name, server.name, err, server.name, server.lastServeError())
+		return exchange{}, fmt.Errorf("%s → %s: %w (%s says: %w)", e.name, server.name, err, server.name, server.lastServeError())
 	}
 	return exchange{server: tlsConn.ConnectionState().PeerCertificates[0].URIs[0].String(), client: strings.TrimSpace(answer)}, nil
 }

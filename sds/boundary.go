@@ -40,7 +40,7 @@ const (
 // grpcOptions are the server's transport bounds and its admission of connections and streams.
 func (s *Server) grpcOptions() []grpc.ServerOption {
 	perConnection := uint32(math.MaxUint32)
-	if n := uint64(s.cfg.MaxStreamsPerConnection); n < math.MaxUint32 { // New refuses a negative one
+	if n := s.cfg.MaxStreamsPerConnection; n >= 0 && uint64(n) < math.MaxUint32 { // New refuses a negative one
 		perConnection = uint32(n)
 	}
 	return []grpc.ServerOption{

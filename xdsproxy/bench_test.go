@@ -74,7 +74,9 @@ func benchTargets(b *testing.B) (direct, proxied discovery.AggregatedDiscoverySe
 	go func() { done <- p.Run(ctx) }()
 	b.Cleanup(func() {
 		cancel()
-		<-done
+		if err := <-done; err != nil {
+			b.Error(err)
+		}
 	})
 	return discovery.NewAggregatedDiscoveryServiceClient(dial(lis.Addr().String())),
 		discovery.NewAggregatedDiscoveryServiceClient(dial("unix://" + socket))

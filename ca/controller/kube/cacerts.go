@@ -34,7 +34,7 @@ const (
 	// IstioCASecret is where istiod keeps the self-signed CA it generated.
 	IstioCASecret = "istio-ca-secret"
 	// CARootSecretType is the type of istio-ca-secret, and of a cacerts Secret we generate.
-	CARootSecretType corev1.SecretType = "istio.io/ca-root"
+	CARootSecretType corev1.SecretType = "istio.io/ca-root" //nolint:gosec // a type name, not a credential
 )
 
 // AnnotationGenerated marks a cacerts Secret whose key material meshid generated, or copied from

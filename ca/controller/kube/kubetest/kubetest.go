@@ -90,7 +90,7 @@ func Binaries() (string, error) {
 	}
 	script := filepath.Join(filepath.Dir(file), "..", "..", "..", "..", "hack", "kube-env.sh")
 	var stderr bytes.Buffer
-	cmd := exec.Command(script)
+	cmd := exec.Command(script) //nolint:gosec // the repository's own script
 	cmd.Stderr = &stderr
 	out, err := cmd.Output()
 	if err != nil {
@@ -166,7 +166,7 @@ func Start() (_ *Env, err error) {
 }
 
 func (e *Env) start(path, name string, args ...string) error {
-	cmd := exec.Command(path, args...)
+	cmd := exec.Command(path, args...) //nolint:gosec // etcd and kube-apiserver from hack/kube-env.sh
 	log, err := os.Create(filepath.Join(e.dir, name+".log"))
 	if err != nil {
 		return err

@@ -13,7 +13,8 @@ BENCHOUT  ?= bench.out
 
 # Fuzz targets, as package:Target.
 FUZZ_TARGETS := ./ca:FuzzCheckCSR ./ca:FuzzLoadCACerts ./ca/token:FuzzVerify \
-                ./secretmanager:FuzzParseFileResource ./sds:FuzzStreamRequests
+                ./secretmanager:FuzzParseFileResource ./sds:FuzzStreamRequests \
+                ./discovery:FuzzParseConfig
 
 .PHONY: all build test vet race bench fuzz lint clean kube-env istio-env
 

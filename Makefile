@@ -14,7 +14,7 @@ BENCHOUT  ?= bench.out
 # Fuzz targets, as package:Target.
 FUZZ_TARGETS := ./ca:FuzzCheckCSR ./ca:FuzzLoadCACerts ./ca/token:FuzzVerify \
                 ./secretmanager:FuzzParseFileResource ./sds:FuzzStreamRequests \
-                ./discovery:FuzzParseConfig
+                ./discovery:FuzzParseConfig ./ca/controller:FuzzManifestFile
 
 .PHONY: all build test vet race bench fuzz lint clean kube-env istio-env
 

@@ -108,7 +108,8 @@ func EncodePrivateKey(key crypto.Signer) ([]byte, error) {
 }
 
 // ParsePublicKeys decodes every public key in data: PUBLIC KEY (PKIX), RSA PUBLIC KEY (PKCS#1),
-// and the subject key of each CERTIFICATE.
+// and the subject key of each CERTIFICATE. A key of an algorithm crypto/x509 does not know is an
+// error; no key returned is nil.
 func ParsePublicKeys(data []byte) ([]crypto.PublicKey, error) {
 	var keys []crypto.PublicKey
 	for rest := data; ; {
@@ -129,7 +130,13 @@ func ParsePublicKeys(data []byte) ([]crypto.PublicKey, error) {
 		case BlockCertificate:
 			var cert *x509.Certificate
 			cert, err = x509.ParseCertificate(block.Bytes)
-			if err == nil {
+			switch {
+			case err != nil:
+			case cert.PublicKey == nil:
+				// crypto/x509 parses a certificate whose key algorithm it does not know, and
+				// leaves its key nil.
+				err = errors.New("its subject key is of an unknown algorithm")
+			default:
 				key = cert.PublicKey
 			}
 		default:

@@ -1,6 +1,7 @@
 package pki_test
 
 import (
+	"bytes"
 	"crypto"
 	"crypto/ecdsa"
 	"crypto/rsa"
@@ -216,6 +217,8 @@ func TestParsePublicKeys(t *testing.T) {
 		{name: "empty", data: nil, wantNoPEM: true},
 		{name: "garbage PUBLIC KEY", data: pemBlock("PUBLIC KEY", []byte("garbage")), wantErr: true},
 		{name: "garbage CERTIFICATE", data: pemBlock("CERTIFICATE", []byte("garbage")), wantErr: true},
+		// Go parses such a certificate, leaving its key nil.
+		{name: "CERTIFICATE of an unknown key algorithm", data: pemBlock("CERTIFICATE", unknownKeyAlgorithm(t, root.Cert)), wantErr: true},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -243,6 +246,23 @@ func TestParsePublicKeys(t *testing.T) {
 			}
 		})
 	}
+}
+
+// unknownKeyAlgorithm is the DER of an ECDSA cert whose subject key's algorithm is an OID
+// crypto/x509 does not know (1.2.840.10045.2.127 for id-ecPublicKey, 1.2.840.10045.2.1).
+func unknownKeyAlgorithm(t testing.TB, cert *x509.Certificate) []byte {
+	t.Helper()
+	oid := []byte{0x06, 0x07, 0x2a, 0x86, 0x48, 0xce, 0x3d, 0x02, 0x01}
+	i := bytes.Index(cert.Raw, oid)
+	if i < 0 {
+		t.Fatal("not an ECDSA certificate")
+	}
+	der := bytes.Clone(cert.Raw)
+	der[i+len(oid)-1] = 0x7f
+	if parsed, err := x509.ParseCertificate(der); err != nil || parsed.PublicKeyAlgorithm != x509.UnknownPublicKeyAlgorithm {
+		t.Fatalf("the edited certificate: %v", err)
+	}
+	return der
 }
 
 func TestKeyMatchesCertificate(t *testing.T) {

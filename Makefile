@@ -14,7 +14,8 @@ BENCHOUT  ?= bench.out
 # Fuzz targets, as package:Target.
 FUZZ_TARGETS := ./ca:FuzzCheckCSR ./ca:FuzzLoadCACerts ./ca/token:FuzzVerify \
                 ./secretmanager:FuzzParseFileResource ./sds:FuzzStreamRequests \
-                ./discovery:FuzzParseConfig ./ca/controller:FuzzManifestFile ./ca/token:FuzzParseKeySet
+                ./discovery:FuzzParseConfig ./ca/controller:FuzzManifestFile ./ca/token:FuzzParseKeySet \
+                ./internal/pki:FuzzParseCertificates ./internal/pki:FuzzParsePrivateKey ./internal/pki:FuzzParsePublicKeys
 
 .PHONY: all build test vet race bench fuzz lint clean kube-env istio-env
 

@@ -212,7 +212,8 @@ func (m *Minter) Mint(p MintParams) (string, error) {
 }
 
 // signingMethod is the one rule for token keys, however they arrive (PEM keys or certificates,
-// JWKS, the signing key of a Minter): ECDSA P-256 or P-384, or RSA of a size pki accepts.
+// JWKS, the signing key of a Minter): ECDSA P-256 or P-384, or RSA of a size pki accepts, with
+// the odd modulus and exponent crypto/rsa requires.
 func signingMethod(pub crypto.PublicKey) (jwt.SigningMethod, error) {
 	switch k := pub.(type) {
 	case *ecdsa.PublicKey:
@@ -230,6 +231,10 @@ func signingMethod(pub crypto.PublicKey) (jwt.SigningMethod, error) {
 				size = "small"
 			}
 			return nil, fmt.Errorf("RSA key of %d bits is too %s for tokens: %w", bits, size, err)
+		}
+		// crypto/rsa refuses such a key at every verification, so each token would fail.
+		if k.N.Bit(0) == 0 || k.E&1 == 0 {
+			return nil, errors.New("RSA key with an even modulus or exponent cannot verify tokens")
 		}
 		return jwt.SigningMethodRS256, nil
 	}

@@ -413,6 +413,12 @@ func TestParseKeySetRefusals(t *testing.T) {
 		n := new(big.Int).Lsh(big.NewInt(1), uint(bits-1))
 		return base64.RawURLEncoding.EncodeToString(n.Or(n, big.NewInt(1)).Bytes())
 	}
+	n := new(big.Int).Lsh(big.NewInt(1), 2047)
+	evenModulus := base64.RawURLEncoding.EncodeToString(n.Or(n, big.NewInt(2)).Bytes())
+	rsaKey, err := rsa.GenerateKey(rand.Reader, 2048)
+	if err != nil {
+		t.Fatal(err)
+	}
 	edPub, _, err := ed25519.GenerateKey(rand.Reader)
 	if err != nil {
 		t.Fatal(err)
@@ -443,6 +449,10 @@ func TestParseKeySetRefusals(t *testing.T) {
 		{name: "RSA 1024 bits", data: jwksJSON(t, map[string]string{"kty": "RSA", "n": modulus(1024), "e": "AQAB"}), wantInErr: "too small"},
 		{name: "RSA exponent 1", data: jwksJSON(t, map[string]string{"kty": "RSA", "n": modulus(2048), "e": "AQ"}), wantInErr: "exponent"},
 		{name: "RSA huge exponent", data: jwksJSON(t, map[string]string{"kty": "RSA", "n": modulus(2048), "e": "AQAAAAAB"}), wantInErr: "exponent"},
+		// crypto/rsa refuses such keys at every verification: they would fail each token.
+		{name: "RSA even exponent", data: jwksJSON(t, map[string]string{"kty": "RSA", "n": modulus(2048), "e": "AQAA"}), wantInErr: "even"},
+		{name: "RSA even modulus", data: jwksJSON(t, map[string]string{"kty": "RSA", "n": evenModulus, "e": "AQAB"}), wantInErr: "even"},
+		{name: "PEM RSA even exponent", data: pem.EncodeToMemory(&pem.Block{Type: "RSA PUBLIC KEY", Bytes: x509.MarshalPKCS1PublicKey(&rsa.PublicKey{N: rsaKey.N, E: 65536})}), wantInErr: "even"},
 		{name: "one bad key spoils the set", data: jwksJSON(t, ec, with("kid=bad", "crv=P-521")), wantInErr: `kid "bad"`},
 		{name: "no PEM", data: []byte("hello"), wantNoPEM: true},
 		{name: "empty file", data: nil, wantNoPEM: true},

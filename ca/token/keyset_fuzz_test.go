@@ -63,6 +63,7 @@ func FuzzParseKeySet(f *testing.F) {
 		jwks(f, jwkOf(f, p256.Public(), "a"), jwkOf(f, p256.Public(), "a")),
 		jwks(f, map[string]string{"kty": "EC", "crv": "P-256", "x": "AA", "y": "AA"}),
 		jwks(f, map[string]string{"kty": "RSA", "n": "AQAB", "e": "AQAB"}),
+		jwks(f, map[string]string{"kty": "RSA", "n": jwkOf(f, &rsaKey.PublicKey, "")["n"], "e": "AQAA"}),
 		jwks(f, map[string]string{"kty": "oct", "k": "c2VjcmV0"}),
 		jwks(f, map[string]string{"kty": "EC", "use": "enc", "crv": "P-521"}),
 		[]byte(`{"keys": []}`),
@@ -128,6 +129,9 @@ func checkTokenKey(t *testing.T, kid string, key crypto.PublicKey) {
 	case *rsa.PublicKey:
 		if bits := k.N.BitLen(); bits < pki.MinRSAKeySize || bits > pki.MaxRSAKeySize {
 			t.Fatalf("key %q: RSA %d", kid, bits)
+		}
+		if k.N.Bit(0) == 0 || k.E < 3 || k.E&1 == 0 {
+			t.Fatalf("key %q: RSA with exponent %d and an odd modulus: %v, which crypto/rsa refuses", kid, k.E, k.N.Bit(0) == 1)
 		}
 	default:
 		t.Fatalf("key %q: a %T", kid, key)

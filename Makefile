@@ -20,7 +20,7 @@ FUZZ_TARGETS := ./ca:FuzzCheckCSR ./ca:FuzzLoadCACerts ./ca/token:FuzzVerify \
                 ./discovery:FuzzParseConfig ./ca/controller:FuzzManifestFile ./ca/token:FuzzParseKeySet \
                 ./internal/pki:FuzzParseCertificates ./internal/pki:FuzzParsePrivateKey ./internal/pki:FuzzParsePublicKeys
 
-.PHONY: all build test vet race bench fuzz lint clean kube-env istio-env
+.PHONY: all build test vet race bench fuzz lint clean kube-env istio-env chaos
 
 all: build
 
@@ -38,6 +38,11 @@ vet:
 test: vet
 	@bin=$$(hack/kube-env.sh) && istio=$$(hack/istio-env.sh) && \
 	MESHID_KUBE_BIN=$$bin MESHID_ISTIO_BIN=$$istio GORACE=atexit_sleep_ms=0 $(GO) test -race -count=1 $(PKGS)
+
+# The fault suite's long form (e2e/chaos_test.go): more kills, longer outages, more rotations.
+# Its short form runs in `make test`.
+chaos:
+	GORACE=atexit_sleep_ms=0 $(GO) test -race -count=1 -timeout 20m -run 'Chaos' ./e2e/ -args -chaos.long
 
 # Builds (or finds, when cached) the kube-apiserver and etcd the Kubernetes tests run.
 kube-env:

@@ -18,6 +18,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -43,7 +44,14 @@ const wait = 30 * time.Second
 // binDir holds meshid and meshid-agent, built once by TestMain from this checkout.
 var binDir string
 
-func TestMain(m *testing.M) { os.Exit(buildAndRun(m)) }
+func TestMain(m *testing.M) {
+	// The test binary re-executed as the wrapper of an agent on a tmpfs of its own (see
+	// startTmpfsAgent): it is that, and not a test run.
+	if dir, ok := os.LookupEnv(tmpfsWrapperEnv); ok {
+		os.Exit(tmpfsWrapper(dir, os.Args[1:]))
+	}
+	os.Exit(buildAndRun(m))
+}
 
 func buildAndRun(m *testing.M) int {
 	dir, err := os.MkdirTemp("", "meshid-e2e-bin")
@@ -73,6 +81,9 @@ func buildAndRun(m *testing.M) int {
 // printed when the test fails, and its log records can be waited for.
 type process struct {
 	label string
+	pid   int
+	// exited is closed when the process has ended and been waited for.
+	exited chan struct{}
 
 	mu      sync.Mutex
 	output  bytes.Buffer
@@ -84,25 +95,40 @@ type process struct {
 // start runs binary (meshid or meshid-agent) with args; the process is killed when the test ends.
 func start(t *testing.T, label, binary string, args ...string) *process {
 	t.Helper()
-	p := &process{label: label, grew: make(chan struct{}), ended: make(chan struct{})}
+	return startPath(t, label, filepath.Join(binDir, binary), nil, args...)
+}
+
+// startPath runs the program at path with args and --log-format json, as start does; configure,
+// when not nil, adjusts the command before it starts.
+func startPath(t *testing.T, label, path string, configure func(*exec.Cmd), args ...string) *process {
+	t.Helper()
+	p := &process{label: label, grew: make(chan struct{}), ended: make(chan struct{}), exited: make(chan struct{})}
 	ctx, cancel := context.WithCancel(context.Background())
-	cmd := exec.CommandContext(ctx, filepath.Join(binDir, binary), append(args, "--log-format", "json")...)
+	cmd := exec.CommandContext(ctx, path, append(args, "--log-format", "json")...)
 	r, w, err := os.Pipe()
 	if err != nil {
 		t.Fatal(err)
 	}
 	cmd.Stdout, cmd.Stderr = w, w
+	if configure != nil {
+		configure(cmd)
+	}
 	if err := cmd.Start(); err != nil {
 		t.Fatalf("start %s: %v", label, err)
 	}
 	_ = w.Close()
+	p.pid = cmd.Process.Pid
 	go p.read(r)
+	go func() {
+		_ = cmd.Wait()
+		close(p.exited)
+	}()
 	t.Cleanup(func() {
 		cancel() // kills it
-		_ = cmd.Wait()
+		<-p.exited
 		<-p.ended
 		if t.Failed() {
-			t.Logf("---- %s (%s %s) ----\n%s", label, binary, strings.Join(args, " "), p.String())
+			t.Logf("---- %s (%s %s) ----\n%s", label, filepath.Base(path), strings.Join(args, " "), p.String())
 		}
 	})
 	return p
@@ -141,25 +167,89 @@ func (p *process) String() string {
 // (nil: any), and returns it.
 func (p *process) awaitLog(t *testing.T, msg string, ok func(map[string]any) bool) map[string]any {
 	t.Helper()
+	return p.awaitLogFrom(t, 0, msg, ok)
+}
+
+// mark is the number of log records so far, for awaitLogFrom: what comes after it.
+func (p *process) mark() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.records)
+}
+
+// awaitLogFrom is awaitLog from the record numbered from (a mark) on.
+func (p *process) awaitLogFrom(t *testing.T, from int, msg string, ok func(map[string]any) bool) map[string]any {
+	t.Helper()
+	rec, _, err := p.findLog(from, msg, ok)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return rec
+}
+
+// awaitLogRecord is awaitLogFrom that also returns where the records after the one found begin.
+func (p *process) awaitLogRecord(t *testing.T, from int, msg string, ok func(map[string]any) bool) (int, map[string]any) {
+	t.Helper()
+	rec, next, err := p.findLog(from, msg, ok)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return next, rec
+}
+
+// awaitLogIndex is awaitLogRecord without the record.
+func (p *process) awaitLogIndex(t *testing.T, from int, msg string) int {
+	t.Helper()
+	next, _ := p.awaitLogRecord(t, from, msg, nil)
+	return next
+}
+
+// findLog is awaitLogFrom that returns an error rather than failing the test, and the number of
+// the record after the one found.
+func (p *process) findLog(from int, msg string, ok func(map[string]any) bool) (map[string]any, int, error) {
 	deadline := time.After(wait)
-	for seen := 0; ; {
+	for seen := from; ; {
 		p.mu.Lock()
 		records, grew := p.records[seen:], p.grew
-		seen = len(p.records)
 		p.mu.Unlock()
-		for _, rec := range records {
+		for i, rec := range records {
 			if rec["msg"] == msg && (ok == nil || ok(rec)) {
-				return rec
+				return rec, seen + i + 1, nil
 			}
 		}
+		seen += len(records)
 		select {
 		case <-grew:
 		case <-p.ended:
-			t.Fatalf("%s ended before logging %q", p.label, msg)
+			return nil, 0, fmt.Errorf("%s ended before logging %q", p.label, msg)
 		case <-deadline:
-			t.Fatalf("%s did not log %q within %s", p.label, msg, wait)
+			return nil, 0, fmt.Errorf("%s did not log %q within %s", p.label, msg, wait)
 		}
 	}
+}
+
+// kill sends SIGKILL and waits until the process and its output have ended.
+func (p *process) kill(t *testing.T) {
+	t.Helper()
+	p.signal(t, syscall.SIGKILL)
+	p.awaitExit(t)
+}
+
+func (p *process) signal(t *testing.T, sig syscall.Signal) {
+	t.Helper()
+	if err := syscall.Kill(p.pid, sig); err != nil {
+		t.Fatalf("%s: %v: %v", p.label, sig, err)
+	}
+}
+
+func (p *process) awaitExit(t *testing.T) {
+	t.Helper()
+	select {
+	case <-p.exited:
+	case <-time.After(wait):
+		t.Fatalf("%s did not exit within %s", p.label, wait)
+	}
+	<-p.ended
 }
 
 // ---- the CA ----
@@ -236,15 +326,44 @@ type agentProcess struct {
 	workload
 	rootDir               string
 	statusAddr, debugAddr string
+	args                  []string        // its command line, for restart
+	configure             func(*exec.Cmd) // how it is started, for restart
+	path                  string          // the program run
+	started               func(*process)  // checks a new process before it is waited for
 }
 
 // startAgent runs `meshid-agent agent` for w against ca, with its own token, every path under a
 // root dir of its own, and loopback ports of its choosing.
 func startAgent(t *testing.T, ca *caProcess, w workload) *agentProcess {
 	t.Helper()
-	a := &agentProcess{workload: w, rootDir: testutil.ShortTempDir(t)}
-	a.process = start(t, "meshid-agent "+w.name, "meshid-agent", "agent",
-		"--ca-addr", ca.addr,
+	return startAgentWith(t, ca, w, agentOptions{})
+}
+
+// agentOptions are what some tests change in how startAgentWith runs an agent.
+type agentOptions struct {
+	caAddr     string   // where the agent reaches the CA; default the CA's own address
+	graceRatio string   // --grace-period-ratio; default 0.5
+	extraArgs  []string // more flags
+	// path and configure, when set, run the agent through another program (the tmpfs wrapper),
+	// which gets the agent's path and arguments as its own.
+	path      string
+	configure func(*exec.Cmd)
+	// started, when set, checks each new process before the agent is waited for.
+	started func(*process)
+}
+
+// startAgentWith is startAgent with options.
+func startAgentWith(t *testing.T, ca *caProcess, w workload, o agentOptions) *agentProcess {
+	t.Helper()
+	if o.caAddr == "" {
+		o.caAddr = ca.addr
+	}
+	if o.graceRatio == "" {
+		o.graceRatio = "0.5"
+	}
+	a := &agentProcess{workload: w, rootDir: testutil.ShortTempDir(t), path: o.path, configure: o.configure, started: o.started}
+	a.args = append([]string{"agent",
+		"--ca-addr", o.caAddr,
 		"--ca-root-cert", ca.rootFile(),
 		"--token-path", ca.token(t, w.namespace, w.serviceAccount),
 		"--namespace", w.namespace,
@@ -253,11 +372,26 @@ func startAgent(t *testing.T, ca *caProcess, w workload) *agentProcess {
 		"--status-addr", "127.0.0.1:0",
 		"--debug-addr", "127.0.0.1:0",
 		"--secret-ttl", w.secretTTL.String(),
-		"--grace-period-ratio", "0.5",
-	)
+		"--grace-period-ratio", o.graceRatio,
+	}, o.extraArgs...)
+	if a.path == "" {
+		a.path = filepath.Join(binDir, "meshid-agent")
+	} else {
+		a.args = append([]string{filepath.Join(binDir, "meshid-agent")}, a.args...)
+	}
+	a.launch(t)
+	return a
+}
+
+// launch starts the agent's process as its fields say, and waits until it has started.
+func (a *agentProcess) launch(t *testing.T) {
+	t.Helper()
+	a.process = startPath(t, "meshid-agent "+a.name, a.path, a.configure, a.args...)
+	if a.started != nil {
+		a.started(a.process)
+	}
 	started := a.awaitLog(t, "agent started", nil)
 	a.statusAddr, a.debugAddr = started["status_address"].(string), started["debug_address"].(string)
-	return a
 }
 
 func (a *agentProcess) sdsSocket() string {

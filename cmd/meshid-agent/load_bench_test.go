@@ -1,0 +1,257 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/meshid/meshid/ca/token"
+	"github.com/meshid/meshid/caclient"
+	"github.com/meshid/meshid/controlplane"
+	"github.com/meshid/meshid/internal/pki"
+)
+
+// Load and scale (issue 14): many agents on one CA, many streams on one agent.
+
+// startLogged starts bin with args and JSON logs at info level, and returns once it has logged
+// msg, with that record. Records at warning and above are copied to the benchmark's stderr; the
+// process is killed when the benchmark ends.
+func startLogged(b *testing.B, bin, msg string, args ...string) (*exec.Cmd, map[string]any) {
+	b.Helper()
+	cmd := exec.Command(bin, append(args, "--log-level", "info", "--log-format", "json")...)
+	r, w, err := os.Pipe()
+	if err != nil {
+		b.Fatal(err)
+	}
+	cmd.Stderr = w
+	if err := cmd.Start(); err != nil {
+		b.Fatal(err)
+	}
+	_ = w.Close()
+	found := make(chan map[string]any, 1)
+	drained := make(chan struct{})
+	go func() {
+		defer close(drained)
+		defer func() { _ = r.Close() }()
+		sc := bufio.NewScanner(r)
+		sc.Buffer(nil, 1<<20)
+		for sc.Scan() {
+			var rec map[string]any
+			if json.Unmarshal(sc.Bytes(), &rec) != nil {
+				continue
+			}
+			if rec["msg"] == msg && found != nil {
+				found <- rec
+				found = nil
+			}
+			if lvl, _ := rec["level"].(string); lvl == "WARN" || lvl == "ERROR" {
+				_, _ = fmt.Fprintln(os.Stderr, sc.Text())
+			}
+		}
+	}()
+	b.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		<-drained
+	})
+	select {
+	case rec := <-found:
+		return cmd, rec
+	case <-drained:
+		b.Fatalf("%s %s ended before logging %q", bin, strings.Join(args, " "), msg)
+	case <-time.After(30 * time.Second):
+		b.Fatalf("%s did not log %q within 30 s", bin, msg)
+	}
+	return nil, nil
+}
+
+// caProcess is `meshid ca` run as a process on loopback.
+type caProcess struct {
+	cmd      *exec.Cmd
+	addr     string
+	stateDir string
+	minter   *token.Minter
+}
+
+func startCAProcess(b *testing.B) *caProcess {
+	b.Helper()
+	state := b.TempDir()
+	cmd, rec := startLogged(b, agentBinary(b), "CA started", "ca", "--state-dir", state,
+		"--grpc-addr", "127.0.0.1:0", "--monitoring-addr", "127.0.0.1:0")
+	addr, _ := rec["address"].(string)
+	minter, err := token.LoadMinter(controlplane.TokenKeyPath(state))
+	if err != nil {
+		b.Fatal(err)
+	}
+	return &caProcess{cmd: cmd, addr: addr, stateDir: state, minter: minter}
+}
+
+func (ca *caProcess) rssMB(b *testing.B) float64 { return rssOf(b, ca.cmd.Process.Pid) / 1024 }
+
+// simAgent is one simulated agent: a CA client of its own (its own connection, the CA verified
+// with its root), a token for its own service account, and a P-256 key and CSR for its identity.
+type simAgent struct {
+	client *caclient.Client
+	csrs   [][]byte // one per round: every renewal is a new key
+}
+
+// retryCounter counts the CA client's "retrying" warnings: a retried failure is not an error the
+// workload sees, but it is a sign of overload.
+type retryCounter struct{ n atomic.Int64 }
+
+func (c *retryCounter) Enabled(_ context.Context, l slog.Level) bool { return l >= slog.LevelWarn }
+func (c *retryCounter) Handle(context.Context, slog.Record) error {
+	c.n.Add(1)
+	return nil
+}
+func (c *retryCounter) WithAttrs([]slog.Attr) slog.Handler { return c }
+func (c *retryCounter) WithGroup(string) slog.Handler      { return c }
+
+func newSimAgent(b *testing.B, ca *caProcess, i, rounds int, log *slog.Logger) *simAgent {
+	b.Helper()
+	id := pki.SPIFFEID{TrustDomain: "cluster.local", Namespace: fmt.Sprintf("load-%d", i%10), ServiceAccount: fmt.Sprintf("agent-%d", i)}
+	tok, err := ca.minter.Mint(token.MintParams{Issuer: token.DefaultIssuer, Audiences: []string{token.DefaultAudience},
+		Namespace: id.Namespace, ServiceAccount: id.ServiceAccount, TTL: time.Hour, Now: time.Now()})
+	if err != nil {
+		b.Fatal(err)
+	}
+	client, err := caclient.New(caclient.Config{
+		Address:      ca.addr,
+		RootCertFile: filepath.Join(ca.stateDir, "root-cert.pem"),
+		Token:        func(context.Context) (string, error) { return tok, nil },
+		Logger:       log,
+	})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { _ = client.Close() })
+	a := &simAgent{client: client}
+	for range rounds {
+		key, err := pki.GenerateKey(pki.ECDSA, 0)
+		if err != nil {
+			b.Fatal(err)
+		}
+		csr, err := pki.NewCSR(key, id)
+		if err != nil {
+			b.Fatal(err)
+		}
+		a.csrs = append(a.csrs, csr)
+	}
+	return a
+}
+
+// renewAll has every agent renew at once (released together) and returns the latency of each
+// and the number that failed.
+func renewAll(ctx context.Context, agents []*simAgent, round int) (latencies []time.Duration, errs int, firstErr error) {
+	var (
+		wg      sync.WaitGroup
+		mu      sync.Mutex
+		release = make(chan struct{})
+		lats    = make([]time.Duration, len(agents))
+	)
+	for i, a := range agents {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-release
+			start := time.Now()
+			_, err := a.client.Sign(ctx, a.csrs[round], time.Hour)
+			lats[i] = time.Since(start)
+			if err != nil {
+				mu.Lock()
+				errs++
+				if firstErr == nil {
+					firstErr = err
+				}
+				mu.Unlock()
+			}
+		}()
+	}
+	close(release)
+	wg.Wait()
+	return lats, errs, firstErr
+}
+
+// percentile of sorted durations, in milliseconds (nearest rank).
+func percentile(sorted []time.Duration, p float64) float64 {
+	if len(sorted) == 0 {
+		return 0
+	}
+	i := int(p*float64(len(sorted))+0.5) - 1
+	i = min(max(i, 0), len(sorted)-1)
+	return float64(sorted[i].Microseconds()) / 1000
+}
+
+// BenchmarkThousandAgents runs one `meshid ca` process and 1,000 simulated agents, each a real
+// CA client with its own connection (TLS verified with the CA's root), its own token for its own
+// service account and its own P-256 key, all renewing at once: a cold round (every connection
+// dialed and its TLS handshake made under the load) and a warm one on the same connections.
+// It reports each round's p50, p99 and max latency of Sign, the errors (which fail the benchmark)
+// and the CA client's retries, and the CA's resident memory before and after. The baseline, in the
+// same run and against the same CA, is one agent renewing alone (p50 of 100 warm renewals).
+func BenchmarkThousandAgents(b *testing.B) {
+	const n, rounds = 1000, 2
+	ca := startCAProcess(b)
+	retries := &retryCounter{}
+	log := slog.New(retries)
+
+	// The baseline: one agent alone, warm.
+	alone := newSimAgent(b, ca, n, 1, log)
+	if _, err := alone.client.Sign(b.Context(), alone.csrs[0], time.Hour); err != nil {
+		b.Fatal(err)
+	}
+	var lats []time.Duration
+	for range 100 {
+		start := time.Now()
+		if _, err := alone.client.Sign(b.Context(), alone.csrs[0], time.Hour); err != nil {
+			b.Fatal(err)
+		}
+		lats = append(lats, time.Since(start))
+	}
+	slices.Sort(lats)
+	aloneP50 := percentile(lats, 0.5)
+	_ = alone.client.Close()
+
+	b.ResetTimer()
+	for range b.N {
+		b.StopTimer()
+		agents := make([]*simAgent, n)
+		for i := range agents {
+			agents[i] = newSimAgent(b, ca, i, rounds, log)
+		}
+		rssBefore := ca.rssMB(b)
+		retries.n.Store(0)
+		b.StartTimer()
+		for round, name := range []string{"cold", "warm"} {
+			lats, errs, err := renewAll(b.Context(), agents, round)
+			if errs > 0 {
+				b.Fatalf("%s round: %d of %d renewals failed; the first: %v", name, errs, n, err)
+			}
+			slices.Sort(lats)
+			b.ReportMetric(percentile(lats, 0.5), name+"-p50-ms")
+			b.ReportMetric(percentile(lats, 0.99), name+"-p99-ms")
+			b.ReportMetric(percentile(lats, 1), name+"-max-ms")
+			b.ReportMetric(float64(errs), name+"-errors")
+		}
+		b.StopTimer()
+		b.ReportMetric(float64(retries.n.Load()), "retries")
+		b.ReportMetric(rssBefore, "ca-rss-before-MB")
+		b.ReportMetric(ca.rssMB(b), "ca-rss-after-MB")
+		b.ReportMetric(aloneP50, "baseline-alone-p50-ms")
+		for _, a := range agents {
+			_ = a.client.Close()
+		}
+		b.StartTimer()
+	}
+}

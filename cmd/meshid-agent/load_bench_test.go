@@ -4,22 +4,30 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
 	"github.com/meshid/meshid/ca/token"
 	"github.com/meshid/meshid/caclient"
 	"github.com/meshid/meshid/controlplane"
 	"github.com/meshid/meshid/internal/pki"
+	"github.com/meshid/meshid/internal/testutil"
+	"github.com/meshid/meshid/sds"
 )
 
 // Load and scale (issue 14): many agents on one CA, many streams on one agent.
@@ -253,5 +261,147 @@ func BenchmarkThousandAgents(b *testing.B) {
 			_ = a.client.Close()
 		}
 		b.StartTimer()
+	}
+}
+
+// agentCounts is what the churn checks for leaks: the agent's goroutines (go_goroutines on its
+// /metrics) and open file descriptors (/proc/PID/fd).
+type agentCounts struct{ goroutines, fds int }
+
+func (c agentCounts) within(base agentCounts, tolerance int) bool {
+	return c.goroutines <= base.goroutines+tolerance && c.fds <= base.fds+tolerance
+}
+
+func countsOf(b *testing.B, pid int, statusAddr string) agentCounts {
+	b.Helper()
+	// A connection of its own each time, closed after the scrape, so that no keep-alive
+	// connection to the agent outlives it.
+	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 10 * time.Second}
+	resp, err := client.Get("http://" + statusAddr + "/metrics")
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer func() { _ = resp.Body.Close() }()
+	goroutines := -1
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		if rest, ok := strings.CutPrefix(sc.Text(), "go_goroutines "); ok {
+			v, err := strconv.ParseFloat(rest, 64)
+			if err != nil {
+				b.Fatal(err)
+			}
+			goroutines = int(v)
+		}
+	}
+	if goroutines < 0 {
+		b.Fatal("no go_goroutines on the agent's /metrics")
+	}
+	fds, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
+	if err != nil {
+		b.Fatal(err)
+	}
+	return agentCounts{goroutines: goroutines, fds: len(fds)}
+}
+
+// churnOnce is one connect/disconnect: a new connection, a StreamSecrets for "default", the
+// first response, and the connection closed.
+func churnOnce(ctx context.Context, socket string) error {
+	conn, err := grpc.NewClient("unix://"+socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return err
+	}
+	defer func() { _ = conn.Close() }()
+	s, err := openStream(ctx, conn, "churn", "default")
+	if err != nil {
+		return err
+	}
+	serial, err := s.next("default")
+	if err == nil && serial == "" {
+		err = errors.New("no default secret in the first response")
+	}
+	return err
+}
+
+// churnTolerance is how many goroutines and file descriptors more than before the churn the
+// agent may hold once it settles: the scrape that reads the count is itself a connection.
+const churnTolerance = 2
+
+// BenchmarkStreamChurn opens and closes 10,000 SDS streams on one agent (serving mounted
+// credential files, so no CA is involved), each on a connection of its own, 100 at a time, and
+// checks that the agent's goroutines and file descriptors return to what they were before (a
+// leak fails the benchmark). It reports both counts before and after, and connects per second.
+// The counts before are taken after one connect/disconnect, so that what the first stream
+// creates for good (the subscription's machinery, grpc's) is in the baseline.
+func BenchmarkStreamChurn(b *testing.B) {
+	const cycles, concurrency = 10000, 100
+	creds, writePair := mountedCredentials(b)
+	writePair()
+	root := testutil.ShortTempDir(b)
+	socketDir := filepath.Join(root, "uds")
+	cmd, rec := startLogged(b, agentBinary(b, "--credentials-dir"), "agent started", "agent", "--root-dir", root,
+		"--workload-socket-dir", socketDir, "--status-addr", "127.0.0.1:0", "--debug-addr", "", "--credentials-dir", creds)
+	statusAddr, _ := rec["status_address"].(string)
+	socket := filepath.Join(socketDir, sds.SocketName)
+	ctx := b.Context()
+	if err := churnOnce(ctx, socket); err != nil {
+		b.Fatal(err)
+	}
+	for range b.N {
+		before := settle(b, cmd.Process.Pid, statusAddr, nil)
+		start := time.Now()
+		var (
+			next   atomic.Int64
+			failed atomic.Int64
+			first  error
+			once   sync.Once
+			wg     sync.WaitGroup
+		)
+		for range concurrency {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for next.Add(1) <= cycles {
+					if err := churnOnce(ctx, socket); err != nil {
+						failed.Add(1)
+						once.Do(func() { first = err })
+					}
+				}
+			}()
+		}
+		wg.Wait()
+		took := time.Since(start)
+		if n := failed.Load(); n > 0 {
+			b.Fatalf("%d of %d connects failed; the first: %v", n, cycles, first)
+		}
+		settleStart := time.Now()
+		after := settle(b, cmd.Process.Pid, statusAddr, &before)
+		b.ReportMetric(float64(time.Since(settleStart).Milliseconds()), "settle-ms")
+		b.ReportMetric(float64(cycles)/took.Seconds(), "connects/s")
+		b.ReportMetric(float64(before.goroutines), "goroutines-before")
+		b.ReportMetric(float64(after.goroutines), "goroutines-after")
+		b.ReportMetric(float64(before.fds), "fds-before")
+		b.ReportMetric(float64(after.fds), "fds-after")
+	}
+}
+
+// settle waits until the agent's counts are within churnTolerance of base (nil: until two
+// readings in a row agree), and returns them. It fails after 30 s of real time: a leak.
+func settle(b *testing.B, pid int, statusAddr string, base *agentCounts) agentCounts {
+	b.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	last := countsOf(b, pid, statusAddr)
+	for {
+		c := countsOf(b, pid, statusAddr)
+		if (base == nil && c == last) || (base != nil && c.within(*base, churnTolerance)) {
+			return c
+		}
+		if time.Now().After(deadline) {
+			if base == nil {
+				b.Fatalf("the agent's counts do not settle: %+v then %+v", last, c)
+			}
+			b.Fatalf("leak: after the churn the agent holds %d goroutines and %d file descriptors, before it %d and %d (tolerance %d)",
+				c.goroutines, c.fds, base.goroutines, base.fds, churnTolerance)
+		}
+		last = c
 	}
 }

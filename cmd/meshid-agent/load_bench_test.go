@@ -88,6 +88,7 @@ func startLogged(b *testing.B, bin, msg string, args ...string) (*exec.Cmd, map[
 type caProcess struct {
 	cmd      *exec.Cmd
 	addr     string
+	monitor  string // its /metrics
 	stateDir string
 	minter   *token.Minter
 }
@@ -98,14 +99,22 @@ func startCAProcess(b *testing.B) *caProcess {
 	cmd, rec := startLogged(b, agentBinary(b), "CA started", "ca", "--state-dir", state,
 		"--grpc-addr", "127.0.0.1:0", "--monitoring-addr", "127.0.0.1:0")
 	addr, _ := rec["address"].(string)
+	monitor, _ := rec["monitoring_address"].(string)
 	minter, err := token.LoadMinter(controlplane.TokenKeyPath(state))
 	if err != nil {
 		b.Fatal(err)
 	}
-	return &caProcess{cmd: cmd, addr: addr, stateDir: state, minter: minter}
+	return &caProcess{cmd: cmd, addr: addr, monitor: monitor, stateDir: state, minter: minter}
 }
 
 func (ca *caProcess) rssMB(b *testing.B) float64 { return rssOf(b, ca.cmd.Process.Pid) / 1024 }
+
+// heapMB is the CA's Go heap in use (go_memstats_heap_inuse_bytes): what of its resident memory
+// the heap's live and not yet collected objects hold.
+func (ca *caProcess) heapMB(b *testing.B) float64 {
+	b.Helper()
+	return scrape(b, ca.monitor, "go_memstats_heap_inuse_bytes") / (1 << 20)
+}
 
 // simAgent is one simulated agent: a CA client of its own (its own connection, the CA verified
 // with its root), a token for its own service account, and a P-256 key and CSR for its identity.
@@ -255,7 +264,10 @@ func BenchmarkThousandAgents(b *testing.B) {
 		b.StopTimer()
 		b.ReportMetric(float64(retries.n.Load()), "retries")
 		b.ReportMetric(rssBefore, "ca-rss-before-MB")
-		b.ReportMetric(ca.rssMB(b), "ca-rss-after-MB")
+		rssAfter := ca.rssMB(b)
+		b.ReportMetric(rssAfter, "ca-rss-after-MB")
+		b.ReportMetric((rssAfter-rssBefore)*1024/n, "ca-rss-kB/agent")
+		b.ReportMetric(ca.heapMB(b), "ca-heap-after-MB")
 		b.ReportMetric(aloneP50, "baseline-alone-p50-ms")
 		for _, a := range agents {
 			_ = a.client.Close()
@@ -274,33 +286,37 @@ func (c agentCounts) within(base agentCounts, tolerance int) bool {
 
 func countsOf(b *testing.B, pid int, statusAddr string) agentCounts {
 	b.Helper()
-	// A connection of its own each time, closed after the scrape, so that no keep-alive
-	// connection to the agent outlives it.
-	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 10 * time.Second}
-	resp, err := client.Get("http://" + statusAddr + "/metrics")
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer func() { _ = resp.Body.Close() }()
-	goroutines := -1
-	sc := bufio.NewScanner(resp.Body)
-	for sc.Scan() {
-		if rest, ok := strings.CutPrefix(sc.Text(), "go_goroutines "); ok {
-			v, err := strconv.ParseFloat(rest, 64)
-			if err != nil {
-				b.Fatal(err)
-			}
-			goroutines = int(v)
-		}
-	}
-	if goroutines < 0 {
-		b.Fatal("no go_goroutines on the agent's /metrics")
-	}
+	goroutines := scrape(b, statusAddr, "go_goroutines")
 	fds, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
 	if err != nil {
 		b.Fatal(err)
 	}
-	return agentCounts{goroutines: goroutines, fds: len(fds)}
+	return agentCounts{goroutines: int(goroutines), fds: len(fds)}
+}
+
+// scrape reads the value of an unlabelled series from the /metrics at addr.
+func scrape(b *testing.B, addr, series string) float64 {
+	b.Helper()
+	// A connection of its own each time, closed after the scrape, so that no keep-alive
+	// connection to the process outlives it.
+	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 10 * time.Second}
+	resp, err := client.Get("http://" + addr + "/metrics")
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer func() { _ = resp.Body.Close() }()
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		if rest, ok := strings.CutPrefix(sc.Text(), series+" "); ok {
+			v, err := strconv.ParseFloat(rest, 64)
+			if err != nil {
+				b.Fatal(err)
+			}
+			return v
+		}
+	}
+	b.Fatalf("no %s on %s/metrics", series, addr)
+	return 0
 }
 
 // churnOnce is one connect/disconnect: a new connection, a StreamSecrets for "default", the

@@ -52,7 +52,7 @@ type fakeSigner struct {
 	ttls    []time.Duration
 }
 
-func newFakeSigner(t *testing.T, clk *testClock) *fakeSigner {
+func newFakeSigner(t testing.TB, clk *testClock) *fakeSigner {
 	t.Helper()
 	f := &fakeSigner{clock: clk}
 	f.rotateCA(t)
@@ -60,7 +60,7 @@ func newFakeSigner(t *testing.T, clk *testClock) *fakeSigner {
 }
 
 // rotateCA makes the signer issue from a new root and intermediate from now on.
-func (f *fakeSigner) rotateCA(t *testing.T) {
+func (f *fakeSigner) rotateCA(t testing.TB) {
 	t.Helper()
 	// Valid around t0, the fake clock's start, for as long as any test runs it.
 	notBefore, notAfter := t0.AddDate(-1, 0, 0), t0.AddDate(10, 0, 0)

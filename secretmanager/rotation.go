@@ -29,6 +29,10 @@ const (
 	DefaultGraceRatioJitter = istio.DefaultGraceRatioJitter
 	DefaultRetryInitial     = time.Second
 	DefaultRetryMax         = 5 * time.Minute
+	// RetrySpread is the random ± share of a retry's wait around the backoff's interval (as
+	// cenkalti/backoff's default randomization), so that agents that failed together, when
+	// their CA went down, do not come back to it together.
+	RetrySpread = 0.5
 )
 
 // Signer turns a CSR into a certificate chain, leaf first. The CA client is one.
@@ -57,7 +61,9 @@ type Rotation struct {
 	RootCertFile string
 	// RetryInitial and RetryMax bound the backoff between failed attempts.
 	RetryInitial, RetryMax time.Duration
-	Rand                   func() float64 // in [0, 1), for the jitter; nil is random
+	// Rand, in [0, 1), draws the renewal's jitter and the spread of each retry's wait
+	// (RetrySpread); nil is random.
+	Rand func() float64
 }
 
 // ValidateGrace checks a grace period ratio and its jitter: the renewal must fall strictly
@@ -143,6 +149,7 @@ func (rt *rotator) run(ctx context.Context) error {
 		backoff.WithMaxInterval(rt.cfg.RetryMax),
 		backoff.WithMaxElapsedTime(0), // a workload without a certificate keeps trying
 		backoff.WithClockProvider(rt.env.clock),
+		backoff.WithRandomizationFactor(0), // spread by retryWait, from cfg.Rand
 	)
 	var lastErr error
 	for {
@@ -160,7 +167,7 @@ func (rt *rotator) run(ctx context.Context) error {
 			}
 			lastErr = err
 			now = rt.env.clock.Now()
-			wait = retry.NextBackOff()
+			wait = rt.retryWait(retry.NextBackOff())
 			if current != nil && now.Before(current.NotAfter()) && current.NotAfter().Sub(now) < wait {
 				wait = current.NotAfter().Sub(now) // one more try, and a word, when the one in service expires
 			}
@@ -236,6 +243,11 @@ func (rt *rotator) newSecret(kp *KeyPair, received time.Time, source Source) *Se
 	}
 	s.RenewAt = rt.renewAt(s)
 	return s
+}
+
+// retryWait spreads the backoff's interval by ±RetrySpread.
+func (rt *rotator) retryWait(interval time.Duration) time.Duration {
+	return time.Duration(float64(interval) * (1 + RetrySpread*(2*rt.cfg.Rand()-1)))
 }
 
 // renewAt is when GraceRatio (± jitter) of the lifetime remains. The lifetime counts from when

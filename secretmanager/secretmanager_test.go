@@ -7,6 +7,7 @@ import (
 	"crypto/rsa"
 	"crypto/x509"
 	"errors"
+	"fmt"
 	"log/slog"
 	"math"
 	"os"
@@ -1226,5 +1227,40 @@ func TestRetryNoLaterThanExpiry(t *testing.T) {
 	}
 	if got := r.next(t); got.Version == first.Version {
 		t.Fatal("the retry at expiry did not put a new certificate in service")
+	}
+}
+
+// The wait before each retry is spread ±50% around the backoff's interval by Rotation.Rand, the
+// one source of the rotation's randomness: agents that failed together do not retry together,
+// and a test (or the storm benchmark's baseline) can take the spread away.
+func TestRetryWaitsAreSpreadByRand(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		rand  float64
+		waits []time.Duration // the first two retries
+	}{
+		{0, []time.Duration{5 * time.Second, 7500 * time.Millisecond}},
+		{0.5, []time.Duration{10 * time.Second, 15 * time.Second}},
+		{0.75, []time.Duration{12500 * time.Millisecond, 18750 * time.Millisecond}},
+	} {
+		t.Run(fmt.Sprint(tc.rand), func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t)
+			e.rot.RetryInitial, e.rot.RetryMax = 10*time.Second, time.Minute
+			e.rot.Rand = func() float64 { return tc.rand }
+			e.signer.setErr(errCADown)
+			e.start()
+			failedAt := t0
+			ev := e.failure(0)
+			for i, want := range tc.waits {
+				if got := ev.RetryAt.Sub(failedAt); got != want {
+					t.Fatalf("retry %d waits %s, want %s", i+1, got, want)
+				}
+				failedAt = ev.RetryAt
+				if ev = e.attempt(ev.RetryAt); ev.Kind != EventRenewalFailed {
+					t.Fatalf("attempt %d: %+v, want a failure", i+2, ev)
+				}
+			}
+		})
 	}
 }

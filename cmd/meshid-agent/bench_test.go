@@ -349,27 +349,7 @@ func BenchmarkStreams(b *testing.B) {
 
 func streamsOnce(b *testing.B, n int) {
 	b.Helper()
-	root := testutil.NewRootCA(b, testutil.CAOptions{})
-	creds := b.TempDir()
-	writePair := func() string {
-		leaf, key := root.IssueWorkload(b, "spiffe://cluster.local/ns/default/sa/bench", time.Hour)
-		files := map[string][]byte{
-			"cert-chain.pem": testutil.CertPEM(leaf, root.Cert),
-			"key.pem":        testutil.KeyPEM(b, key),
-			"root-cert.pem":  testutil.CertPEM(root.Cert),
-		}
-		// Key first, then the chain: each file is renamed into place.
-		for _, name := range []string{"key.pem", "cert-chain.pem", "root-cert.pem"} {
-			tmp := filepath.Join(creds, "."+name+".tmp")
-			if err := os.WriteFile(tmp, files[name], 0o600); err != nil {
-				b.Fatal(err)
-			}
-			if err := os.Rename(tmp, filepath.Join(creds, name)); err != nil {
-				b.Fatal(err)
-			}
-		}
-		return leaf.SerialNumber.Text(16)
-	}
+	creds, writePair := mountedCredentials(b)
 	first := writePair()
 	// The limits are raised above the defaults (1000 streams, 100 per connection) to measure
 	// what 10,000 streams cost on a few connections.
@@ -444,4 +424,33 @@ func streamsOnce(b *testing.B, n int) {
 		b.ReportMetric((rssAfter-rssBefore)/float64(n), "kB/stream")
 	}
 	b.ReportMetric(rssAfter, "rss-kB")
+}
+
+// mountedCredentials returns a directory for --credentials-dir and a function that writes a new
+// workload key pair (and its root) into it, each file renamed into place, and returns the leaf's
+// serial.
+func mountedCredentials(b *testing.B) (dir string, writePair func() string) {
+	b.Helper()
+	root := testutil.NewRootCA(b, testutil.CAOptions{})
+	dir = b.TempDir()
+	writePair = func() string {
+		leaf, key := root.IssueWorkload(b, "spiffe://cluster.local/ns/default/sa/bench", time.Hour)
+		files := map[string][]byte{
+			"cert-chain.pem": testutil.CertPEM(leaf, root.Cert),
+			"key.pem":        testutil.KeyPEM(b, key),
+			"root-cert.pem":  testutil.CertPEM(root.Cert),
+		}
+		// Key first, then the chain: each file is renamed into place.
+		for _, name := range []string{"key.pem", "cert-chain.pem", "root-cert.pem"} {
+			tmp := filepath.Join(dir, "."+name+".tmp")
+			if err := os.WriteFile(tmp, files[name], 0o600); err != nil {
+				b.Fatal(err)
+			}
+			if err := os.Rename(tmp, filepath.Join(dir, name)); err != nil {
+				b.Fatal(err)
+			}
+		}
+		return leaf.SerialNumber.Text(16)
+	}
+	return dir, writePair
 }

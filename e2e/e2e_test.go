@@ -134,9 +134,11 @@ func TestMesh(t *testing.T) {
 	firstRoot := readRoots(t, ca.rootFile())[0]
 
 	// Each agent gets its own service-account token and asks for short-lived certificates,
-	// renewed at half their life: the frontend's every 1.5 s, the backend's every 5 s.
+	// renewed at half their life: the frontend's every 1.5 s, the backend's every 10 s, which
+	// leaves the frontend several renewals in which to move to a new root before the backend does,
+	// even on a loaded machine.
 	frontendAgent := startAgent(t, ca, workload{name: "frontend", namespace: "default", serviceAccount: "frontend", secretTTL: 3 * time.Second})
-	backendAgent := startAgent(t, ca, workload{name: "backend", namespace: "backend", serviceAccount: "backend", secretTTL: 10 * time.Second})
+	backendAgent := startAgent(t, ca, workload{name: "backend", namespace: "backend", serviceAccount: "backend", secretTTL: 20 * time.Second})
 
 	// Each Envoy takes its listener (and the frontend its cluster) over ADS through its agent,
 	// then the secrets they name over SDS.

@@ -212,8 +212,20 @@ func (rt *rotator) issue(ctx context.Context) (*Secret, error) {
 		return nil, err
 	}
 	received := rt.env.clock.Now()
-	if err := pki.CheckKeyPair(chain, key, rt.cfg.Identity.String(), received); err != nil {
+	// A CA whose clock is ahead of ours by minutes returns a certificate not valid yet on our
+	// clock. It is served all the same, as Istio's agent does: Envoy serves what it is given, and
+	// peers judge it on their own clocks, which the CA's more likely matches. It must still be
+	// valid from then on; one that has expired on our clock is refused.
+	at, err := pki.ValidationTime(received, chain...)
+	if err == nil {
+		err = pki.CheckKeyPair(chain, key, rt.cfg.Identity.String(), at)
+	}
+	if err != nil {
 		return nil, fmt.Errorf("the CA returned an unusable certificate: %w", err)
+	}
+	if at.After(received) {
+		rt.env.log.Warn("the CA's clock is ahead of ours: its certificate is not valid yet on our clock; serving it",
+			logkey.NotBefore, at, logkey.Ahead, at.Sub(received).String())
 	}
 	keyPEM, err := pki.EncodePrivateKey(key)
 	if err != nil {
@@ -238,13 +250,20 @@ func (rt *rotator) newSecret(kp *KeyPair, received time.Time, source Source) *Se
 	return s
 }
 
-// renewAt is when GraceRatio (± jitter) of the lifetime remains. The lifetime counts from when
-// the certificate was received, not from NotBefore: CAs backdate NotBefore by minutes, which for
-// a short TTL would put the renewal in the past at once.
+// renewAt is when GraceRatio (± jitter) of the lifetime remains, counted from when the
+// certificate was received. The lifetime is the shorter of what is left on our clock at receipt
+// (NotAfter−Received) and what the CA gave (NotAfter−NotBefore):
+//   - CAs backdate NotBefore by minutes, which for a short TTL would put the renewal in the past
+//     at once were it counted from NotBefore;
+//   - a CA whose clock is ahead of ours sets NotBefore in our future and NotAfter further out on
+//     our clock than it is on the CA's and its peers': counted from receipt, the lifetime the CA
+//     gave ends before NotAfter does on our clock, while the certificate is still valid on theirs;
+//   - a CA whose clock is behind ours leaves less on our clock than it gave, and the renewal
+//     must come before NotAfter on our clock, which decides what we serve.
 func (rt *rotator) renewAt(s *Secret) time.Time {
 	ratio := rt.cfg.GraceRatio + rt.cfg.GraceRatioJitter*(2*rt.cfg.Rand()-1)
-	lifetime := s.NotAfter().Sub(s.Received)
-	return s.NotAfter().Add(-time.Duration(ratio * float64(lifetime)))
+	lifetime := min(s.NotAfter().Sub(s.Received), s.NotAfter().Sub(s.KeyPair.Leaf().NotBefore))
+	return s.Received.Add(time.Duration((1 - ratio) * float64(lifetime)))
 }
 
 // install publishes a new key pair: the trust bundle first, so that a peer that gets both trusts

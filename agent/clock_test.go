@@ -2,10 +2,12 @@ package agent_test
 
 import (
 	"context"
+	"errors"
 	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -197,3 +199,167 @@ func (e *events) snapshot() []secretmanager.Event {
 	defer e.mu.Unlock()
 	return append([]secretmanager.Event(nil), e.seen...)
 }
+
+// A jump of the injected clock past RenewAt, and past NotAfter, in one step renews at once: the
+// renewal timer is due, and nothing waits on a deadline computed from the old time. Nothing
+// expired is pushed meanwhile.
+func TestClockJumpRenewsAtOnce(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name string
+		past func(s *secretmanager.Secret) time.Time
+	}{
+		{"past RenewAt", func(s *secretmanager.Secret) time.Time { return s.RenewAt.Add(time.Minute) }},
+		{"past NotAfter", func(s *secretmanager.Secret) time.Time { return s.NotAfter().Add(time.Minute) }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t)
+			ev := newEvents()
+			a := newAgent(t, e.config(t, e.tokenFile(t, "default", "demo"), ev))
+			certs := issued(t, a)
+			runAgent(t, a)
+			first := receive(t, certs, "first certificate")
+			awaitWritten(t, ev, first)
+			envoy := sdstest.Dial(t, a.SocketPath())
+			sotw := envoy.StreamSecrets()
+			sotw.Subscribe(secretNames...)
+			last, _ := sotw.RecvAll(secretNames...)
+			sotw.Ack(last, secretNames...)
+
+			ctx, cancel := context.WithTimeout(t.Context(), wait)
+			defer cancel()
+			if err := e.clock.WaitForTimers(ctx, 2); err != nil { // the renewal and the CA's root check
+				t.Fatal(err)
+			}
+			e.clock.Set(tc.past(first)) // one step; the clock stays there
+			second := receive(t, certs, "certificate renewed after the jump")
+			if second.Version == first.Version || !second.Received.Equal(e.clock.Now()) {
+				t.Fatalf("renewed %s at %s, want a new serial at %s", second.Version, second.Received, e.clock.Now())
+			}
+			p := sotw.Recv()
+			chain := workloadChain(t, p.Secrets["default"])
+			if serialOf(chain) != second.Version || !e.clock.Now().Before(chain[0].NotAfter) {
+				t.Fatalf("pushed %s valid until %s after the jump to %s, want %s", serialOf(chain), chain[0].NotAfter, e.clock.Now(), second.Version)
+			}
+			awaitWritten(t, ev, second)
+			checkReady(t, a)
+		})
+	}
+}
+
+// A jump past NotAfter while no renewal can be had leaves the agent not ready, saying its
+// certificate expired, and pushes nothing; it renews as soon as it can again.
+func TestClockJumpPastExpiryWhileTheCAIsOutOfReach(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	ev := newEvents()
+	tokenPath := e.tokenFile(t, "default", "demo")
+	a := newAgent(t, e.config(t, tokenPath, ev))
+	certs := issued(t, a)
+	runAgent(t, a)
+	first := receive(t, certs, "first certificate")
+	awaitWritten(t, ev, first)
+	envoy := sdstest.Dial(t, a.SocketPath())
+	sotw := envoy.StreamSecrets()
+	sotw.Subscribe(secretNames...)
+	last, _ := sotw.RecvAll(secretNames...)
+	sotw.Ack(last, secretNames...)
+
+	// Without the token, and with the certificate that would authenticate over mTLS expired,
+	// the agent has nothing to ask the CA with.
+	if err := os.Remove(tokenPath); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), wait)
+	defer cancel()
+	if err := e.clock.WaitForTimers(ctx, 2); err != nil {
+		t.Fatal(err)
+	}
+	e.clock.Set(first.NotAfter().Add(time.Minute))
+	ev.await(t, "default reported expired", func(x secretmanager.Event) bool {
+		return x.Kind == secretmanager.EventChanged && x.Name == "default" && errors.Is(x.Err, secretmanager.ErrExpired)
+	})
+	code, body := httpGet(t, "http://"+a.StatusAddr()+"/healthz/ready")
+	if code != http.StatusServiceUnavailable || !strings.Contains(body, "expired") {
+		t.Fatalf("/healthz/ready = %d %q, want 503 saying the certificate expired", code, body)
+	}
+
+	e.tokenFile(t, "default", "demo") // minted at the new time
+	second := testutil.Drive(t, e.clock, time.Second, 1, certs)
+	if second.Version == first.Version {
+		t.Fatal("no new certificate")
+	}
+	// The first push since the jump is the new certificate: the expired one was not pushed again.
+	p := sotw.Recv()
+	chain := workloadChain(t, p.Secrets["default"])
+	if serialOf(chain) != second.Version || !e.clock.Now().Before(chain[0].NotAfter) {
+		t.Fatalf("pushed %s valid until %s at %s, want %s", serialOf(chain), chain[0].NotAfter, e.clock.Now(), second.Version)
+	}
+	awaitWritten(t, ev, second)
+	checkReady(t, a)
+}
+
+// steppedClock is the agent's clock on a real machine: its wall time can step (NTP correcting
+// it, or a resume from sleep) without firing the timers, which run on the monotonic clock (the
+// FakeClock underneath).
+type steppedClock struct {
+	*testutil.FakeClock
+	mu     sync.Mutex
+	offset time.Duration
+}
+
+func (c *steppedClock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.FakeClock.Now().Add(c.offset)
+}
+
+// Step moves the wall time by d; no timer notices.
+func (c *steppedClock) Step(d time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.offset += d
+}
+
+// After a step of the wall clock past RenewAt (a resume from sleep), the renewal does not wait
+// for its timer, which counts monotonic time: the agent looks at the wall clock once a minute.
+func TestWallClockStepRenewsWithinAMinute(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	ev := newEvents()
+	cfg := e.config(t, e.tokenFile(t, "default", "demo"), ev)
+	logs := newLogSink(t)
+	cfg.Logger = logs.logger()
+	clk := &steppedClock{FakeClock: e.clock} // the CA's clock is the monotonic one: it did not sleep
+	cfg.Clock = clk
+	a := newAgent(t, cfg)
+	certs := issued(t, a)
+	runAgent(t, a)
+	first := receive(t, certs, "first certificate")
+	awaitWritten(t, ev, first)
+
+	ctx, cancel := context.WithTimeout(t.Context(), wait)
+	defer cancel()
+	if err := e.clock.WaitForTimers(ctx, 3); err != nil { // the renewal, its wall-clock check, the CA's root check
+		t.Fatal(err)
+	}
+	// Past RenewAt on the wall clock, with 10 minutes of the CA's 30 left: the agent is now 20
+	// minutes ahead of the CA.
+	clk.Step(first.RenewAt.Sub(clk.Now()) + 5*time.Minute)
+	e.clock.Advance(time.Minute)
+	second := receive(t, certs, "certificate renewed within a minute of the step")
+	if second.Version == first.Version {
+		t.Fatal("no new certificate")
+	}
+	if !second.RenewAt.Before(second.NotAfter()) || !second.RenewAt.After(clk.Now()) {
+		t.Fatalf("the new certificate is renewed at %s, want after now %s and before its expiry %s", second.RenewAt, clk.Now(), second.NotAfter())
+	}
+	if got := logs.records(t, wallClockPassed); len(got) != 1 {
+		t.Errorf("%d records %q, want 1", len(got), wallClockPassed)
+	}
+	awaitWritten(t, ev, second)
+	checkReady(t, a)
+}
+
+const wallClockPassed = "the wall clock passed the renewal time before the timer did (a clock step, or the machine slept): renewing now"

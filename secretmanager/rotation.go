@@ -17,6 +17,7 @@ import (
 
 	"github.com/cenkalti/backoff/v4"
 
+	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/istio"
 	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/internal/pki"
@@ -30,6 +31,9 @@ const (
 	DefaultRetryInitial     = time.Second
 	DefaultRetryMax         = 5 * time.Minute
 )
+
+// wallClockCheck is how often the wall clock is looked at again while a renewal is awaited.
+const wallClockCheck = time.Minute
 
 // Signer turns a CSR into a certificate chain, leaf first. The CA client is one.
 type Signer interface {
@@ -144,17 +148,27 @@ func (rt *rotator) run(ctx context.Context) error {
 		backoff.WithMaxElapsedTime(0), // a workload without a certificate keeps trying
 		backoff.WithClockProvider(rt.env.clock),
 	)
-	var lastErr error
+	var (
+		lastErr error
+		checked bool // woken by the wall-clock check, not by the renewal timer
+	)
 	for {
 		now := rt.env.clock.Now()
 		var wait time.Duration
-		if current != nil && now.Before(current.RenewAt) {
+		awaitRenewal := current != nil && now.Before(current.RenewAt)
+		if awaitRenewal {
 			wait = current.RenewAt.Sub(now)
-		} else if next, err := rt.issue(ctx); err == nil {
-			current, lastErr = next, nil
-			retry.Reset()
-			continue
 		} else {
+			if checked {
+				rt.env.log.Info("the wall clock passed the renewal time before the timer did (a clock step, or the machine slept): renewing now",
+					logkey.RenewAt, current.RenewAt, logkey.NotAfter, current.NotAfter())
+			}
+			next, err := rt.issue(ctx)
+			if err == nil {
+				current, lastErr, checked = next, nil, false
+				retry.Reset()
+				continue
+			}
 			if ctx.Err() != nil {
 				return nil
 			}
@@ -166,12 +180,34 @@ func (rt *rotator) run(ctx context.Context) error {
 			}
 			rt.failed(err, current, now, now.Add(wait))
 		}
+		checked = false
 		timer := rt.env.clock.NewTimer(wait)
+		// Timers run on the monotonic clock, which ignores steps of the wall clock and, on Linux,
+		// stops while the machine sleeps: after a resume, or NTP correcting a clock that was
+		// behind, a timer armed for RenewAt can fire long after RenewAt (and NotAfter) on the wall
+		// clock, on which certificates are judged. So while a renewal is awaited the wall clock is
+		// looked at again every wallClockCheck: one cheap wakeup a minute. (Retries wait at most
+		// RetryMax, and are not hurried.)
+		var (
+			check   clock.Timer
+			recheck <-chan time.Time // nil, never ready, without a check
+		)
+		if awaitRenewal && wait > wallClockCheck {
+			check = rt.env.clock.NewTimer(wallClockCheck)
+			recheck = check.C()
+		}
 		select {
 		case <-ctx.Done():
-			timer.Stop()
-			return nil
 		case <-timer.C():
+		case <-recheck:
+			checked = true
+		}
+		timer.Stop()
+		if check != nil {
+			check.Stop()
+		}
+		if ctx.Err() != nil {
+			return nil
 		}
 		if current != nil && lastErr != nil && !current.validAt(rt.env.clock.Now()) {
 			rt.env.fail(WorkloadCertName, lastErr) // tell subscribers at once that it expired

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/credentials"
 
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/pki"
 )
 
 // UpstreamConfig configures a long-lived connection to the control plane's other services on
@@ -41,11 +42,21 @@ func DialUpstream(cfg UpstreamConfig) (*grpc.ClientConn, error) {
 		cfg.ServerName = DefaultServerName
 	}
 	clk := clock.OrReal(cfg.Clock)
-	tlsCfg := &tls.Config{MinVersion: tls.VersionTLS12, ServerName: cfg.ServerName, Time: clk.Now}
-	if cfg.RootCertFile != "" {
-		// Verified here against the file as it is now, instead of a pool fixed at dial time.
-		tlsCfg.InsecureSkipVerify = true // VerifyConnection verifies the chain and the name
-		tlsCfg.VerifyConnection = func(cs tls.ConnectionState) error { return verifyServer(cs, cfg.RootCertFile, cfg.ServerName, clk) }
+	tlsCfg := &tls.Config{
+		MinVersion: tls.VersionTLS12, ServerName: cfg.ServerName,
+		// Verified by VerifyConnection, against the root file as it is now instead of a pool fixed
+		// at dial time, and tolerating the server's clock ahead of ours (see verifyServer).
+		InsecureSkipVerify: true, //nolint:gosec // VerifyConnection verifies the chain and the name
+		VerifyConnection: func(cs tls.ConnectionState) error {
+			var roots *x509.CertPool // nil: the system roots
+			if cfg.RootCertFile != "" {
+				var err error
+				if roots, err = readRoots(cfg.RootCertFile); err != nil {
+					return err
+				}
+			}
+			return verifyServer(cs, roots, cfg.ServerName, clk)
+		},
 	}
 	if cfg.ClientCertificate != nil {
 		tlsCfg.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) {
@@ -63,27 +74,42 @@ func DialUpstream(cfg UpstreamConfig) (*grpc.ClientConn, error) {
 	return conn, nil
 }
 
-func verifyServer(cs tls.ConnectionState, rootFile, serverName string, clk clock.Clock) error {
+func readRoots(rootFile string) (*x509.CertPool, error) {
 	rootsPEM, err := os.ReadFile(rootFile)
 	if err != nil {
-		return fmt.Errorf("read the upstream's root: %w", err)
+		return nil, fmt.Errorf("read the server's root: %w", err)
 	}
 	roots := x509.NewCertPool()
 	if !roots.AppendCertsFromPEM(rootsPEM) {
-		return fmt.Errorf("the root file %s holds no certificate", rootFile)
+		return nil, fmt.Errorf("the root file %s holds no certificate", rootFile)
 	}
+	return roots, nil
+}
+
+// verifyServer verifies the server's chain for serverName under roots (nil: the system roots) on
+// our clock, as crypto/tls would, except that a NotBefore ahead of our clock by less than
+// pki.MaxClockSkew is tolerated: the CA reissues its serving certificate from its own clock, and
+// an agent whose clock is behind by minutes must still reach it. An expired chain is refused.
+func verifyServer(cs tls.ConnectionState, roots *x509.CertPool, serverName string, clk clock.Clock) error {
 	if len(cs.PeerCertificates) == 0 {
-		return errors.New("the upstream presented no certificate")
+		return errors.New("the server presented no certificate")
+	}
+	at, err := pki.ValidationTime(clk.Now(), cs.PeerCertificates...)
+	if err != nil {
+		return fmt.Errorf("the server's certificate: %w", err)
 	}
 	inter := x509.NewCertPool()
 	for _, c := range cs.PeerCertificates[1:] {
 		inter.AddCert(c)
 	}
 	_, err = cs.PeerCertificates[0].Verify(x509.VerifyOptions{
-		Roots: roots, Intermediates: inter, DNSName: serverName, CurrentTime: clk.Now(),
+		Roots: roots, Intermediates: inter, DNSName: serverName, CurrentTime: at,
 		KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
 	})
-	return err
+	if err != nil {
+		return fmt.Errorf("tls: failed to verify certificate: %w", err)
+	}
+	return nil
 }
 
 // streamCredentials put the token, read afresh, on every stream, as the CA client does on every

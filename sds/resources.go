@@ -18,13 +18,20 @@ const SecretTypeURL = "type.googleapis.com/envoy.extensions.transport_sockets.tl
 
 // toResource checks a secret and turns it into Envoy's Secret resource: a tls_certificate for a
 // key pair, a validation_context for a trust bundle. Nothing invalid is ever sent (istio#49575):
-// a key pair must have a chain, a key that matches its leaf, and a leaf valid at now. notAfter
+// a key pair must have a chain, a key that matches its leaf, and a leaf not expired at now (and
+// valid from then, or from a NotBefore less than pki.MaxClockSkew ahead of it). notAfter
 // is the leaf's expiry, zero for a trust bundle.
 func toResource(s *secretmanager.Secret, now time.Time) (resource *anypb.Any, notAfter time.Time, err error) {
 	out := &tlsv3.Secret{Name: s.Name}
 	switch {
 	case s.KeyPair != nil:
-		if err := pki.CheckKeyPair(s.KeyPair.Chain, s.KeyPair.Key, "", now); err != nil {
+		// A NotBefore in our future is our clock behind the CA's: Envoy serves such a certificate
+		// and its peers judge it on their clocks (see pki.ValidationTime). An expired one is not sent.
+		at, err := pki.ValidationTime(now, s.KeyPair.Chain...)
+		if err == nil {
+			err = pki.CheckKeyPair(s.KeyPair.Chain, s.KeyPair.Key, "", at)
+		}
+		if err != nil {
 			return nil, time.Time{}, err
 		}
 		out.Type = &tlsv3.Secret_TlsCertificate{TlsCertificate: &tlsv3.TlsCertificate{

@@ -295,8 +295,10 @@ func TestInvalidSecretsAreNotPushed(t *testing.T) {
 			leaf, key := issue(t, now.Add(-2*time.Hour), now.Add(-time.Hour))
 			return keyPair(t, dflt, []*x509.Certificate{leaf, p.root.Cert}, key)
 		}},
-		{name: "not yet valid", secret: func(t *testing.T) *secretmanager.Secret {
-			leaf, key := issue(t, now.Add(time.Hour), now.Add(2*time.Hour))
+		// A NotBefore minutes or hours ahead is our clock behind the CA's, and is sent; days ahead
+		// is a wrong clock.
+		{name: "not valid for days", secret: func(t *testing.T) *secretmanager.Secret {
+			leaf, key := issue(t, now.Add(pki.MaxClockSkew+time.Hour), now.Add(pki.MaxClockSkew+2*time.Hour))
 			return keyPair(t, dflt, []*x509.Certificate{leaf, p.root.Cert}, key)
 		}},
 		{name: "key without chain", secret: func(t *testing.T) *secretmanager.Secret {

@@ -17,6 +17,7 @@ import (
 
 	"github.com/cenkalti/backoff/v4"
 
+	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/istio"
 	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/internal/pki"
@@ -34,6 +35,9 @@ const (
 	// their CA went down, do not come back to it together.
 	RetrySpread = 0.5
 )
+
+// wallClockCheck is how often the wall clock is looked at again while a renewal is awaited.
+const wallClockCheck = time.Minute
 
 // Signer turns a CSR into a certificate chain, leaf first. The CA client is one.
 type Signer interface {
@@ -151,17 +155,27 @@ func (rt *rotator) run(ctx context.Context) error {
 		backoff.WithClockProvider(rt.env.clock),
 		backoff.WithRandomizationFactor(0), // spread by retryWait, from cfg.Rand
 	)
-	var lastErr error
+	var (
+		lastErr error
+		checked bool // woken by the wall-clock check, not by the renewal timer
+	)
 	for {
 		now := rt.env.clock.Now()
 		var wait time.Duration
-		if current != nil && now.Before(current.RenewAt) {
+		awaitRenewal := current != nil && now.Before(current.RenewAt)
+		if awaitRenewal {
 			wait = current.RenewAt.Sub(now)
-		} else if next, err := rt.issue(ctx); err == nil {
-			current, lastErr = next, nil
-			retry.Reset()
-			continue
 		} else {
+			if checked {
+				rt.env.log.Info("the wall clock passed the renewal time before the timer did (a clock step, or the machine slept): renewing now",
+					logkey.RenewAt, current.RenewAt, logkey.NotAfter, current.NotAfter())
+			}
+			next, err := rt.issue(ctx)
+			if err == nil {
+				current, lastErr, checked = next, nil, false
+				retry.Reset()
+				continue
+			}
 			if ctx.Err() != nil {
 				return nil
 			}
@@ -173,12 +187,34 @@ func (rt *rotator) run(ctx context.Context) error {
 			}
 			rt.failed(err, current, now, now.Add(wait))
 		}
+		checked = false
 		timer := rt.env.clock.NewTimer(wait)
+		// Timers run on the monotonic clock, which ignores steps of the wall clock and, on Linux,
+		// stops while the machine sleeps: after a resume, or NTP correcting a clock that was
+		// behind, a timer armed for RenewAt can fire long after RenewAt (and NotAfter) on the wall
+		// clock, on which certificates are judged. So while a renewal is awaited the wall clock is
+		// looked at again every wallClockCheck: one cheap wakeup a minute. (Retries wait at most
+		// RetryMax, and are not hurried.)
+		var (
+			check   clock.Timer
+			recheck <-chan time.Time // nil, never ready, without a check
+		)
+		if awaitRenewal && wait > wallClockCheck {
+			check = rt.env.clock.NewTimer(wallClockCheck)
+			recheck = check.C()
+		}
 		select {
 		case <-ctx.Done():
-			timer.Stop()
-			return nil
 		case <-timer.C():
+		case <-recheck:
+			checked = true
+		}
+		timer.Stop()
+		if check != nil {
+			check.Stop()
+		}
+		if ctx.Err() != nil {
+			return nil
 		}
 		if current != nil && lastErr != nil && !current.validAt(rt.env.clock.Now()) {
 			rt.env.fail(WorkloadCertName, lastErr) // tell subscribers at once that it expired
@@ -219,8 +255,20 @@ func (rt *rotator) issue(ctx context.Context) (*Secret, error) {
 		return nil, err
 	}
 	received := rt.env.clock.Now()
-	if err := pki.CheckKeyPair(chain, key, rt.cfg.Identity.String(), received); err != nil {
+	// A CA whose clock is ahead of ours by minutes returns a certificate not valid yet on our
+	// clock. It is served all the same, as Istio's agent does: Envoy serves what it is given, and
+	// peers judge it on their own clocks, which the CA's more likely matches. It must still be
+	// valid from then on; one that has expired on our clock is refused.
+	at, err := pki.ValidationTime(received, chain...)
+	if err == nil {
+		err = pki.CheckKeyPair(chain, key, rt.cfg.Identity.String(), at)
+	}
+	if err != nil {
 		return nil, fmt.Errorf("the CA returned an unusable certificate: %w", err)
+	}
+	if at.After(received) {
+		rt.env.log.Warn("the CA's clock is ahead of ours: its certificate is not valid yet on our clock; serving it",
+			logkey.NotBefore, at, logkey.Ahead, at.Sub(received).String())
 	}
 	keyPEM, err := pki.EncodePrivateKey(key)
 	if err != nil {
@@ -250,13 +298,20 @@ func (rt *rotator) retryWait(interval time.Duration) time.Duration {
 	return time.Duration(float64(interval) * (1 + RetrySpread*(2*rt.cfg.Rand()-1)))
 }
 
-// renewAt is when GraceRatio (± jitter) of the lifetime remains. The lifetime counts from when
-// the certificate was received, not from NotBefore: CAs backdate NotBefore by minutes, which for
-// a short TTL would put the renewal in the past at once.
+// renewAt is when GraceRatio (± jitter) of the lifetime remains, counted from when the
+// certificate was received. The lifetime is the shorter of what is left on our clock at receipt
+// (NotAfter−Received) and what the CA gave (NotAfter−NotBefore):
+//   - CAs backdate NotBefore by minutes, which for a short TTL would put the renewal in the past
+//     at once were it counted from NotBefore;
+//   - a CA whose clock is ahead of ours sets NotBefore in our future and NotAfter further out on
+//     our clock than it is on the CA's and its peers': counted from receipt, the lifetime the CA
+//     gave ends before NotAfter does on our clock, while the certificate is still valid on theirs;
+//   - a CA whose clock is behind ours leaves less on our clock than it gave, and the renewal
+//     must come before NotAfter on our clock, which decides what we serve.
 func (rt *rotator) renewAt(s *Secret) time.Time {
 	ratio := rt.cfg.GraceRatio + rt.cfg.GraceRatioJitter*(2*rt.cfg.Rand()-1)
-	lifetime := s.NotAfter().Sub(s.Received)
-	return s.NotAfter().Add(-time.Duration(ratio * float64(lifetime)))
+	lifetime := min(s.NotAfter().Sub(s.Received), s.NotAfter().Sub(s.KeyPair.Leaf().NotBefore))
+	return s.Received.Add(time.Duration((1 - ratio) * float64(lifetime)))
 }
 
 // install publishes a new key pair: the trust bundle first, so that a peer that gets both trusts

@@ -23,6 +23,8 @@ const (
 	Method            = "auth_method"
 	Serial            = "serial"
 	NotAfter          = "not_after"
+	NotBefore         = "not_before"
+	Ahead             = "ahead"
 	Address           = "address"
 	Path              = "path"
 	Dir               = "dir"

@@ -482,6 +482,18 @@ func (l *fileLoader) read(r *fileResource) {
 	s, err := l.readFiles(r, now)
 
 	l.mu.Lock()
+	if err != nil && r.again && l.resources[r.name] == r {
+		// The files changed while they were read (a ..data swap removing the generation being
+		// read, say): the error may be the change's, not the files'. The read after it decides.
+		r.reading, r.again = false, false
+		if r.allowed != nil {
+			l.clientReads--
+		}
+		l.stale[r] = true
+		l.mu.Unlock()
+		l.poke()
+		return
+	}
 	had, failed := r.current, r.failed
 	switch {
 	case err != nil:

@@ -170,7 +170,7 @@ func (rt *rotator) run(ctx context.Context) error {
 				rt.env.log.Info("the wall clock passed the renewal time before the timer did (a clock step, or the machine slept): renewing now",
 					logkey.RenewAt, current.RenewAt, logkey.NotAfter, current.NotAfter())
 			}
-			next, err := rt.issue(ctx)
+			next, err := rt.issueTellingExpiry(ctx, current)
 			if err == nil {
 				current, lastErr, checked = next, nil, false
 				retry.Reset()
@@ -238,6 +238,40 @@ func (rt *rotator) failed(err error, current *Secret, now, retryAt time.Time) {
 	if rt.roots == "" {
 		rt.env.fail(RootCertName, fmt.Errorf("no trusted root yet: %w", err))
 	}
+}
+
+// expiryGuardWindow: a request to the CA can outlast the certificate in service only if it starts
+// this close to its expiry; the CA client gives up within it (three attempts of 10 s, and their
+// backoff). Further out, no guard is armed, and no timer.
+const expiryGuardWindow = time.Minute
+
+// issueTellingExpiry is issue, and tells subscribers when current expires while the CA is still
+// being asked: a CA that accepts the request and never answers (a stopped process) holds it until
+// the client's deadlines, which may outlast the certificate in service.
+func (rt *rotator) issueTellingExpiry(ctx context.Context, current *Secret) (*Secret, error) {
+	now := rt.env.clock.Now()
+	if current == nil || !now.Before(current.NotAfter()) || current.NotAfter().Sub(now) > expiryGuardWindow {
+		return rt.issue(ctx) // none, its expiry already told, or the request ends before it
+	}
+	timer := rt.env.clock.NewTimer(current.NotAfter().Sub(now))
+	done := make(chan struct{})
+	told := make(chan bool, 1)
+	go func() {
+		select {
+		case <-done:
+			told <- false
+		case <-timer.C():
+			rt.env.fail(WorkloadCertName, fmt.Errorf("%w since %s, not answered yet", ErrRenewalUnderWay, now.UTC().Format(time.RFC3339)))
+			told <- true
+		}
+	}()
+	s, err := rt.issue(ctx)
+	close(done)
+	timer.Stop()
+	if <-told && err == nil {
+		rt.env.set(s) // clears the failure the expiry recorded, if it came after the new secret
+	}
+	return s, err
 }
 
 // issue generates a key, has the CSR signed, and puts the result in service.

@@ -27,6 +27,8 @@ var (
 	ErrTooManyFiles = errors.New("too many file secrets")
 	// ErrExpired reports a key pair that expired before a new one could be had.
 	ErrExpired = errors.New("the certificate has expired")
+	// ErrRenewalUnderWay reports a request to the CA not answered when the certificate expired.
+	ErrRenewalUnderWay = errors.New("a renewal under way")
 )
 
 // Source says where a secret came from.

@@ -1264,3 +1264,34 @@ func TestRetryWaitsAreSpreadByRand(t *testing.T) {
 		})
 	}
 }
+
+// A CA that accepts the renewal and never answers (a stopped process) holds the request until the
+// client's deadlines, which may outlast a short-lived certificate in service: its expiry is told
+// when it comes (subscribers, meshid_agent_cert_valid), not when the request ends.
+func TestExpiryDuringAHungRenewal(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	e.rot.TTL = time.Minute // renewed with 30 s left: within the CA client's deadlines
+	r := e.start()
+	first := r.next(t)
+	entered, release := e.signer.blockCalls()
+	defer release()
+	e.idle(first.RenewAt)
+	e.clock.Set(first.RenewAt)
+	recv(t, entered, "the renewal's call to the CA")
+
+	e.clock.Set(first.NotAfter())
+	if err := r.workload.nextErr(t); !errors.Is(err, ErrExpired) {
+		t.Fatalf("told %v at expiry, the renewal still under way; want ErrExpired", err)
+	}
+	if got := e.certValid(); got != 0 {
+		t.Fatalf("meshid_agent_cert_valid = %v after expiry, the renewal still under way", got)
+	}
+	release()
+	if got := r.next(t); got.Version == first.Version {
+		t.Fatal("the renewal that ended after expiry did not put a new certificate in service")
+	}
+	if got := e.certValid(); got != 1 {
+		t.Fatalf("meshid_agent_cert_valid = %v with a new certificate", got)
+	}
+}

@@ -348,8 +348,8 @@ func churnOnce(ctx context.Context, socket string) error {
 	if err != nil {
 		return err
 	}
-	serial, err := s.next("default")
-	if err == nil && serial == "" {
+	chain, err := s.next("default")
+	if err == nil && chain == "" {
 		err = errors.New("no default secret in the first response")
 	}
 	return err

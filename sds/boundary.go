@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"math"
 	"net"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -52,34 +51,14 @@ func (s *Server) grpcOptions() []grpc.ServerOption {
 		// (REFUSED_STREAM) before any handler runs.
 		grpc.MaxConcurrentStreams(perConnection),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: keepaliveMinTime, PermitWithoutStream: true}),
-		grpc.ChainStreamInterceptor(s.admitStream),
-		grpc.ChainUnaryInterceptor(s.admitCall),
 	}
 }
 
-// admitStream lets a stream in while fewer than MaxStreams streams and calls are open, and
-// reports a request the transport refused as too large.
-func (s *Server) admitStream(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
-	protocol := protocolOf(info.FullMethod)
-	if err := s.admit(ss.Context(), protocol); err != nil {
-		return err
-	}
-	defer s.release()
-	// The stream itself is not wrapped: a wrapper's frame in every receive cost each stream 4 kB
-	// of stack (BenchmarkStreams). So a request over MaxRecvMsgSize is refused by the transport
-	// (ResourceExhausted) without a count, as a stream past the per-connection limit is.
-	return handler(srv, ss)
-}
-
-// admitCall is admitStream for FetchSecrets, which may wait for a secret as long as its client lets it.
-func (s *Server) admitCall(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
-	if err := s.admit(ctx, protocolOf(info.FullMethod)); err != nil {
-		return nil, err
-	}
-	defer s.release()
-	return handler(ctx, req)
-}
-
+// admit lets a stream or a fetch in while fewer than MaxStreams streams and calls are open; the
+// handler calls release when it ends. It is called by the handlers rather than an interceptor: a
+// wrapper's frame under every blocked Recv cost each stream 4 kB of stack (BenchmarkStreams). A
+// request over MaxRecvMsgSize is refused by the transport (ResourceExhausted) without a count, as
+// a stream past the per-connection limit is.
 func (s *Server) admit(ctx context.Context, protocol string) error {
 	s.mu.Lock()
 	ok := s.calls < s.cfg.MaxStreams
@@ -121,19 +100,6 @@ func (s *Server) admitConnection(who string) (closed func(), err error) {
 }
 
 var errTooManyConnections = errors.New("too many SDS connections open")
-
-func protocolOf(fullMethod string) string {
-	switch fullMethod[strings.LastIndex(fullMethod, "/")+1:] {
-	case "StreamSecrets":
-		return "sotw"
-	case "DeltaSecrets":
-		return "delta"
-	case "FetchSecrets":
-		return "fetch"
-	default:
-		return "unknown"
-	}
-}
 
 // peerCredentials secures nothing (the socket's mode says who may connect): it tells each
 // connection's peer, so that a refusal says who asked, and admits connections.

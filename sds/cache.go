@@ -7,13 +7,12 @@ import (
 	"log/slog"
 	"maps"
 	"slices"
-	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
-	"github.com/envoyproxy/go-control-plane/pkg/cache/v3"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/anypb"
@@ -32,12 +31,11 @@ type Secrets interface {
 	Subscribe(name string, fn func(*secretmanager.Secret, error)) (cancel func(), err error)
 }
 
-// secretCache is go-control-plane's cache.Cache for SDS, built for secrets made on demand and
-// pushed per name (STYLE.md habit 9). It subscribes once to each name asked for and keeps what
-// the secret manager last said of it. A watch answers at most once, and only with the subscribed
-// names whose current version differs from what the stream was last sent (its returned
-// resources), never because of the request's version_info: so a NACK gets no reply, an ACK gets
-// none, and a rotation reaches only the streams subscribed to that name.
+// secretCache follows the secrets the streams ask for (STYLE.md habit 9): it subscribes once to
+// each name and keeps what the secret manager last said of it, marshaled once for every stream.
+// A change of a name's version notifies the streams subscribed to it, and only them; a stream
+// sends what its client does not have yet, never because of the request's version_info: so a
+// NACK gets no reply, an ACK gets none, and a rotation reaches only the streams that asked for it.
 type secretCache struct {
 	secrets Secrets
 	clock   clock.Clock
@@ -55,39 +53,37 @@ type secretCache struct {
 	closed      bool
 }
 
-// idleRelease is how long a name no stream watches keeps its subscription: a stream has no watch
-// between a response and its next request, which Envoy sends at once; a name idle longer is
-// released, so that what hostile or departed clients asked for is not held for the agent's life.
+// idleRelease is how long a name no stream subscribes to keeps its subscription, so that what
+// hostile or departed clients asked for is not held for the agent's life.
 const idleRelease = time.Minute
 
 // entry is what the secret manager last said of one name, as Envoy receives it.
 type entry struct {
-	// The secret to send, marshaled once and shared by every stream; nil when there is none.
+	// served is the secret to send, nil when there is none. It is read without the cache's lock,
+	// so that a rotation's thousands of streams do not queue on it.
+	served atomic.Pointer[servedSecret]
+	// err says why there is no secret to send; nil while none is known yet.
+	err      error
+	known    chan struct{} // closed once a secret or an error has come
+	watchers map[*watcher]struct{}
+	// pins counts the requests between subscribing to the name and indexing their stream under
+	// it (or the end of a fetch): a pinned name is never released.
+	pins      int
+	idleSince time.Time // when the last watcher or pin went; zero while in use
+}
+
+// servedSecret is a secret as every stream is sent it, marshaled once.
+type servedSecret struct {
 	resource *anypb.Any
 	version  string
 	notAfter time.Time // a key pair's expiry; zero for a trust bundle
-	// err says why there is no secret to send; nil while none is known yet.
-	err     error
-	known   chan struct{} // closed once a secret or an error has come
-	watches map[*watch]struct{}
-	// pins counts the requests between subscribing to the name and opening their watch (or the
-	// end of a fetch): a pinned name is never released.
-	pins      int
-	idleSince time.Time // when the last watch or pin went; zero while in use
 }
 
-// watch is one open SotW or delta watch.
-type watch struct {
-	names    []string
-	known    map[string]string // name → version the stream was last sent
-	sotwReq  *discovery.DiscoveryRequest
-	sotwCh   chan cache.Response
-	deltaReq *discovery.DeltaDiscoveryRequest
-	deltaCh  chan cache.DeltaResponse
-	done     bool // answered or cancelled: it never sends again
+// validAt reports whether a stream that does not have it may be sent it: an expired key pair is
+// not.
+func (s *servedSecret) validAt(now time.Time) bool {
+	return s.notAfter.IsZero() || now.Before(s.notAfter)
 }
-
-var _ cache.Cache = (*secretCache)(nil)
 
 // errClosed answers a request that comes while the server stops.
 var errClosed = status.Error(codes.Unavailable, "the SDS server is stopping")
@@ -167,7 +163,7 @@ func (c *secretCache) unpin(names []string) {
 }
 
 func (e *entry) markIdle(now time.Time) {
-	if e.pins == 0 && len(e.watches) == 0 && e.idleSince.IsZero() {
+	if e.pins == 0 && len(e.watchers) == 0 && e.idleSince.IsZero() {
 		e.idleSince = now
 	}
 }
@@ -179,7 +175,7 @@ func (c *secretCache) releaseIdle() {
 	now := c.clock.Now()
 	var released []func()
 	for name, e := range c.entries {
-		if e.pins > 0 || len(e.watches) > 0 || e.idleSince.IsZero() || now.Sub(e.idleSince) < idleRelease {
+		if e.pins > 0 || len(e.watchers) > 0 || e.idleSince.IsZero() || now.Sub(e.idleSince) < idleRelease {
 			continue
 		}
 		if cancel, ok := c.cancels[name]; ok {
@@ -207,25 +203,6 @@ func (c *secretCache) close() {
 	}
 }
 
-// subscribeAll subscribes to each name and returns them sorted, without the wildcard (SDS serves
-// named secrets only).
-// Each name is pinned until the caller unpins it.
-func (c *secretCache) subscribeAll(subscribed map[string]struct{}) ([]string, error) {
-	names := make([]string, 0, len(subscribed))
-	for name := range subscribed {
-		if name == "*" {
-			continue
-		}
-		if err := c.subscribe(name); err != nil {
-			c.unpin(names)
-			return nil, refusalStatus(name, err)
-		}
-		names = append(names, name)
-	}
-	sort.Strings(names)
-	return names, nil
-}
-
 // refusalStatus maps the secret manager's refusal of a name to the status Envoy gets.
 func refusalStatus(name string, err error) error {
 	if _, ok := status.FromError(err); ok {
@@ -247,78 +224,16 @@ func refusalCode(err error) codes.Code {
 	}
 }
 
-// CreateWatch implements cache.ConfigWatcher for state-of-the-world streams.
-func (c *secretCache) CreateWatch(req *cache.Request, sub cache.Subscription, ch chan cache.Response) (func(), error) {
-	names, err := c.subscribeAll(sub.SubscribedResources())
-	if err != nil {
-		return nil, err
-	}
-	defer c.unpin(names)
-	return c.open(&watch{names: names, known: maps.Clone(sub.ReturnedResources()), sotwReq: req, sotwCh: ch}), nil
-}
-
-// CreateDeltaWatch implements cache.ConfigWatcher for delta streams.
-func (c *secretCache) CreateDeltaWatch(req *cache.DeltaRequest, sub cache.Subscription, ch chan cache.DeltaResponse) (func(), error) {
-	names, err := c.subscribeAll(sub.SubscribedResources())
-	if err != nil {
-		return nil, err
-	}
-	defer c.unpin(names)
-	return c.open(&watch{names: names, known: maps.Clone(sub.ReturnedResources()), deltaReq: req, deltaCh: ch}), nil
-}
-
-// Fetch implements cache.ConfigFetcher: it answers with each requested secret as soon as the
-// secret manager has said what it has, or with Unavailable and the reason when it has none.
-func (c *secretCache) Fetch(ctx context.Context, req *cache.Request) (cache.Response, error) {
-	subscribed := map[string]struct{}{}
-	for _, n := range req.GetResourceNames() {
-		subscribed[n] = struct{}{}
-	}
-	names, err := c.subscribeAll(subscribed)
-	if err != nil {
-		return nil, err
-	}
-	defer c.unpin(names)
-	var resources []*anypb.Any
-	versions := map[string]string{}
-	for _, name := range names {
-		c.mu.Lock()
-		e := c.entryLocked(name)
-		c.mu.Unlock()
-		select {
-		case <-e.known:
-		case <-ctx.Done():
-			return nil, status.Errorf(codes.DeadlineExceeded, "secret %q: nothing known of it yet", name)
-		}
-		c.mu.Lock()
-		resource, version, notAfter, why := e.resource, e.version, e.notAfter, e.err
-		c.mu.Unlock()
-		if resource == nil || (!notAfter.IsZero() && !c.clock.Now().Before(notAfter)) {
-			if why == nil {
-				why = secretmanager.ErrExpired
-			}
-			return nil, status.Errorf(codes.Unavailable, "secret %q: %s", name, why.Error())
-		}
-		resources = append(resources, resource)
-		versions[name] = version
-	}
-	return &cache.PassthroughResponse{
-		Request:           req,
-		DiscoveryResponse: &discovery.DiscoveryResponse{VersionInfo: versionInfo(versions), Resources: resources, TypeUrl: SecretTypeURL},
-		ReturnedResources: versions,
-	}, nil
-}
-
 func (c *secretCache) entryLocked(name string) *entry {
 	e := c.entries[name]
 	if e == nil {
-		e = &entry{known: make(chan struct{}), watches: map[*watch]struct{}{}}
+		e = &entry{known: make(chan struct{}), watchers: map[*watcher]struct{}{}}
 		c.entries[name] = e
 	}
 	return e
 }
 
-// update takes what the secret manager says of name and answers every open watch it concerns.
+// update takes what the secret manager says of name and notifies the streams subscribed to it.
 func (c *secretCache) update(name string, s *secretmanager.Secret, why error) {
 	var (
 		resource *anypb.Any
@@ -345,106 +260,101 @@ func (c *secretCache) update(name string, s *secretmanager.Secret, why error) {
 	}
 	if s == nil {
 		// Streams that have a secret keep it; new ones wait for the next.
-		e.resource, e.version, e.notAfter, e.err = nil, "", time.Time{}, why
+		e.served.Store(nil)
+		e.err = why
 		return
 	}
-	if e.resource != nil && e.version == s.Version {
+	if cur := e.served.Load(); cur != nil && cur.version == s.Version {
 		return
 	}
-	e.resource, e.version, e.notAfter, e.err = resource, s.Version, notAfter, nil
-	for w := range e.watches {
-		c.answerLocked(w)
+	e.served.Store(&servedSecret{resource: resource, version: s.Version, notAfter: notAfter})
+	e.err = nil
+	for w := range e.watchers {
+		w.notify()
 	}
 }
 
-// open answers w at once if it can, or indexes it under its names until a secret it waits for
-// comes. CreateWatch runs on the stream's goroutine, so it never waits.
-func (c *secretCache) open(w *watch) (cancel func()) {
+// watch indexes w under names, and under no other: a change of one of them notifies it. It
+// returns the names' entries, which stay while w is indexed under them.
+func (c *secretCache) watch(w *watcher, names []string) []*entry {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.answerLocked(w) {
-		return func() {}
-	}
-	for _, name := range w.names {
-		e := c.entryLocked(name)
-		e.watches[w] = struct{}{}
-		e.idleSince = time.Time{}
-	}
-	return func() {
-		c.mu.Lock()
-		defer c.mu.Unlock()
-		c.closeLocked(w)
-	}
-}
-
-// answerLocked sends w the subscribed secrets whose version differs from what its stream knows,
-// if there are any; it reports whether it did.
-func (c *secretCache) answerLocked(w *watch) bool {
-	if w.done {
-		return false
-	}
-	var changed []string
 	now := c.clock.Now()
-	for _, name := range w.names {
-		// A key pair that expired in the cache is not sent to a stream that does not have it.
-		if e := c.entries[name]; e != nil && e.resource != nil && w.known[name] != e.version && (e.notAfter.IsZero() || now.Before(e.notAfter)) {
-			changed = append(changed, name)
-		}
-	}
-	if len(changed) == 0 {
-		return false
-	}
-	// What the stream will know after this response: only what it still subscribes to.
-	returned := make(map[string]string, len(w.names))
-	for _, name := range w.names {
-		if v, ok := w.known[name]; ok {
-			returned[name] = v
-		}
-	}
-	sent := make(map[string]string, len(changed))
-	for _, name := range changed {
-		returned[name] = c.entries[name].version
-		sent[name] = c.entries[name].version
-	}
-	// One response per stream: the server writes the stream's nonce into it.
-	if w.sotwCh != nil {
-		resources := make([]*anypb.Any, 0, len(changed))
-		for _, name := range changed {
-			resources = append(resources, c.entries[name].resource)
-		}
-		w.sotwCh <- &cache.PassthroughResponse{ // buffered for this one response
-			Request:           w.sotwReq,
-			DiscoveryResponse: &discovery.DiscoveryResponse{VersionInfo: versionInfo(sent), Resources: resources, TypeUrl: SecretTypeURL},
-			ReturnedResources: returned,
-		}
-	} else {
-		resources := make([]*discovery.Resource, 0, len(changed))
-		for _, name := range changed {
-			resources = append(resources, &discovery.Resource{Name: name, Version: sent[name], Resource: c.entries[name].resource})
-		}
-		w.deltaCh <- &cache.DeltaPassthroughResponse{ // the server buffers one per type
-			DeltaRequest:           w.deltaReq,
-			NextVersionMap:         returned,
-			DeltaDiscoveryResponse: &discovery.DeltaDiscoveryResponse{SystemVersionInfo: versionInfo(sent), Resources: resources, TypeUrl: SecretTypeURL},
-		}
-	}
-	c.closeLocked(w)
-	return true
-}
-
-// closeLocked marks w done and drops it from the index; calling it again is harmless.
-func (c *secretCache) closeLocked(w *watch) {
-	if w.done {
-		return
-	}
-	w.done = true
-	now := c.clock.Now()
-	for _, name := range w.names {
-		if e := c.entries[name]; e != nil {
-			delete(e.watches, w)
+	for _, name := range w.indexed {
+		if e := c.entries[name]; e != nil && !slices.Contains(names, name) {
+			delete(e.watchers, w)
 			e.markIdle(now)
 		}
 	}
+	entries := make([]*entry, len(names))
+	for i, name := range names {
+		e := c.entryLocked(name)
+		e.watchers[w] = struct{}{}
+		e.idleSince = time.Time{}
+		entries[i] = e
+	}
+	w.indexed = slices.Clone(names)
+	return entries
+}
+
+// unwatch takes w out of the index: its stream has ended.
+func (c *secretCache) unwatch(w *watcher) {
+	c.watch(w, nil)
+}
+
+// subscriptions counts the streams subscribed to each name.
+func (c *secretCache) subscriptions() map[string]int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	counts := map[string]int{}
+	for name, e := range c.entries {
+		if n := len(e.watchers); n > 0 {
+			counts[name] = n
+		}
+	}
+	return counts
+}
+
+// fetch answers with each named secret as soon as the secret manager has said what it has, or
+// with Unavailable and the reason when it has none. A name the manager refuses is returned with
+// its refusal.
+func (c *secretCache) fetch(ctx context.Context, requested []string) (resp *discovery.DiscoveryResponse, refused string, err error) {
+	var names []string
+	defer func() { c.unpin(names) }()
+	for _, name := range requested {
+		if name == "*" || slices.Contains(names, name) {
+			continue
+		}
+		if err := c.subscribe(name); err != nil {
+			return nil, name, err
+		}
+		names = append(names, name)
+	}
+	slices.Sort(names)
+	resources := make([]*anypb.Any, 0, len(names))
+	versions := make(map[string]string, len(names))
+	for _, name := range names {
+		c.mu.Lock()
+		e := c.entryLocked(name)
+		c.mu.Unlock()
+		select {
+		case <-e.known:
+		case <-ctx.Done():
+			return nil, "", status.Errorf(codes.DeadlineExceeded, "secret %q: nothing known of it yet", name)
+		}
+		c.mu.Lock()
+		served, why := e.served.Load(), e.err
+		c.mu.Unlock()
+		if served == nil || !served.validAt(c.clock.Now()) {
+			if why == nil {
+				why = secretmanager.ErrExpired
+			}
+			return nil, "", status.Errorf(codes.Unavailable, "secret %q: %s", name, why.Error())
+		}
+		resources = append(resources, served.resource)
+		versions[name] = served.version
+	}
+	return &discovery.DiscoveryResponse{VersionInfo: versionInfo(versions), Resources: resources, TypeUrl: SecretTypeURL}, "", nil
 }
 
 // versionInfo names a response's content: the version of its one secret, or name=version pairs.

@@ -67,6 +67,21 @@ func slim() []string {
 	return []string{"cmd/meshid-agent", "agent"}
 }
 
+// slimEnvoyTypes are the only Envoy and go-control-plane packages the slim agent may link: SDS,
+// the xDS proxy's ADS stubs, and what their messages are made of. go-control-plane's server,
+// cache and resource packages link every Envoy configuration type, whose descriptors cost each
+// sidecar memory and start-up time (BENCHMARKS.md, issue 15).
+var slimEnvoyTypes = []string{
+	"github.com/envoyproxy/go-control-plane/envoy/annotations",
+	"github.com/envoyproxy/go-control-plane/envoy/config/core/v3",
+	"github.com/envoyproxy/go-control-plane/envoy/extensions/transport_sockets/tls/v3",
+	"github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3",
+	"github.com/envoyproxy/go-control-plane/envoy/service/secret/v3",
+	"github.com/envoyproxy/go-control-plane/envoy/type/matcher/v3",
+	"github.com/envoyproxy/go-control-plane/envoy/type/v3",
+	"github.com/envoyproxy/protoc-gen-validate/validate",
+}
+
 func isKubernetes(imp string) bool {
 	// sigs.k8s.io/yaml is YAML read as JSON (go-yaml underneath), no Kubernetes in it: the
 	// discovery configuration is read with it too.
@@ -110,6 +125,19 @@ func TestKubernetesImports(t *testing.T) {
 			if isKubernetes(dep) {
 				t.Errorf("%s links %s; it must link no Kubernetes module", pkg, dep)
 			}
+		}
+	}
+}
+
+func TestSlimAgentLinksOnlySDSTypes(t *testing.T) {
+	t.Parallel()
+	out, err := exec.Command("go", "list", "-deps", module+"cmd/meshid-agent").Output()
+	if err != nil {
+		t.Fatalf("go list -deps: %v", err)
+	}
+	for _, dep := range strings.Fields(string(out)) {
+		if strings.HasPrefix(dep, "github.com/envoyproxy/") && !slices.Contains(slimEnvoyTypes, dep) {
+			t.Errorf("meshid-agent links %s; it may link only %v", dep, slimEnvoyTypes)
 		}
 	}
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -219,6 +220,9 @@ func TestProbe(t *testing.T) {
 	closed := httptest.NewServer(http.NotFoundHandler())
 	closedAddr := closed.Listener.Addr().String()
 	closed.Close()
+	// silent accepts connections and never answers; garbage answers something that is not HTTP.
+	silent := listen(t, func(net.Conn) {})
+	garbage := listen(t, func(c net.Conn) { _, _ = c.Write([]byte("SSH-2.0-OpenSSH_9.6\r\n")) })
 
 	tests := []struct {
 		name string
@@ -229,6 +233,8 @@ func TestProbe(t *testing.T) {
 		{"other path", []string{"--addr", ready.Listener.Addr().String(), "--path", "healthz"}, "404"},
 		{"not ready", []string{"--addr", notReady.Listener.Addr().String()}, "503 Service Unavailable: not ready: no certificate yet"},
 		{"nothing listening", []string{"--addr", closedAddr}, "connection refused"},
+		{"no answer", []string{"--addr", silent, "--timeout", "50ms"}, "i/o timeout"},
+		{"not HTTP", []string{"--addr", garbage}, "malformed HTTP"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -245,6 +251,28 @@ func TestProbe(t *testing.T) {
 			}
 		})
 	}
+}
+
+// listen serves each connection on 127.0.0.1 with handle, holding it open until the test ends,
+// and returns the address.
+func listen(t *testing.T, handle func(net.Conn)) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = l.Close() })
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			t.Cleanup(func() { _ = c.Close() })
+			handle(c)
+		}
+	}()
+	return l.Addr().String()
 }
 
 func TestVersion(t *testing.T) {

@@ -3,7 +3,9 @@
 package archtest
 
 import (
+	"os"
 	"os/exec"
+	"path/filepath"
 	"slices"
 	"sort"
 	"strings"
@@ -185,4 +187,28 @@ func permits(allowed []string, dep string) bool {
 	return slices.ContainsFunc(allowed, func(a string) bool {
 		return dep == a || (strings.HasSuffix(a, "/") && strings.HasPrefix(dep, a))
 	})
+}
+
+// TestSlimAgentLinksNoHTTPClient builds meshid-agent as `make build` does and fails if it links
+// net/http's client: every page of the binary is resident in every sidecar, and the Transport
+// (pooling, proxies, HTTP/2) is 400 kB of it that the agent has no use for.
+func TestSlimAgentLinksNoHTTPClient(t *testing.T) {
+	t.Parallel()
+	bin := filepath.Join(t.TempDir(), "meshid-agent")
+	build := exec.Command("go", "build", "-trimpath", "-tags", "grpcnotrace", "-o", bin, module+"cmd/meshid-agent")
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v: %s", err, out)
+	}
+	out, err := exec.Command("go", "tool", "nm", bin).Output()
+	if err != nil {
+		t.Fatalf("go tool nm: %v", err)
+	}
+	const roundTrip = "net/http.(*Transport).roundTrip"
+	if !strings.Contains(string(out), " T net/http.(*Server).Serve\n") {
+		t.Fatalf("go tool nm lists no net/http.(*Server).Serve: the check below would prove nothing")
+	}
+	if strings.Contains(string(out), " T "+roundTrip+"\n") {
+		t.Errorf("meshid-agent links %s; use the server's parser over one connection (cli.Probe)", roundTrip)
+	}
 }

@@ -1,10 +1,12 @@
 package cli
 
 import (
+	"bufio"
 	"context"
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"strings"
@@ -73,6 +75,9 @@ func ProbeFile(path string, interval time.Duration, now time.Time) error {
 }
 
 // Probe returns nil when http://addr/path answers 200 within timeout, else an error saying why.
+// It writes one HTTP/1.1 request on one connection and reads the answer with net/http's own
+// parser: a probe of a local port needs none of http.Transport's pooling, proxies or HTTP/2,
+// which would add 400 kB to every sidecar (BENCHMARKS.md, idle RSS).
 func Probe(ctx context.Context, addr, path string, timeout time.Duration) error {
 	if !strings.HasPrefix(path, "/") {
 		path = "/" + path
@@ -87,9 +92,8 @@ func Probe(ctx context.Context, addr, path string, timeout time.Duration) error 
 	if err != nil {
 		return fmt.Errorf("probe %s: %w", url, err)
 	}
-	// A probe talks to a local port: never through HTTP_PROXY.
-	client := &http.Client{Transport: &http.Transport{Proxy: nil}}
-	resp, err := client.Do(req)
+	req.Close = true
+	resp, err := roundTrip(ctx, addr, req)
 	if err != nil {
 		return fmt.Errorf("probe %s: %w", url, err)
 	}
@@ -99,6 +103,40 @@ func Probe(ctx context.Context, addr, path string, timeout time.Duration) error 
 		return fmt.Errorf("probe %s: %s: %s", url, resp.Status, strings.TrimSpace(string(body)))
 	}
 	return nil
+}
+
+// roundTrip sends req on a new connection to addr and reads the response head, both within
+// ctx's deadline.
+func roundTrip(ctx context.Context, addr string, req *http.Request) (*http.Response, error) {
+	var d net.Dialer
+	conn, err := d.DialContext(ctx, "tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	if deadline, ok := ctx.Deadline(); ok {
+		_ = conn.SetDeadline(deadline)
+	}
+	if err := req.Write(conn); err != nil {
+		_ = conn.Close()
+		return nil, err
+	}
+	resp, err := http.ReadResponse(bufio.NewReader(conn), req)
+	if err != nil {
+		_ = conn.Close()
+		return nil, err
+	}
+	resp.Body = readCloser{resp.Body, conn}
+	return resp, nil
+}
+
+// readCloser closes the connection with the body.
+type readCloser struct {
+	io.ReadCloser
+	conn net.Conn
+}
+
+func (r readCloser) Close() error {
+	return errors.Join(r.ReadCloser.Close(), r.conn.Close())
 }
 
 func contextWithTimeout(cmd *cobra.Command, d time.Duration) (context.Context, context.CancelFunc) {

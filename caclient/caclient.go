@@ -97,7 +97,8 @@ type Client struct {
 // ErrNoCredentials reports a call that has neither a token nor a certificate to present.
 var ErrNoCredentials = errors.New("no credentials for the CA")
 
-// New returns a Client. It opens no connection until the first Sign; call Close when done.
+// New returns a Client. It opens no connection until Connect or the first Sign; call Close when
+// done.
 func New(cfg Config) (*Client, error) {
 	if cfg.Address == "" {
 		return nil, errors.New("CA address is empty")
@@ -169,6 +170,19 @@ func (c *Client) Sign(ctx context.Context, csrDER []byte, ttl time.Duration) ([]
 		return nil, c.explain(err)
 	}
 	return parseChain(resp.GetCertChain())
+}
+
+// Connect starts opening the connection the next Sign will use and returns at once, so that the
+// TCP and TLS handshakes with the CA overlap the caller's own work (generating a key, reading
+// the token). What goes wrong is left to Sign, which reports and retries it.
+func (c *Client) Connect() {
+	var cert *tls.Certificate
+	if c.cfg.ClientCertificate != nil {
+		cert = c.cfg.ClientCertificate()
+	}
+	if conn, err := c.connection(cert); err == nil {
+		conn.Connect()
+	}
 }
 
 // Close closes the connection to the CA; Sign fails after it.

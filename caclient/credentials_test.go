@@ -1,6 +1,7 @@
 package caclient_test
 
 import (
+	"context"
 	"crypto"
 	"crypto/tls"
 	"crypto/x509"
@@ -304,5 +305,31 @@ func TestConnectionIsKeptUntilItsMaterialChanges(t *testing.T) {
 	signTimes(2)
 	if got := f.connections(); got != 3 {
 		t.Fatalf("%d connections after the root file changed, want 3", got)
+	}
+}
+
+func TestConnectOpensTheConnectionSignUses(t *testing.T) {
+	t.Parallel()
+	chain := newTestChain(t)
+	f := startFake(t, answer(chain.pem...), caclient.DefaultServerName)
+	c := newClient(t, caclient.Config{Address: f.addr, RootCertFile: f.rootFile})
+	c.Connect()
+	// A guard, not a wait: the connection comes in milliseconds or never.
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	select {
+	case <-f.onAccept:
+	case <-ctx.Done():
+		t.Fatal("Connect opened no connection")
+	}
+	if calls := len(f.recorded()); calls != 0 {
+		t.Fatalf("%d calls after Connect alone, want none", calls)
+	}
+	csr, _ := newCSR(t, pki.ECDSA, spiffeID("ns1", "sa1"))
+	if res := c.sign(t, csr, time.Hour); res.err != nil {
+		t.Fatal(res.err)
+	}
+	if got := f.connections(); got != 1 {
+		t.Fatalf("%d connections for Connect then Sign, want 1: Sign did not use the connection Connect opened", got)
 	}
 }

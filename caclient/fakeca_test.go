@@ -34,6 +34,7 @@ type fakeCA struct {
 	respond  func(ctx context.Context, call int) (*pb.IstioCertificateResponse, error)
 
 	accepted *atomic.Int64 // connections accepted
+	onAccept chan struct{} // a connection was accepted
 
 	mu    sync.Mutex
 	calls []fakeCall
@@ -42,16 +43,21 @@ type fakeCA struct {
 // connections counts the connections the fake accepted.
 func (f *fakeCA) connections() int64 { return f.accepted.Load() }
 
-// countingListener counts the connections it accepts.
+// countingListener counts the connections it accepts, and tells of each on onAccept.
 type countingListener struct {
 	net.Listener
 	accepted *atomic.Int64
+	onAccept chan struct{}
 }
 
 func (l countingListener) Accept() (net.Conn, error) {
 	conn, err := l.Listener.Accept()
 	if err == nil {
 		l.accepted.Add(1)
+		select {
+		case l.onAccept <- struct{}{}:
+		default:
+		}
 	}
 	return conn, err
 }
@@ -115,8 +121,9 @@ func serveFake(t *testing.T, lis net.Listener, respond func(context.Context, int
 		KeyUsage:    x509.KeyUsageDigitalSignature,
 		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
 	}, key.Public())
-	f := &fakeCA{rootFile: filepath.Join(t.TempDir(), "root-cert.pem"), respond: respond, accepted: &atomic.Int64{}}
-	lis = countingListener{Listener: lis, accepted: f.accepted}
+	f := &fakeCA{rootFile: filepath.Join(t.TempDir(), "root-cert.pem"), respond: respond, accepted: &atomic.Int64{},
+		onAccept: make(chan struct{}, 1)}
+	lis = countingListener{Listener: lis, accepted: f.accepted, onAccept: f.onAccept}
 	writeFile(t, f.rootFile, string(testutil.CertPEM(root.Cert)))
 
 	srv := grpc.NewServer(grpc.Creds(credentials.NewTLS(&tls.Config{

@@ -50,6 +50,8 @@ type fakeSigner struct {
 	respond func([]*x509.Certificate) ([]*x509.Certificate, error) // rewrites the answer while set
 	calls   int
 	ttls    []time.Duration
+	// connects holds, for each Connect, how many Sign calls came before it.
+	connects []int
 }
 
 func newFakeSigner(t testing.TB, clk *testClock) *fakeSigner {
@@ -117,6 +119,20 @@ func (f *fakeSigner) Calls() int {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return f.calls
+}
+
+// Connect records that the rotator asked for the connection ahead of Sign, as caclient allows.
+func (f *fakeSigner) Connect() {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.connects = append(f.connects, f.calls)
+}
+
+// Connects returns, for each Connect, how many Sign calls came before it.
+func (f *fakeSigner) Connects() []int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return slices.Clone(f.connects)
 }
 
 func (f *fakeSigner) TTLs() []time.Duration {

@@ -44,6 +44,13 @@ type Signer interface {
 	Sign(ctx context.Context, csrDER []byte, ttl time.Duration) ([]*x509.Certificate, error)
 }
 
+// connector is a Signer that can open its connection ahead of the first Sign (caclient.Client
+// can). The rotator asks it to when a certificate is needed at once, so that the handshakes
+// with the CA overlap generating the key: the first certificate comes sooner.
+type connector interface {
+	Connect()
+}
+
 // Rotation is the workload source of CA mode: it obtains the workload key pair from a CA and
 // renews it when GraceRatio of its lifetime is left, whether or not anyone is asking, retrying
 // failures with backoff while the current pair keeps serving. A valid pair for Identity left in
@@ -147,6 +154,9 @@ func (rt *rotator) run(ctx context.Context) error {
 	var current *Secret
 	if rt.env.outputDir != "" {
 		current = rt.loadOutput()
+	}
+	if c, ok := rt.cfg.Signer.(connector); ok && current == nil {
+		c.Connect()
 	}
 	retry := backoff.NewExponentialBackOff(
 		backoff.WithInitialInterval(rt.cfg.RetryInitial),

@@ -131,6 +131,10 @@ func TestInitialIssuance(t *testing.T) {
 	if got := e.signer.TTLs(); len(got) != 1 || got[0] != time.Hour {
 		t.Errorf("Sign calls asked for TTLs %v, want one of 1h", got)
 	}
+	// The connection is asked for before the key is made, so that the handshakes overlap it.
+	if got := e.signer.Connects(); !slices.Equal(got, []int{0}) {
+		t.Errorf("Connect came after %v Sign calls, want once, before the first", got)
+	}
 	if s.Name != WorkloadCertName || s.Source != SourceCA || s.KeyPair == nil || s.Bundle != nil || len(s.KeyPair.Chain) != 3 {
 		t.Fatalf("got %s from %q (%+v), want default from ca with a chain of 3", s.Name, s.Source, s)
 	}
@@ -604,6 +608,9 @@ func TestRestartWithOutputCerts(t *testing.T) {
 			}
 			if e.signer.Calls() != 0 {
 				t.Fatalf("%d Sign calls before the renewal point", e.signer.Calls())
+			}
+			if connects := e.signer.Connects(); len(connects) != 0 {
+				t.Errorf("connected to the CA at start-up with a certificate in service (%v)", connects)
 			}
 			if got := e.metric("meshid_agent_cert_rotations_total"); got != 0 {
 				t.Errorf("rotations counter %v for a certificate from disk, want 0", got)

@@ -303,12 +303,15 @@ func overlap(a, b string) bool {
 	return a == b || strings.HasPrefix(b, strings.TrimSuffix(a, "/")+"/") || strings.HasPrefix(a, strings.TrimSuffix(b, "/")+"/")
 }
 
-// resolveExisting resolves the symlinks of path's longest existing prefix.
+// resolveExisting resolves the symlinks of path's longest existing prefix. The prefix is found
+// with one Lstat per missing component, and resolved once.
 func resolveExisting(path string) string {
 	rest := ""
 	for p := path; ; p = filepath.Dir(p) {
-		if resolved, err := filepath.EvalSymlinks(p); err == nil {
-			return filepath.Join(resolved, rest)
+		if _, err := os.Lstat(p); err == nil {
+			if resolved, err := filepath.EvalSymlinks(p); err == nil {
+				return filepath.Join(resolved, rest)
+			}
 		}
 		if filepath.Dir(p) == p {
 			return path

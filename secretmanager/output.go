@@ -234,7 +234,7 @@ func writeOutput(dir string, dirMode os.FileMode, files []outputFile) error {
 }
 
 // removeStaleGenerations removes what a writer killed mid-way left in OUTPUT_CERTS: generations
-// that "..data" does not point at, with any temporary key file inside. A restart that finds the
+// that "..data" does not point at, with any partly written file inside. A restart that finds the
 // pair in service already on disk writes nothing, so this is not left to the next write.
 func (w *outputWriter) removeStaleGenerations() {
 	for _, path := range fsutil.StaleGenerations(w.cfg.Dir, versionPrefix) {

@@ -26,6 +26,7 @@ import (
 	"github.com/meshid/meshid/controlplane/controlplanetest"
 	"github.com/meshid/meshid/internal/testutil"
 	"github.com/meshid/meshid/sds"
+	"github.com/meshid/meshid/secretmanager"
 )
 
 // These benchmarks run the binaries as a user does: built with `make build`'s flags, started as
@@ -194,7 +195,9 @@ func (s *stream) next(names ...string) (string, error) {
 // (an in-process `meshid ca`) and with the agent's embedded control plane, for P-256 and RSA 2048
 // workload keys. "embedded-first-run" starts on a fresh root dir each time, so the CA's root and
 // token key are generated and persisted too; "embedded-restart" reuses one, as a restarted sidecar
-// does. The baseline is the same binary exec'ed to print its version, in the same run.
+// does. "ca-loopback-output-certs" has no SDS client: it measures exec → the key pair and trust
+// bundle readable in OUTPUT_CERTS, as a VM's workload sees them. The baseline is the same binary
+// exec'ed to print its version, in the same run.
 func BenchmarkFirstSecret(b *testing.B) {
 	bin := agentBinary(b, "--ca-addr")
 	b.Run("baseline-exec-version", func(b *testing.B) {
@@ -205,6 +208,11 @@ func BenchmarkFirstSecret(b *testing.B) {
 		}
 	})
 	caArgs := startCA(b)
+	b.Run("ca-loopback-output-certs/p256", func(b *testing.B) {
+		for range b.N {
+			firstOutput(b, caArgs...)
+		}
+	})
 	for _, tc := range []struct {
 		name  string
 		args  []string
@@ -247,6 +255,33 @@ func firstSecret(b *testing.B, root string, args ...string) {
 	}
 	if chain, err := s.next("default"); err != nil || chain == "" {
 		b.Fatalf("first secret: no certificate chain (%v)", err)
+	}
+	b.StopTimer()
+	p.stop()
+	b.StartTimer()
+}
+
+// firstOutput starts the agent with --output-certs and returns once the key pair and the trust
+// bundle are readable there.
+func firstOutput(b *testing.B, args ...string) {
+	b.Helper()
+	b.StopTimer()
+	root := testutil.ShortTempDir(b)
+	out := filepath.Join(root, "out")
+	names := []string{secretmanager.KeyFile, secretmanager.CertChainFile, secretmanager.RootCertFile}
+	b.StartTimer()
+	p := startAgentIn(b, root, append([]string{"--output-certs", out}, args...)...)
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		if slices.IndexFunc(names, func(name string) bool {
+			_, err := os.Stat(filepath.Join(out, name))
+			return err != nil
+		}) < 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			b.Fatalf("no key pair in %s", out)
+		}
+		time.Sleep(100 * time.Microsecond)
 	}
 	b.StopTimer()
 	p.stop()

@@ -43,6 +43,7 @@ type ControlPlane struct {
 	authority *ca.Authority
 	keys      *ca.KeyManager
 	grpc      *grpc.Server
+	newGRPC   func() *grpc.Server // builds grpc in Run: its stream workers are goroutines
 	grpcLis   net.Listener
 	monitor   *http.Server
 	monLis    net.Listener
@@ -204,13 +205,6 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 	}
 
 	serving := caserver.NewServingCertificate(authority, cfg.GRPCHostIdentities, clk)
-	grpcServer := grpc.NewServer(grpc.Creds(credentials.NewTLS(&tls.Config{
-		MinVersion:     tls.VersionTLS12,
-		GetCertificate: serving.GetCertificate,
-		// Client certificates are verified per call by the mTLS authenticator, against the trust
-		// bundle in service then; callers with only a token present none.
-		ClientAuth: tls.RequestClientCert,
-	})))
 	caServer := caserver.New(caserver.Config{
 		Signer:         authority,
 		Authenticators: authenticators,
@@ -219,13 +213,25 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 		Logger:         log.With(logkey.Component, "ca-server"),
 		Clock:          clk,
 	})
-	pb.RegisterIstioCertificateServiceServer(grpcServer, caServer)
 	if cp.discovery != nil {
 		discoveryAuth.ca = caServer
-		cp.discovery.Register(grpcServer)
+	}
+	cp.newGRPC = func() *grpc.Server {
+		grpcServer := grpc.NewServer(append(caserver.GRPCServerOptions(), grpc.Creds(credentials.NewTLS(&tls.Config{
+			MinVersion:     tls.VersionTLS12,
+			GetCertificate: serving.GetCertificate,
+			// Client certificates are verified per call by the mTLS authenticator, against the
+			// trust bundle in service then; callers with only a token present none.
+			ClientAuth: tls.RequestClientCert,
+		})))...)
+		pb.RegisterIstioCertificateServiceServer(grpcServer, caServer)
+		if cp.discovery != nil {
+			cp.discovery.Register(grpcServer)
+		}
+		return grpcServer
 	}
 
-	cp.authority, cp.keys, cp.grpc = authority, keys, grpcServer
+	cp.authority, cp.keys = authority, keys
 	if cp.monLis != nil {
 		cp.monitor = &http.Server{Handler: cp.monitoringHandler(registry), ReadHeaderTimeout: 10 * time.Second}
 	}
@@ -401,6 +407,7 @@ func (c *ControlPlane) secretStore(cfg Config) controller.SecretStore {
 
 // Run serves until ctx ends, then stops the servers, giving in-flight requests a short grace.
 func (c *ControlPlane) Run(ctx context.Context) error {
+	c.grpc = c.newGRPC()
 	g, ctx := errgroup.WithContext(ctx)
 	if c.manifests != nil {
 		g.Go(func() error { return c.manifests.Run(ctx) })

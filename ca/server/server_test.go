@@ -126,11 +126,11 @@ func newHarness(t testing.TB, opts harnessOptions) *harness {
 func serveTLS(t testing.TB, srv *server.Server, authority *ca.Authority, clk *testutil.FakeClock) string {
 	t.Helper()
 	serving := server.NewServingCertificate(authority, nil, clk)
-	gs := grpc.NewServer(grpc.Creds(credentials.NewTLS(&tls.Config{
+	gs := grpc.NewServer(append(server.GRPCServerOptions(), grpc.Creds(credentials.NewTLS(&tls.Config{
 		MinVersion:     tls.VersionTLS12,
 		GetCertificate: serving.GetCertificate,
 		ClientAuth:     tls.RequestClientCert,
-	})))
+	})))...)
 	pb.RegisterIstioCertificateServiceServer(gs, srv)
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {

@@ -8,6 +8,8 @@ import (
 	"sync"
 	"time"
 
+	"google.golang.org/grpc"
+
 	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/istio"
@@ -82,4 +84,19 @@ func (s *ServingCertificate) GetCertificate(*tls.ClientHelloInfo) (*tls.Certific
 	lifetime := issued.Leaf.NotAfter.Sub(issued.Leaf.NotBefore)
 	s.cert, s.issuedBy, s.renewAt = cert, current, issued.Leaf.NotBefore.Add(lifetime/2)
 	return cert, nil
+}
+
+// streamWorkers is the number of CA calls served on long-lived goroutines; more calls at once
+// each get a goroutine of their own.
+const streamWorkers = 16
+
+// GRPCServerOptions are the options of the gRPC server that serves the CA, besides its
+// credentials.
+//
+// Stream workers: by default grpc runs each call on a new goroutine, whose stack starts small and
+// is copied as it grows through the JWT, CSR and signing code, on every call. A few long-lived
+// workers keep their grown stacks; grpc still starts a goroutine for a call when none is free, so
+// a long-lived stream (the discovery server's) never queues a CreateCertificate behind it.
+func GRPCServerOptions() []grpc.ServerOption {
+	return []grpc.ServerOption{grpc.NumStreamWorkers(streamWorkers)}
 }

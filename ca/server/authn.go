@@ -56,8 +56,8 @@ var (
 // BearerToken returns the token of the request's "authorization: Bearer <token>" metadata. With
 // no authorization metadata the error wraps ErrNoCredentials.
 func BearerToken(ctx context.Context) (string, error) {
-	md, _ := metadata.FromIncomingContext(ctx)
-	values := md.Get("authorization")
+	// Only this key: FromIncomingContext would copy every key of the request's metadata.
+	values := metadata.ValueFromIncomingContext(ctx, "authorization")
 	if len(values) == 0 {
 		return "", fmt.Errorf("bearer token: %w", ErrNoCredentials)
 	}

@@ -19,8 +19,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/meshid/meshid/internal/logkey"
-
 	secretservice "github.com/envoyproxy/go-control-plane/envoy/service/secret/v3"
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
@@ -29,6 +27,7 @@ import (
 
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/fsutil"
+	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/secretmanager"
 )
 

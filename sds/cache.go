@@ -243,7 +243,7 @@ func (c *secretCache) update(name string, s *secretmanager.Secret, why error) {
 		var err error
 		if resource, notAfter, err = toResource(s, c.clock.Now()); err != nil {
 			// Nothing invalid is ever sent: the streams keep what they have.
-			c.log.Error("not sending an invalid secret", logkey.Secret, name, logkey.Version, s.Version, logkey.Error, err.Error())
+			c.log.Error("not sending an invalid secret", logkey.Secret, logkey.Untrusted(name), logkey.Version, s.Version, logkey.Error, err.Error())
 			s, why = nil, fmt.Errorf("the secret manager gave an unusable secret: %w", err)
 		}
 	}
@@ -340,7 +340,7 @@ func (c *secretCache) fetch(ctx context.Context, requested []string) (resp *disc
 		select {
 		case <-e.known:
 		case <-ctx.Done():
-			return nil, "", status.Errorf(codes.DeadlineExceeded, "secret %q: nothing known of it yet", name)
+			return nil, "", status.Errorf(status.FromContextError(ctx.Err()).Code(), "secret %q: nothing known of it yet", name)
 		}
 		c.mu.Lock()
 		served, why := e.served.Load(), e.err

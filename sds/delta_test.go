@@ -58,6 +58,10 @@ func TestDelta(t *testing.T) {
 	if logs := h.logs.String(); !strings.Contains(logs, `error_detail="`+detail+`"`) {
 		t.Fatalf("the NACK was not logged with its error_detail:\n%s", logs)
 	}
+	// A delta NACK subscribes to nothing: the line names the secrets of the response it rejects.
+	if line := logLines(h.logs.String(), "Envoy rejected secrets (NACK); not sending them again until they change"); len(line) != 1 || !strings.Contains(line[0], "secrets=["+spare+"]") {
+		t.Fatalf("the NACK's line does not name %s, the secret it rejects: %q", spare, line)
+	}
 
 	// A stream that already holds the current versions (an Envoy reconnecting) gets nothing
 	// until one changes.

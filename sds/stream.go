@@ -24,9 +24,9 @@ const (
 	protocolFetch = "fetch"
 )
 
-// service serves SecretDiscoveryService on the generated stubs. Each stream is served by its
-// handler's goroutine alone, which reads requests; a change of a secret is sent by a short-lived
-// goroutine of the stream (watcher.notify), so that an open stream costs one goroutine.
+// service serves SecretDiscoveryService on the generated stubs. A stream's handler goroutine reads
+// its requests and answers them; a change of a secret is sent by a goroutine started for it
+// (watcher.notify) that ends once sent, so that an idle stream costs one goroutine.
 type service struct {
 	secretservice.UnimplementedSecretDiscoveryServiceServer
 	s *Server
@@ -45,19 +45,20 @@ type watcher struct {
 	// send writes one response with the given nonce; it runs with mu held.
 	send func(nonce string, changed []pushed) error
 
-	// ended is set when the handler returns: nothing is sent after it.
-	ended atomic.Bool
 	// pushing is set while a goroutine sends what changed; wake asks it to look once more.
 	pushing, wake atomic.Bool
 
-	// mu is held across a send, so that responses leave in the order of their nonces.
+	// mu is held across a send, so that responses leave in the order of their nonces, and so
+	// that closeWatcher can wait for one being sent.
 	mu        sync.Mutex
+	ended     bool              // the handler is returning: grpc forbids a Send after it
 	names     []string          // subscribed, sorted, without the wildcard
 	entries   []*entry          // the cache's entry of each name
 	known     map[string]string // name → version the stream was last sent
 	awaiting  bool              // a response was sent and no request has come since
 	sent      int64             // responses sent: the last one's nonce
 	lastNonce string
+	lastNames []string // the secrets of the last response, which a NACK rejects
 
 	// indexed is the names the cache indexes this watcher under; guarded by the cache's mu.
 	indexed []string
@@ -82,9 +83,13 @@ func (s *Server) newWatcher(ctx context.Context, protocol string, send func(stri
 	}
 }
 
-// closeWatcher ends w's subscriptions at once; a response being sent still ends with the stream.
+// closeWatcher ends w's subscriptions. It waits for a response being sent to leave: grpc forbids
+// a Send once the handler has returned. (A client that half-closed its side and stopped reading
+// can make that wait until its connection ends; it holds only its own stream meanwhile.)
 func (s *Server) closeWatcher(w *watcher) {
-	w.ended.Store(true)
+	w.mu.Lock()
+	w.ended = true
+	w.mu.Unlock()
 	s.cache.unwatch(w)
 	s.metrics.streams.WithLabelValues(w.protocol).Dec()
 }
@@ -119,7 +124,7 @@ func (w *watcher) push() {
 // respondLocked sends the subscribed secrets whose version differs from what the stream was last
 // sent, unless a response awaits the client's next request.
 func (w *watcher) respondLocked() error {
-	if w.awaiting || w.ended.Load() {
+	if w.awaiting || w.ended {
 		return nil
 	}
 	var changed []pushed
@@ -138,21 +143,35 @@ func (w *watcher) respondLocked() error {
 		return err
 	}
 	w.lastNonce, w.awaiting = nonce, true
+	w.lastNames = w.lastNames[:0]
 	for _, p := range changed {
 		w.known[p.name] = p.version
+		w.lastNames = append(w.lastNames, p.name)
 	}
 	w.metrics.pushes.Add(float64(len(changed)))
 	return nil
 }
 
+// request is what follow takes of a client's request.
+type request struct {
+	subscribe, unsubscribe []string
+	replace                bool              // subscribe is the whole subscription (SotW)
+	initial                map[string]string // delta: the versions the client already has
+	nonce                  *string           // SotW: the response the request answers
+}
+
+// errStaleNonce is a SotW request that answers a response older than the last one sent.
+var errStaleNonce = errors.New("stale nonce")
+
 // follow takes a request's subscription (all the names, or those added and removed), subscribes
 // to the new names, refusing the stream what cannot be served, and answers with what the stream
-// does not have. initial is what a delta stream says it has already.
-func (s *Server) follow(w *watcher, subscribe, unsubscribe []string, replace bool, initial map[string]string) error {
+// does not have. A SotW request that does not answer the latest response is dropped
+// (errStaleNonce): it would change the subscription behind the client's back.
+func (s *Server) follow(w *watcher, req request) error {
 	// Subscribing refuses at once what cannot be served; the pins end once w is indexed.
 	var pinned []string
 	defer func() { s.cache.unpin(pinned) }()
-	for _, name := range subscribe {
+	for _, name := range req.subscribe {
 		if name == "*" {
 			continue // SDS serves named secrets only
 		}
@@ -165,12 +184,15 @@ func (s *Server) follow(w *watcher, subscribe, unsubscribe []string, replace boo
 	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
+	if req.nonce != nil && !w.answers(*req.nonce) {
+		return errStaleNonce
+	}
 	var names []string
-	if replace {
+	if req.replace {
 		names = slices.Clone(pinned)
 	} else {
 		names = slices.Concat(w.names, pinned)
-		names = slices.DeleteFunc(names, func(n string) bool { return slices.Contains(unsubscribe, n) })
+		names = slices.DeleteFunc(names, func(n string) bool { return slices.Contains(req.unsubscribe, n) })
 	}
 	slices.Sort(names)
 	names = slices.Compact(names)
@@ -181,7 +203,7 @@ func (s *Server) follow(w *watcher, subscribe, unsubscribe []string, replace boo
 			delete(w.known, name) // sent again if subscribed again
 		}
 	}
-	for name, version := range initial {
+	for name, version := range req.initial {
 		if slices.Contains(names, name) {
 			w.known[name] = version
 		}
@@ -190,8 +212,22 @@ func (s *Server) follow(w *watcher, subscribe, unsubscribe []string, replace boo
 	return w.respondLocked()
 }
 
+// answers reports whether a SotW request carrying nonce answers the latest response. The first
+// request is taken whatever nonce it carries (an Envoy that reconnects to a restarted agent,
+// spire#813). w.mu must be held.
+func (w *watcher) answers(nonce string) bool {
+	return w.lastNonce == "" || nonce == w.lastNonce
+}
+
+// rejected returns the secrets of the last response, which a NACK names.
+func (w *watcher) rejected() []string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return slices.Clone(w.lastNames)
+}
+
 // noteNACK counts a rejected response and logs it once, however often the client repeats it.
-func (s *Server) noteNACK(w *watcher, nack *rpcstatus.Status, rejected nackKey, last *nackKey, names []string) {
+func (s *Server) noteNACK(w *watcher, nack *rpcstatus.Status, rejected nackKey, last *nackKey) {
 	if nack == nil {
 		return
 	}
@@ -199,6 +235,7 @@ func (s *Server) noteNACK(w *watcher, nack *rpcstatus.Status, rejected nackKey, 
 		return
 	}
 	*last = rejected
+	names := w.rejected()
 	s.metrics.nacks.Inc()
 	// A client can NACK with new nonces (delta) or versions as fast as it likes.
 	ok, dropped := s.logs.allow("nack")
@@ -216,6 +253,13 @@ func (s *Server) noteNACK(w *watcher, nack *rpcstatus.Status, rejected nackKey, 
 
 // nackKey names the response a NACK rejects: the version the client kept (SotW) and the nonce.
 type nackKey struct{ version, nonce string }
+
+// dropStale refuses a SotW request that answers an old response; the stream goes on.
+func (s *Server) dropStale(w *watcher, names []string) {
+	r := w.refusal()
+	r.names, r.reason = names, reasonStaleNonce
+	_ = s.refuse(r)
+}
 
 // endOf is a handler's result once Recv failed: a client that closed its side ends the stream
 // cleanly.
@@ -252,23 +296,25 @@ func (v service) StreamSecrets(stream secretservice.SecretDiscoveryService_Strea
 		if w.node == "" {
 			w.node = req.GetNode().GetId()
 		}
-		// A request answers the latest response or none: one that answers an older one would
-		// change the subscription behind the client's back. The first request is taken whatever
-		// nonce it carries (an Envoy that reconnects to a restarted agent, spire#813).
+		// Checked here before anything else, and again by follow under the stream's lock, for
+		// a response sent meanwhile.
+		nonce := req.GetResponseNonce()
 		w.mu.Lock()
-		last := w.lastNonce
+		answers := w.answers(nonce)
 		w.mu.Unlock()
-		if last != "" && req.GetResponseNonce() != last {
-			r := w.refusal()
-			r.names, r.reason = req.GetResourceNames(), reasonStaleNonce
-			_ = s.refuse(r)
+		if !answers {
+			s.dropStale(w, req.GetResourceNames())
 			continue
 		}
 		if err := s.checkRequest(w.refusal(), req.GetTypeUrl()); err != nil {
 			return err
 		}
-		s.noteNACK(w, req.GetErrorDetail(), nackKey{req.GetVersionInfo(), req.GetResponseNonce()}, &nacked, req.GetResourceNames())
-		if err := s.follow(w, req.GetResourceNames(), nil, true, nil); err != nil {
+		s.noteNACK(w, req.GetErrorDetail(), nackKey{req.GetVersionInfo(), nonce}, &nacked)
+		err = s.follow(w, request{subscribe: req.GetResourceNames(), replace: true, nonce: &nonce})
+		switch {
+		case errors.Is(err, errStaleNonce):
+			s.dropStale(w, req.GetResourceNames())
+		case err != nil:
 			return err
 		}
 	}
@@ -305,12 +351,12 @@ func (v service) DeltaSecrets(stream secretservice.SecretDiscoveryService_DeltaS
 		if err := s.checkRequest(w.refusal(), req.GetTypeUrl()); err != nil {
 			return err
 		}
-		s.noteNACK(w, req.GetErrorDetail(), nackKey{nonce: req.GetResponseNonce()}, &nacked, req.GetResourceNamesSubscribe())
-		var initial map[string]string
+		s.noteNACK(w, req.GetErrorDetail(), nackKey{nonce: req.GetResponseNonce()}, &nacked)
+		r := request{subscribe: req.GetResourceNamesSubscribe(), unsubscribe: req.GetResourceNamesUnsubscribe()}
 		if first {
-			initial = req.GetInitialResourceVersions()
+			r.initial = req.GetInitialResourceVersions()
 		}
-		if err := s.follow(w, req.GetResourceNamesSubscribe(), req.GetResourceNamesUnsubscribe(), false, initial); err != nil {
+		if err := s.follow(w, r); err != nil {
 			return err
 		}
 	}

@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -195,7 +196,9 @@ func (s *stream) next(names ...string) (string, error) {
 // (an in-process `meshid ca`) and with the agent's embedded control plane, for P-256 and RSA 2048
 // workload keys. "embedded-first-run" starts on a fresh root dir each time, so the CA's root and
 // token key are generated and persisted too; "embedded-restart" reuses one, as a restarted sidecar
-// does. "ca-loopback-output-certs" has no SDS client: it measures exec → the key pair and trust
+// does. "floor-ca-sign" is the least any agent of this design does, exec'ed the same way: a
+// program of the caclient and pki packages alone that makes a P-256 key and CSR, signs it once
+// with the same CA, and exits. "ca-loopback-output-certs" has no SDS client: it measures exec → the key pair and trust
 // bundle readable in OUTPUT_CERTS, as a VM's workload sees them. The baseline is the same binary
 // exec'ed to print its version, in the same run.
 func BenchmarkFirstSecret(b *testing.B) {
@@ -208,6 +211,16 @@ func BenchmarkFirstSecret(b *testing.B) {
 		}
 	})
 	caArgs := startCA(b)
+	b.Run("floor-ca-sign/p256", func(b *testing.B) {
+		bin := floorBinary(b)
+		b.ResetTimer()
+		for range b.N {
+			cmd := exec.Command(bin, caArgs...)
+			if out, err := cmd.CombinedOutput(); err != nil {
+				b.Fatalf("%v: %s", err, out)
+			}
+		}
+	})
 	b.Run("ca-loopback-output-certs/p256", func(b *testing.B) {
 		for range b.N {
 			firstOutput(b, caArgs...)
@@ -259,6 +272,81 @@ func firstSecret(b *testing.B, root string, args ...string) {
 	b.StopTimer()
 	p.stop()
 	b.StartTimer()
+}
+
+// floorSource is the program of "floor-ca-sign": the agent's CA flags, nothing else.
+const floorSource = `package main
+
+import (
+	"context"
+	"flag"
+	"os"
+	"time"
+
+	"github.com/meshid/meshid/caclient"
+	"github.com/meshid/meshid/internal/pki"
+)
+
+func main() {
+	addr := flag.String("ca-addr", "", "")
+	root := flag.String("ca-root-cert", "", "")
+	token := flag.String("token-path", "", "")
+	ns := flag.String("namespace", "", "")
+	sa := flag.String("service-account", "", "")
+	flag.Parse()
+	key, err := pki.GenerateKey(pki.ECDSA, 0)
+	if err != nil {
+		panic(err)
+	}
+	csr, err := pki.NewCSR(key, pki.SPIFFEID{TrustDomain: "cluster.local", Namespace: *ns, ServiceAccount: *sa})
+	if err != nil {
+		panic(err)
+	}
+	c, err := caclient.New(caclient.Config{Address: *addr, RootCertFile: *root, TokenPath: *token})
+	if err != nil {
+		panic(err)
+	}
+	if _, err := c.Sign(context.Background(), csr, time.Hour); err != nil {
+		os.Stderr.WriteString(err.Error())
+		os.Exit(1)
+	}
+}
+`
+
+// floorBinary builds floorSource as the binaries are built, as a package of this module that
+// exists only in a build overlay: nothing is written into the tree.
+func floorBinary(b *testing.B) string {
+	b.Helper()
+	dir := b.TempDir()
+	src, pkgDir := filepath.Join(dir, "main.go"), filepath.Join(moduleRoot(b), "cmd", "meshid-agent", "floor")
+	if err := os.WriteFile(src, []byte(floorSource), 0o600); err != nil {
+		b.Fatal(err)
+	}
+	overlay, err := json.Marshal(map[string]map[string]string{"Replace": {filepath.Join(pkgDir, "main.go"): src}})
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "overlay.json"), overlay, 0o600); err != nil {
+		b.Fatal(err)
+	}
+	bin := filepath.Join(dir, "floor")
+	cmd := exec.Command("go", "build", "-overlay", filepath.Join(dir, "overlay.json"), "-trimpath", "-tags", "grpcnotrace",
+		"-ldflags", "-s -w", "-o", bin, "./floor")
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		b.Fatalf("build the floor program: %v: %s", err, out)
+	}
+	return bin
+}
+
+// moduleRoot is the directory of go.mod.
+func moduleRoot(b *testing.B) string {
+	b.Helper()
+	out, err := exec.Command("go", "env", "GOMOD").Output()
+	if err != nil {
+		b.Fatal(err)
+	}
+	return filepath.Dir(strings.TrimSpace(string(out)))
 }
 
 // firstOutput starts the agent with --output-certs and returns once the key pair and the trust

@@ -70,7 +70,11 @@ type pushed struct {
 	resource      *anypb.Any
 }
 
-func (s *Server) newWatcher(ctx context.Context, protocol string, send func(string, []pushed) error) *watcher {
+// openWatcher admits a stream and returns its watcher, which closeWatcher ends.
+func (s *Server) openWatcher(ctx context.Context, protocol string, send func(string, []pushed) error) (*watcher, error) {
+	if err := s.admit(ctx, protocol); err != nil {
+		return nil, err
+	}
 	s.metrics.streams.WithLabelValues(protocol).Inc()
 	return &watcher{
 		id:       s.nextStream.Add(1),
@@ -80,18 +84,20 @@ func (s *Server) newWatcher(ctx context.Context, protocol string, send func(stri
 		metrics:  s.metrics,
 		send:     send,
 		known:    map[string]string{},
-	}
+	}, nil
 }
 
-// closeWatcher ends w's subscriptions. It waits for a response being sent to leave: grpc forbids
-// a Send once the handler has returned. (A client that half-closed its side and stopped reading
-// can make that wait until its connection ends; it holds only its own stream meanwhile.)
+// closeWatcher ends w's subscriptions and its admission. It waits for a response being sent to
+// leave: grpc forbids a Send once the handler has returned. (A client that half-closed its side
+// and stopped reading can make that wait until its connection ends; it holds only its own stream
+// meanwhile.)
 func (s *Server) closeWatcher(w *watcher) {
 	w.mu.Lock()
 	w.ended = true
 	w.mu.Unlock()
 	s.cache.unwatch(w)
 	s.metrics.streams.WithLabelValues(w.protocol).Dec()
+	s.release()
 }
 
 func (w *watcher) refusal() refusal {
@@ -273,11 +279,7 @@ func endOf(err error) error {
 // StreamSecrets serves a state-of-the-world stream.
 func (v service) StreamSecrets(stream secretservice.SecretDiscoveryService_StreamSecretsServer) error {
 	s := v.s
-	if err := s.admit(stream.Context(), protocolSotW); err != nil {
-		return err
-	}
-	defer s.release()
-	w := s.newWatcher(stream.Context(), protocolSotW, func(nonce string, changed []pushed) error {
+	w, err := s.openWatcher(stream.Context(), protocolSotW, func(nonce string, changed []pushed) error {
 		resources := make([]*anypb.Any, len(changed))
 		versions := make(map[string]string, len(changed))
 		for i, p := range changed {
@@ -286,6 +288,9 @@ func (v service) StreamSecrets(stream secretservice.SecretDiscoveryService_Strea
 		return stream.Send(&discovery.DiscoveryResponse{VersionInfo: versionInfo(versions), Resources: resources,
 			TypeUrl: SecretTypeURL, Nonce: nonce})
 	})
+	if err != nil {
+		return err
+	}
 	defer s.closeWatcher(w)
 	var nacked nackKey
 	for {
@@ -324,11 +329,7 @@ func (v service) StreamSecrets(stream secretservice.SecretDiscoveryService_Strea
 // a subscription change is honoured at once.
 func (v service) DeltaSecrets(stream secretservice.SecretDiscoveryService_DeltaSecretsServer) error {
 	s := v.s
-	if err := s.admit(stream.Context(), protocolDelta); err != nil {
-		return err
-	}
-	defer s.release()
-	w := s.newWatcher(stream.Context(), protocolDelta, func(nonce string, changed []pushed) error {
+	w, err := s.openWatcher(stream.Context(), protocolDelta, func(nonce string, changed []pushed) error {
 		resources := make([]*discovery.Resource, len(changed))
 		versions := make(map[string]string, len(changed))
 		for i, p := range changed {
@@ -338,6 +339,9 @@ func (v service) DeltaSecrets(stream secretservice.SecretDiscoveryService_DeltaS
 		return stream.Send(&discovery.DeltaDiscoveryResponse{SystemVersionInfo: versionInfo(versions), Resources: resources,
 			TypeUrl: SecretTypeURL, Nonce: nonce})
 	})
+	if err != nil {
+		return err
+	}
 	defer s.closeWatcher(w)
 	var nacked nackKey
 	for first := true; ; first = false {

@@ -14,12 +14,12 @@ import (
 // finishes the stream, racing the Send) until that Send is over, and no Send may start after.
 func TestCloseWatcherWaitsForTheSendInFlight(t *testing.T) {
 	t.Parallel()
-	s := &Server{cache: newSecretCache(nil, clock.Real(), slog.New(slog.DiscardHandler)), metrics: newMetrics()}
+	s := &Server{cfg: Config{MaxStreams: 1}, cache: newSecretCache(nil, clock.Real(), slog.New(slog.DiscardHandler)), metrics: newMetrics()}
 	entered, release := make(chan struct{}), make(chan struct{})
 	closed := make(chan struct{})
 	var sends int
 	var closedDuringSend bool
-	w := s.newWatcher(context.Background(), protocolSotW, func(string, []pushed) error {
+	w, err := s.openWatcher(context.Background(), protocolSotW, func(string, []pushed) error {
 		sends++
 		entered <- struct{}{}
 		<-release
@@ -31,6 +31,9 @@ func TestCloseWatcherWaitsForTheSendInFlight(t *testing.T) {
 		// Failed: the stream awaits no acknowledgement, so only its end can stop a next send.
 		return errors.New("the client went away")
 	})
+	if err != nil {
+		t.Fatal(err)
+	}
 	w.names = []string{"default"}
 	w.entries = []*entry{{}}
 	w.entries[0].served.Store(&servedSecret{version: "1"})

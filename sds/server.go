@@ -15,7 +15,6 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -25,6 +24,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/meshid/meshid/internal/admission"
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/logkey"
@@ -68,13 +68,12 @@ type Server struct {
 	cache   *secretCache
 	lis     net.Listener
 	metrics *metrics
-	logs    *logLimiter
+	logs    *admission.LogLimiter
 
 	nextStream atomic.Int64 // numbers the streams, for the logs
 
-	mu sync.Mutex
-	// calls and conns count the streams and calls, and the connections, admitted and not ended.
-	calls, conns int
+	// gate counts the streams and calls, and the connections, admitted and not ended.
+	gate *admission.Gate
 }
 
 // SocketServing reports whether something accepts connections on the Unix socket at path.
@@ -133,6 +132,10 @@ func New(cfg Config) (*Server, error) {
 		}
 		log.Info("removed a stale SDS socket", logkey.Path, cfg.SocketPath)
 	}
+	gate, err := admission.NewGate(admission.Limits{Streams: cfg.MaxStreams, Connections: cfg.MaxStreams})
+	if err != nil {
+		return nil, err
+	}
 	lis, err := fsutil.ListenUnix(cfg.SocketPath, cfg.SocketMode)
 	if err != nil {
 		return nil, err
@@ -143,8 +146,9 @@ func New(cfg Config) (*Server, error) {
 		clock:   clock.OrReal(cfg.Clock),
 		lis:     lis,
 		metrics: newMetrics(),
+		gate:    gate,
 	}
-	s.logs = newLogLimiter(s.clock)
+	s.logs = admission.NewLogLimiter(s.clock)
 	s.cache = newSecretCache(cfg.Secrets, s.clock, log)
 	if cfg.Registerer != nil {
 		if err := s.metrics.register(cfg.Registerer); err != nil {
@@ -210,11 +214,7 @@ func (s *Server) Subscriptions() map[string]int {
 }
 
 // openStreams counts the streams and calls open.
-func (s *Server) openStreams() int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.calls
-}
+func (s *Server) openStreams() int { return s.gate.Streams() }
 
 // checkRequest refuses, before any subscription is made, a request without a node (on a
 // stream, its first request must carry one) or for another type than secrets (an empty type is
@@ -290,7 +290,7 @@ func (s *Server) refuse(r refusal) error {
 		code = codeDropped
 	}
 	s.metrics.refusals.WithLabelValues(r.reason, code).Inc()
-	ok, dropped := s.logs.allow(r.reason)
+	ok, dropped := s.logs.Allow(r.reason)
 	if !ok {
 		return r.err
 	}

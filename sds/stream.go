@@ -14,6 +14,7 @@ import (
 	rpcstatus "google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/protobuf/types/known/anypb"
 
+	"github.com/meshid/meshid/internal/admission"
 	"github.com/meshid/meshid/internal/logkey"
 )
 
@@ -79,7 +80,7 @@ func (s *Server) openWatcher(ctx context.Context, protocol string, send func(str
 	return &watcher{
 		id:       s.nextStream.Add(1),
 		protocol: protocol,
-		peer:     peerOf(ctx),
+		peer:     admission.Peer(ctx),
 		cache:    s.cache,
 		metrics:  s.metrics,
 		send:     send,
@@ -244,7 +245,7 @@ func (s *Server) noteNACK(w *watcher, nack *rpcstatus.Status, rejected nackKey, 
 	names := w.rejected()
 	s.metrics.nacks.Inc()
 	// A client can NACK with new nonces (delta) or versions as fast as it likes.
-	ok, dropped := s.logs.allow("nack")
+	ok, dropped := s.logs.Allow("nack")
 	if !ok {
 		return
 	}
@@ -374,7 +375,7 @@ func (v service) FetchSecrets(ctx context.Context, req *discovery.DiscoveryReque
 		return nil, err
 	}
 	defer s.release()
-	r := refusal{protocol: protocolFetch, node: req.GetNode().GetId(), peer: peerOf(ctx)}
+	r := refusal{protocol: protocolFetch, node: req.GetNode().GetId(), peer: admission.Peer(ctx)}
 	if err := s.checkRequest(r, req.GetTypeUrl()); err != nil {
 		return nil, err
 	}

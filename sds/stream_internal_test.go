@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshid/meshid/internal/admission"
 	"github.com/meshid/meshid/internal/clock"
 )
 
@@ -14,7 +15,11 @@ import (
 // finishes the stream, racing the Send) until that Send is over, and no Send may start after.
 func TestCloseWatcherWaitsForTheSendInFlight(t *testing.T) {
 	t.Parallel()
-	s := &Server{cfg: Config{MaxStreams: 1}, cache: newSecretCache(nil, clock.Real(), slog.New(slog.DiscardHandler)), metrics: newMetrics()}
+	gate, err := admission.NewGate(admission.Limits{Streams: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &Server{cfg: Config{MaxStreams: 1}, cache: newSecretCache(nil, clock.Real(), slog.New(slog.DiscardHandler)), metrics: newMetrics(), gate: gate}
 	entered, release := make(chan struct{}), make(chan struct{})
 	closed := make(chan struct{})
 	var sends int

@@ -18,6 +18,7 @@ import (
 
 	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/ca/token"
+	"github.com/meshid/meshid/internal/admission"
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/logkey"
 )
@@ -52,7 +53,7 @@ type Server struct {
 	targeting      Targeting
 	metrics        *Metrics
 	log            *slog.Logger
-	refusals       *refusalLog
+	refusals       *admission.LogLimiter
 }
 
 // Authenticate authenticates a caller of another service on the CA's port (the discovery
@@ -78,7 +79,7 @@ func New(cfg Config) *Server {
 		targeting:      cfg.Targeting,
 		metrics:        cfg.Metrics,
 		log:            log,
-		refusals:       newRefusalLog(clock.OrReal(cfg.Clock)),
+		refusals:       admission.NewLogLimiter(cfg.Clock),
 	}
 }
 
@@ -148,7 +149,8 @@ const internalMessage = "internal error in the CA; its log has the details"
 // unavailableMessage is what a caller learns when the CA cannot check its credentials now.
 const unavailableMessage = "the CA cannot check credentials now; retry"
 
-// refuse counts a refusal, logs it once (bounded: see refusalLog), and returns it as a gRPC
+// refuse counts a refusal, logs it once (paced per reason: a refusal needs no credentials and
+// costs the client one request), and returns it as a gRPC
 // status. The error texts never contain the token: golang-jwt's errors describe claims, not the
 // raw token; the strings of the client they quote are bounded.
 func (s *Server) refuse(ctx context.Context, caller Caller, err error) error {
@@ -157,7 +159,7 @@ func (s *Server) refuse(ctx context.Context, caller Caller, err error) error {
 		s.metrics.refused.WithLabelValues(reason, code.String()).Inc()
 	}
 	text := boundErrorText(err.Error())
-	if logged, skipped := s.refusals.allow(reason); logged {
+	if logged, skipped := s.refusals.Allow(reason); logged {
 		attrs := []any{logkey.Reason, reason, logkey.Code, code.String(), logkey.Error, text}
 		if caller.Method != "" {
 			attrs = append(attrs, logkey.Identity, caller.Identity.String(), logkey.Method, caller.Method)

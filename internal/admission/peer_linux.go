@@ -1,4 +1,4 @@
-package sds
+package admission
 
 import (
 	"fmt"
@@ -7,9 +7,9 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// peerProcess names the process at the other end of a Unix connection, as the kernel saw it
-// connect.
-func peerProcess(conn net.Conn) string {
+// PeerProcess names the process at the other end of a Unix connection, as the kernel saw it
+// connect ("pid=P uid=U"), or "" when it cannot tell.
+func PeerProcess(conn net.Conn) string {
 	uc, ok := conn.(*net.UnixConn)
 	if !ok {
 		return ""

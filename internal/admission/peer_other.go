@@ -1,0 +1,8 @@
+//go:build !linux
+
+package admission
+
+import "net"
+
+// PeerProcess names the process at the other end of a Unix connection; only Linux is asked.
+func PeerProcess(net.Conn) string { return "" }

@@ -142,7 +142,7 @@ var ErrNoCA = errors.New("this binary carries no CA to run in-process (`meshid a
 // holding some of the three files but not all is refused: it is a mistake, not a reason to fall
 // back to a CA.
 func decide(cfg *Config, socketPath string) (Source, string, error) {
-	if _, err := os.Lstat(socketPath); err == nil && sds.SocketServing(socketPath) {
+	if _, err := os.Lstat(socketPath); err == nil && fsutil.SocketServing(socketPath) {
 		return SourceExternalSDS, "another server answers on " + socketPath, nil
 	}
 	if cfg.FileMountedCerts {
@@ -468,7 +468,7 @@ func (a *Agent) close() {
 // OUTPUT_CERTS, when asked), or, when another server serves SDS, that server answering.
 func (a *Agent) ready() (bool, string) {
 	if a.source == SourceExternalSDS {
-		if sds.SocketServing(a.socketPath) {
+		if fsutil.SocketServing(a.socketPath) {
 			return true, ""
 		}
 		return false, "the external SDS socket " + a.socketPath + " does not accept connections"

@@ -7,6 +7,8 @@ type metrics struct {
 	pushes   prometheus.Counter
 	nacks    prometheus.Counter
 	refusals *prometheus.CounterVec
+	// socketTaken counts the times the socket path was found to lead elsewhere.
+	socketTaken prometheus.Counter
 }
 
 func newMetrics() *metrics {
@@ -27,11 +29,15 @@ func newMetrics() *metrics {
 			Namespace: "meshid", Subsystem: "sds", Name: "refusals_total",
 			Help: "Requests refused, by reason and the gRPC code the stream ended with (\"dropped\": the request was ignored and the stream went on; \"closed\": the connection was closed before any stream).",
 		}, []string{"reason", "code"}),
+		socketTaken: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: "meshid", Subsystem: "sds", Name: "socket_taken_total",
+			Help: "Times the SDS socket path was found removed or taken by another server, so that Envoy's new connections reach that one.",
+		}),
 	}
 }
 
 func (m *metrics) register(reg prometheus.Registerer) error {
-	for _, c := range []prometheus.Collector{m.streams, m.pushes, m.nacks, m.refusals} {
+	for _, c := range []prometheus.Collector{m.streams, m.pushes, m.nacks, m.refusals, m.socketTaken} {
 		if err := reg.Register(c); err != nil {
 			return err
 		}

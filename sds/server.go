@@ -14,7 +14,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
-	"path/filepath"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -26,6 +26,7 @@ import (
 
 	"github.com/meshid/meshid/internal/admission"
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/filewatch"
 	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/secretmanager"
@@ -38,7 +39,11 @@ const (
 )
 
 // ErrSocketInUse reports a socket path that another server already answers on.
-var ErrSocketInUse = errors.New("another server listens on the socket")
+var ErrSocketInUse = fsutil.ErrSocketInUse
+
+// SocketCheckInterval is how often the server looks again at a socket path another server took,
+// to take it back once that server is gone; a change of the path is seen as it happens.
+const SocketCheckInterval = 2 * time.Second
 
 // Config configures a Server.
 type Config struct {
@@ -58,6 +63,9 @@ type Config struct {
 	Clock      clock.Clock
 	Logger     *slog.Logger
 	Registerer prometheus.Registerer // optional
+	// OnSocket, when set, is told after the fact when the socket path stops leading to the
+	// server (why) and when it leads there again (nil).
+	OnSocket func(error)
 }
 
 // Server is the SDS server.
@@ -66,7 +74,7 @@ type Server struct {
 	log     *slog.Logger
 	clock   clock.Clock
 	cache   *secretCache
-	lis     net.Listener
+	socket  *fsutil.Socket
 	metrics *metrics
 	logs    *admission.LogLimiter
 
@@ -74,20 +82,12 @@ type Server struct {
 
 	// gate counts the streams and calls, and the connections, admitted and not ended.
 	gate *admission.Gate
+	// socketProblem says why the socket path no longer leads to this server; nil while it does.
+	socketProblem atomic.Pointer[error]
 }
 
-// SocketServing reports whether something accepts connections on the Unix socket at path.
-func SocketServing(path string) bool {
-	conn, err := net.DialTimeout("unix", path, time.Second)
-	if err != nil {
-		return false
-	}
-	_ = conn.Close()
-	return true
-}
-
-// New prepares the socket directory, removes a stale socket, and listens. It starts no
-// goroutines; call Run.
+// New prepares the socket directory, removes a stale socket, and listens (see
+// fsutil.ListenSocket). It starts no goroutines; call Run.
 func New(cfg Config) (*Server, error) {
 	if cfg.Secrets == nil {
 		return nil, errors.New("SDS server needs secrets to serve")
@@ -111,32 +111,11 @@ func New(cfg Config) (*Server, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	dir := filepath.Dir(cfg.SocketPath)
-	if err := fsutil.EnsureDir(dir, 0o750); err != nil {
-		return nil, err
-	}
-	// Served on all the same: Kubernetes makes an emptyDir, where Envoy's socket usually lives,
-	// writable by everyone, and only the pod's containers can reach it.
-	if err := fsutil.CheckSocketDir(dir); errors.Is(err, fsutil.ErrSharedDir) {
-		log.Warn("the SDS socket directory is writable by every user: any of them could replace the socket",
-			logkey.Dir, dir, logkey.Error, err.Error())
-	} else if err != nil {
-		return nil, err
-	}
-	if _, err := os.Lstat(cfg.SocketPath); err == nil {
-		if SocketServing(cfg.SocketPath) {
-			return nil, fmt.Errorf("%w: %s", ErrSocketInUse, cfg.SocketPath)
-		}
-		if err := os.Remove(cfg.SocketPath); err != nil {
-			return nil, fmt.Errorf("remove the stale socket %s: %w", cfg.SocketPath, err)
-		}
-		log.Info("removed a stale SDS socket", logkey.Path, cfg.SocketPath)
-	}
 	gate, err := admission.NewGate(admission.Limits{Streams: cfg.MaxStreams, Connections: cfg.MaxStreams})
 	if err != nil {
 		return nil, err
 	}
-	lis, err := fsutil.ListenUnix(cfg.SocketPath, cfg.SocketMode)
+	socket, err := fsutil.ListenSocket(cfg.SocketPath, cfg.SocketMode, log)
 	if err != nil {
 		return nil, err
 	}
@@ -144,7 +123,7 @@ func New(cfg Config) (*Server, error) {
 		cfg:     cfg,
 		log:     log,
 		clock:   clock.OrReal(cfg.Clock),
-		lis:     lis,
+		socket:  socket,
 		metrics: newMetrics(),
 		gate:    gate,
 	}
@@ -152,7 +131,7 @@ func New(cfg Config) (*Server, error) {
 	s.cache = newSecretCache(cfg.Secrets, s.clock, log)
 	if cfg.Registerer != nil {
 		if err := s.metrics.register(cfg.Registerer); err != nil {
-			_ = lis.Close()
+			socket.Close()
 			return nil, err
 		}
 	}
@@ -160,25 +139,82 @@ func New(cfg Config) (*Server, error) {
 }
 
 // Run serves until ctx ends; then it stops accepting, lets open streams go on for the drain
-// duration, and ends them.
+// duration, and ends them. Meanwhile it checks that the socket path still leads to it: another
+// server that takes the path gets every new connection (see SocketProblem).
 func (s *Server) Run(ctx context.Context) error {
 	defer s.cache.close()
+	defer s.socket.Remove()
 	grpcServer := grpc.NewServer(s.grpcOptions()...)
 	secretservice.RegisterSecretDiscoveryServiceServer(grpcServer, service{s: s})
 
 	served := make(chan error, 1)
-	go func() { served <- grpcServer.Serve(s.lis) }()
+	go func() { served <- grpcServer.Serve(s.socket.Listener()) }()
+	// The guard's listeners, made when the path is taken back, are served until the stop.
+	var reserved sync.WaitGroup
+	guardCtx, stopGuard := context.WithCancel(ctx)
+	guarded := make(chan struct{})
+	go func() {
+		defer close(guarded)
+		if err := s.guardSocket(guardCtx, func(lis net.Listener) {
+			reserved.Go(func() { _ = grpcServer.Serve(lis) })
+		}); err != nil {
+			s.log.Warn("the SDS socket is not guarded: a server that takes its path is not noticed", logkey.Error, err.Error())
+		}
+	}()
+	defer func() {
+		stopGuard()
+		<-guarded
+		reserved.Wait()
+	}()
 	s.log.Info("SDS serving", logkey.Socket, s.cfg.SocketPath)
 	select {
 	case err := <-served:
+		grpcServer.Stop()
 		return fmt.Errorf("serve SDS: %w", err)
 	case <-ctx.Done():
 	}
+	stopGuard()
+	<-guarded
 	s.drain(grpcServer)
 	if err := <-served; err != nil && !errors.Is(err, grpc.ErrServerStopped) {
 		return fmt.Errorf("serve SDS: %w", err)
 	}
 	s.log.Info("SDS stopped")
+	return nil
+}
+
+// guardSocket watches the socket path until ctx ends (see fsutil.Socket.Guard).
+func (s *Server) guardSocket(ctx context.Context, serve func(net.Listener)) error {
+	w, err := filewatch.New(filewatch.Config{Paths: []string{s.cfg.SocketPath}, Clock: s.clock, Logger: s.log})
+	if err != nil {
+		return err
+	}
+	return s.socket.Guard(ctx, w, s.clock, SocketCheckInterval, serve, s.socketChanged)
+}
+
+// socketChanged is told when the socket path stops leading to this server (err says what is
+// there now), and when it leads here again (nil).
+func (s *Server) socketChanged(err error) {
+	if err == nil {
+		s.socketProblem.Store(nil)
+		s.log.Info("the SDS socket path leads to this server again", logkey.Socket, s.cfg.SocketPath)
+	} else {
+		s.socketProblem.Store(&err)
+		s.metrics.socketTaken.Inc()
+		s.log.Warn("the SDS socket path no longer leads to this server: Envoy's new connections reach whatever is there now",
+			logkey.Socket, s.cfg.SocketPath, logkey.Error, err.Error())
+	}
+	if s.cfg.OnSocket != nil {
+		s.cfg.OnSocket(err)
+	}
+}
+
+// SocketProblem says why the socket path no longer leads to this server (it was removed, or
+// another server took it); nil while it does.
+func (s *Server) SocketProblem() error {
+	if p := s.socketProblem.Load(); p != nil {
+		return *p
+	}
 	return nil
 }
 
@@ -205,7 +241,7 @@ func (s *Server) drain(grpcServer *grpc.Server) {
 
 // Close releases the socket of a server that will not Run.
 func (s *Server) Close() {
-	_ = s.lis.Close()
+	s.socket.Close()
 }
 
 // Subscriptions counts, for each secret name, the streams subscribed to it.

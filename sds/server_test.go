@@ -394,7 +394,7 @@ func TestNewSocket(t *testing.T) {
 				if err == nil || (tc.err != nil && !errors.Is(err, tc.err)) {
 					t.Fatalf("New: %v, want %v", err, tc.err)
 				}
-				if tc.err != nil && !sds.SocketServing(path) {
+				if tc.err != nil && !fsutil.SocketServing(path) {
 					t.Fatal("the live server's socket was taken away")
 				}
 				return
@@ -413,7 +413,7 @@ func TestNewSocket(t *testing.T) {
 			if info.Mode().Type() != os.ModeSocket || info.Mode().Perm() != want {
 				t.Fatalf("socket mode %v, want a socket with %v", info.Mode(), want)
 			}
-			if !sds.SocketServing(path) {
+			if !fsutil.SocketServing(path) {
 				t.Fatal("nothing listens on the socket")
 			}
 		})

@@ -1,14 +1,20 @@
 package sds_test
 
 import (
+	"errors"
 	"log/slog"
+	"net"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/testutil"
 	"github.com/meshid/meshid/sds"
+	"github.com/meshid/meshid/sds/sdstest"
 )
 
 // Attack: whoever can write in the socket directory swaps the new socket for a symlink to another
@@ -80,4 +86,69 @@ func TestNewWarnsOfASharedSocketDir(t *testing.T) {
 	if got := logs.String(); !strings.Contains(got, "writable by every user") || !strings.Contains(got, "dir="+dir) {
 		t.Fatalf("no warning naming %s:\n%s", dir, got)
 	}
+}
+
+// Another SDS server (spire-agent, say) that binds the socket path after this one started takes
+// every new connection of Envoy's (istio#61343). The server notices as it happens: logged once
+// with who serves the path now, counted, and reported (the agent is not ready then); streams
+// already open go on; once the other server is gone the path is taken back and served again.
+func TestServerNoticesItsSocketTakenAndTakesItBack(t *testing.T) {
+	t.Parallel()
+	p, f := newPKI(t), newFakeSecrets()
+	d1 := p.workload(t)
+	f.Publish(d1)
+	clk := testutil.NewFakeClock(time.Now())
+	changes := make(chan error, 10)
+	h := startServer(t, f, func(c *sds.Config) {
+		c.Clock = clk
+		c.OnSocket = func(err error) { changes <- err }
+	})
+	open := h.sotw()
+	open.Subscribe(dflt)
+	first := open.Recv()
+	expect(t, first, d1)
+	open.Ack(first, dflt)
+
+	// In one step, so that the path is never missing: a rename of its socket over the path.
+	other, err := net.Listen("unix", h.socket+".new")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(h.socket+".new", h.socket); err != nil {
+		t.Fatal(err)
+	}
+	err = testutil.Drive(t, clk, 100*time.Millisecond, 0, changes)
+	if !errors.Is(err, fsutil.ErrSocketTaken) || !strings.Contains(err.Error(), "served by pid="+strconv.Itoa(os.Getpid())) {
+		t.Fatalf("the takeover reported as %v, want ErrSocketTaken naming the other server", err)
+	}
+	if !errors.Is(h.server.SocketProblem(), fsutil.ErrSocketTaken) {
+		t.Fatalf("SocketProblem() = %v while the path is taken", h.server.SocketProblem())
+	}
+	if got := h.counter(t, "meshid_sds_socket_taken_total")[""]; got != 1 {
+		t.Fatalf("meshid_sds_socket_taken_total = %v, want 1", got)
+	}
+	if n := strings.Count(h.logs.String(), "the SDS socket path no longer leads to this server"); n != 1 {
+		t.Fatalf("the takeover logged %d times, want once:\n%s", n, h.logs)
+	}
+	// The stream opened before goes on.
+	d2 := p.workload(t)
+	f.Publish(d2)
+	expect(t, open.Recv(), d2)
+
+	_ = other.Close()
+	if err := os.Remove(h.socket); err != nil {
+		t.Fatal(err)
+	}
+	if err := testutil.Drive(t, clk, 100*time.Millisecond, 0, changes); !errors.Is(err, fsutil.ErrSocketTaken) {
+		t.Fatalf("the other server's end reported as %v", err)
+	}
+	if err := <-changes; err != nil {
+		t.Fatalf("the path taken back reported as %v, want nil", err)
+	}
+	if err := h.server.SocketProblem(); err != nil {
+		t.Fatalf("SocketProblem() = %v once the path is taken back", err)
+	}
+	again := sdstest.Dial(t, h.socket).StreamSecrets()
+	again.Subscribe(dflt)
+	expect(t, again.Recv(), d2)
 }

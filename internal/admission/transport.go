@@ -13,6 +13,8 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/peer"
+
+	"github.com/meshid/meshid/internal/fsutil"
 )
 
 // Transport are the bounds gRPC's transport enforces itself: what passes them is refused before
@@ -100,7 +102,7 @@ func Peer(ctx context.Context) string {
 
 func (c *unixPeerCredentials) ServerHandshake(conn net.Conn) (net.Conn, credentials.AuthInfo, error) {
 	who := fmt.Sprintf("conn=%d", c.next.Add(1))
-	if process := PeerProcess(conn); process != "" {
+	if process := fsutil.PeerProcess(conn); process != "" {
 		who += " " + process
 	}
 	closed, err := c.gate.AdmitConnection()

@@ -44,6 +44,9 @@ func allowed() map[string][]string {
 		"internal/clock":  {},
 		"internal/logkey": {},
 		"internal/":       {"internal/clock", "internal/logkey"},
+		// A server's admission names the process at the other end of a Unix connection as the
+		// socket helpers do.
+		"internal/admission": {"internal/clock", "internal/logkey", "internal/fsutil"},
 
 		// The TokenReview authenticator is one of ca/server's authenticators, and refuses a user
 		// that is not a service account as ca/token's verifier does.

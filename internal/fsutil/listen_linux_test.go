@@ -40,7 +40,7 @@ func TestListenUnixSetsNoModeOnAReplacement(t *testing.T) {
 			}
 			path := filepath.Join(dir, "socket")
 			tc.plant(t, victim, path)
-			if err := addUmaskBits(path, 0o660); err == nil {
+			if _, err := addUmaskBits(path, 0o660); err == nil {
 				t.Fatal("the mode was set on what replaced the socket")
 			}
 			info, err := os.Stat(victim)

@@ -19,8 +19,14 @@ var umaskMu sync.Mutex //nolint:gochecknoglobals // guards process-wide state: t
 // points to. Outside Linux, bind gives the file 0777 less the umask, so the umask is set for the
 // call; files other goroutines create meanwhile get it too.
 func ListenUnix(path string, mode os.FileMode) (net.Listener, error) {
+	lis, _, err := listenUnix(path, mode)
+	return lis, err
+}
+
+// listenUnix is ListenUnix, also returning the identity of the socket file it made.
+func listenUnix(path string, mode os.FileMode) (net.Listener, fileID, error) {
 	if err := CheckSocketPath(path); err != nil {
-		return nil, err
+		return nil, fileID{}, err
 	}
 	umaskMu.Lock()
 	old := syscall.Umask(int(0o777 &^ mode.Perm()))
@@ -28,7 +34,12 @@ func ListenUnix(path string, mode os.FileMode) (net.Listener, error) {
 	syscall.Umask(old)
 	umaskMu.Unlock()
 	if err != nil {
-		return nil, fmt.Errorf("listen on %s: %w", path, err)
+		return nil, fileID{}, fmt.Errorf("listen on %s: %w", path, err)
 	}
-	return lis, nil
+	info, err := os.Lstat(path)
+	if err != nil {
+		_ = lis.Close()
+		return nil, fileID{}, fmt.Errorf("stat the socket %s: %w", path, err)
+	}
+	return lis, idOf(info), nil
 }

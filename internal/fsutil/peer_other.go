@@ -1,6 +1,6 @@
 //go:build !linux
 
-package admission
+package fsutil
 
 import "net"
 

@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/meshid/meshid/internal/testutil"
 	"github.com/meshid/meshid/sds"
 	"github.com/meshid/meshid/sds/sdstest"
 )
@@ -129,15 +130,15 @@ func TestStreamLimit(t *testing.T) {
 func TestConnectionSettings(t *testing.T) {
 	t.Parallel()
 	h := startServer(t, newFakeSecrets(), func(c *sds.Config) { c.MaxStreamsPerConnection = 7 })
-	conn := h2Dial(t, h.socket)
-	settings := conn.settings(t)
-	if got, ok := settings[h2SettingMaxConcurrentStreams]; !ok || got != 7 {
+	conn := testutil.H2Dial(t, h.socket)
+	settings := conn.Settings(t)
+	if got, ok := settings[testutil.H2SettingMaxConcurrentStreams]; !ok || got != 7 {
 		t.Fatalf("SETTINGS_MAX_CONCURRENT_STREAMS = %d (sent: %v), want 7", got, ok)
 	}
 	for range 10 {
-		conn.write(t, h2FramePing, 0, make([]byte, 8))
+		conn.Write(t, testutil.H2FramePing, 0, make([]byte, 8))
 	}
-	if code, ok := conn.goaway(t); !ok || code != h2ErrEnhanceYourCalm {
+	if code, ok := conn.GoAway(t); !ok || code != testutil.H2ErrEnhanceYourCalm {
 		t.Fatalf("a ping flood: GOAWAY %v with code %#x, want ENHANCE_YOUR_CALM", ok, code)
 	}
 }

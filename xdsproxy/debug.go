@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 
@@ -17,29 +19,45 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/types/known/anypb"
 
+	"github.com/meshid/meshid/internal/admission"
 	"github.com/meshid/meshid/internal/logkey"
 )
 
 // maxDebugType bounds the <type> of GET /debug/<type>.
 const maxDebugType = 64
 
+// DebugTypes are the istio.io/debug types the proxy asks the discovery server for: what meshid's
+// and istiod's answer for a proxy. GET /debug/<type> of another is refused before any upstream
+// stream is opened.
+func DebugTypes() []string { return []string{"config_dump", "syncz"} }
+
 // DebugHandler answers GET /debug/<type>[?resourceName=a&resourceName=b] with the upstream's answer
 // to a DiscoveryRequest of type istio.io/debug/<type> for the proxy's node, as JSON. The request
 // goes on the proxy's own upstream stream, never inside one of Envoy's, so it works whether or not
-// Envoy is connected. Mount it at /debug/.
+// Envoy is connected. Mount it at /debug/. It shows this namespace's configuration and the other
+// proxies of the namespace: serve it only to whoever may read them (the agent serves it on a Unix
+// socket next to the XDS socket, with its mode). Refusals are counted and their logs paced.
 func (p *Proxy) DebugHandler() http.Handler {
 	return http.HandlerFunc(p.serveDebug)
 }
 
 func (p *Proxy) serveDebug(w http.ResponseWriter, r *http.Request) {
+	refuse := func(reason, msg string, code int) {
+		p.refuse(admission.Peer(r.Context()), protocolDebug, reason, strconv.Itoa(code), errors.New(msg))
+		http.Error(w, msg, code)
+	}
 	if r.Method != http.MethodGet {
 		w.Header().Set("Allow", http.MethodGet)
-		http.Error(w, "only GET is allowed", http.StatusMethodNotAllowed)
+		refuse(reasonBadDebugRequest, "only GET is allowed", http.StatusMethodNotAllowed)
 		return
 	}
 	name, ok := strings.CutPrefix(r.URL.Path, "/debug/")
 	if !ok || !validDebugType(name) {
-		http.Error(w, "want /debug/<type>, the type made of letters, digits, '_', '-' and '.' (e.g. /debug/config_dump)", http.StatusBadRequest)
+		refuse(reasonBadDebugRequest, "want /debug/<type>, the type made of letters, digits, '_', '-' and '.' (e.g. /debug/config_dump)", http.StatusBadRequest)
+		return
+	}
+	if !slices.Contains(DebugTypes(), name) {
+		refuse(reasonUnknownDebugType, fmt.Sprintf("unknown debug type %q: want /debug/%s", name, strings.Join(DebugTypes(), " or /debug/")), http.StatusNotFound)
 		return
 	}
 	req := &discovery.DiscoveryRequest{
@@ -49,18 +67,32 @@ func (p *Proxy) serveDebug(w http.ResponseWriter, r *http.Request) {
 	}
 	resp, code, err := p.askDebug(r.Context(), req)
 	if err != nil {
-		p.log.Warn("xDS debug request failed", logkey.TypeURL, req.TypeUrl, logkey.Code, code, logkey.Error, err.Error())
+		p.debugFailed(r, req.TypeUrl, code, err)
 		http.Error(w, err.Error(), code)
 		return
 	}
 	body, err := debugJSON(resp)
 	if err != nil {
-		p.log.Warn("xDS debug answer not encoded", logkey.TypeURL, req.TypeUrl, logkey.Error, err.Error())
+		p.debugFailed(r, req.TypeUrl, http.StatusInternalServerError, err)
 		http.Error(w, "encode the answer: "+err.Error(), http.StatusInternalServerError)
 		return
 	}
 	w.Header().Set("Content-Type", "application/json")
 	_, _ = w.Write(body)
+}
+
+// debugFailed logs a debug request that could not be answered, paced as refusals are: whoever can
+// reach the handler can repeat it as often as they like.
+func (p *Proxy) debugFailed(r *http.Request, typeURL string, code int, err error) {
+	ok, dropped := p.logs.Allow("debug failed")
+	if !ok {
+		return
+	}
+	attrs := []any{logkey.Peer, admission.Peer(r.Context()), logkey.TypeURL, typeURL, logkey.Code, code, logkey.Error, err.Error()}
+	if dropped > 0 {
+		attrs = append(attrs, logkey.Dropped, dropped)
+	}
+	p.log.Warn("xDS debug request failed", attrs...)
 }
 
 func validDebugType(s string) bool {

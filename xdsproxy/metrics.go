@@ -13,6 +13,9 @@ type metrics struct {
 	streamsTotal   prometheus.Counter
 	messages       *prometheus.CounterVec
 	upstreamErrors *prometheus.CounterVec
+	refusals       *prometheus.CounterVec
+	// socketTaken counts the times the socket path was found to lead elsewhere.
+	socketTaken prometheus.Counter
 }
 
 func newMetrics() *metrics {
@@ -33,11 +36,19 @@ func newMetrics() *metrics {
 			Namespace: "meshid", Subsystem: "xds_proxy", Name: "upstream_errors_total",
 			Help: "Envoy streams ended by an upstream error, by gRPC code.",
 		}, []string{"code"}),
+		refusals: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "meshid", Subsystem: "xds_proxy", Name: "refusals_total",
+			Help: "Streams, connections and debug requests refused, by reason and the gRPC code (or HTTP status) of the answer (\"closed\": the connection was closed before any stream).",
+		}, []string{"reason", "code"}),
+		socketTaken: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: "meshid", Subsystem: "xds_proxy", Name: "socket_taken_total",
+			Help: "Times the xDS proxy's socket path was found removed or taken by another server, so that Envoy's new connections reach that one.",
+		}),
 	}
 }
 
 func (m *metrics) register(reg prometheus.Registerer) error {
-	for _, c := range []prometheus.Collector{m.streams, m.streamsTotal, m.messages, m.upstreamErrors} {
+	for _, c := range []prometheus.Collector{m.streams, m.streamsTotal, m.messages, m.upstreamErrors, m.refusals, m.socketTaken} {
 		if err := reg.Register(c); err != nil {
 			return err
 		}

@@ -13,7 +13,6 @@ import (
 	"log/slog"
 	"net"
 	"os"
-	"path/filepath"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -25,7 +24,9 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/status"
 
+	"github.com/meshid/meshid/internal/admission"
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/filewatch"
 	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/logkey"
 )
@@ -39,8 +40,12 @@ const (
 	DebugTypePrefix = "istio.io/debug/"
 )
 
+// SocketCheckInterval is how often the proxy looks again at a socket path another server took,
+// to take it back once that server is gone; a change of the path is seen at once.
+const SocketCheckInterval = 2 * time.Second
+
 // ErrSocketInUse reports a socket path that another server already answers on.
-var ErrSocketInUse = errors.New("another server listens on the socket")
+var ErrSocketInUse = fsutil.ErrSocketInUse
 
 // Config configures a Proxy.
 type Config struct {
@@ -58,10 +63,20 @@ type Config struct {
 	// DebugTimeout bounds the wait for the answer to a debug request (default
 	// DefaultDebugTimeout).
 	DebugTimeout time.Duration
+	// MaxStreams bounds Envoy's streams open at once, over every connection, and the
+	// connections (default DefaultMaxStreams); past it a stream is refused with
+	// ResourceExhausted and a connection closed. MaxStreamsPerConnection bounds one
+	// connection's streams (default DefaultMaxStreamsPerConnection), as HTTP/2 does: the client
+	// is told.
+	MaxStreams              int
+	MaxStreamsPerConnection int
 
 	Clock      clock.Clock
 	Logger     *slog.Logger
 	Registerer prometheus.Registerer // optional
+	// OnSocket, when set, is told after the fact when the socket path stops leading to the proxy
+	// (why) and when it leads there again (nil).
+	OnSocket func(error)
 }
 
 // Proxy is the ADS proxy.
@@ -71,6 +86,11 @@ type Proxy struct {
 	clock    clock.Clock
 	upstream discovery.AggregatedDiscoveryServiceClient
 	metrics  *metrics
+	socket   *fsutil.Socket
+	gate     *admission.Gate
+	logs     *admission.LogLimiter
+	// socketProblem says why the socket path no longer leads to the proxy; nil while it does.
+	socketProblem atomic.Pointer[error]
 
 	// wg counts the goroutines Run must wait for besides the gRPC server's own: each Envoy
 	// stream's request forwarder, and the debug stream's reader.
@@ -87,7 +107,8 @@ type Proxy struct {
 	debug   *debugStream
 }
 
-// New checks cfg and fills in its defaults. It starts nothing and does not listen; call Run.
+// New checks cfg, fills in its defaults and listens on the socket (see fsutil.ListenSocket). It
+// starts no goroutines; call Run, or Close if Run will not be called.
 func New(cfg Config) (*Proxy, error) {
 	if cfg.Socket == "" {
 		return nil, errors.New("the xDS proxy needs a socket path")
@@ -107,16 +128,32 @@ func New(cfg Config) (*Proxy, error) {
 	if cfg.SocketMode == 0 {
 		cfg.SocketMode = DefaultSocketMode
 	}
+	if cfg.MaxStreams < 0 || cfg.MaxStreamsPerConnection < 0 {
+		return nil, fmt.Errorf("xDS proxy stream limits must be positive, not %d and %d per connection", cfg.MaxStreams, cfg.MaxStreamsPerConnection)
+	}
+	if cfg.MaxStreams == 0 {
+		cfg.MaxStreams = DefaultMaxStreams
+	}
+	if cfg.MaxStreamsPerConnection == 0 {
+		cfg.MaxStreamsPerConnection = DefaultMaxStreamsPerConnection
+	}
 	log := cfg.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
+	gate, err := admission.NewGate(admission.Limits{Streams: cfg.MaxStreams, Connections: cfg.MaxStreams})
+	if err != nil {
+		return nil, err
+	}
+	clk := clock.OrReal(cfg.Clock)
 	p := &Proxy{
 		cfg:      cfg,
 		log:      log,
-		clock:    clock.OrReal(cfg.Clock),
+		clock:    clk,
 		upstream: discovery.NewAggregatedDiscoveryServiceClient(cfg.Upstream),
 		metrics:  newMetrics(),
+		gate:     gate,
+		logs:     admission.NewLogLimiter(clk),
 		started:  make(chan struct{}),
 	}
 	if cfg.Registerer != nil {
@@ -124,16 +161,20 @@ func New(cfg Config) (*Proxy, error) {
 			return nil, fmt.Errorf("register the xDS proxy's metrics: %w", err)
 		}
 	}
+	if p.socket, err = fsutil.ListenSocket(cfg.Socket, cfg.SocketMode, log); err != nil {
+		return nil, err
+	}
 	return p, nil
 }
 
-// Run listens on the socket and serves until ctx ends; then it ends every stream, Envoy's and its
-// own, and returns once all its goroutines have stopped. A Proxy runs once.
+// Close releases the socket of a proxy that will not Run.
+func (p *Proxy) Close() { p.socket.Close() }
+
+// Run serves until ctx ends; then it ends every stream, Envoy's and its own, and returns once
+// all its goroutines have stopped. Meanwhile it checks that the socket path still leads to it
+// (see SocketProblem). A Proxy runs once.
 func (p *Proxy) Run(ctx context.Context) error {
-	lis, err := p.listen()
-	if err != nil {
-		return err
-	}
+	defer p.socket.Remove()
 	p.debugMu.Lock()
 	p.running = ctx
 	p.debugMu.Unlock()
@@ -141,10 +182,20 @@ func (p *Proxy) Run(ctx context.Context) error {
 	defer p.stopDebug()
 
 	// WaitForHandlers: Stop returns only once every stream handler has, so that none outlives Run.
-	grpcServer := grpc.NewServer(grpc.WaitForHandlers(true))
+	grpcServer := grpc.NewServer(append(p.grpcOptions(), grpc.WaitForHandlers(true))...)
 	discovery.RegisterAggregatedDiscoveryServiceServer(grpcServer, adsServer{p: p})
 	served := make(chan error, 1)
-	go func() { served <- grpcServer.Serve(lis) }()
+	go func() { served <- grpcServer.Serve(p.socket.Listener()) }()
+	guardCtx, stopGuard := context.WithCancel(ctx)
+	guarded := make(chan struct{})
+	go func() {
+		defer close(guarded)
+		if err := p.guardSocket(guardCtx, func(lis net.Listener) {
+			p.wg.Go(func() { _ = grpcServer.Serve(lis) })
+		}); err != nil {
+			p.log.Warn("the xDS proxy socket is not guarded: a server that takes its path is not noticed", logkey.Error, err.Error())
+		}
+	}()
 	p.log.Info("xDS proxy serving", logkey.Socket, p.cfg.Socket)
 
 	var serveErr error
@@ -152,6 +203,8 @@ func (p *Proxy) Run(ctx context.Context) error {
 	case serveErr = <-served:
 	case <-ctx.Done():
 	}
+	stopGuard()
+	<-guarded
 	// Envoy's streams never end by themselves, so there is nothing to drain: Stop cancels them,
 	// which cancels their upstream streams.
 	p.stopping.Store(true)
@@ -168,41 +221,39 @@ func (p *Proxy) Run(ctx context.Context) error {
 	return nil
 }
 
-// listen prepares the socket's directory, removes a stale socket, and listens.
-func (p *Proxy) listen() (net.Listener, error) {
-	path := p.cfg.Socket
-	dir := filepath.Dir(path)
-	if err := fsutil.EnsureDir(dir, 0o750); err != nil {
-		return nil, err
+// guardSocket watches the socket path until ctx ends (see fsutil.Socket.Guard).
+func (p *Proxy) guardSocket(ctx context.Context, serve func(net.Listener)) error {
+	w, err := filewatch.New(filewatch.Config{Paths: []string{p.cfg.Socket}, Clock: p.clock, Logger: p.log})
+	if err != nil {
+		return err
 	}
-	// Served on all the same, as the SDS socket is: Kubernetes makes the emptyDir it usually
-	// lives in writable by everyone, and only the pod's containers can reach it.
-	if err := fsutil.CheckSocketDir(dir); errors.Is(err, fsutil.ErrSharedDir) {
-		p.log.Warn("the xDS proxy socket directory is writable by every user: any of them could replace the socket",
-			logkey.Dir, dir, logkey.Error, err.Error())
-	} else if err != nil {
-		return nil, err
-	}
-	if _, err := os.Lstat(path); err == nil {
-		if socketServing(path) {
-			return nil, fmt.Errorf("%w: %s", ErrSocketInUse, path)
-		}
-		if err := os.Remove(path); err != nil {
-			return nil, fmt.Errorf("remove the stale socket %s: %w", path, err)
-		}
-		p.log.Info("removed a stale xDS proxy socket", logkey.Path, path)
-	}
-	return fsutil.ListenUnix(path, p.cfg.SocketMode)
+	return p.socket.Guard(ctx, w, p.clock, SocketCheckInterval, serve, p.socketChanged)
 }
 
-// socketServing reports whether something accepts connections on the Unix socket at path.
-func socketServing(path string) bool {
-	conn, err := net.DialTimeout("unix", path, time.Second)
-	if err != nil {
-		return false
+// socketChanged is told when the socket path stops leading to the proxy (err says what is there
+// now), and when it leads here again (nil).
+func (p *Proxy) socketChanged(err error) {
+	if err == nil {
+		p.socketProblem.Store(nil)
+		p.log.Info("the xDS proxy socket path leads to this proxy again", logkey.Socket, p.cfg.Socket)
+	} else {
+		p.socketProblem.Store(&err)
+		p.metrics.socketTaken.Inc()
+		p.log.Warn("the xDS proxy socket path no longer leads to this proxy: Envoy's new connections reach whatever is there now",
+			logkey.Socket, p.cfg.Socket, logkey.Error, err.Error())
 	}
-	_ = conn.Close()
-	return true
+	if p.cfg.OnSocket != nil {
+		p.cfg.OnSocket(err)
+	}
+}
+
+// SocketProblem says why the socket path no longer leads to the proxy (it was removed, or another
+// server took it); nil while it does.
+func (p *Proxy) SocketProblem() error {
+	if e := p.socketProblem.Load(); e != nil {
+		return *e
+	}
+	return nil
 }
 
 // adsServer serves Envoy's ADS streams, each by a stream of its own upstream.
@@ -212,7 +263,11 @@ type adsServer struct {
 }
 
 func (s adsServer) StreamAggregatedResources(down grpc.BidiStreamingServer[discovery.DiscoveryRequest, discovery.DiscoveryResponse]) error {
-	return pipe(s.p, "sotw", down,
+	if err := s.p.admit(down.Context(), protocolSotW); err != nil {
+		return err
+	}
+	defer s.p.gate.Release("")
+	return pipe(s.p, protocolSotW, down,
 		func(ctx context.Context) (grpc.BidiStreamingClient[discovery.DiscoveryRequest, discovery.DiscoveryResponse], error) {
 			return s.p.upstream.StreamAggregatedResources(ctx, s.p.cfg.CallOptions...)
 		},
@@ -220,7 +275,11 @@ func (s adsServer) StreamAggregatedResources(down grpc.BidiStreamingServer[disco
 }
 
 func (s adsServer) DeltaAggregatedResources(down grpc.BidiStreamingServer[discovery.DeltaDiscoveryRequest, discovery.DeltaDiscoveryResponse]) error {
-	return pipe(s.p, "delta", down,
+	if err := s.p.admit(down.Context(), protocolDelta); err != nil {
+		return err
+	}
+	defer s.p.gate.Release("")
+	return pipe(s.p, protocolDelta, down,
 		func(ctx context.Context) (grpc.BidiStreamingClient[discovery.DeltaDiscoveryRequest, discovery.DeltaDiscoveryResponse], error) {
 			return s.p.upstream.DeltaAggregatedResources(ctx, s.p.cfg.CallOptions...)
 		},
@@ -240,7 +299,7 @@ func pipe[Req, Resp any](p *Proxy, protocol string, down grpc.BidiStreamingServe
 	p.metrics.streams.Inc()
 	p.metrics.streamsTotal.Inc()
 	defer p.metrics.streams.Dec()
-	info := &streamInfo{protocol: protocol}
+	info := &streamInfo{protocol: protocol, peer: admission.Peer(down.Context())}
 
 	// The upstream stream lives within Envoy's: when Envoy goes, it is cancelled.
 	ctx, cancel := context.WithCancel(down.Context())
@@ -314,11 +373,20 @@ func (p *Proxy) upstreamFailed(info *streamInfo, err error) error {
 	return st.Err()
 }
 
-// streamEnded logs the end of an Envoy stream, once.
+// streamEnded logs the end of an Envoy stream, once, unless too many streams ended for the same
+// reason too fast (a client can open and end streams as fast as it likes): the next line of that
+// reason then says how many were left out.
 func (p *Proxy) streamEnded(info *streamInfo, level slog.Level, reason string, attrs ...any) {
+	ok, dropped := p.logs.Allow("end: " + reason)
+	if !ok {
+		return
+	}
 	node, types := info.get()
-	attrs = append([]any{logkey.Protocol, info.protocol, logkey.Node, logkey.Untrusted(node),
+	attrs = append([]any{logkey.Protocol, info.protocol, logkey.Node, logkey.Untrusted(node), logkey.Peer, info.peer,
 		logkey.Types, logkey.UntrustedList(types), logkey.Reason, reason}, attrs...)
+	if dropped > 0 {
+		attrs = append(attrs, logkey.Dropped, dropped)
+	}
 	p.log.Log(context.Background(), level, "xDS proxy stream ended", attrs...)
 }
 
@@ -329,6 +397,7 @@ const maxLoggedTypes = 16
 // goroutine writes it, the handler reads it.
 type streamInfo struct {
 	protocol string
+	peer     string
 	mu       sync.Mutex
 	node     string
 	types    []string

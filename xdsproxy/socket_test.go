@@ -61,13 +61,10 @@ func TestRunSocket(t *testing.T) {
 		t.Errorf("socket mode %v, want a socket with %o", info.Mode(), xdsproxy.DefaultSocketMode)
 	}
 
-	// A second proxy on the same socket is refused, and leaves the first one's socket alone.
-	second, err := xdsproxy.New(xdsproxy.Config{Socket: h.socket, Upstream: h.upstream})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := second.Run(ctx); !errors.Is(err, xdsproxy.ErrSocketInUse) {
-		t.Errorf("second Run: %v, want ErrSocketInUse", err)
+	// A second proxy on the same socket is refused (by New, which binds), and leaves the first
+	// one's socket alone.
+	if _, err := xdsproxy.New(xdsproxy.Config{Socket: h.socket, Upstream: h.upstream}); !errors.Is(err, xdsproxy.ErrSocketInUse) {
+		t.Errorf("second New: %v, want ErrSocketInUse", err)
 	}
 	openCDS(t, ctx, h)
 
@@ -89,7 +86,7 @@ func TestRunSocket(t *testing.T) {
 	}
 }
 
-func TestRunRemovesAStaleSocket(t *testing.T) {
+func TestNewRemovesAStaleSocket(t *testing.T) {
 	t.Parallel()
 	socket := filepath.Join(testutil.ShortTempDir(t), "XDS")
 	lis, err := net.Listen("unix", socket)
@@ -101,7 +98,7 @@ func TestRunRemovesAStaleSocket(t *testing.T) {
 	up := startUpstream(t)
 	h := startProxy(t, up.addr, func(c *xdsproxy.Config) { c.Socket = socket })
 	openCDS(t, testContext(t), h)
-	if got := h.logs.Records(t, "removed a stale xDS proxy socket"); len(got) != 1 {
+	if got := h.logs.Records(t, "removed a stale socket"); len(got) != 1 {
 		t.Errorf("stale socket logged %d times, want once", len(got))
 	}
 }

@@ -89,15 +89,31 @@ type peerInfo struct {
 
 func (peerInfo) AuthType() string { return "unix-peer" }
 
-// Peer says who is at the other end of a stream's connection: "conn=N pid=P uid=U" for a
-// connection made through UnixPeerCredentials, "" otherwise.
+// Peer says who is at the other end of a stream's or an HTTP request's connection: "conn=N
+// pid=P uid=U" for a gRPC connection made through UnixPeerCredentials, "pid=P uid=U" or the
+// remote address for an HTTP connection of a server with ConnContext, "" otherwise.
 func Peer(ctx context.Context) string {
 	if p, ok := peer.FromContext(ctx); ok {
 		if info, ok := p.AuthInfo.(peerInfo); ok {
 			return info.who
 		}
 	}
+	if who, ok := ctx.Value(httpPeerKey{}).(string); ok {
+		return who
+	}
 	return ""
+}
+
+type httpPeerKey struct{}
+
+// ConnContext is an http.Server's ConnContext that names each connection's peer for Peer: the
+// process at the other end of a Unix connection, the address of another.
+func ConnContext(ctx context.Context, conn net.Conn) context.Context {
+	who := fsutil.PeerProcess(conn)
+	if who == "" {
+		who = "addr=" + conn.RemoteAddr().String()
+	}
+	return context.WithValue(ctx, httpPeerKey{}, who)
 }
 
 func (c *unixPeerCredentials) ServerHandshake(conn net.Conn) (net.Conn, credentials.AuthInfo, error) {

@@ -21,6 +21,7 @@ import (
 	"google.golang.org/grpc"
 
 	"github.com/meshid/meshid/caclient"
+	"github.com/meshid/meshid/internal/admission"
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/istio"
@@ -64,6 +65,9 @@ type Agent struct {
 	statusLis  net.Listener
 	debug      *http.Server
 	debugLis   net.Listener
+	// xdsDebug serves /debug/<type> on xdsDebugSocket, next to the XDS socket.
+	xdsDebug       *http.Server
+	xdsDebugSocket *fsutil.Socket
 }
 
 // New runs the decision flow (a live external SDS socket, else credential files, else a CA —
@@ -111,6 +115,7 @@ func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *p
 
 			MaxStreams:              cfg.SDSMaxStreams,
 			MaxStreamsPerConnection: cfg.SDSMaxStreamsPerConnection,
+			OnSocket:                onSocket(cfg, a.socketPath),
 		})
 		if err != nil {
 			return err
@@ -125,13 +130,37 @@ func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *p
 		return fmt.Errorf("listen for status on %s: %w", cfg.StatusAddr, err)
 	}
 	a.status = &http.Server{Handler: a.statusHandler(registry), ReadHeaderTimeout: 10 * time.Second}
+	debug, err := newDebugBoundary(clk, log.With(logkey.Component, "debug"), registry)
+	if err != nil {
+		return err
+	}
+	if cfg.ProxyXDSDebug && a.xds != nil {
+		// Whoever may open the XDS socket may read the configuration: the debug socket sits next
+		// to it, with its mode.
+		if a.xdsDebugSocket, err = fsutil.ListenSocket(cfg.xdsDebugSocket(), xdsproxy.DefaultSocketMode, log.With(logkey.Component, "debug")); err != nil {
+			return fmt.Errorf("--xds-debug-socket: %w", err)
+		}
+		a.xdsDebug = &http.Server{Handler: a.xdsDebugHandler(), ConnContext: admission.ConnContext, ReadHeaderTimeout: 10 * time.Second}
+	}
 	if cfg.DebugAddr != "" {
 		if a.debugLis, err = net.Listen("tcp", cfg.DebugAddr); err != nil {
 			return fmt.Errorf("listen for debug on %s: %w", cfg.DebugAddr, err)
 		}
-		a.debug = &http.Server{Handler: a.debugHandler(clk, cfg.ProxyXDSDebug), ReadHeaderTimeout: 10 * time.Second}
+		a.debug = &http.Server{
+			Handler:           debug.loopbackOnly(a.debugHandler(clk, cfg)),
+			ConnContext:       admission.ConnContext,
+			ReadHeaderTimeout: 10 * time.Second,
+		}
 	}
 	return nil
+}
+
+// onSocket tells cfg.OnSocket, when set, about the socket at path.
+func onSocket(cfg Config, path string) func(error) {
+	if cfg.OnSocket == nil {
+		return nil
+	}
+	return func(err error) { cfg.OnSocket(path, err) }
 }
 
 // ErrNoCA is the refusal of an agent that found no credentials and has neither a CA address nor
@@ -362,10 +391,13 @@ func (a *Agent) newXDSProxy(cfg Config, clk clock.Clock, log *slog.Logger, regis
 		Upstream: a.xdsConn,
 		// Istio's form of a sidecar's node ID; the discovery server picks the configuration by
 		// the credential, not by this.
-		Node:       &corev3.Node{Id: fmt.Sprintf("sidecar~127.0.0.1~%s.%s~%s.svc.cluster.local", id.ServiceAccount, id.Namespace, id.Namespace)},
-		Clock:      clk,
-		Logger:     log.With(logkey.Component, "xds-proxy"),
-		Registerer: registry,
+		Node:                    &corev3.Node{Id: fmt.Sprintf("sidecar~127.0.0.1~%s.%s~%s.svc.cluster.local", id.ServiceAccount, id.Namespace, id.Namespace)},
+		MaxStreams:              cfg.XDSMaxStreams,
+		MaxStreamsPerConnection: cfg.XDSMaxStreamsPerConnection,
+		Clock:                   clk,
+		Logger:                  log.With(logkey.Component, "xds-proxy"),
+		Registerer:              registry,
+		OnSocket:                onSocket(cfg, cfg.xdsSocket()),
 	})
 	if err != nil {
 		return err
@@ -391,6 +423,15 @@ func (a *Agent) DebugAddr() string {
 	return a.debugLis.Addr().String()
 }
 
+// XDSDebugSocket returns the path of the Unix socket serving /debug/<type>, or "" when there is
+// none.
+func (a *Agent) XDSDebugSocket() string {
+	if a.xdsDebugSocket == nil {
+		return ""
+	}
+	return a.xdsDebugSocket.Path()
+}
+
 // Secrets returns the secret manager; nil when an external server serves SDS.
 func (a *Agent) Secrets() *secretmanager.Manager { return a.secrets }
 
@@ -409,11 +450,16 @@ func (a *Agent) Run(ctx context.Context) error {
 	if a.xds != nil {
 		g.Go(func() error { return a.xds.Run(ctx) })
 	}
+	var xdsDebugLis net.Listener
+	if a.xdsDebugSocket != nil {
+		xdsDebugLis = a.xdsDebugSocket.Listener()
+		defer a.xdsDebugSocket.Remove()
+	}
 	for _, srv := range []struct {
 		server *http.Server
 		lis    net.Listener
 		name   string
-	}{{a.status, a.statusLis, "status"}, {a.debug, a.debugLis, "debug"}} {
+	}{{a.status, a.statusLis, "status"}, {a.debug, a.debugLis, "debug"}, {a.xdsDebug, xdsDebugLis, "xDS debug"}} {
 		if srv.server == nil {
 			continue
 		}
@@ -428,7 +474,8 @@ func (a *Agent) Run(ctx context.Context) error {
 			return srv.server.Close()
 		})
 	}
-	a.log.Info("agent started", logkey.Source, string(a.source), logkey.SDSSocket, a.socketPath, logkey.StatusAddress, a.StatusAddr(), logkey.DebugAddress, a.DebugAddr())
+	a.log.Info("agent started", logkey.Source, string(a.source), logkey.SDSSocket, a.socketPath, logkey.StatusAddress, a.StatusAddr(),
+		logkey.DebugAddress, a.DebugAddr(), logkey.XDSDebugSocket, a.XDSDebugSocket())
 	err := g.Wait()
 	a.log.Info("agent stopped")
 	return err
@@ -458,6 +505,12 @@ func (a *Agent) close() {
 	if a.sds != nil {
 		a.sds.Close()
 	}
+	if a.xds != nil {
+		a.xds.Close()
+	}
+	if a.xdsDebugSocket != nil {
+		a.xdsDebugSocket.Close()
+	}
 	if a.embedded != nil {
 		a.embedded.Close()
 	}
@@ -465,13 +518,22 @@ func (a *Agent) close() {
 }
 
 // ready reports whether Envoy can get its certificate: a valid one held (and written to
-// OUTPUT_CERTS, when asked), or, when another server serves SDS, that server answering.
+// OUTPUT_CERTS, when asked), or, when another server serves SDS, that server answering; and
+// whether Envoy reaches the agent: the paths of its sockets still lead to it.
 func (a *Agent) ready() (bool, string) {
+	if a.xds != nil {
+		if err := a.xds.SocketProblem(); err != nil {
+			return false, err.Error()
+		}
+	}
 	if a.source == SourceExternalSDS {
 		if fsutil.SocketServing(a.socketPath) {
 			return true, ""
 		}
 		return false, "the external SDS socket " + a.socketPath + " does not accept connections"
+	}
+	if err := a.sds.SocketProblem(); err != nil {
+		return false, err.Error()
 	}
 	return a.secrets.Ready()
 }

@@ -19,6 +19,7 @@ import (
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/sds"
 	"github.com/meshid/meshid/secretmanager"
+	"github.com/meshid/meshid/xdsproxy"
 )
 
 // Defaults of `meshid agent`; paths are relative to RootDir.
@@ -30,6 +31,8 @@ const (
 	DefaultMountedCerts = "etc/certs"
 	DefaultEmbeddedDir  = "var/lib/meshid"
 	DefaultXDSSocket    = "etc/istio/proxy/XDS"
+	// XDSDebugSocketName is the Unix socket of /debug/<type>, next to the XDS socket.
+	XDSDebugSocketName = "debug.sock"
 	// Identity of the workload when the agent runs its own CA and none is given.
 	DefaultEmbeddedNamespace      = "default"
 	DefaultEmbeddedServiceAccount = "default"
@@ -66,10 +69,18 @@ type Config struct {
 	DiscoveryAddress string
 	XDSRootCert      string
 	// ProxyXDS serves Envoy's ADS on XDSSocket (default <root>/etc/istio/proxy/XDS) and proxies
-	// it upstream (PROXY_XDS_VIA_AGENT); ProxyXDSDebug answers /debug/<type> on the debug
-	// server from the upstream's istio.io/debug (PROXY_XDS_DEBUG_VIA_AGENT).
+	// it upstream (PROXY_XDS_VIA_AGENT); ProxyXDSDebug answers /debug/<type> from the
+	// upstream's istio.io/debug (PROXY_XDS_DEBUG_VIA_AGENT) on XDSDebugSocket (default: debug.sock
+	// next to the XDS socket, with its mode: whoever may open the XDS socket may read what it
+	// shows) and, with XDSDebugTCP, on the debug server too.
 	ProxyXDS, ProxyXDSDebug bool
 	XDSSocket               string
+	XDSDebugSocket          string
+	XDSDebugTCP             bool
+	// XDSMaxStreams bounds Envoy's ADS streams open at once, and the connections;
+	// XDSMaxStreamsPerConnection bounds one connection's streams.
+	XDSMaxStreams              int
+	XDSMaxStreamsPerConnection int
 
 	// Embed starts a CA in-process when no CA address is given; cmd/meshid supplies it, and
 	// meshid-agent, which links no CA, does not.
@@ -109,6 +120,9 @@ type Config struct {
 	// OnEvent, when set, is told of the secret manager's events: certificates obtained, failed
 	// renewals, OUTPUT_CERTS written or not, secrets changing state.
 	OnEvent func(secretmanager.Event)
+	// OnSocket, when set, is told after the fact when the path of the SDS or the XDS socket stops
+	// leading to the agent (why) and when it leads there again (nil).
+	OnSocket func(socket string, err error)
 }
 
 // EmbedFunc starts a control plane in-process for an agent given no CA address.
@@ -156,6 +170,8 @@ func DefaultConfig(rootDir string) Config {
 
 		SDSMaxStreams:              sds.DefaultMaxStreams,
 		SDSMaxStreamsPerConnection: sds.DefaultMaxStreamsPerConnection,
+		XDSMaxStreams:              xdsproxy.DefaultMaxStreams,
+		XDSMaxStreamsPerConnection: xdsproxy.DefaultMaxStreamsPerConnection,
 	}
 }
 
@@ -174,6 +190,13 @@ func (c *Config) xdsSocket() string {
 		return c.XDSSocket
 	}
 	return c.path(DefaultXDSSocket)
+}
+
+func (c *Config) xdsDebugSocket() string {
+	if c.XDSDebugSocket != "" {
+		return c.XDSDebugSocket
+	}
+	return filepath.Join(filepath.Dir(c.xdsSocket()), XDSDebugSocketName)
 }
 
 func (c *Config) credentialsDir() string {
@@ -253,6 +276,7 @@ func (c *Config) Validate() error {
 	if c.SDSMaxStreamsPerConnection <= 0 {
 		errs = append(errs, fmt.Errorf("--sds-max-streams-per-connection %d must be positive", c.SDSMaxStreamsPerConnection))
 	}
+	errs = append(errs, c.validateXDS()...)
 	switch c.KeyAlgorithm {
 	case pki.ECDSA:
 	case pki.RSA:
@@ -273,6 +297,29 @@ func (c *Config) Validate() error {
 	}
 	errs = append(errs, c.checkFileResourceDirs()...)
 	return errors.Join(errs...)
+}
+
+// validateXDS checks the xDS proxy's settings.
+func (c *Config) validateXDS() []error {
+	var errs []error
+	if c.XDSMaxStreams <= 0 {
+		errs = append(errs, fmt.Errorf("--xds-proxy-max-streams %d must be positive", c.XDSMaxStreams))
+	}
+	if c.XDSMaxStreamsPerConnection <= 0 {
+		errs = append(errs, fmt.Errorf("--xds-proxy-max-streams-per-connection %d must be positive", c.XDSMaxStreamsPerConnection))
+	}
+	if c.XDSDebugTCP && !c.ProxyXDSDebug {
+		errs = append(errs, errors.New("--xds-debug-tcp serves the xDS debug endpoint, which --proxy-xds-debug-via-agent=false (PROXY_XDS_DEBUG_VIA_AGENT) turns off"))
+	}
+	if c.XDSDebugTCP && c.DebugAddr == "" {
+		errs = append(errs, errors.New("--xds-debug-tcp serves /debug/<type> on --debug-addr, which is empty"))
+	}
+	if c.ProxyXDSDebug {
+		if err := fsutil.CheckSocketPath(c.xdsDebugSocket()); err != nil {
+			errs = append(errs, fmt.Errorf("--xds-debug-socket: %w", err))
+		}
+	}
+	return errs
 }
 
 // checkFileResourceDirs refuses a dir file resources may read that overlaps the embedded CA's

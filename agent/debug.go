@@ -2,12 +2,79 @@ package agent
 
 import (
 	"encoding/json"
+	"fmt"
+	"log/slog"
+	"net"
 	"net/http"
+	"strings"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/meshid/meshid/internal/admission"
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/secretmanager"
 )
+
+// debugBoundary refuses debug requests that did not come from this machine's loopback by name,
+// counted and logged at a bounded rate.
+type debugBoundary struct {
+	log      *slog.Logger
+	logs     *admission.LogLimiter
+	refusals *prometheus.CounterVec
+}
+
+func newDebugBoundary(clk clock.Clock, log *slog.Logger, reg prometheus.Registerer) (*debugBoundary, error) {
+	b := &debugBoundary{
+		log:  log,
+		logs: admission.NewLogLimiter(clk),
+		refusals: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "meshid", Subsystem: "agent", Name: "debug_refusals_total",
+			Help: "Requests to the debug server refused, by reason (host: a Host header that does not name loopback, as a web page rebinding a name to 127.0.0.1 sends).",
+		}, []string{"reason"}),
+	}
+	if err := reg.Register(b.refusals); err != nil {
+		return nil, fmt.Errorf("register the debug server's metrics: %w", err)
+	}
+	return b, nil
+}
+
+// loopbackOnly answers only requests whose Host names loopback: a web page the user opens can
+// make the browser send requests to 127.0.0.1 through a name it rebinds there (DNS rebinding),
+// and reads the answers, since the browser takes the port for the page's own origin; its Host is
+// then that name.
+func (b *debugBoundary) loopbackOnly(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if loopbackHost(r.Host) {
+			next.ServeHTTP(w, r)
+			return
+		}
+		b.refusals.WithLabelValues("host").Inc()
+		if ok, dropped := b.logs.Allow("host"); ok {
+			attrs := []any{logkey.Peer, admission.Peer(r.Context()), logkey.Host, logkey.Untrusted(r.Host), logkey.Path, logkey.Untrusted(r.URL.Path)}
+			if dropped > 0 {
+				attrs = append(attrs, logkey.Dropped, dropped)
+			}
+			b.log.Warn("debug request refused: its Host does not name loopback", attrs...)
+		}
+		http.Error(w, "the debug server answers requests for localhost, 127.0.0.1 or [::1] only", http.StatusForbidden)
+	})
+}
+
+// loopbackHost reports whether a Host header names loopback: localhost or a loopback address,
+// with or without a port.
+func loopbackHost(host string) bool {
+	if h, _, err := net.SplitHostPort(host); err == nil {
+		host = h
+	}
+	host = strings.TrimSuffix(strings.TrimPrefix(host, "["), "]")
+	if strings.EqualFold(host, "localhost") {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
+}
 
 // secretStatus is one secret as /debug/secrets shows it.
 type secretStatus struct {
@@ -28,11 +95,29 @@ type secretStatus struct {
 	Streams      int       `json:"subscribed_streams"`
 }
 
-func (a *Agent) debugHandler(clk clock.Clock, xdsDebug bool) http.Handler {
+// xdsDebugHandler serves istio.io/debug/<type> from the discovery server, for this proxy's node.
+func (a *Agent) xdsDebugHandler() http.Handler {
 	mux := http.NewServeMux()
-	if xdsDebug && a.xds != nil {
-		// istio.io/debug/<type> from the discovery server, for this proxy's node.
+	mux.Handle("/debug/", a.xds.DebugHandler())
+	return mux
+}
+
+// debugHandler serves the debug server on --debug-addr: /debug/secrets, and /debug/<type> only
+// when asked (--xds-debug-tcp): any local user can reach a loopback port, while the XDS socket's
+// mode says who may read the configuration.
+func (a *Agent) debugHandler(clk clock.Clock, cfg Config) http.Handler {
+	mux := http.NewServeMux()
+	switch {
+	case a.xds == nil || !cfg.ProxyXDSDebug:
+	case cfg.XDSDebugTCP:
 		mux.Handle("/debug/", a.xds.DebugHandler())
+	default:
+		socket := a.XDSDebugSocket()
+		mux.HandleFunc("/debug/", func(w http.ResponseWriter, r *http.Request) {
+			http.Error(w, fmt.Sprintf("%s is served on the Unix socket %s (curl --unix-socket %s http://localhost%s), "+
+				"which only who may open the XDS socket can reach; --xds-debug-tcp serves it here too", r.URL.Path, socket, socket, r.URL.Path),
+				http.StatusNotFound)
+		})
 	}
 	mux.HandleFunc("GET /debug/secrets", func(w http.ResponseWriter, _ *http.Request) {
 		out := []secretStatus{}

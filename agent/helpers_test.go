@@ -6,6 +6,7 @@ import (
 	"crypto/x509"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -392,6 +393,22 @@ func readPair(t *testing.T, dir string) (leafURI, serial string) {
 func httpGet(t *testing.T, url string) (int, string) {
 	t.Helper()
 	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = resp.Body.Close() }()
+	body, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(body)
+}
+
+// unixGet is httpGet through the Unix socket at socket, with Host "localhost".
+func unixGet(t *testing.T, socket, path string) (int, string) {
+	t.Helper()
+	client := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+		return (&net.Dialer{}).DialContext(ctx, "unix", socket)
+	}}}
+	defer client.CloseIdleConnections()
+	resp, err := client.Get("http://localhost" + path)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -100,7 +100,7 @@ func TestAgentSourceDecisionFlow(t *testing.T) {
 				creds := newCredentials(t, filesCA, embeddedID)
 				cfg.CredentialsDir = credentialsDir(t, creds)
 				return func(t *testing.T, a *agent.Agent, logs *logSink) {
-					if n := len(logs.records(t, "removed a stale SDS socket")); n != 1 {
+					if n := len(logs.records(t, "removed a stale socket")); n != 1 {
 						t.Fatalf("stale socket removal logged %d times, want 1", n)
 					}
 					if got := serialOf(workloadChain(t, sdsGet(t, a.SocketPath(), "default")["default"])); got != creds.serial {

@@ -157,7 +157,7 @@ func TestXDSProxiedToTheCA(t *testing.T) {
 		t.Fatalf("after the edit: %v", resp)
 	}
 
-	code, body := httpGet(t, "http://"+a.DebugAddr()+"/debug/config_dump")
+	code, body := unixGet(t, a.XDSDebugSocket(), "/debug/config_dump")
 	if code != 200 || !strings.Contains(body, `"backend"`) || !strings.Contains(body, `"inbound"`) {
 		t.Fatalf("/debug/config_dump: %d %s", code, body)
 	}

@@ -87,11 +87,14 @@ until it succeeds; the agent is not ready meanwhile).
 Istio's variables are honoured, so the agent is a drop-in; a flag wins over its variable:
 ` + envHelp(agentEnv()) + `
 The status server (--status-addr) answers /healthz/ready (200 once a valid certificate is
-held) and /metrics; the debug server (--debug-addr, loopback) answers /debug/secrets and, with
-the xDS proxy, /debug/<type> (syncz, config_dump) from the discovery server. Envoy's xDS (ADS,
+held and Envoy's sockets lead to the agent) and /metrics; the debug server (--debug-addr,
+loopback, answering only a Host that names loopback) answers /debug/secrets. Envoy's xDS (ADS,
 state of the world or delta) is proxied from --xds-socket to --discovery-addr (by default the
-CA, or the in-process control plane), authenticated as the CA client is. Every default path
-lives under --root-dir, so no root is needed.`,
+CA, or the in-process control plane), authenticated as the CA client is; /debug/<type> (syncz,
+config_dump) from the discovery server is answered on --xds-debug-socket, next to the XDS
+socket and with its mode (curl --unix-socket <socket> http://localhost/debug/config_dump), and
+on --debug-addr only with --xds-debug-tcp. Every default path lives under --root-dir, so no
+root is needed.`,
 		Args: cobra.NoArgs,
 		PreRunE: func(cmd *cobra.Command, _ []string) error {
 			flags := cmd.Flags()
@@ -144,7 +147,8 @@ lives under --root-dir, so no root is needed.`,
 				if flags.Changed("proxy-xds-debug-via-agent") && cfg.ProxyXDSDebug {
 					return errors.New("--proxy-xds-debug-via-agent (PROXY_XDS_DEBUG_VIA_AGENT) needs the xDS proxy: --proxy-xds-via-agent (PROXY_XDS_VIA_AGENT) is false")
 				}
-				for _, name := range []string{"discovery-addr", "xds-socket", "xds-root-cert"} {
+				for _, name := range []string{"discovery-addr", "xds-socket", "xds-root-cert", "xds-debug-socket", "xds-debug-tcp",
+					"xds-proxy-max-streams", "xds-proxy-max-streams-per-connection"} {
 					if flags.Changed(name) {
 						return fmt.Errorf("--%s configures the xDS proxy, which --proxy-xds-via-agent=false (PROXY_XDS_VIA_AGENT) turns off", name)
 					}
@@ -196,10 +200,14 @@ lives under --root-dir, so no root is needed.`,
 	f.StringVar(&cfg.DiscoveryAddress, "discovery-addr", "", "discovery server Envoy's xDS is proxied to, HOST:PORT (Istio's discoveryAddress; CA_ADDR defaults to it); default: the CA's address, or the in-process control plane")
 	f.StringVar(&cfg.XDSSocket, "xds-socket", "", "Unix socket Envoy's ADS connects to (default <root-dir>/etc/istio/proxy/XDS)")
 	f.StringVar(&cfg.XDSRootCert, "xds-root-cert", "", "PEM roots that verify the discovery server (XDS_ROOT_CA); default: the CA's roots")
+	f.IntVar(&cfg.XDSMaxStreams, "xds-proxy-max-streams", cfg.XDSMaxStreams, "Envoy's ADS streams open at once through the xDS proxy, and open connections; past it a stream is refused (ResourceExhausted) and a connection closed. Envoy opens one ADS stream; each costs about 41 kB here and one stream upstream")
+	f.IntVar(&cfg.XDSMaxStreamsPerConnection, "xds-proxy-max-streams-per-connection", cfg.XDSMaxStreamsPerConnection, "ADS streams one connection to the xDS proxy may carry at once, told to the client (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS)")
+	f.StringVar(&cfg.XDSDebugSocket, "xds-debug-socket", "", "Unix socket of /debug/<type>, with the XDS socket's mode (default: "+agent.XDSDebugSocketName+" next to --xds-socket)")
+	f.BoolVar(&cfg.XDSDebugTCP, "xds-debug-tcp", false, "also answer /debug/<type> on --debug-addr: any local user, not only who may open the XDS socket, can then read this namespace's configuration and its other proxies")
 	f.BoolVar(&cfg.ProxyXDS, "proxy-xds-via-agent", cfg.ProxyXDS, "serve Envoy's ADS on --xds-socket and proxy it to the discovery server (PROXY_XDS_VIA_AGENT)")
-	f.BoolVar(&cfg.ProxyXDSDebug, "proxy-xds-debug-via-agent", cfg.ProxyXDSDebug, "answer /debug/<type> on --debug-addr with the discovery server's istio.io/debug/<type> for this proxy (PROXY_XDS_DEBUG_VIA_AGENT)")
+	f.BoolVar(&cfg.ProxyXDSDebug, "proxy-xds-debug-via-agent", cfg.ProxyXDSDebug, "answer /debug/<type> on --xds-debug-socket with the discovery server's istio.io/debug/<type> for this proxy (PROXY_XDS_DEBUG_VIA_AGENT)")
 	f.StringVar(&cfg.StatusAddr, "status-addr", cfg.StatusAddr, "listen address of /healthz/ready and /metrics")
-	f.StringVar(&cfg.DebugAddr, "debug-addr", cfg.DebugAddr, "loopback listen address of /debug/secrets; empty disables it")
+	f.StringVar(&cfg.DebugAddr, "debug-addr", cfg.DebugAddr, "loopback listen address of /debug/secrets (and /debug/<type> with --xds-debug-tcp); answers only a Host naming loopback; empty disables it")
 	return cmd
 }
 

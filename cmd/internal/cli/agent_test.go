@@ -10,6 +10,7 @@ import (
 	"github.com/meshid/meshid/agent"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/sds"
+	"github.com/meshid/meshid/xdsproxy"
 )
 
 // stubEmbed stands for `meshid`'s embedded control plane; the command only checks it is there.
@@ -172,6 +173,42 @@ func TestAgentSDSLimits(t *testing.T) {
 	}
 }
 
+// The xDS proxy's limits and its debug endpoint: defaults, flags, and refusals of what cannot
+// work.
+func TestAgentXDSProxyLimitsAndDebug(t *testing.T) {
+	t.Parallel()
+	env := map[string]string{"CA_ADDR": "127.0.0.1:15012", "POD_NAMESPACE": "default", "SERVICE_ACCOUNT": "demo"}
+	cfg, err := runAgentCommand(t, env)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.XDSMaxStreams != xdsproxy.DefaultMaxStreams || cfg.XDSMaxStreamsPerConnection != xdsproxy.DefaultMaxStreamsPerConnection || cfg.XDSDebugTCP {
+		t.Fatalf("xDS proxy limits %d, %d per connection, debug over TCP %v; want the defaults", cfg.XDSMaxStreams, cfg.XDSMaxStreamsPerConnection, cfg.XDSDebugTCP)
+	}
+	cfg, err = runAgentCommand(t, env, "--xds-proxy-max-streams", "7", "--xds-proxy-max-streams-per-connection", "2",
+		"--xds-debug-socket", "/tmp/dbg.sock", "--xds-debug-tcp")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.XDSMaxStreams != 7 || cfg.XDSMaxStreamsPerConnection != 2 || cfg.XDSDebugSocket != "/tmp/dbg.sock" || !cfg.XDSDebugTCP {
+		t.Fatalf("flags not taken: %d, %d, %q, %v", cfg.XDSMaxStreams, cfg.XDSMaxStreamsPerConnection, cfg.XDSDebugSocket, cfg.XDSDebugTCP)
+	}
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--xds-proxy-max-streams", "0"}, "--xds-proxy-max-streams"},
+		{[]string{"--xds-proxy-max-streams-per-connection", "-1"}, "--xds-proxy-max-streams-per-connection"},
+		{[]string{"--xds-debug-tcp", "--proxy-xds-debug-via-agent=false"}, "--xds-debug-tcp"},
+		{[]string{"--xds-debug-tcp", "--debug-addr", ""}, "--debug-addr"},
+		{[]string{"--xds-debug-socket", "/tmp/" + strings.Repeat("d", 120)}, "--xds-debug-socket"},
+	} {
+		if _, err := runAgentCommand(t, env, tc.args...); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%v: %v, want a refusal naming %s", tc.args, err, tc.want)
+		}
+	}
+}
+
 // The xDS proxy's flags and Istio's variables: CA_ADDR defaults to the discovery address; the
 // proxy's settings are refused when it is off.
 func TestAgentXDSProxyFlags(t *testing.T) {
@@ -192,6 +229,9 @@ func TestAgentXDSProxyFlags(t *testing.T) {
 		{"--proxy-xds-debug-via-agent=true"},
 		{"--xds-socket", "/tmp/XDS"},
 		{"--discovery-addr", "istiod.example:15012"},
+		{"--xds-debug-socket", "/tmp/debug.sock"},
+		{"--xds-debug-tcp"},
+		{"--xds-proxy-max-streams", "5"},
 	} {
 		if _, err := runAgentCommand(t, env, args...); err == nil || !strings.Contains(err.Error(), "PROXY_XDS_VIA_AGENT") {
 			t.Errorf("%v with the proxy off: %v, want a refusal naming PROXY_XDS_VIA_AGENT", args, err)

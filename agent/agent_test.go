@@ -397,6 +397,14 @@ func TestConfigValidate(t *testing.T) {
 		{"jitter", func(c *agent.Config) { c.GraceRatioJitter = 0.6 }, "--grace-period-ratio-jitter"},
 		{"ttl", func(c *agent.Config) { c.SecretTTL = 0 }, "--secret-ttl"},
 		{"status addr", func(c *agent.Config) { c.StatusAddr = "15020" }, "--status-addr"},
+		{"CA address, relative Unix socket", func(c *agent.Config) { c.CAAddress = "unix://ca.sock" }, `--ca-addr "unix://ca.sock" (CA_ADDR): a Unix socket needs an absolute path`},
+		{"discovery address, no host", func(c *agent.Config) { c.DiscoveryAddress = ":15012" }, `--discovery-addr ":15012": no host`},
+		{"every address at once", func(c *agent.Config) {
+			c.StatusAddr, c.DebugAddr, c.CAAddress, c.DiscoveryAddress = "127.0.0.1:99999", "localhost", "https://ca:15012", "istiod"
+		}, "--status-addr \"127.0.0.1:99999\": port \"99999\": want a number from 0 to 65535\n" +
+			"--debug-addr \"localhost\": no port: give HOST:PORT, as in \"localhost:PORT\"\n" +
+			"--ca-addr \"https://ca:15012\" (CA_ADDR): https:// is not part of an address: give HOST:PORT, as in \"ca:15012\"\n" +
+			"--discovery-addr \"istiod\": no port: give HOST:PORT, as in \"istiod:PORT\""},
 		// Attack: a file-root: or file-cert: resource reading the embedded CA's keys.
 		{"file resource dir is the CA state dir", func(c *agent.Config) { c.FileResourceDirs = []string{"/etc/certs", "/var/lib/meshid"} },
 			"--file-resource-dirs: /var/lib/meshid overlaps the embedded CA's state dir /var/lib/meshid"},
@@ -420,6 +428,26 @@ func TestConfigValidate(t *testing.T) {
 			tt.modify(&c)
 			if err := c.Validate(); err == nil || !strings.Contains(err.Error(), tt.want) {
 				t.Fatalf("error %v, want one mentioning %q", err, tt.want)
+			}
+		})
+	}
+	for name, modify := range map[string]func(*agent.Config){
+		"CA on a Unix socket": func(c *agent.Config) { c.CAAddress = "unix:///run/meshid/ca.sock" },
+		"discovery address, CA's too": func(c *agent.Config) {
+			c.CAAddress, c.DiscoveryAddress = "istiod.example:15012", "istiod.example:15012"
+		},
+		"status on every interface":      func(c *agent.Config) { c.StatusAddr = ":15020" },
+		"ports picked by the kernel":     func(c *agent.Config) { c.StatusAddr, c.DebugAddr = "127.0.0.1:0", "[::1]:0" },
+		"debug server on localhost":      func(c *agent.Config) { c.DebugAddr = "localhost:15004" },
+		"debug server off":               func(c *agent.Config) { c.DebugAddr = "" },
+		"discovery server at an IPv6 IP": func(c *agent.Config) { c.DiscoveryAddress = "[fd00::1]:15012" },
+	} {
+		t.Run("accepted/"+name, func(t *testing.T) {
+			t.Parallel()
+			c := good()
+			modify(&c)
+			if err := c.Validate(); err != nil {
+				t.Fatalf("refused: %v", err)
 			}
 		})
 	}

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 	"path/filepath"
 	"strings"
 	"time"
@@ -16,6 +15,7 @@ import (
 	"github.com/meshid/meshid/ca/token"
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/fsutil"
+	"github.com/meshid/meshid/internal/hostport"
 	"github.com/meshid/meshid/internal/istio"
 	"github.com/meshid/meshid/internal/pki"
 )
@@ -131,12 +131,12 @@ func (c *Config) Validate() error {
 		if len(path) > fsutil.MaxSocketPath || !filepath.IsAbs(path) {
 			errs = append(errs, fmt.Errorf("--grpc-addr %q: a Unix socket needs an absolute path of at most %d bytes", c.GRPCAddr, fsutil.MaxSocketPath))
 		}
-	} else if err := validateListenAddr("--grpc-addr", c.GRPCAddr); err != nil {
-		errs = append(errs, err)
+	} else if err := hostport.CheckListen(c.GRPCAddr); err != nil {
+		errs = append(errs, fmt.Errorf("--grpc-addr %q: %w", c.GRPCAddr, err))
 	}
 	if c.MonitoringAddr != "" {
-		if err := validateListenAddr("--monitoring-addr", c.MonitoringAddr); err != nil {
-			errs = append(errs, err)
+		if err := hostport.CheckListen(c.MonitoringAddr); err != nil {
+			errs = append(errs, fmt.Errorf("--monitoring-addr %q: %w", c.MonitoringAddr, err))
 		}
 	}
 	if err := pki.ValidateTrustDomain(c.TrustDomain); err != nil {
@@ -182,13 +182,6 @@ func (c *Config) Validate() error {
 
 // unixScheme marks a gRPC address that is a Unix socket path (the agent's embedded control plane).
 const unixScheme = "unix://"
-
-func validateListenAddr(flag, addr string) error {
-	if _, _, err := net.SplitHostPort(addr); err != nil {
-		return fmt.Errorf("%s %q: want HOST:PORT (port 0 picks a free one): %w", flag, addr, err)
-	}
-	return nil
-}
 
 func (c *SecretsConfig) validate() []error {
 	var errs []error

@@ -280,6 +280,9 @@ func TestNewFailsClearly(t *testing.T) {
 		{"port in use", func(c *controlplane.Config) { c.GRPCAddr = busy.Addr().String() }, "listen for gRPC"},
 		{"partial cacerts", func(c *controlplane.Config) { c.CACertsDir = partial }, "missing ca-key.pem"},
 		{"bad address", func(c *controlplane.Config) { c.GRPCAddr = "15012" }, "--grpc-addr"},
+		{"port out of range", func(c *controlplane.Config) { c.GRPCAddr = "127.0.0.1:99999" }, `--grpc-addr "127.0.0.1:99999": port "99999": want a number from 0 to 65535`},
+		{"monitoring address with a scheme", func(c *controlplane.Config) { c.MonitoringAddr = "http://127.0.0.1:9093" },
+			`--monitoring-addr "http://127.0.0.1:9093": http:// is not part of an address`},
 		{"bad trust domain", func(c *controlplane.Config) { c.TrustDomain = "Not Valid" }, "--trust-domain"},
 		{"missing xds config", func(c *controlplane.Config) { c.XDSConfig = filepath.Join(partial, "xds.yaml") }, "--xds-config"},
 		{"lease shorter than its renewal", func(c *controlplane.Config) {

@@ -1,0 +1,71 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/meshid/meshid/agent"
+	"github.com/meshid/meshid/cmd/internal/cli"
+	"github.com/meshid/meshid/controlplane"
+)
+
+// mainMeshid runs the meshid command line as the process does: through cli.Main, which chooses
+// the exit code, and the production runners on a context that has already ended, so that a
+// command they accept starts and stops at once. It returns the exit code and stderr.
+func mainMeshid(t *testing.T, env map[string]string, args ...string) (int, string) {
+	t.Helper()
+	root := newRootCommand(func(ctx context.Context, cfg controlplane.Config) error {
+		ctx, cancel := context.WithCancel(ctx)
+		cancel()
+		return runCA(ctx, cfg)
+	}, func(ctx context.Context, cfg agent.Config) error {
+		ctx, cancel := context.WithCancel(ctx)
+		cancel()
+		return cli.RunAgent(ctx, cfg)
+	}, func(k string) (string, bool) { v, ok := env[k]; return v, ok })
+	var out bytes.Buffer
+	root.SetOut(&out)
+	root.SetErr(&out)
+	root.SetArgs(args)
+	return cli.Main(root), out.String()
+}
+
+// A newcomer's mistakes are refused before anything runs, exit 2 (README: refused as called),
+// with a message naming the flag and the value, rather than a failure once running (exit 1).
+func TestMistakesExitTwo(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		name string
+		args func(dir string) []string // dir: a fresh temp dir
+		want []string                  // each in the message
+	}{
+		// Item 2: listen addresses are HOST:PORT with a port from 0 to 65535.
+		{"CA gRPC port out of range", func(dir string) []string {
+			return []string{"ca", "--state-dir", filepath.Join(dir, "state"), "--grpc-addr", "127.0.0.1:99999", "--monitoring-addr", ""}
+		}, []string{"--grpc-addr", `"127.0.0.1:99999"`, "from 0 to 65535"}},
+		{"CA monitoring port out of range", func(dir string) []string {
+			return []string{"ca", "--state-dir", filepath.Join(dir, "state"), "--grpc-addr", "127.0.0.1:0", "--monitoring-addr", "127.0.0.1:99999"}
+		}, []string{"--monitoring-addr", `"127.0.0.1:99999"`, "from 0 to 65535"}},
+		{"CA gRPC address with a scheme", func(dir string) []string {
+			return []string{"ca", "--state-dir", filepath.Join(dir, "state"), "--grpc-addr", "https://127.0.0.1:15012", "--monitoring-addr", ""}
+		}, []string{"--grpc-addr", "https://", `give HOST:PORT, as in "127.0.0.1:15012"`}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			code, stderr := mainMeshid(t, nil, tt.args(t.TempDir())...)
+			var missing []string
+			for _, w := range tt.want {
+				if !strings.Contains(stderr, w) {
+					missing = append(missing, w)
+				}
+			}
+			if code != cli.ExitUsage || len(missing) > 0 {
+				t.Errorf("exit code %d, want %d; stderr does not say %q:\n%s", code, cli.ExitUsage, missing, stderr)
+			}
+		})
+	}
+}

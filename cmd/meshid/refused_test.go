@@ -33,6 +33,11 @@ func mainMeshid(t *testing.T, env map[string]string, args ...string) (int, strin
 	return cli.Main(root), out.String()
 }
 
+// probe returns the arguments of `meshid probe` with args.
+func probe(args ...string) func(string) []string {
+	return func(string) []string { return append([]string{"probe"}, args...) }
+}
+
 // A newcomer's mistakes are refused before anything runs, exit 2 (README: refused as called),
 // with a message naming the flag and the value, rather than a failure once running (exit 1).
 func TestMistakesExitTwo(t *testing.T) {
@@ -52,6 +57,15 @@ func TestMistakesExitTwo(t *testing.T) {
 		{"CA gRPC address with a scheme", func(dir string) []string {
 			return []string{"ca", "--state-dir", filepath.Join(dir, "state"), "--grpc-addr", "https://127.0.0.1:15012", "--monitoring-addr", ""}
 		}, []string{"--grpc-addr", "https://", `give HOST:PORT, as in "127.0.0.1:15012"`}},
+		// Item 2: the probe dials HOST:PORT.
+		{"probe without a port", probe("--addr", "127.0.0.1"), []string{"--addr", `"127.0.0.1"`, "no port", "HOST:PORT"}},
+		{"probe with a scheme", probe("--addr", "http://127.0.0.1:15020"), []string{"--addr", "http://", `give HOST:PORT, as in "127.0.0.1:15020"`}},
+		// Item 5: the probe's flags are checked before it runs.
+		{"probe without an address", probe(), []string{"--addr (or --probe-path) is required"}},
+		{"probe file without an interval", probe("--probe-path", "/tmp/alive"), []string{"--interval must be positive with --probe-path"}},
+		{"probe interval without a file", probe("--addr", "127.0.0.1:15020", "--interval", "1m"), []string{"--interval needs --probe-path"}},
+		{"probe address and file", probe("--addr", "127.0.0.1:15020", "--probe-path", "/tmp/alive", "--interval", "1m"), []string{"give either --addr or --probe-path, not both"}},
+		{"probe without time", probe("--addr", "127.0.0.1:15020", "--timeout", "0s"), []string{"--timeout 0s must be positive"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

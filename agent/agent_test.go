@@ -3,6 +3,7 @@ package agent_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -305,6 +306,42 @@ func TestPartialCredentialsDirIsRefused(t *testing.T) {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("error %q does not mention %q", err, want)
 		}
+	}
+}
+
+// A path given explicitly that cannot be what it names is refused before anything starts, as
+// ErrConfigRefused, which cmd turns into exit 2: a typo must not turn the agent to its embedded
+// CA, under another identity, nor leave it looking healthy while every CA request fails.
+func TestGivenPathsAreRefused(t *testing.T) {
+	t.Parallel()
+	fix := t.TempDir()
+	testutil.WriteFiles(t, fix, map[string][]byte{"notes.txt": []byte("not a certificate")})
+	testutil.WriteFiles(t, filepath.Join(fix, "partial"), map[string][]byte{"key.pem": []byte("x")})
+	missing := filepath.Join(fix, "missing")
+	tests := []struct {
+		name   string
+		modify func(*agent.Config)
+		want   string
+	}{
+		{"credentials dir", func(c *agent.Config) { c.CredentialsDir = missing }, "--credentials-dir " + missing + " does not exist"},
+		{"provisioned pair", func(c *agent.Config) { c.ProvCert = missing }, "--prov-cert (PROV_CERT) " + missing + " does not exist"},
+		{"CA root", func(c *agent.Config) { c.CARootCert = missing }, "--ca-root-cert (CA_ROOT_CA) " + missing + " does not exist"},
+		{"xDS root", func(c *agent.Config) { c.XDSRootCert = filepath.Join(fix, "notes.txt") }, "--xds-root-cert (XDS_ROOT_CA) " + fix + "/notes.txt holds no PEM certificate"},
+		{"incomplete credentials dir", func(c *agent.Config) { c.CredentialsDir = filepath.Join(fix, "partial") }, "holds key.pem but not cert-chain.pem, root-cert.pem"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			cfg := testConfig(t, newFakeClock(), nil, nil) // embedded
+			tt.modify(&cfg)
+			_, err := agent.New(cfg)
+			if !errors.Is(err, agent.ErrConfigRefused) || !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("error %v, want ErrConfigRefused saying %q", err, tt.want)
+			}
+			if _, err := os.Stat(filepath.Join(cfg.RootDir, agent.DefaultEmbeddedDir)); !errors.Is(err, os.ErrNotExist) {
+				t.Errorf("the refused agent made the embedded CA's state dir (stat: %v)", err)
+			}
+		})
 	}
 }
 

@@ -10,6 +10,7 @@ import (
 	"github.com/meshid/meshid/agent"
 	"github.com/meshid/meshid/cmd/internal/cli"
 	"github.com/meshid/meshid/controlplane"
+	"github.com/meshid/meshid/internal/testutil"
 )
 
 // mainMeshid runs the meshid command line as the process does: through cli.Main, which chooses
@@ -44,7 +45,7 @@ func TestMistakesExitTwo(t *testing.T) {
 	t.Parallel()
 	tests := []struct {
 		name string
-		args func(dir string) []string // dir: a fresh temp dir
+		args func(dir string) []string // dir: a fresh temp dir, short enough for sockets
 		want []string                  // each in the message
 	}{
 		// Item 2: listen addresses are HOST:PORT with a port from 0 to 65535.
@@ -57,6 +58,11 @@ func TestMistakesExitTwo(t *testing.T) {
 		{"CA gRPC address with a scheme", func(dir string) []string {
 			return []string{"ca", "--state-dir", filepath.Join(dir, "state"), "--grpc-addr", "https://127.0.0.1:15012", "--monitoring-addr", ""}
 		}, []string{"--grpc-addr", "https://", `give HOST:PORT, as in "127.0.0.1:15012"`}},
+		// Item 1: `meshid agent --credentials-dir <typo>` used to run the embedded CA and serve
+		// spiffe://cluster.local/ns/default/sa/default instead of the credentials meant.
+		{"agent credentials dir typo", func(dir string) []string {
+			return []string{"agent", "--root-dir", dir, "--status-addr", "127.0.0.1:0", "--debug-addr", "", "--credentials-dir", filepath.Join(dir, "credentails")}
+		}, []string{"--credentials-dir", "credentails does not exist"}},
 		// Item 2: the probe dials HOST:PORT.
 		{"probe without a port", probe("--addr", "127.0.0.1"), []string{"--addr", `"127.0.0.1"`, "no port", "HOST:PORT"}},
 		{"probe with a scheme", probe("--addr", "http://127.0.0.1:15020"), []string{"--addr", "http://", `give HOST:PORT, as in "127.0.0.1:15020"`}},
@@ -70,7 +76,7 @@ func TestMistakesExitTwo(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
-			code, stderr := mainMeshid(t, nil, tt.args(t.TempDir())...)
+			code, stderr := mainMeshid(t, nil, tt.args(testutil.ShortTempDir(t))...)
 			var missing []string
 			for _, w := range tt.want {
 				if !strings.Contains(stderr, w) {

@@ -3,6 +3,7 @@ package cli
 import (
 	"bytes"
 	"context"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -47,6 +48,18 @@ func TestAgentMistakesExitTwo(t *testing.T) {
 		}
 		return env
 	}
+	// $FIX in a row's env, args or want is a directory holding a root (root.pem), a file that is
+	// not PEM (notes.txt), a credentials dir with one file of three (partial/), a provisioned
+	// key pair's dir (prov/) and a dir without any credential file (nocredentials/).
+	fix := t.TempDir()
+	ca := testutil.NewRootCA(t, testutil.CAOptions{})
+	testutil.WriteFiles(t, fix, map[string][]byte{"root.pem": testutil.CertPEM(ca.Cert), "notes.txt": []byte("the CA's root goes here\n")})
+	testutil.WriteFiles(t, filepath.Join(fix, "partial"), map[string][]byte{"cert-chain.pem": testutil.CertPEM(ca.Cert)})
+	testutil.WriteFiles(t, filepath.Join(fix, "prov"), map[string][]byte{"cert-chain.pem": testutil.CertPEM(ca.Cert)})
+	testutil.WriteFiles(t, filepath.Join(fix, "nocredentials"), map[string][]byte{".keep": nil})
+	withCA := func(kv ...string) map[string]string {
+		return withIdentity(append([]string{"CA_ADDR", "127.0.0.1:15012"}, kv...)...)
+	}
 	tests := []struct {
 		name string
 		env  map[string]string
@@ -66,12 +79,81 @@ func TestAgentMistakesExitTwo(t *testing.T) {
 			[]string{"--status-addr", `"127.0.0.1:99999"`, "from 0 to 65535"}},
 		{"debug port out of range", identity, []string{"--ca-addr", "127.0.0.1:15012", "--debug-addr", "127.0.0.1:99999"},
 			[]string{"--debug-addr", `"127.0.0.1:99999"`, "from 0 to 65535"}},
+		// Item 1: a directory given explicitly exists; a typo does not silently change the source.
+		{"credentials dir typo", withCA(), []string{"--credentials-dir", "$FIX/credentails"},
+			[]string{"--credentials-dir $FIX/credentails does not exist"}},
+		{"credentials dir typo, no CA address", nil, []string{"--credentials-dir", "$FIX/credentails"},
+			[]string{"--credentials-dir $FIX/credentails does not exist"}},
+		{"credentials dir is a file", withCA(), []string{"--credentials-dir", "$FIX/notes.txt"},
+			[]string{"--credentials-dir $FIX/notes.txt is not a directory"}},
+		{"provisioned key pair typo", withCA("PROV_CERT", "$FIX/porv"), nil,
+			[]string{"--prov-cert (PROV_CERT) $FIX/porv does not exist"}},
+		// Item 3: a root file given explicitly exists and holds a PEM certificate.
+		{"CA root missing", withCA("CA_ROOT_CA", "$FIX/missing.pem"), nil,
+			[]string{"--ca-root-cert (CA_ROOT_CA) $FIX/missing.pem does not exist"}},
+		{"CA root not PEM", withCA(), []string{"--ca-root-cert", "$FIX/notes.txt"},
+			[]string{"--ca-root-cert (CA_ROOT_CA) $FIX/notes.txt holds no PEM certificate"}},
+		{"CA root is a directory", withCA("CA_ROOT_CA", "$FIX/prov"), nil,
+			[]string{"--ca-root-cert (CA_ROOT_CA) $FIX/prov", "is a directory"}},
+		{"xDS root missing", withCA("XDS_ROOT_CA", "$FIX/missing.pem"), nil,
+			[]string{"--xds-root-cert (XDS_ROOT_CA) $FIX/missing.pem does not exist"}},
+		{"xDS root not PEM", withCA(), []string{"--xds-root-cert", "$FIX/notes.txt"},
+			[]string{"--xds-root-cert (XDS_ROOT_CA) $FIX/notes.txt holds no PEM certificate"}},
+		{"every path at once", withCA("CA_ROOT_CA", "$FIX/missing.pem", "PROV_CERT", "$FIX/porv", "XDS_ROOT_CA", "$FIX/notes.txt"),
+			[]string{"--credentials-dir", "$FIX/credentails"},
+			[]string{"--credentials-dir $FIX/credentails", "--prov-cert (PROV_CERT) $FIX/porv", "--ca-root-cert (CA_ROOT_CA) $FIX/missing.pem", "--xds-root-cert (XDS_ROOT_CA) $FIX/notes.txt"}},
+		// Item 4: some of the three credential files but not all.
+		{"incomplete credentials dir", withCA(), []string{"--credentials-dir", "$FIX/partial"},
+			[]string{"--credentials-dir $FIX/partial holds cert-chain.pem but not key.pem, root-cert.pem"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
-			code, stderr := mainAgent(t, tt.env, tt.args...)
-			checkRefused(t, code, stderr, tt.want...)
+			expand := func(s string) string { return strings.ReplaceAll(s, "$FIX", fix) }
+			env := map[string]string{}
+			for k, v := range tt.env {
+				env[k] = expand(v)
+			}
+			var args, want []string
+			for _, a := range tt.args {
+				args = append(args, expand(a))
+			}
+			for _, w := range tt.want {
+				want = append(want, expand(w))
+			}
+			code, stderr := mainAgent(t, env, args...)
+			checkRefused(t, code, stderr, want...)
+		})
+	}
+	// What stays accepted: a credentials dir without credentials (an optional secret not there
+	// yet: the CA serves), a PROV_CERT that is also OUTPUT_CERTS (the agent creates and fills it, as
+	// Istio's VMs use it), real roots, and the defaults, which may be absent.
+	for name, tt := range map[string]struct {
+		env  map[string]string
+		args []string
+	}{
+		"credentials dir without credentials": {withCA(), []string{"--credentials-dir", "$FIX/nocredentials"}},
+		"PROV_CERT is OUTPUT_CERTS":           {withCA("PROV_CERT", "$OUT/certs", "OUTPUT_CERTS", "$OUT/certs/"), nil},
+		"roots given":                         {withCA("CA_ROOT_CA", "$FIX/root.pem", "XDS_ROOT_CA", "$FIX/root.pem", "PROV_CERT", "$FIX/prov"), nil},
+		"defaults absent":                     {withCA(), nil},
+		"defaults absent, embedded CA":        {nil, []string{"--proxy-xds-via-agent=false"}},
+	} {
+		t.Run("accepted/"+name, func(t *testing.T) {
+			t.Parallel()
+			out := t.TempDir()
+			expand := func(s string) string { return strings.ReplaceAll(strings.ReplaceAll(s, "$FIX", fix), "$OUT", out) }
+			env := map[string]string{}
+			for k, v := range tt.env {
+				env[k] = expand(v)
+			}
+			var args []string
+			for _, a := range tt.args {
+				args = append(args, expand(a))
+			}
+			code, stderr := mainAgent(t, env, args...)
+			if code == ExitUsage || strings.Contains(stderr, "does not exist") || strings.Contains(stderr, "no PEM") {
+				t.Errorf("refused, exit code %d:\n%s", code, stderr)
+			}
 		})
 	}
 }

@@ -5,7 +5,9 @@ package controlplane
 import (
 	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
+	"os"
 	"path/filepath"
 	"strings"
 	"time"
@@ -178,6 +180,50 @@ func (c *Config) Validate() error {
 		errs = append(errs, fmt.Errorf("--key-algorithm %q: want ECDSA or RSA", c.SelfSigned.KeyAlgorithm))
 	}
 	return errors.Join(errs...)
+}
+
+// ErrConfigRefused marks what New (and Targets) refuse because of how the control plane was
+// configured, found against the machine rather than in the values, which Validate checks: a
+// --cacerts-dir or --manifests directory that does not exist. Like a bad flag, it is the
+// caller's mistake, and no retry will fix it.
+var ErrConfigRefused = errors.New("the control plane's configuration cannot work on this machine")
+
+// refused is an error that wraps ErrConfigRefused without adding its text to the message.
+type refused struct{ error }
+
+func (r refused) Unwrap() []error { return []error{r.error, ErrConfigRefused} }
+
+// checkGivenPaths refuses a directory given that is not one, each problem wrapping
+// ErrConfigRefused: a typo in --cacerts-dir would fall back to a self-signed CA unnoticed, and
+// one in --manifests would leave every namespace unknown.
+func (c *Config) checkGivenPaths() error {
+	var errs []error
+	if c.CACertsDir != "" {
+		if err := ca.CheckCACertsDir(c.CACertsDir); err != nil {
+			errs = append(errs, refused{fmt.Errorf("--cacerts-dir: %w", err)})
+		}
+	}
+	if err := checkManifestsDir(c.Manifests); err != nil {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}
+
+// checkManifestsDir refuses a --manifests that is not a directory, wrapping ErrConfigRefused.
+func checkManifestsDir(dir string) error {
+	if dir == "" {
+		return nil
+	}
+	info, err := os.Stat(dir)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return refused{fmt.Errorf("--manifests %s does not exist (an empty directory is fine)", dir)}
+	case err != nil:
+		return refused{fmt.Errorf("--manifests: %w", err)}
+	case !info.IsDir():
+		return refused{fmt.Errorf("--manifests %s is not a directory", dir)}
+	}
+	return nil
 }
 
 // unixScheme marks a gRPC address that is a Unix socket path (the agent's embedded control plane).

@@ -388,6 +388,31 @@ func TestNewRefusesMissingCACertsDir(t *testing.T) {
 	}
 }
 
+// A --cacerts-dir or --manifests that is not a directory is the caller's mistake, refused as
+// ErrConfigRefused (cmd: exit 2) before anything is bound or written, each problem named.
+func TestNewRefusesMissingDirsAsConfig(t *testing.T) {
+	t.Parallel()
+	base := t.TempDir()
+	cfg := testConfig(filepath.Join(base, "state"))
+	cfg.CACertsDir, cfg.Manifests = filepath.Join(base, "cacerts"), filepath.Join(base, "manifests")
+	_, err := controlplane.New(cfg)
+	if !errors.Is(err, controlplane.ErrConfigRefused) {
+		t.Fatalf("error %v, want ErrConfigRefused", err)
+	}
+	for _, want := range []string{"--cacerts-dir: plugged-in CA directory " + cfg.CACertsDir, "--manifests " + cfg.Manifests + " does not exist"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not say %q", err, want)
+		}
+	}
+	if _, err := os.Stat(cfg.StateDir); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("the refused start left a state dir behind (stat: %v)", err)
+	}
+	_, err = controlplane.Targets(t.Context(), controlplane.TargetsConfig{Manifests: cfg.Manifests, CANamespace: "istio-system"})
+	if !errors.Is(err, controlplane.ErrConfigRefused) || !strings.Contains(err.Error(), "--manifests "+cfg.Manifests) {
+		t.Fatalf("targets: %v, want ErrConfigRefused naming --manifests", err)
+	}
+}
+
 // A start that fails binding its ports writes nothing to the state dir, and a start that fails
 // after binding releases what it bound.
 func TestNewBindsBeforeWriting(t *testing.T) {

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -58,6 +59,23 @@ func TestMistakesExitTwo(t *testing.T) {
 		{"CA gRPC address with a scheme", func(dir string) []string {
 			return []string{"ca", "--state-dir", filepath.Join(dir, "state"), "--grpc-addr", "https://127.0.0.1:15012", "--monitoring-addr", ""}
 		}, []string{"--grpc-addr", "https://", `give HOST:PORT, as in "127.0.0.1:15012"`}},
+		// Item 6: the CA's directories exist; it used to fail once running, exit 1.
+		{"CA cacerts dir missing", func(dir string) []string {
+			return []string{"ca", "--state-dir", filepath.Join(dir, "state"), "--grpc-addr", "127.0.0.1:0", "--monitoring-addr", "", "--cacerts-dir", filepath.Join(dir, "cacerts")}
+		}, []string{"--cacerts-dir", "cacerts: file does not exist"}},
+		{"CA manifests missing", func(dir string) []string {
+			return []string{"ca", "--state-dir", filepath.Join(dir, "state"), "--grpc-addr", "127.0.0.1:0", "--monitoring-addr", "", "--manifests", filepath.Join(dir, "manifests")}
+		}, []string{"--manifests", "manifests does not exist"}},
+		{"CA both missing", func(dir string) []string {
+			return []string{"ca", "--state-dir", filepath.Join(dir, "state"), "--grpc-addr", "127.0.0.1:0", "--monitoring-addr", "",
+				"--manifests", filepath.Join(dir, "manifests"), "--cacerts-dir", filepath.Join(dir, "cacerts")}
+		}, []string{"--manifests", "manifests does not exist", "--cacerts-dir", "cacerts: file does not exist"}},
+		{"CA manifests a file", func(dir string) []string {
+			return []string{"ca", "--state-dir", filepath.Join(dir, "state"), "--grpc-addr", "127.0.0.1:0", "--monitoring-addr", "", "--manifests", os.Args[0]}
+		}, []string{"--manifests", "is not a directory"}},
+		{"CA targets manifests missing", func(dir string) []string {
+			return []string{"ca", "targets", "--manifests", filepath.Join(dir, "manifests")}
+		}, []string{"--manifests", "manifests does not exist"}},
 		// Item 1: `meshid agent --credentials-dir <typo>` used to run the embedded CA and serve
 		// spiffe://cluster.local/ns/default/sa/default instead of the credentials meant.
 		{"agent credentials dir typo", func(dir string) []string {

@@ -77,4 +77,5 @@ const (
 	ResourceVersion   = "resource_version"
 	Operation         = "operation"
 	ConfigMap         = "configmap"
+	Variables         = "variables"
 )

@@ -102,6 +102,25 @@ func TestAgentMistakesExitTwo(t *testing.T) {
 		{"every path at once", withCA("CA_ROOT_CA", "$FIX/missing.pem", "PROV_CERT", "$FIX/porv", "XDS_ROOT_CA", "$FIX/notes.txt"),
 			[]string{"--credentials-dir", "$FIX/credentails"},
 			[]string{"--credentials-dir $FIX/credentails", "--prov-cert (PROV_CERT) $FIX/porv", "--ca-root-cert (CA_ROOT_CA) $FIX/missing.pem", "--xds-root-cert (XDS_ROOT_CA) $FIX/notes.txt"}},
+		// Item 7: Istio's provider variables take only what meshid does.
+		{"GCE credential fetcher", withCA("CREDENTIAL_FETCHER_TYPE", "GoogleComputeEngine"), nil,
+			[]string{"--credential-fetcher-type (CREDENTIAL_FETCHER_TYPE) GoogleComputeEngine is not supported by this version: meshid reads the token from --token-path"}},
+		{"unknown credential fetcher", withCA(), []string{"--credential-fetcher-type", "Vault"},
+			[]string{"--credential-fetcher-type (CREDENTIAL_FETCHER_TYPE) \"Vault\" is unknown", "JWT"}},
+		{"credential identity provider", withCA("CREDENTIAL_IDENTITY_PROVIDER", "GoogleComputeEngine"), nil,
+			[]string{"--credential-identity-provider (CREDENTIAL_IDENTITY_PROVIDER) \"GoogleComputeEngine\" has no effect"}},
+		{"Kubernetes cert provider", withCA("PILOT_CERT_PROVIDER", "kubernetes"), nil,
+			[]string{"--pilot-cert-provider (PILOT_CERT_PROVIDER) kubernetes is not supported", "--xds-root-cert (XDS_ROOT_CA)"}},
+		{"Kubernetes signer cert provider", withCA("PILOT_CERT_PROVIDER", "kubernetes:example.com/signer"), nil,
+			[]string{"--pilot-cert-provider (PILOT_CERT_PROVIDER) kubernetes:example.com/signer is not supported"}},
+		{"custom cert provider", withCA(), []string{"--pilot-cert-provider", "custom"},
+			[]string{"--pilot-cert-provider (PILOT_CERT_PROVIDER) custom is not supported", "--ca-root-cert (CA_ROOT_CA)"}},
+		{"no cert provider", withCA("PILOT_CERT_PROVIDER", "none"), nil,
+			[]string{"--pilot-cert-provider (PILOT_CERT_PROVIDER) none is not supported"}},
+		{"unknown cert provider", withCA("PILOT_CERT_PROVIDER", "vault"), nil,
+			[]string{"--pilot-cert-provider (PILOT_CERT_PROVIDER) \"vault\" is unknown", "istiod"}},
+		{"every provider at once", withCA("CREDENTIAL_FETCHER_TYPE", "GoogleComputeEngine", "CREDENTIAL_IDENTITY_PROVIDER", "GoogleComputeEngine", "PILOT_CERT_PROVIDER", "kubernetes", "CA_PROVIDER", "GoogleCA"), nil,
+			[]string{"CREDENTIAL_FETCHER_TYPE", "CREDENTIAL_IDENTITY_PROVIDER", "PILOT_CERT_PROVIDER", "CA_PROVIDER=GoogleCA is not supported yet"}},
 		// Item 4: some of the three credential files but not all.
 		{"incomplete credentials dir", withCA(), []string{"--credentials-dir", "$FIX/partial"},
 			[]string{"--credentials-dir $FIX/partial holds cert-chain.pem but not key.pem, root-cert.pem"}},
@@ -136,7 +155,11 @@ func TestAgentMistakesExitTwo(t *testing.T) {
 		"PROV_CERT is OUTPUT_CERTS":           {withCA("PROV_CERT", "$OUT/certs", "OUTPUT_CERTS", "$OUT/certs/"), nil},
 		"roots given":                         {withCA("CA_ROOT_CA", "$FIX/root.pem", "XDS_ROOT_CA", "$FIX/root.pem", "PROV_CERT", "$FIX/prov"), nil},
 		"defaults absent":                     {withCA(), nil},
-		"defaults absent, embedded CA":        {nil, []string{"--proxy-xds-via-agent=false"}},
+		"Istio's injected providers":          {withCA("PILOT_CERT_PROVIDER", "istiod", "CREDENTIAL_FETCHER_TYPE", "JWT"), nil},
+		"providers as flags":                  {withCA(), []string{"--pilot-cert-provider", "istiod", "--credential-fetcher-type", "JWT", "--credential-identity-provider", ""}},
+		"a flag wins over its variable": {withCA("PILOT_CERT_PROVIDER", "kubernetes", "CREDENTIAL_FETCHER_TYPE", "GoogleComputeEngine"),
+			[]string{"--pilot-cert-provider", "istiod", "--credential-fetcher-type", "JWT"}},
+		"defaults absent, embedded CA": {nil, []string{"--proxy-xds-via-agent=false"}},
 	} {
 		t.Run("accepted/"+name, func(t *testing.T) {
 			t.Parallel()
@@ -169,5 +192,60 @@ func checkRefused(t *testing.T, code int, stderr string, want ...string) {
 	}
 	if code != ExitUsage || len(missing) > 0 {
 		t.Errorf("exit code %d, want %d; stderr does not say %q:\n%s", code, ExitUsage, missing, stderr)
+	}
+}
+
+// Istio's variables that meshid does not implement are named in one warning at start, never
+// ignored silently; variables meshid implements are never in the list.
+func TestAgentWarnsOfIstioVariablesItIgnores(t *testing.T) {
+	t.Parallel()
+	const warning = `level=WARN msg="set but not implemented by meshid; ignored"`
+	env := map[string]string{"CA_ADDR": "127.0.0.1:15012", "POD_NAMESPACE": "default", "SERVICE_ACCOUNT": "demo"}
+	for _, name := range unimplementedIstioEnv() {
+		env[name] = "x"
+	}
+	code, stderr := mainAgent(t, env)
+	var lines []string
+	for _, line := range strings.Split(stderr, "\n") {
+		if strings.Contains(line, warning) {
+			lines = append(lines, line)
+		}
+	}
+	if code != 0 || len(lines) != 1 {
+		t.Fatalf("exit code %d, %d warnings; want 0 and one:\n%s", code, len(lines), stderr)
+	}
+	for _, name := range unimplementedIstioEnv() {
+		if !strings.Contains(lines[0], name) {
+			t.Errorf("the warning does not name %s: %s", name, lines[0])
+		}
+	}
+
+	// Only the variables that are set, with a value, and also when the agent is refused.
+	env = map[string]string{"ISTIO_BOOTSTRAP_OVERRIDE": "/etc/istio/custom-bootstrap/custom_bootstrap.json", "JWT_POLICY": "third-party-jwt",
+		"ECC_CURVE": "", "CA_ADDR": "127.0.0.1"}
+	code, stderr = mainAgent(t, env)
+	if code != ExitUsage || !strings.Contains(stderr, warning+" variables=\"[ISTIO_BOOTSTRAP_OVERRIDE JWT_POLICY]\"") {
+		t.Errorf("exit code %d; want %d and a warning naming ISTIO_BOOTSTRAP_OVERRIDE and JWT_POLICY only:\n%s", code, ExitUsage, stderr)
+	}
+	if code, stderr = mainAgent(t, map[string]string{"CA_ADDR": "127.0.0.1:15012", "POD_NAMESPACE": "default", "SERVICE_ACCOUNT": "demo"}); code != 0 || strings.Contains(stderr, "level=WARN") {
+		t.Errorf("exit code %d, a warning with no such variable set:\n%s", code, stderr)
+	}
+
+	listed := map[string]bool{}
+	for _, name := range unimplementedIstioEnv() {
+		listed[name] = true
+	}
+	for _, b := range agentEnv() {
+		if listed[b.env] {
+			t.Errorf("%s is bound to --%s and listed as not implemented", b.env, b.flag)
+		}
+	}
+	for _, name := range []string{"ISTIO_BOOTSTRAP_OVERRIDE", "MINIMUM_DRAIN_DURATION", "TERMINATION_DRAIN_DURATION_SECONDS",
+		"EXIT_ON_ZERO_ACTIVE_CONNECTIONS", "ISTIO_PROMETHEUS_ANNOTATIONS", "ISTIO_KUBE_APP_PROBERS", "GCE_METADATA_HOST", "PROXY_CONFIG",
+		"JWT_POLICY", "ISTIO_META_DNS_CAPTURE", "ISTIO_META_DNS_AUTO_ALLOCATE", "PROXY_XDS_DEBUG_VIA_AGENT_PORT", "ECC_CURVE",
+		"ISTIO_META_CERT_SIGNER", "WORKLOAD_IDENTITY_SOCKET_FILE"} {
+		if !listed[name] {
+			t.Errorf("%s, which Istio's injector or pilot-agent's users set, is not warned about", name)
+		}
 	}
 }

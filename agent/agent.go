@@ -5,6 +5,7 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
 	"net"
 	"net/http"
@@ -75,6 +76,9 @@ type Agent struct {
 // listeners. It starts no goroutines; call Run.
 func New(cfg Config) (*Agent, error) {
 	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if err := cfg.checkGivenPaths(); err != nil {
 		return nil, err
 	}
 	log := cfg.Logger
@@ -167,6 +171,79 @@ func onSocket(cfg Config, path string) func(error) {
 // an embedded control plane to turn to.
 var ErrNoCA = errors.New("this binary carries no CA to run in-process (`meshid agent` does)")
 
+// ErrConfigRefused marks what New refuses because of how the agent was configured, found
+// against the machine rather than in the values (which Validate checks): a path given
+// explicitly that does not exist or does not hold what it should, a credentials dir with some
+// of its files. Like a bad flag, it is the caller's mistake, and no retry will fix it.
+var ErrConfigRefused = errors.New("the agent's configuration cannot work on this machine")
+
+// refused is an error that wraps ErrConfigRefused without adding its text to the message.
+type refused struct{ error }
+
+func (r refused) Unwrap() []error { return []error{r.error, ErrConfigRefused} }
+
+// checkGivenPaths refuses a path given explicitly that cannot be what it names, each problem
+// wrapping ErrConfigRefused: a credentials dir or a PROV_CERT that does not exist (a typo would
+// silently turn the agent to a CA, and so to another identity), a CA or xDS root file that does
+// not exist or holds no PEM certificate (the agent would look healthy while every request or
+// Envoy stream fails). Defaults may be absent: they are where Kubernetes mounts what it has.
+func (c *Config) checkGivenPaths() error {
+	var errs []error
+	add := func(flag, path string, err error) {
+		if err != nil {
+			errs = append(errs, refused{fmt.Errorf("%s %s %w", flag, path, err)})
+		}
+	}
+	const onlyDefault = "only the default may be absent"
+	if c.CredentialsDir != "" {
+		add("--credentials-dir", c.CredentialsDir, checkDir(c.CredentialsDir, onlyDefault))
+	}
+	// Istio's VMs use the pair they keep in OUTPUT_CERTS as PROV_CERT: the agent makes that dir.
+	if c.ProvCert != "" && (c.OutputCerts == "" || filepath.Clean(c.ProvCert) != filepath.Clean(c.OutputCerts)) {
+		add("--prov-cert (PROV_CERT)", c.ProvCert, checkDir(c.ProvCert, "it may be absent only when it is --output-certs (OUTPUT_CERTS) too, which the agent creates"))
+	}
+	if c.CARootCert != "" {
+		add("--ca-root-cert (CA_ROOT_CA)", c.CARootCert, checkRoots(c.CARootCert, onlyDefault))
+	}
+	if c.XDSRootCert != "" {
+		add("--xds-root-cert (XDS_ROOT_CA)", c.XDSRootCert, checkRoots(c.XDSRootCert, onlyDefault))
+	}
+	return errors.Join(errs...)
+}
+
+// checkDir says what is wrong with a directory given explicitly, completing "FLAG PATH ...";
+// absent says when it could be absent.
+func checkDir(dir, absent string) error {
+	info, err := os.Stat(dir)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return fmt.Errorf("does not exist (%s)", absent)
+	case err != nil:
+		return fmt.Errorf("cannot be read: %w", err)
+	case !info.IsDir():
+		return errors.New("is not a directory")
+	}
+	return nil
+}
+
+// checkRoots says what is wrong with a root file given explicitly, completing "FLAG PATH ...";
+// absent says when it could be absent.
+func checkRoots(file, absent string) error {
+	data, err := os.ReadFile(file)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return fmt.Errorf("does not exist (%s)", absent)
+	case err != nil:
+		return fmt.Errorf("cannot be read: %w", err)
+	}
+	if _, err := pki.ParseCertificates(data); errors.Is(err, pki.ErrNoPEM) {
+		return errors.New("holds no PEM certificate")
+	} else if err != nil {
+		return fmt.Errorf("holds a certificate that does not parse: %w", err)
+	}
+	return nil
+}
+
 // decide applies the source decision flow and says why it chose as it did. A credentials dir
 // holding some of the three files but not all is refused: it is a mistake, not a reason to fall
 // back to a CA.
@@ -182,8 +259,8 @@ func decide(cfg *Config, socketPath string) (Source, string, error) {
 	case len(missing) == 0:
 		return SourceFiles, "credential files found in " + dir, nil
 	case len(present) > 0:
-		return "", "", fmt.Errorf("--credentials-dir %s holds %s but not %s: give all three files or none",
-			dir, strings.Join(present, ", "), strings.Join(missing, ", "))
+		return "", "", refused{fmt.Errorf("--credentials-dir %s holds %s but not %s: give all three files or none",
+			dir, strings.Join(present, ", "), strings.Join(missing, ", "))}
 	}
 	if cfg.embedded() {
 		if cfg.Embed == nil {

@@ -3,6 +3,7 @@ package agent_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -308,6 +309,42 @@ func TestPartialCredentialsDirIsRefused(t *testing.T) {
 	}
 }
 
+// A path given explicitly that cannot be what it names is refused before anything starts, as
+// ErrConfigRefused, which cmd turns into exit 2: a typo must not turn the agent to its embedded
+// CA, under another identity, nor leave it looking healthy while every CA request fails.
+func TestGivenPathsAreRefused(t *testing.T) {
+	t.Parallel()
+	fix := t.TempDir()
+	testutil.WriteFiles(t, fix, map[string][]byte{"notes.txt": []byte("not a certificate")})
+	testutil.WriteFiles(t, filepath.Join(fix, "partial"), map[string][]byte{"key.pem": []byte("x")})
+	missing := filepath.Join(fix, "missing")
+	tests := []struct {
+		name   string
+		modify func(*agent.Config)
+		want   string
+	}{
+		{"credentials dir", func(c *agent.Config) { c.CredentialsDir = missing }, "--credentials-dir " + missing + " does not exist"},
+		{"provisioned pair", func(c *agent.Config) { c.ProvCert = missing }, "--prov-cert (PROV_CERT) " + missing + " does not exist"},
+		{"CA root", func(c *agent.Config) { c.CARootCert = missing }, "--ca-root-cert (CA_ROOT_CA) " + missing + " does not exist"},
+		{"xDS root", func(c *agent.Config) { c.XDSRootCert = filepath.Join(fix, "notes.txt") }, "--xds-root-cert (XDS_ROOT_CA) " + fix + "/notes.txt holds no PEM certificate"},
+		{"incomplete credentials dir", func(c *agent.Config) { c.CredentialsDir = filepath.Join(fix, "partial") }, "holds key.pem but not cert-chain.pem, root-cert.pem"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			cfg := testConfig(t, newFakeClock(), nil, nil) // embedded
+			tt.modify(&cfg)
+			_, err := agent.New(cfg)
+			if !errors.Is(err, agent.ErrConfigRefused) || !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("error %v, want ErrConfigRefused saying %q", err, tt.want)
+			}
+			if _, err := os.Stat(filepath.Join(cfg.RootDir, agent.DefaultEmbeddedDir)); !errors.Is(err, os.ErrNotExist) {
+				t.Errorf("the refused agent made the embedded CA's state dir (stat: %v)", err)
+			}
+		})
+	}
+}
+
 // Two agents on one root dir: the second is refused, and the first keeps its embedded CA (the
 // second used to take over its socket and delete it on exit).
 func TestSecondAgentOnOneRootDirIsRefused(t *testing.T) {
@@ -397,6 +434,14 @@ func TestConfigValidate(t *testing.T) {
 		{"jitter", func(c *agent.Config) { c.GraceRatioJitter = 0.6 }, "--grace-period-ratio-jitter"},
 		{"ttl", func(c *agent.Config) { c.SecretTTL = 0 }, "--secret-ttl"},
 		{"status addr", func(c *agent.Config) { c.StatusAddr = "15020" }, "--status-addr"},
+		{"CA address, relative Unix socket", func(c *agent.Config) { c.CAAddress = "unix://ca.sock" }, `--ca-addr "unix://ca.sock" (CA_ADDR): a Unix socket needs an absolute path`},
+		{"discovery address, no host", func(c *agent.Config) { c.DiscoveryAddress = ":15012" }, `--discovery-addr ":15012": no host`},
+		{"every address at once", func(c *agent.Config) {
+			c.StatusAddr, c.DebugAddr, c.CAAddress, c.DiscoveryAddress = "127.0.0.1:99999", "localhost", "https://ca:15012", "istiod"
+		}, "--status-addr \"127.0.0.1:99999\": port \"99999\": want a number from 0 to 65535\n" +
+			"--debug-addr \"localhost\": no port: give HOST:PORT, as in \"localhost:PORT\"\n" +
+			"--ca-addr \"https://ca:15012\" (CA_ADDR): https:// is not part of an address: give HOST:PORT, as in \"ca:15012\"\n" +
+			"--discovery-addr \"istiod\": no port: give HOST:PORT, as in \"istiod:PORT\""},
 		// Attack: a file-root: or file-cert: resource reading the embedded CA's keys.
 		{"file resource dir is the CA state dir", func(c *agent.Config) { c.FileResourceDirs = []string{"/etc/certs", "/var/lib/meshid"} },
 			"--file-resource-dirs: /var/lib/meshid overlaps the embedded CA's state dir /var/lib/meshid"},
@@ -420,6 +465,26 @@ func TestConfigValidate(t *testing.T) {
 			tt.modify(&c)
 			if err := c.Validate(); err == nil || !strings.Contains(err.Error(), tt.want) {
 				t.Fatalf("error %v, want one mentioning %q", err, tt.want)
+			}
+		})
+	}
+	for name, modify := range map[string]func(*agent.Config){
+		"CA on a Unix socket": func(c *agent.Config) { c.CAAddress = "unix:///run/meshid/ca.sock" },
+		"discovery address, CA's too": func(c *agent.Config) {
+			c.CAAddress, c.DiscoveryAddress = "istiod.example:15012", "istiod.example:15012"
+		},
+		"status on every interface":      func(c *agent.Config) { c.StatusAddr = ":15020" },
+		"ports picked by the kernel":     func(c *agent.Config) { c.StatusAddr, c.DebugAddr = "127.0.0.1:0", "[::1]:0" },
+		"debug server on localhost":      func(c *agent.Config) { c.DebugAddr = "localhost:15004" },
+		"debug server off":               func(c *agent.Config) { c.DebugAddr = "" },
+		"discovery server at an IPv6 IP": func(c *agent.Config) { c.DiscoveryAddress = "[fd00::1]:15012" },
+	} {
+		t.Run("accepted/"+name, func(t *testing.T) {
+			t.Parallel()
+			c := good()
+			modify(&c)
+			if err := c.Validate(); err != nil {
+				t.Fatalf("refused: %v", err)
 			}
 		})
 	}

@@ -15,6 +15,7 @@ import (
 
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/fsutil"
+	"github.com/meshid/meshid/internal/hostport"
 	"github.com/meshid/meshid/internal/istio"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/sds"
@@ -260,13 +261,7 @@ func (c *Config) Validate() error {
 	if err := fsutil.CheckSocketPath(filepath.Join(c.socketDir(), sds.SocketName)); err != nil {
 		errs = append(errs, fmt.Errorf("--workload-socket-dir: %w", err))
 	}
-	if c.DebugAddr != "" {
-		if host, _, err := net.SplitHostPort(c.DebugAddr); err != nil {
-			errs = append(errs, fmt.Errorf("--debug-addr %q: want HOST:PORT: %w", c.DebugAddr, err))
-		} else if ip := net.ParseIP(host); host != "localhost" && (ip == nil || !ip.IsLoopback()) {
-			errs = append(errs, fmt.Errorf("--debug-addr %q: the debug server shows secrets' metadata and listens on loopback only", c.DebugAddr))
-		}
-	}
+	errs = append(errs, c.checkAddresses()...)
 	if c.DrainDuration < 0 {
 		errs = append(errs, fmt.Errorf("--drain-duration %s must not be negative", c.DrainDuration))
 	}
@@ -291,9 +286,6 @@ func (c *Config) Validate() error {
 	}
 	if err := secretmanager.ValidateGrace(c.GraceRatio, c.GraceRatioJitter); err != nil {
 		errs = append(errs, fmt.Errorf("--grace-period-ratio (SECRET_GRACE_PERIOD_RATIO), --grace-period-ratio-jitter: %w", err))
-	}
-	if _, _, err := net.SplitHostPort(c.StatusAddr); err != nil {
-		errs = append(errs, fmt.Errorf("--status-addr %q: want HOST:PORT: %w", c.StatusAddr, err))
 	}
 	errs = append(errs, c.checkFileResourceDirs()...)
 	return errors.Join(errs...)
@@ -320,6 +312,55 @@ func (c *Config) validateXDS() []error {
 		}
 	}
 	return errs
+}
+
+// checkAddresses refuses an address that is not HOST:PORT: without a port, gRPC would dial 443
+// and retry forever; with a scheme, the scheme is taken for a host; a port out of range would
+// fail only when the agent listens.
+func (c *Config) checkAddresses() []error {
+	var errs []error
+	if err := hostport.CheckListen(c.StatusAddr); err != nil {
+		errs = append(errs, fmt.Errorf("--status-addr %q: %w", c.StatusAddr, err))
+	}
+	if c.DebugAddr != "" {
+		if err := hostport.CheckListen(c.DebugAddr); err != nil {
+			errs = append(errs, fmt.Errorf("--debug-addr %q: %w", c.DebugAddr, err))
+		} else if host, _, _ := net.SplitHostPort(c.DebugAddr); host != "localhost" && !isLoopback(host) {
+			errs = append(errs, fmt.Errorf("--debug-addr %q: the debug server shows secrets' metadata and listens on loopback only", c.DebugAddr))
+		}
+	}
+	// CA_ADDR defaults to the discovery address: its mistake is reported once, as the flag given.
+	if c.CAAddress != "" && c.CAAddress != c.DiscoveryAddress {
+		if err := checkDialAddr(c.CAAddress); err != nil {
+			errs = append(errs, fmt.Errorf("--ca-addr %q (CA_ADDR): %w", c.CAAddress, err))
+		}
+	}
+	if c.DiscoveryAddress != "" {
+		if err := checkDialAddr(c.DiscoveryAddress); err != nil {
+			errs = append(errs, fmt.Errorf("--discovery-addr %q: %w", c.DiscoveryAddress, err))
+		}
+	}
+	return errs
+}
+
+func isLoopback(host string) bool {
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
+}
+
+// unixScheme marks an address that is a Unix socket, as the CA client dials it; meshid ca serves
+// one with --grpc-addr unix:///path.
+const unixScheme = "unix://"
+
+// checkDialAddr checks the address of a CA or discovery server: HOST:PORT, or unix:///path.
+func checkDialAddr(addr string) error {
+	if path, ok := strings.CutPrefix(addr, unixScheme); ok {
+		if !filepath.IsAbs(path) {
+			return fmt.Errorf("a Unix socket needs an absolute path: %s/PATH", unixScheme)
+		}
+		return nil
+	}
+	return hostport.CheckDial(addr)
 }
 
 // checkFileResourceDirs refuses a dir file resources may read that overlaps the embedded CA's

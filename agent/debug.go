@@ -69,11 +69,7 @@ func loopbackHost(host string) bool {
 		host = h
 	}
 	host = strings.TrimSuffix(strings.TrimPrefix(host, "["), "]")
-	if strings.EqualFold(host, "localhost") {
-		return true
-	}
-	ip := net.ParseIP(host)
-	return ip != nil && ip.IsLoopback()
+	return strings.EqualFold(host, "localhost") || isLoopback(host)
 }
 
 // secretStatus is one secret as /debug/secrets shows it.

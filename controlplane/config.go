@@ -5,8 +5,9 @@ package controlplane
 import (
 	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
-	"net"
+	"os"
 	"path/filepath"
 	"strings"
 	"time"
@@ -16,6 +17,7 @@ import (
 	"github.com/meshid/meshid/ca/token"
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/fsutil"
+	"github.com/meshid/meshid/internal/hostport"
 	"github.com/meshid/meshid/internal/istio"
 	"github.com/meshid/meshid/internal/pki"
 )
@@ -131,12 +133,12 @@ func (c *Config) Validate() error {
 		if len(path) > fsutil.MaxSocketPath || !filepath.IsAbs(path) {
 			errs = append(errs, fmt.Errorf("--grpc-addr %q: a Unix socket needs an absolute path of at most %d bytes", c.GRPCAddr, fsutil.MaxSocketPath))
 		}
-	} else if err := validateListenAddr("--grpc-addr", c.GRPCAddr); err != nil {
-		errs = append(errs, err)
+	} else if err := hostport.CheckListen(c.GRPCAddr); err != nil {
+		errs = append(errs, fmt.Errorf("--grpc-addr %q: %w", c.GRPCAddr, err))
 	}
 	if c.MonitoringAddr != "" {
-		if err := validateListenAddr("--monitoring-addr", c.MonitoringAddr); err != nil {
-			errs = append(errs, err)
+		if err := hostport.CheckListen(c.MonitoringAddr); err != nil {
+			errs = append(errs, fmt.Errorf("--monitoring-addr %q: %w", c.MonitoringAddr, err))
 		}
 	}
 	if err := pki.ValidateTrustDomain(c.TrustDomain); err != nil {
@@ -180,15 +182,52 @@ func (c *Config) Validate() error {
 	return errors.Join(errs...)
 }
 
-// unixScheme marks a gRPC address that is a Unix socket path (the agent's embedded control plane).
-const unixScheme = "unix://"
+// ErrConfigRefused marks what New (and Targets) refuse because of how the control plane was
+// configured, found against the machine rather than in the values, which Validate checks: a
+// --cacerts-dir or --manifests directory that does not exist. Like a bad flag, it is the
+// caller's mistake, and no retry will fix it.
+var ErrConfigRefused = errors.New("the control plane's configuration cannot work on this machine")
 
-func validateListenAddr(flag, addr string) error {
-	if _, _, err := net.SplitHostPort(addr); err != nil {
-		return fmt.Errorf("%s %q: want HOST:PORT (port 0 picks a free one): %w", flag, addr, err)
+// refused is an error that wraps ErrConfigRefused without adding its text to the message.
+type refused struct{ error }
+
+func (r refused) Unwrap() []error { return []error{r.error, ErrConfigRefused} }
+
+// checkGivenPaths refuses a directory given that is not one, each problem wrapping
+// ErrConfigRefused: a typo in --cacerts-dir would fall back to a self-signed CA unnoticed, and
+// one in --manifests would leave every namespace unknown.
+func (c *Config) checkGivenPaths() error {
+	var errs []error
+	if c.CACertsDir != "" {
+		if err := ca.CheckCACertsDir(c.CACertsDir); err != nil {
+			errs = append(errs, refused{fmt.Errorf("--cacerts-dir: %w", err)})
+		}
+	}
+	if err := checkManifestsDir(c.Manifests); err != nil {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}
+
+// checkManifestsDir refuses a --manifests that is not a directory, wrapping ErrConfigRefused.
+func checkManifestsDir(dir string) error {
+	if dir == "" {
+		return nil
+	}
+	info, err := os.Stat(dir)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return refused{fmt.Errorf("--manifests %s does not exist (an empty directory is fine)", dir)}
+	case err != nil:
+		return refused{fmt.Errorf("--manifests: %w", err)}
+	case !info.IsDir():
+		return refused{fmt.Errorf("--manifests %s is not a directory", dir)}
 	}
 	return nil
 }
+
+// unixScheme marks a gRPC address that is a Unix socket path (the agent's embedded control plane).
+const unixScheme = "unix://"
 
 func (c *SecretsConfig) validate() []error {
 	var errs []error

@@ -63,10 +63,8 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if cfg.CACertsDir != "" {
-		if err := ca.CheckCACertsDir(cfg.CACertsDir); err != nil {
-			return nil, fmt.Errorf("--cacerts-dir: %w", err)
-		}
+	if err := cfg.checkGivenPaths(); err != nil {
+		return nil, err
 	}
 	log := cfg.Logger
 	if log == nil {

@@ -280,6 +280,9 @@ func TestNewFailsClearly(t *testing.T) {
 		{"port in use", func(c *controlplane.Config) { c.GRPCAddr = busy.Addr().String() }, "listen for gRPC"},
 		{"partial cacerts", func(c *controlplane.Config) { c.CACertsDir = partial }, "missing ca-key.pem"},
 		{"bad address", func(c *controlplane.Config) { c.GRPCAddr = "15012" }, "--grpc-addr"},
+		{"port out of range", func(c *controlplane.Config) { c.GRPCAddr = "127.0.0.1:99999" }, `--grpc-addr "127.0.0.1:99999": port "99999": want a number from 0 to 65535`},
+		{"monitoring address with a scheme", func(c *controlplane.Config) { c.MonitoringAddr = "http://127.0.0.1:9093" },
+			`--monitoring-addr "http://127.0.0.1:9093": http:// is not part of an address`},
 		{"bad trust domain", func(c *controlplane.Config) { c.TrustDomain = "Not Valid" }, "--trust-domain"},
 		{"missing xds config", func(c *controlplane.Config) { c.XDSConfig = filepath.Join(partial, "xds.yaml") }, "--xds-config"},
 		{"lease shorter than its renewal", func(c *controlplane.Config) {
@@ -382,6 +385,31 @@ func TestNewRefusesMissingCACertsDir(t *testing.T) {
 	cp := start(t, cfg)
 	if src := cp.Authority().Bundle().Source(); src != ca.SourceSelfSigned {
 		t.Fatalf("serving a %s CA with an empty --cacerts-dir, want self-signed", src)
+	}
+}
+
+// A --cacerts-dir or --manifests that is not a directory is the caller's mistake, refused as
+// ErrConfigRefused (cmd: exit 2) before anything is bound or written, each problem named.
+func TestNewRefusesMissingDirsAsConfig(t *testing.T) {
+	t.Parallel()
+	base := t.TempDir()
+	cfg := testConfig(filepath.Join(base, "state"))
+	cfg.CACertsDir, cfg.Manifests = filepath.Join(base, "cacerts"), filepath.Join(base, "manifests")
+	_, err := controlplane.New(cfg)
+	if !errors.Is(err, controlplane.ErrConfigRefused) {
+		t.Fatalf("error %v, want ErrConfigRefused", err)
+	}
+	for _, want := range []string{"--cacerts-dir: plugged-in CA directory " + cfg.CACertsDir, "--manifests " + cfg.Manifests + " does not exist"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not say %q", err, want)
+		}
+	}
+	if _, err := os.Stat(cfg.StateDir); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("the refused start left a state dir behind (stat: %v)", err)
+	}
+	_, err = controlplane.Targets(t.Context(), controlplane.TargetsConfig{Manifests: cfg.Manifests, CANamespace: "istio-system"})
+	if !errors.Is(err, controlplane.ErrConfigRefused) || !strings.Contains(err.Error(), "--manifests "+cfg.Manifests) {
+		t.Fatalf("targets: %v, want ErrConfigRefused naming --manifests", err)
 	}
 }
 

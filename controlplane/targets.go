@@ -43,6 +43,9 @@ func Targets(ctx context.Context, cfg TargetsConfig) (TargetsReport, error) {
 	if err := cfg.Validate(); err != nil {
 		return TargetsReport{}, err
 	}
+	if err := checkManifestsDir(cfg.Manifests); err != nil {
+		return TargetsReport{}, err
+	}
 	log := cfg.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)

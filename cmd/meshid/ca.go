@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 
@@ -129,7 +130,7 @@ The RBAC this needs is in deploy/kubernetes/rbac.yaml.`,
 				// client-go logs through klog: one stream, one format.
 				klog.SetSlogLogger(cfg.Logger.With(logkey.Component, "client-go"))
 			}
-			return run(cmd.Context(), cfg)
+			return refusedAsCalled(run(cmd.Context(), cfg))
 		},
 	}
 	f := cmd.Flags()
@@ -148,7 +149,7 @@ The RBAC this needs is in deploy/kubernetes/rbac.yaml.`,
 	f.StringVar(&cfg.JWTKeysFile, "jwt-keys", "", "PEM public keys or JWKS of the token issuer (e.g. the kube-apiserver's service-account keys); default: <state-dir>/token-key.pem")
 	f.StringVar(&cfg.JWTAudience, "jwt-audience", cfg.JWTAudience, "audience tokens must carry")
 	f.StringVar(&cfg.JWTIssuer, "jwt-issuer", "", "issuer tokens must carry; empty accepts any")
-	f.StringVar(&cfg.Manifests, "manifests", "", "directory of Namespace and ServiceAccount manifests (*.yaml, *.yml, *.json; not its subdirectories), watched; their labels decide which namespaces this CA serves. Empty: no namespace is known")
+	f.StringVar(&cfg.Manifests, "manifests", "", "directory of Namespace and ServiceAccount manifests (*.yaml, *.yml, *.json; not its subdirectories), watched; their labels decide which namespaces this CA serves. It must exist but may be empty. Empty: no namespace is known")
 	f.StringVar(&cfg.XDSConfig, "xds-config", "", "serve Envoy's aggregated discovery service on the gRPC port from this file (YAML or JSON shaped like bootstrap's static_resources: listeners, clusters, routes, endpoints, and namespaces: {<ns>: {...}} replacing them for that namespace); watched, and a bad edit keeps the last good one")
 	f.StringVar(&cfg.Kubernetes.Kubeconfig, "kubeconfig", "", "kubeconfig file of the Kubernetes API to run on, instead of --manifests")
 	f.BoolVar(&cfg.Kubernetes.InCluster, "in-cluster", false, "run on the Kubernetes API of the cluster this pod runs in, as its service account (see deploy/kubernetes)")
@@ -166,6 +167,15 @@ The RBAC this needs is in deploy/kubernetes/rbac.yaml.`,
 	f.DurationVar(&cfg.Secrets.LivenessProbeInterval, "liveness-probe-interval", 0, "how often --liveness-probe-path is updated. Needs --manifests")
 	cmd.AddCommand(newCATargetsCommand(g))
 	return cmd
+}
+
+// refusedAsCalled is cli.RefusedAsCalled with the control plane's refusals, which package cli,
+// linked into meshid-agent, cannot name.
+func refusedAsCalled(err error) error {
+	if errors.Is(err, controlplane.ErrConfigRefused) {
+		return cli.UsageError{Err: err}
+	}
+	return cli.RefusedAsCalled(err)
 }
 
 // trimAll drops empty entries and spaces from a comma-separated flag's values.

@@ -45,7 +45,7 @@ manifests are reported on stderr and skipped.`,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			report, err := controlplane.Targets(cmd.Context(), cfg)
 			if err != nil {
-				return err
+				return refusedAsCalled(err)
 			}
 			if output == "json" {
 				return writeTargetsJSON(cmd.OutOrStdout(), report)

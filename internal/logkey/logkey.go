@@ -79,4 +79,5 @@ const (
 	ResourceVersion   = "resource_version"
 	Operation         = "operation"
 	ConfigMap         = "configmap"
+	Variables         = "variables"
 )

@@ -12,6 +12,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/meshid/meshid/agent"
+	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/internal/pki"
 )
 
@@ -51,7 +52,83 @@ func agentEnv() []envBinding {
 		{"xds-root-cert", "XDS_ROOT_CA"},
 		{"proxy-xds-via-agent", "PROXY_XDS_VIA_AGENT"},
 		{"proxy-xds-debug-via-agent", "PROXY_XDS_DEBUG_VIA_AGENT"},
+		{"credential-fetcher-type", "CREDENTIAL_FETCHER_TYPE"},
+		{"credential-identity-provider", "CREDENTIAL_IDENTITY_PROVIDER"},
+		{"pilot-cert-provider", "PILOT_CERT_PROVIDER"},
 	}
+}
+
+// unimplementedIstioEnv lists the variables that Istio's sidecar injector sets, or that users of
+// pilot-agent commonly set, and that meshid does not implement. The agent names those that are
+// set in one warning at start, rather than ignore them silently. Later work implements some:
+// the Envoy supervision and draining of the Envoy issue (ISTIO_BOOTSTRAP_OVERRIDE, the drain
+// variables, EXIT_ON_ZERO_ACTIVE_CONNECTIONS), the merged metrics and application probes of the
+// status port (ISTIO_PROMETHEUS_ANNOTATIONS, ISTIO_KUBE_APP_PROBERS), the GCE credential
+// fetcher of the providers issue (GCE_METADATA_HOST). meshid ignores the others on purpose: it
+// reads no mesh config (PROXY_CONFIG); it reads whatever token is at --token-path, first- or
+// third-party (JWT_POLICY); it proxies no DNS (ISTIO_META_DNS_*); its debug server is
+// --debug-addr (PROXY_XDS_DEBUG_VIA_AGENT_PORT); its ECDSA keys are P-256 (ECC_CURVE); it asks
+// the CA for no particular signer (ISTIO_META_CERT_SIGNER); its SDS socket is always "socket"
+// in --workload-socket-dir (WORKLOAD_IDENTITY_SOCKET_FILE).
+func unimplementedIstioEnv() []string {
+	return []string{
+		"ISTIO_BOOTSTRAP_OVERRIDE",
+		"MINIMUM_DRAIN_DURATION",
+		"TERMINATION_DRAIN_DURATION_SECONDS",
+		"EXIT_ON_ZERO_ACTIVE_CONNECTIONS",
+		"ISTIO_PROMETHEUS_ANNOTATIONS",
+		"ISTIO_KUBE_APP_PROBERS",
+		"GCE_METADATA_HOST",
+		"PROXY_CONFIG",
+		"JWT_POLICY",
+		"ISTIO_META_DNS_CAPTURE",
+		"ISTIO_META_DNS_AUTO_ALLOCATE",
+		"PROXY_XDS_DEBUG_VIA_AGENT_PORT",
+		"ECC_CURVE",
+		"ISTIO_META_CERT_SIGNER",
+		"WORKLOAD_IDENTITY_SOCKET_FILE",
+	}
+}
+
+// setVariables returns, in order, the names that are set to a value.
+func setVariables(names []string, lookupEnv func(string) (string, bool)) []string {
+	var set []string
+	for _, name := range names {
+		if v, ok := lookupEnv(name); ok && v != "" {
+			set = append(set, name)
+		}
+	}
+	return set
+}
+
+// checkIstioProviders refuses the values of Istio's provider variables that meshid does not
+// implement: each would change, in Istio's agent, where the token comes from or which roots are
+// trusted, so ignoring one would leave the agent doing something else than was asked.
+func checkIstioProviders(fetcher, identityProvider, pilotCertProvider string) []error {
+	var errs []error
+	switch {
+	case fetcher == "" || strings.EqualFold(fetcher, "JWT"):
+	case strings.EqualFold(fetcher, "GoogleComputeEngine"):
+		errs = append(errs, fmt.Errorf("--credential-fetcher-type (CREDENTIAL_FETCHER_TYPE) %s is not supported by this version: meshid reads the token from --token-path", fetcher))
+	default:
+		errs = append(errs, fmt.Errorf("--credential-fetcher-type (CREDENTIAL_FETCHER_TYPE) %q is unknown: want JWT, the token file at --token-path (or nothing)", fetcher))
+	}
+	if identityProvider != "" {
+		errs = append(errs, fmt.Errorf("--credential-identity-provider (CREDENTIAL_IDENTITY_PROVIDER) %q has no effect: it serves a credential fetcher meshid does not support yet (GoogleComputeEngine); unset it", identityProvider))
+	}
+	const istiod = "meshid does what istiod means: --ca-root-cert (CA_ROOT_CA), else the mounted istio-ca-root-cert, verifies the CA, and --xds-root-cert (XDS_ROOT_CA), else the CA's roots, the discovery server"
+	switch p := pilotCertProvider; {
+	case p == "" || p == "istiod":
+	case p == "kubernetes" || strings.HasPrefix(p, "kubernetes:"):
+		errs = append(errs, fmt.Errorf("--pilot-cert-provider (PILOT_CERT_PROVIDER) %s is not supported: %s; to trust the Kubernetes CA, give its ca.crt as --ca-root-cert (CA_ROOT_CA) and --xds-root-cert (XDS_ROOT_CA)", p, istiod))
+	case p == "custom":
+		errs = append(errs, fmt.Errorf("--pilot-cert-provider (PILOT_CERT_PROVIDER) custom is not supported: %s; to trust etc/certs/root-cert.pem, give it as --ca-root-cert (CA_ROOT_CA)", istiod))
+	case p == "none":
+		errs = append(errs, fmt.Errorf("--pilot-cert-provider (PILOT_CERT_PROVIDER) none is not supported: %s; give the roots with --ca-root-cert (CA_ROOT_CA) and --xds-root-cert (XDS_ROOT_CA), and unset it", istiod))
+	default:
+		errs = append(errs, fmt.Errorf("--pilot-cert-provider (PILOT_CERT_PROVIDER) %q is unknown: want istiod (or nothing): %s", p, istiod))
+	}
+	return errs
 }
 
 // NewAgentCommand returns `agent`. lookupEnv reads the environment (os.LookupEnv in production);
@@ -60,6 +137,7 @@ func NewAgentCommand(g *Globals, run AgentRunner, lookupEnv func(string) (string
 	cfg := agent.DefaultConfig("")
 	cfg.Embed = embed
 	var keyAlgorithm, caProvider, socketMode, outputGroupRead string
+	var credentialFetcherType, credentialIdentityProvider, pilotCertProvider string
 	caSource := `  3. else a CA: the one at --ca-addr or, when none is given, a control plane run in-process
      under --root-dir (meshid agent --root-dir ./run needs nothing else).`
 	if embed == nil {
@@ -86,6 +164,14 @@ until it succeeds; the agent is not ready meanwhile).
 
 Istio's variables are honoured, so the agent is a drop-in; a flag wins over its variable:
 ` + envHelp(agentEnv()) + `
+What meshid does not implement is refused, not ignored: CREDENTIAL_FETCHER_TYPE takes JWT only
+(the token file at --token-path), PILOT_CERT_PROVIDER istiod only, CREDENTIAL_IDENTITY_PROVIDER
+nothing, CA_PROVIDER anything but GoogleCA. Istio's other variables that meshid does not
+implement (ISTIO_BOOTSTRAP_OVERRIDE, the drain durations, JWT_POLICY, PROXY_CONFIG, ...) are
+named in one warning at start when set. A path given must exist (--credentials-dir,
+--prov-cert) and a root file hold a PEM certificate (--ca-root-cert, --xds-root-cert); only
+the defaults may be absent. Addresses are HOST:PORT. A refusal exits 2, before anything runs.
+
 The status server (--status-addr) answers /healthz/ready (200 once a valid certificate is
 held and Envoy's sockets lead to the agent) and /metrics; the debug server (--debug-addr,
 loopback, answering only a Host that names loopback) answers /debug/secrets. Envoy's xDS (ADS,
@@ -97,37 +183,45 @@ on --debug-addr only with --xds-debug-tcp. Every default path lives under --root
 root is needed.`,
 		Args: cobra.NoArgs,
 		PreRunE: func(cmd *cobra.Command, _ []string) error {
+			log := g.Logger()
+			if set := setVariables(unimplementedIstioEnv(), lookupEnv); len(set) > 0 {
+				log.Warn("set but not implemented by meshid; ignored", logkey.Variables, set)
+			}
+			// Every problem at once: a newcomer fixes them in one go.
+			var errs []error
 			flags := cmd.Flags()
 			for _, b := range agentEnv() {
 				if v, ok := lookupEnv(b.env); ok && v != "" && !flags.Changed(b.flag) {
 					if err := flags.Set(b.flag, v); err != nil {
-						return fmt.Errorf("%s=%q: %w", b.env, v, err)
+						errs = append(errs, fmt.Errorf("%s=%q: %w", b.env, v, err))
 					}
 				}
 			}
 			alg, err := pki.ParseKeyAlgorithm(keyAlgorithm)
 			if err != nil {
-				return fmt.Errorf("--key-algorithm (ECC_SIGNATURE_ALGORITHM): %w", err)
+				errs = append(errs, fmt.Errorf("--key-algorithm (ECC_SIGNATURE_ALGORITHM): %w", err))
+			} else {
+				cfg.KeyAlgorithm = alg
 			}
-			cfg.KeyAlgorithm = alg
 			if strings.EqualFold(caProvider, "GoogleCA") {
-				return fmt.Errorf("CA_PROVIDER=%s is not supported yet: meshid speaks Istio's CA protocol (Citadel)", caProvider)
+				errs = append(errs, fmt.Errorf("CA_PROVIDER=%s is not supported yet: meshid speaks Istio's CA protocol (Citadel)", caProvider))
 			}
+			errs = append(errs, checkIstioProviders(credentialFetcherType, credentialIdentityProvider, pilotCertProvider)...)
 			if cfg.RootDir != "" {
-				abs, err := filepath.Abs(cfg.RootDir)
-				if err != nil {
-					return fmt.Errorf("--root-dir: %w", err)
+				if abs, err := filepath.Abs(cfg.RootDir); err != nil {
+					errs = append(errs, fmt.Errorf("--root-dir: %w", err))
+				} else {
+					cfg.RootDir = abs
 				}
-				cfg.RootDir = abs
 			}
 			if !flags.Changed("token-path") {
 				cfg.TokenPath = filepath.Join(rootOrSlash(cfg.RootDir), agent.DefaultTokenPath)
 			}
-			mode, err := strconv.ParseUint(socketMode, 8, 32)
-			if err != nil || mode > 0o777 {
-				return fmt.Errorf("--socket-mode %q: want an octal file mode such as 0660", socketMode)
+			if mode, err := strconv.ParseUint(socketMode, 8, 32); err != nil || mode > 0o777 {
+				errs = append(errs, fmt.Errorf("--socket-mode %q: want an octal file mode such as 0660", socketMode))
+			} else {
+				cfg.SocketMode = os.FileMode(mode)
 			}
-			cfg.SocketMode = os.FileMode(mode)
 			switch outputGroupRead {
 			case "none":
 			case "certs":
@@ -135,35 +229,31 @@ root is needed.`,
 			case "all":
 				cfg.OutputGroupRead, cfg.OutputKeyGroupRead = true, true
 			default:
-				return fmt.Errorf("--output-certs-group-read %q: want none, certs or all", outputGroupRead)
+				errs = append(errs, fmt.Errorf("--output-certs-group-read %q: want none, certs or all", outputGroupRead))
 			}
 			if outputGroupRead != "none" && cfg.OutputCerts == "" {
-				return errors.New("--output-certs-group-read needs --output-certs (OUTPUT_CERTS)")
+				errs = append(errs, errors.New("--output-certs-group-read needs --output-certs (OUTPUT_CERTS)"))
 			}
 			if cfg.CAAddress == "" && cfg.DiscoveryAddress != "" {
 				cfg.CAAddress = cfg.DiscoveryAddress // CA_ADDR defaults to the discovery address, as in Istio
 			}
 			if !cfg.ProxyXDS {
 				if flags.Changed("proxy-xds-debug-via-agent") && cfg.ProxyXDSDebug {
-					return errors.New("--proxy-xds-debug-via-agent (PROXY_XDS_DEBUG_VIA_AGENT) needs the xDS proxy: --proxy-xds-via-agent (PROXY_XDS_VIA_AGENT) is false")
+					errs = append(errs, errors.New("--proxy-xds-debug-via-agent (PROXY_XDS_DEBUG_VIA_AGENT) needs the xDS proxy: --proxy-xds-via-agent (PROXY_XDS_VIA_AGENT) is false"))
 				}
 				for _, name := range []string{"discovery-addr", "xds-socket", "xds-root-cert", "xds-debug-socket", "xds-debug-tcp",
 					"xds-proxy-max-streams", "xds-proxy-max-streams-per-connection"} {
 					if flags.Changed(name) {
-						return fmt.Errorf("--%s configures the xDS proxy, which --proxy-xds-via-agent=false (PROXY_XDS_VIA_AGENT) turns off", name)
+						errs = append(errs, fmt.Errorf("--%s configures the xDS proxy, which --proxy-xds-via-agent=false (PROXY_XDS_VIA_AGENT) turns off", name))
 					}
 				}
 				cfg.ProxyXDSDebug = false
 			}
-			cfg.Logger = g.Logger()
-			return cfg.Validate()
+			cfg.Logger = log
+			return errors.Join(append(errs, cfg.Validate())...)
 		},
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			err := run(cmd.Context(), cfg)
-			if errors.Is(err, agent.ErrNoCA) {
-				return UsageError{err}
-			}
-			return err
+			return RefusedAsCalled(run(cmd.Context(), cfg))
 		},
 	}
 	f := cmd.Flags()
@@ -173,7 +263,10 @@ root is needed.`,
 		caAddrHelp = "address of the CA, HOST:PORT (CA_ADDR); required"
 	}
 	f.StringVar(&cfg.CAAddress, "ca-addr", "", caAddrHelp)
-	f.StringVar(&caProvider, "ca-provider", "Citadel", "CA protocol: Citadel (anything but GoogleCA means Citadel, as in Istio) (CA_PROVIDER)")
+	f.StringVar(&caProvider, "ca-provider", "Citadel", "CA protocol: Citadel (anything but GoogleCA means Citadel, as in Istio) (CA_PROVIDER); GoogleCA is refused")
+	f.StringVar(&credentialFetcherType, "credential-fetcher-type", "", "where the token comes from (CREDENTIAL_FETCHER_TYPE): JWT, Istio's name for the token file at --token-path, is all meshid does; GoogleComputeEngine is refused")
+	f.StringVar(&credentialIdentityProvider, "credential-identity-provider", "", "identity provider of a credential fetcher meshid does not support yet (CREDENTIAL_IDENTITY_PROVIDER); any value is refused")
+	f.StringVar(&pilotCertProvider, "pilot-cert-provider", "", "which roots verify the CA and the discovery server (PILOT_CERT_PROVIDER): istiod, what meshid does (--ca-root-cert, --xds-root-cert); kubernetes, custom and none are refused")
 	f.StringVar(&cfg.CARootCert, "ca-root-cert", "", "PEM roots that verify the CA (CA_ROOT_CA); default: <prov-cert>/root-cert.pem, else <root-dir>/var/run/secrets/istio/root-cert.pem")
 	f.StringVar(&cfg.CAServerName, "istiod-san", cfg.CAServerName, "name verified in the CA's certificate (ISTIOD_SAN)")
 	f.StringVar(&cfg.TokenPath, "token-path", "", "service-account token presented to the CA, re-read at every request (default <root-dir>/var/run/secrets/tokens/istio-token)")

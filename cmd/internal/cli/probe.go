@@ -13,10 +13,13 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+
+	"github.com/meshid/meshid/internal/hostport"
 )
 
 // NewProbeCommand returns `probe`: exit 0 when http://ADDR/PATH answers 200, or when the
-// liveness file --probe-path was updated within --interval; 1 otherwise.
+// liveness file --probe-path was updated within --interval; 1 otherwise, and 2 when its flags
+// cannot work.
 func NewProbeCommand() *cobra.Command {
 	var (
 		addr      string
@@ -30,22 +33,41 @@ func NewProbeCommand() *cobra.Command {
 		Short: "Check that a running agent or CA is ready",
 		Long: `Probe asks a running meshid agent (status port, :15020) or CA (monitoring port, :9093)
 whether it is ready, by GET http://ADDR/healthz/ready. It exits 0 when the answer is
-200 OK and 1 otherwise, printing the reason on stderr. Use it as an exec readiness probe.
+200 OK and 1 otherwise, printing the reason on stderr (2 when it is called wrongly: no
+--addr, an address that is not HOST:PORT). Use it as an exec readiness probe.
 
 With --probe-path FILE --interval D instead (Citadel's probe), it checks a liveness file
 that "meshid ca --liveness-probe-path" keeps fresh: it exits 0 when FILE was modified
 less than D ago.`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
+		// A probe called wrongly exits 2, not 1: a kubelet or an operator can tell "not ready"
+		// from "this probe can never succeed".
+		PreRunE: func(cmd *cobra.Command, _ []string) error {
+			var errs []error
 			switch {
 			case probePath != "" && addr != "":
-				return errors.New("give either --addr or --probe-path, not both")
+				errs = append(errs, errors.New("give either --addr or --probe-path, not both"))
 			case probePath != "":
-				return ProbeFile(probePath, interval, time.Now())
+				if interval <= 0 {
+					errs = append(errs, errors.New("--interval must be positive with --probe-path"))
+				}
 			case cmd.Flags().Changed("interval"):
-				return errors.New("--interval needs --probe-path")
+				errs = append(errs, errors.New("--interval needs --probe-path"))
 			case addr == "":
-				return errors.New("--addr (or --probe-path) is required")
+				errs = append(errs, errors.New("--addr (or --probe-path) is required"))
+			default:
+				if err := hostport.CheckDial(addr); err != nil {
+					errs = append(errs, fmt.Errorf("--addr %q: %w", addr, err))
+				}
+			}
+			if timeout <= 0 {
+				errs = append(errs, fmt.Errorf("--timeout %s must be positive", timeout))
+			}
+			return errors.Join(errs...)
+		},
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if probePath != "" {
+				return ProbeFile(probePath, interval, time.Now())
 			}
 			return Probe(cmd.Context(), addr, path, timeout)
 		},

@@ -155,11 +155,7 @@ lives under --root-dir, so no root is needed.`,
 			return cfg.Validate()
 		},
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			err := run(cmd.Context(), cfg)
-			if errors.Is(err, agent.ErrNoCA) {
-				return UsageError{err}
-			}
-			return err
+			return RefusedAsCalled(run(cmd.Context(), cfg))
 		},
 	}
 	f := cmd.Flags()

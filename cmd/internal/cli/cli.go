@@ -14,6 +14,9 @@ import (
 	"syscall"
 
 	"github.com/spf13/cobra"
+
+	"github.com/meshid/meshid/agent"
+	"github.com/meshid/meshid/internal/fsutil"
 )
 
 // Globals are the flags every command has.
@@ -141,6 +144,27 @@ func markUsageErrors(c *cobra.Command) {
 	for _, sub := range c.Commands() {
 		markUsageErrors(sub)
 	}
+}
+
+// refusedAsCalled are the errors, found once a command runs, that still come from how it was
+// called: what it was pointed at cannot be used as it is.
+func refusedAsCalled() []error {
+	return []error{
+		agent.ErrNoCA,      // the slim agent with no CA to turn to
+		fsutil.ErrNotOwned, // a state, output or key directory another user owns or can write in
+		fsutil.ErrLocked,   // a directory another agent holds
+	}
+}
+
+// RefusedAsCalled makes err a UsageError when it wraps one of the refusals that come from how a
+// command was called, so that it exits 2 as a bad flag does; any other error is returned as it is.
+func RefusedAsCalled(err error) error {
+	for _, refusal := range refusedAsCalled() {
+		if errors.Is(err, refusal) {
+			return usage(err)
+		}
+	}
+	return err
 }
 
 func usage(err error) error {

@@ -129,7 +129,7 @@ The RBAC this needs is in deploy/kubernetes/rbac.yaml.`,
 				// client-go logs through klog: one stream, one format.
 				klog.SetSlogLogger(cfg.Logger.With(logkey.Component, "client-go"))
 			}
-			return run(cmd.Context(), cfg)
+			return cli.RefusedAsCalled(run(cmd.Context(), cfg))
 		},
 	}
 	f := cmd.Flags()

@@ -56,3 +56,63 @@ func TestCARefusesAStateDirNotOurs(t *testing.T) {
 		t.Errorf("the refused state dir holds %v (%v)", entries, err)
 	}
 }
+
+// stateDirWithKey is the state dir of a CA that has run once, made open to others by mode.
+func stateDirWithKey(t *testing.T, dirMode, keyMode os.FileMode) string {
+	t.Helper()
+	dir, _ := vmStateDir(t)
+	if err := os.Chmod(filepath.Join(dir, "token-key.pem"), keyMode); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(dir, dirMode); err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
+// meshid token and meshid vm bootstrap sign with the state dir's token key only when the state
+// dir and the key are ours alone, and vm bootstrap writes only into a directory of ours.
+func TestTokenAndVMRefuseDirectoriesNotOurs(t *testing.T) {
+	t.Parallel()
+	identity := []string{"--namespace", "vm", "--service-account", "billing"}
+	vm := func(stateDir, out string) []string {
+		return append([]string{"vm", "bootstrap", "--state-dir", stateDir, "--ca-addr", "ca:15012", "--out", out}, identity...)
+	}
+	tests := []struct {
+		name          string
+		args          func(t *testing.T) ([]string, string) // the arguments, and the path the refusal names
+		outStaysEmpty bool
+	}{
+		{"token, state dir open", func(t *testing.T) ([]string, string) {
+			dir := stateDirWithKey(t, 0o777, 0o600)
+			return append([]string{"token", "--state-dir", dir}, identity...), dir
+		}, false},
+		{"token, key open", func(t *testing.T) ([]string, string) {
+			dir := stateDirWithKey(t, 0o700, 0o644)
+			return append([]string{"token", "--state-dir", dir}, identity...), filepath.Join(dir, "token-key.pem")
+		}, false},
+		{"vm, state dir group-writable", func(t *testing.T) ([]string, string) {
+			dir := stateDirWithKey(t, 0o770, 0o600)
+			return vm(dir, filepath.Join(t.TempDir(), "out")), dir
+		}, false},
+		{"vm, out open", func(t *testing.T) ([]string, string) {
+			out := openDir(t)
+			return vm(stateDirWithKey(t, 0o700, 0o600), out), out
+		}, true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			args, path := tt.args(t)
+			code, stderr := mainExit(t, args...)
+			if code != cli.ExitUsage || !strings.Contains(stderr, path) || !strings.Contains(stderr, "another user could have put their own keys there") {
+				t.Fatalf("exit code %d, want %d with a refusal naming %s; stderr:\n%s", code, cli.ExitUsage, path, stderr)
+			}
+			if tt.outStaysEmpty {
+				if entries, err := os.ReadDir(path); err != nil || len(entries) != 0 {
+					t.Errorf("the refused --out holds %v (%v)", entries, err)
+				}
+			}
+		})
+	}
+}

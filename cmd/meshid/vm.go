@@ -103,14 +103,18 @@ with the one it wrote to OUTPUT_CERTS, as long as that one has not expired.`,
 		},
 		RunE: func(*cobra.Command, []string) error {
 			if b.rootCert == "" {
+				// The trust bundle is the state dir's: read only from one of ours.
+				if err := controlplane.CheckStateDir(stateDir); err != nil {
+					return cli.RefusedAsCalled(fmt.Errorf("--state-dir: %w", err))
+				}
 				b.rootCert = controlplane.RootCertPath(stateDir)
 			}
 			minter, err := loadMinter(keyPath, stateDir)
 			if err != nil {
-				return err
+				return cli.RefusedAsCalled(err)
 			}
 			if err := b.write(minter, time.Now()); err != nil {
-				return err
+				return cli.RefusedAsCalled(err)
 			}
 			g.Logger().Info("VM bundle written", logkey.Path, b.out, logkey.Namespace, b.token.Namespace,
 				logkey.ServiceAccount, b.token.ServiceAccount, logkey.Expires, b.token.Now.Add(b.token.TTL).UTC().Format(time.RFC3339))
@@ -146,8 +150,9 @@ func (b *vmBundle) write(minter *token.Minter, now time.Time) error {
 	if err != nil {
 		return err
 	}
-	if err := fsutil.EnsureDir(b.out, 0o700); err != nil {
-		return err
+	// The agent takes its token and its CA root from here: write only into a directory of ours.
+	if err := fsutil.EnsureOwnedDir(b.out, fsutil.PrivateDirMode); err != nil {
+		return fmt.Errorf("--out: %w", err)
 	}
 	env := fmt.Sprintf(`# meshid-agent on a VM: spiffe://%s/ns/%s/sa/%s, written by "meshid vm bootstrap".
 CA_ADDR=%s

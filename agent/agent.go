@@ -259,8 +259,10 @@ func (a *Agent) embed(caCfg *caclient.Config, cfg Config, id pki.SPIFFEID, clk c
 	if err := fsutil.CheckSocketPath(socket); err != nil {
 		return fmt.Errorf("the embedded CA's socket under --root-dir: %w", err)
 	}
-	if err := fsutil.EnsureDir(stateDir, fsutil.PrivateDirMode); err != nil {
-		return err
+	// Made private, or found ours alone, before the lock goes in: another user who could write
+	// in it could have put their own CA key and token key there.
+	if err := fsutil.EnsureOwnedDir(stateDir, fsutil.PrivateDirMode); err != nil {
+		return fmt.Errorf("the embedded CA's state dir: %w", err)
 	}
 	unlock, err := fsutil.TryLock(filepath.Join(stateDir, embeddedLock))
 	if errors.Is(err, fsutil.ErrLocked) {

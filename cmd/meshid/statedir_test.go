@@ -116,3 +116,24 @@ func TestTokenAndVMRefuseDirectoriesNotOurs(t *testing.T) {
 		})
 	}
 }
+
+// The agent's embedded state dir, <root-dir>/var/lib/meshid, open to others is refused as called.
+func TestAgentRefusesAnEmbeddedStateDirNotOurs(t *testing.T) {
+	t.Parallel()
+	rootDir := testutil.ShortTempDir(t)
+	stateDir := filepath.Join(rootDir, "var", "lib", "meshid")
+	if err := os.MkdirAll(stateDir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(stateDir, 0o770); err != nil {
+		t.Fatal(err)
+	}
+	root := newRootCommand(runCA, cli.RunAgent, func(string) (string, bool) { return "", false })
+	var stderr bytes.Buffer
+	root.SetOut(new(bytes.Buffer))
+	root.SetErr(&stderr)
+	root.SetArgs([]string{"agent", "--root-dir", rootDir, "--status-addr", "127.0.0.1:0", "--debug-addr", ""})
+	if code := cli.Main(root); code != cli.ExitUsage || !strings.Contains(stderr.String(), stateDir) {
+		t.Fatalf("exit code %d, want %d with a refusal naming %s; stderr:\n%s", code, cli.ExitUsage, stateDir, stderr.String())
+	}
+}

@@ -5,12 +5,15 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 
 	"github.com/meshid/meshid/agent"
 	"github.com/meshid/meshid/cmd/internal/cli"
+	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/testutil"
+	"github.com/meshid/meshid/secretmanager"
 )
 
 // mainExit runs the meshid command line as main does, with the real CA, and returns its exit
@@ -135,5 +138,59 @@ func TestAgentRefusesAnEmbeddedStateDirNotOurs(t *testing.T) {
 	root.SetArgs([]string{"agent", "--root-dir", rootDir, "--status-addr", "127.0.0.1:0", "--debug-addr", ""})
 	if code := cli.Main(root); code != cli.ExitUsage || !strings.Contains(stderr.String(), stateDir) {
 		t.Fatalf("exit code %d, want %d with a refusal naming %s; stderr:\n%s", code, cli.ExitUsage, stateDir, stderr.String())
+	}
+}
+
+// startAndStop is an agent runner that builds the agent and, when it starts at all, stops it at
+// once: what is refused is refused by agent.New.
+func startAndStop(ctx context.Context, cfg agent.Config) error {
+	a, err := agent.New(cfg)
+	if err != nil {
+		return err
+	}
+	stopped, cancel := context.WithCancel(ctx)
+	cancel()
+	return a.Run(stopped)
+}
+
+// OUTPUT_CERTS that another user could write in, or that another agent holds, is refused as
+// called: exit 2, naming the directory, and for a held one the pid of the agent holding it.
+func TestAgentRefusesOutputCertsNotOursOrInUse(t *testing.T) {
+	t.Parallel()
+	held := filepath.Join(t.TempDir(), "certs")
+	if err := os.Mkdir(held, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	unlock, err := fsutil.TryLockPID(filepath.Join(held, secretmanager.OutputLockFile)) // as a running agent holds it
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(unlock)
+	for _, tc := range []struct {
+		name string
+		dir  string
+		says []string
+	}{
+		{"open to others", openDir(t), []string{"mode 0777", "another user could have put their own keys there"}},
+		{"held by another agent", held, []string{"pid " + strconv.Itoa(os.Getpid()), "give each agent its own --output-certs"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			root := newRootCommand(runCA, startAndStop, func(string) (string, bool) { return "", false })
+			var stderr bytes.Buffer
+			root.SetOut(new(bytes.Buffer))
+			root.SetErr(&stderr)
+			root.SetArgs([]string{"agent", "--root-dir", testutil.ShortTempDir(t), "--output-certs", tc.dir,
+				"--status-addr", "127.0.0.1:0", "--debug-addr", ""})
+			code := cli.Main(root)
+			if code != cli.ExitUsage {
+				t.Fatalf("exit code %d, want %d; stderr:\n%s", code, cli.ExitUsage, stderr.String())
+			}
+			for _, want := range append(tc.says, tc.dir) {
+				if !strings.Contains(stderr.String(), want) {
+					t.Errorf("stderr does not say %q:\n%s", want, stderr.String())
+				}
+			}
+		})
 	}
 }

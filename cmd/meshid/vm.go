@@ -8,6 +8,8 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/spf13/cobra"
 
@@ -96,6 +98,19 @@ with the one it wrote to OUTPUT_CERTS, as long as that one has not expired.`,
 					errs = append(errs, fmt.Errorf("%s %q must be an absolute path on the VM", flag, p))
 				}
 			}
+			// Every value below goes into agent.env or names a file: a newline would add a line of
+			// its own to agent.env (CA_ADDR=, say), a NUL would cut a path short.
+			for _, v := range []struct{ flag, value string }{
+				{"--namespace", b.token.Namespace}, {"--service-account", b.token.ServiceAccount},
+				{"--ca-addr", b.caAddress}, {"--trust-domain", b.trustDomain},
+				{"--install-dir", b.installDir}, {"--output-certs", b.outputCerts}, {"--out", b.out},
+				{"--state-dir", stateDir}, {"--key", keyPath}, {"--root-cert", b.rootCert},
+			} {
+				if i := strings.IndexFunc(v.value, isControl); i >= 0 {
+					r, _ := utf8.DecodeRuneInString(v.value[i:])
+					errs = append(errs, fmt.Errorf("%s %q holds a control character (%U at byte %d): give the value without it", v.flag, v.value, r, i))
+				}
+			}
 			if strings.ContainsAny(b.token.Namespace+b.token.ServiceAccount+b.caAddress+b.trustDomain, "\n\"'$` ") {
 				errs = append(errs, errors.New("--namespace, --service-account, --ca-addr and --trust-domain must not hold spaces, quotes or $"))
 			}
@@ -134,6 +149,12 @@ with the one it wrote to OUTPUT_CERTS, as long as that one has not expired.`,
 	f.StringVar(&b.installDir, "install-dir", b.installDir, "where the bundle will live on the VM (the paths in agent.env)")
 	f.StringVar(&b.outputCerts, "output-certs", b.outputCerts, "OUTPUT_CERTS on the VM: where the agent keeps its key pair across restarts")
 	return cmd
+}
+
+// isControl reports a control character (newline, carriage return, NUL, DEL, C1, ...) or a
+// Unicode line or paragraph separator: nothing a value of agent.env or a file name needs.
+func isControl(r rune) bool {
+	return unicode.IsControl(r) || unicode.In(r, unicode.Zl, unicode.Zp)
 }
 
 // write mints the token and writes the bundle; an existing bundle's files are replaced.

@@ -34,6 +34,11 @@ type StoredSecret struct {
 // the controller did not make: it is left alone.
 var ErrForeignSecret = errors.New("a secret of that name exists that this controller did not make")
 
+// ErrSecretRefused is returned by a SecretStore that will not hold a secret as things stand: its
+// directory is reached through a link, or its name is too long for the store. The controller
+// logs it once, counts it and does not retry it before the next resync.
+var ErrSecretRefused = errors.New("refused by the secret store")
+
 // SecretStore keeps service-account secrets: directories on disk (FileSecrets) or Secrets of type
 // istio.io/key-and-cert in the Kubernetes API.
 type SecretStore interface {
@@ -50,7 +55,9 @@ type SecretStore interface {
 
 // FileSecrets keeps secrets in directories <dir>/<namespace>/istio.<sa>, laid out as the kubelet
 // mounts a secret ("..data"), so that an agent can use one as --credentials-dir. A directory is
-// ours when it holds SecretMarkerFile.
+// ours when it holds SecretMarkerFile. Nothing in the tree is followed through a link: dir, a
+// namespace directory or a secret directory that is a link, or that another user owns or can
+// write in, is refused (ErrSecretRefused), never read, replaced nor removed.
 type FileSecrets struct{ dir string }
 
 // NewFileSecrets returns the secrets kept under dir.
@@ -61,8 +68,26 @@ func (f *FileSecrets) Where(k SecretKey) string {
 	return filepath.Join(f.dir, k.Namespace, SecretPrefix+k.ServiceAccount)
 }
 
-// Keys lists the entries named istio.<sa> under the namespace directories.
+// refused reports what the store will not use, as ErrSecretRefused.
+func refused(err error) error { return fmt.Errorf("%w: %w", ErrSecretRefused, err) }
+
+// checkTree refuses the secret's namespace directory, or the tree's top, when it is a link or not
+// ours alone; a missing one passes.
+func (f *FileSecrets) checkTree(k SecretKey) error {
+	for _, dir := range []string{f.dir, filepath.Join(f.dir, k.Namespace)} {
+		if err := fsutil.CheckOwnedSubdir(dir); err != nil {
+			return refused(err)
+		}
+	}
+	return nil
+}
+
+// Keys lists the entries named istio.<sa> under the namespace directories; a namespace directory
+// that is a link is not looked into.
 func (f *FileSecrets) Keys(_ context.Context, namespace string) ([]SecretKey, error) {
+	if err := fsutil.CheckOwnedSubdir(f.dir); err != nil {
+		return nil, refused(err)
+	}
 	namespaces := []string{namespace}
 	if namespace == "" {
 		entries, err := os.ReadDir(f.dir)
@@ -74,13 +99,16 @@ func (f *FileSecrets) Keys(_ context.Context, namespace string) ([]SecretKey, er
 		}
 		namespaces = namespaces[:0]
 		for _, e := range entries {
-			if e.IsDir() {
+			if e.IsDir() { // the entry's own type: a link is not a directory
 				namespaces = append(namespaces, e.Name())
 			}
 		}
 	}
 	var keys []SecretKey
 	for _, ns := range namespaces {
+		if info, err := os.Lstat(filepath.Join(f.dir, ns)); err != nil || !info.IsDir() {
+			continue
+		}
 		entries, err := os.ReadDir(filepath.Join(f.dir, ns))
 		if err != nil {
 			continue
@@ -96,6 +124,9 @@ func (f *FileSecrets) Keys(_ context.Context, namespace string) ([]SecretKey, er
 
 // Read reads one of our directories' files; a key file readable by others is a problem.
 func (f *FileSecrets) Read(_ context.Context, k SecretKey) (StoredSecret, error) {
+	if err := f.checkTree(k); err != nil {
+		return StoredSecret{}, err
+	}
 	dir := f.Where(k)
 	ours, exists, err := owned(dir)
 	if err != nil || !exists || !ours {
@@ -123,6 +154,9 @@ func (f *FileSecrets) Read(_ context.Context, k SecretKey) (StoredSecret, error)
 
 // Write writes the files as a new generation, marking the directory ours first.
 func (f *FileSecrets) Write(_ context.Context, k SecretKey, data map[string][]byte, identity string) error {
+	if err := f.checkTree(k); err != nil {
+		return err
+	}
 	dir := f.Where(k)
 	ours, exists, err := owned(dir)
 	if err != nil {
@@ -131,9 +165,10 @@ func (f *FileSecrets) Write(_ context.Context, k SecretKey, data map[string][]by
 	if exists && !ours {
 		return fmt.Errorf("%s: %w", dir, ErrForeignSecret)
 	}
+	// Each made private, or found ours alone and no link, before anything goes into it.
 	for _, d := range []string{f.dir, filepath.Dir(dir), dir} {
-		if err := fsutil.EnsureDir(d, fsutil.PrivateDirMode); err != nil {
-			return err
+		if err := fsutil.EnsureOwnedSubdir(d, fsutil.PrivateDirMode); err != nil {
+			return refused(err)
 		}
 	}
 	// The marker first: a write interrupted after it leaves a directory we still own.
@@ -157,7 +192,13 @@ func (f *FileSecrets) Write(_ context.Context, k SecretKey, data map[string][]by
 
 // Delete removes the directory, and the namespace's directory with its last secret.
 func (f *FileSecrets) Delete(_ context.Context, k SecretKey) error {
+	if err := f.checkTree(k); err != nil {
+		return err
+	}
 	dir := f.Where(k)
+	if err := fsutil.CheckOwnedSubdir(dir); err != nil {
+		return refused(err)
+	}
 	if err := os.RemoveAll(dir); err != nil {
 		return fmt.Errorf("remove %s: %w", dir, err)
 	}
@@ -166,7 +207,8 @@ func (f *FileSecrets) Delete(_ context.Context, k SecretKey) error {
 	return nil
 }
 
-// owned reports whether dir exists and whether it is ours (it holds our marker).
+// owned reports whether dir exists and whether it is ours (it holds our marker). A link, or a
+// directory that another user owns or can write in, is refused.
 func owned(dir string) (ours, exists bool, err error) {
 	info, err := os.Lstat(dir)
 	switch {
@@ -174,8 +216,13 @@ func owned(dir string) (ours, exists bool, err error) {
 		return false, false, nil
 	case err != nil:
 		return false, false, err
+	case info.Mode()&os.ModeSymlink != 0:
+		return false, true, refused(fsutil.CheckOwnedSubdir(dir))
 	case !info.IsDir():
 		return false, true, nil
+	}
+	if err := fsutil.CheckOwnedSubdir(dir); err != nil {
+		return false, true, refused(err)
 	}
 	marker, err := os.Lstat(filepath.Join(dir, SecretMarkerFile))
 	switch {

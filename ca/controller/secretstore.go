@@ -2,6 +2,8 @@ package controller
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"os"
@@ -11,6 +13,7 @@ import (
 
 	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/istio"
+	"github.com/meshid/meshid/internal/pki"
 )
 
 // SecretKey names one service-account secret: istio.<ServiceAccount> in Namespace.
@@ -65,8 +68,71 @@ func NewFileSecrets(dir string) *FileSecrets { return &FileSecrets{dir: dir} }
 
 // Where returns the secret's directory.
 func (f *FileSecrets) Where(k SecretKey) string {
-	return filepath.Join(f.dir, k.Namespace, SecretPrefix+k.ServiceAccount)
+	return filepath.Join(f.dir, k.Namespace, SecretDirName(k.ServiceAccount))
 }
+
+// Long service-account names in the file store.
+const (
+	// maxFileName is the longest file name Linux file systems take (NAME_MAX), in bytes.
+	maxFileName = 255
+	// shortSeparator joins a shortened name's prefix and hash: no service-account name holds it,
+	// so a shortened name is never another account's own.
+	shortSeparator = "_"
+	// shortHashDigits is how many hex digits of the name's SHA-256 end a shortened name.
+	shortHashDigits = 16
+)
+
+// SecretDirName is the directory of a service account's secret in the file store: istio.<sa>, or,
+// when that is longer than a file name may be (a service-account name may have 253 bytes),
+// istio.<the first 232 bytes of sa>_<the first 16 hex digits of the SHA-256 of sa>, 255 bytes.
+// The same name always gives the same directory, and its marker names the service account.
+func SecretDirName(sa string) string {
+	name := SecretPrefix + sa
+	if len(name) <= maxFileName {
+		return name
+	}
+	sum := sha256.Sum256([]byte(sa))
+	suffix := shortSeparator + hex.EncodeToString(sum[:])[:shortHashDigits]
+	return name[:maxFileName-len(suffix)] + suffix
+}
+
+// isShortened reports whether name is a shortened SecretDirName.
+func isShortened(name string) bool {
+	if len(name) != maxFileName || !strings.HasPrefix(name, SecretPrefix) {
+		return false
+	}
+	sep := maxFileName - shortHashDigits - len(shortSeparator)
+	if name[sep:sep+len(shortSeparator)] != shortSeparator {
+		return false
+	}
+	_, err := hex.DecodeString(name[sep+len(shortSeparator):])
+	return err == nil
+}
+
+// markedServiceAccount reads the service account the marker in dir names, as Write put it there.
+func markedServiceAccount(dir string) (SecretKey, bool) {
+	path := filepath.Join(dir, SecretMarkerFile)
+	if info, err := os.Lstat(path); err != nil || !info.Mode().IsRegular() || info.Size() > 4096 {
+		return SecretKey{}, false
+	}
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return SecretKey{}, false
+	}
+	for line := range strings.Lines(string(data)) {
+		if v, ok := strings.CutPrefix(strings.TrimSpace(line), markerIdentity); ok {
+			id, err := pki.ParseSPIFFEID(v)
+			if err != nil {
+				return SecretKey{}, false
+			}
+			return SecretKey{Namespace: id.Namespace, ServiceAccount: id.ServiceAccount}, true
+		}
+	}
+	return SecretKey{}, false
+}
+
+// markerIdentity starts the marker's line that names the secret's identity.
+const markerIdentity = "identity: "
 
 // refused reports what the store will not use, as ErrSecretRefused.
 func refused(err error) error { return fmt.Errorf("%w: %w", ErrSecretRefused, err) }
@@ -114,9 +180,19 @@ func (f *FileSecrets) Keys(_ context.Context, namespace string) ([]SecretKey, er
 			continue
 		}
 		for _, e := range entries {
-			if sa, ok := strings.CutPrefix(e.Name(), SecretPrefix); ok && sa != "" {
-				keys = append(keys, SecretKey{ns, sa})
+			sa, ok := strings.CutPrefix(e.Name(), SecretPrefix)
+			if !ok || sa == "" {
+				continue
 			}
+			// A shortened name is a long one's, which its marker names. One whose marker does not
+			// (not ours) is listed as it is: no account has that name, and it is left alone.
+			if isShortened(e.Name()) {
+				if marked, ok := markedServiceAccount(filepath.Join(f.dir, ns, e.Name())); ok && marked.Namespace == ns &&
+					SecretDirName(marked.ServiceAccount) == e.Name() {
+					sa = marked.ServiceAccount
+				}
+			}
+			keys = append(keys, SecretKey{ns, sa})
 		}
 	}
 	return keys, nil
@@ -131,6 +207,12 @@ func (f *FileSecrets) Read(_ context.Context, k SecretKey) (StoredSecret, error)
 	ours, exists, err := owned(dir)
 	if err != nil || !exists || !ours {
 		return StoredSecret{Exists: exists}, err
+	}
+	if isShortened(filepath.Base(dir)) {
+		// Ours only when the marker names this account: the name alone does not.
+		if marked, ok := markedServiceAccount(dir); !ok || marked != k {
+			return StoredSecret{Exists: true}, nil
+		}
 	}
 	// Generations a write interrupted by a crash left behind; the next write would remove them,
 	// but a secret that stays valid is not written again.
@@ -174,7 +256,7 @@ func (f *FileSecrets) Write(_ context.Context, k SecretKey, data map[string][]by
 	// The marker first: a write interrupted after it leaves a directory we still own.
 	marker := filepath.Join(dir, SecretMarkerFile)
 	if _, err := os.Lstat(marker); err != nil {
-		if err := fsutil.WriteFileAtomic(marker, []byte("type: "+SecretType+"\nidentity: "+identity+"\n"), fsutil.PublicFileMode); err != nil {
+		if err := fsutil.WriteFileAtomic(marker, []byte("type: "+SecretType+"\n"+markerIdentity+identity+"\n"), fsutil.PublicFileMode); err != nil {
 			return err
 		}
 	}

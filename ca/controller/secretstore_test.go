@@ -129,6 +129,9 @@ func TestSecretsNeverFollowALinkInTheSecretsTree(t *testing.T) {
 			if n := log.count("refused", link); n != 1 {
 				t.Errorf("%d log lines about the refusal of %s, want 1", n, link)
 			}
+			if n := log.count("cannot reconcile"); n != 0 {
+				t.Errorf("%d failed reconciles logged, want none: a refusal is not retried", n)
+			}
 			if n := counterValue(t, reg, "meshid_ca_secret_reconcile_errors_total"); n != 1 {
 				t.Errorf("%v refusals counted, want 1", n)
 			}
@@ -158,4 +161,79 @@ func counterValue(t *testing.T, reg *prometheus.Registry, name string) float64 {
 	}
 	t.Fatalf("no counter %s", name)
 	return 0
+}
+
+// longName is a valid service-account name of the longest length Kubernetes takes: 253 bytes,
+// so that istio.<sa> would be longer than a file name may be (255 bytes).
+func longName() string {
+	label := strings.Repeat("a", 63)
+	return label + "." + label + "." + label + "." + strings.Repeat("b", 61)
+}
+
+// A service account with a valid 253-byte name gets its secret under a shortened directory name
+// that fits a file name: stable, told apart from every other name, and recognized as that
+// service account's (by its marker) after a restart and when the account goes.
+func TestSecretsForALongServiceAccountName(t *testing.T) {
+	t.Parallel()
+	long := longName()
+	other := long[:len(long)-1] + "c" // the same length, the same first 252 bytes
+	log := &lineLog{t: t}
+	h := newSecretsHarness(t, func(c *controller.SecretsConfig) { c.Logger = slog.New(slog.NewTextHandler(log, nil)) })
+	h.store.update(func() { h.store.accounts["prod"] = []string{"web", long, other} })
+	h.run()
+	h.await("prod", long, controller.SecretCreated)
+	h.await("prod", other, controller.SecretCreated)
+	h.await("prod", "web", controller.SecretCreated)
+
+	entries, err := os.ReadDir(filepath.Join(h.dir, "prod"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	dirs := map[string]string{} // service account → directory
+	for _, e := range entries {
+		if e.Name() == "istio.web" {
+			continue
+		}
+		if len(e.Name()) > 255 || !strings.HasPrefix(e.Name(), "istio.") {
+			t.Errorf("secret directory %q (%d bytes): want istio.… of at most 255 bytes", e.Name(), len(e.Name()))
+		}
+		marker, err := os.ReadFile(filepath.Join(h.dir, "prod", e.Name(), controller.SecretMarkerFile))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, sa := range []string{long, other} {
+			if strings.Contains(string(marker), "/sa/"+sa+"\n") {
+				dirs[sa] = filepath.Join(h.dir, "prod", e.Name())
+			}
+		}
+	}
+	if len(dirs) != 2 || dirs[long] == dirs[other] {
+		t.Fatalf("directories %v, want one for each long name, told apart", dirs)
+	}
+	for sa, dir := range dirs {
+		h.leafIn(dir, "prod", sa)
+	}
+
+	// A resync, and a second controller on the same directory (a restart): recognized, kept.
+	h.advance(controller.DefaultResyncInterval)
+	h.await("prod", long, controller.SecretUnchanged)
+	again := newSecretsHarness(t, func(c *controller.SecretsConfig) {
+		c.Secrets, c.Signer, c.Clock = controller.NewFileSecrets(h.dir), h.auth, h.clock
+	})
+	again.store.update(func() { again.store.accounts["prod"] = []string{"web", long, other} })
+	again.run()
+	again.await("prod", long, controller.SecretUnchanged)
+	again.await("prod", other, controller.SecretUnchanged)
+
+	// The account goes: its secret is found by its marker and removed, the other one kept.
+	h.store.update(func() { h.store.accounts["prod"] = []string{"web", other} })
+	h.await("prod", long, controller.SecretDeleted)
+	assertGone(t, dirs[long])
+	h.leafIn(dirs[other], "prod", other)
+	if n := log.count("level=WARN"); n != 0 {
+		t.Errorf("%d warnings, want none", n)
+	}
+	if n := log.count("level=ERROR"); n != 0 {
+		t.Errorf("%d errors, want none", n)
+	}
 }

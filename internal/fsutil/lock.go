@@ -43,8 +43,15 @@ func TryLockPID(path string) (unlock func(), err error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := f.Truncate(0); err == nil {
-		_, err = f.WriteAt([]byte(strconv.Itoa(os.Getpid())+"\n"), 0)
+	// Through a descriptor of its own, closed at once: the lock's is read-only, so that holding
+	// it never keeps the file system from being remounted read-only. A flock lock belongs to its
+	// open file, and closing another one does not release it.
+	w, err := os.OpenFile(path, os.O_WRONLY|os.O_TRUNC|syscall.O_NOFOLLOW, 0)
+	if err == nil {
+		_, err = w.Write([]byte(strconv.Itoa(os.Getpid()) + "\n"))
+		if closeErr := w.Close(); err == nil {
+			err = closeErr
+		}
 	}
 	if err != nil {
 		release(f)()
@@ -73,9 +80,10 @@ func LockHolder(path string) (int, bool) {
 }
 
 // flock opens path, never through a symbolic link (the lock would land on another file), and
-// locks it.
+// locks it. The file is open for reading only: a file open for writing would keep its file
+// system from being remounted read-only for as long as the lock is held.
 func flock(path string, how int) (*os.File, error) {
-	f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR|syscall.O_NOFOLLOW, PrivateFileMode)
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_RDONLY|syscall.O_NOFOLLOW, PrivateFileMode)
 	if err != nil {
 		return nil, fmt.Errorf("open lock file %s: %w", path, err)
 	}

@@ -283,7 +283,7 @@ func (a *Agent) embed(caCfg *caclient.Config, cfg Config, id pki.SPIFFEID, clk c
 		if pid, ok := fsutil.LockHolder(lock); ok {
 			holder += " (pid " + strconv.Itoa(pid) + ")"
 		}
-		return fmt.Errorf("%s runs the embedded CA in %s: give each agent its own --root-dir: %w", holder, stateDir, err)
+		return fmt.Errorf("%s runs the embedded CA in %s (%w): give each agent its own --root-dir", holder, stateDir, fsutil.ErrLocked)
 	}
 	if err != nil {
 		return err

@@ -104,7 +104,7 @@ func TestSecondAgentOnOutputCertsIsRefused(t *testing.T) {
 	if !errors.Is(err, fsutil.ErrLocked) {
 		t.Fatalf("second agent on %s: %v, want ErrLocked", cfg.OutputCerts, err)
 	}
-	for _, want := range []string{cfg.OutputCerts, "pid " + strconv.Itoa(os.Getpid()), "--output-certs"} {
+	for _, want := range []string{"OUTPUT_CERTS " + cfg.OutputCerts + " is held by another process, the agent with pid " + strconv.Itoa(os.Getpid()), "--output-certs"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("%q does not say %q", err, want)
 		}

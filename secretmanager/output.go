@@ -102,7 +102,7 @@ func (c *OutputClaim) take() error {
 		if pid, ok := fsutil.LockHolder(path); ok {
 			holder = "the agent with pid " + strconv.Itoa(pid)
 		}
-		return fmt.Errorf("OUTPUT_CERTS %s is %w, %s: give each agent its own --output-certs (OUTPUT_CERTS)", c.dir, err, holder)
+		return fmt.Errorf("OUTPUT_CERTS %s is %w, %s: give each agent its own --output-certs (OUTPUT_CERTS)", c.dir, fsutil.ErrLocked, holder)
 	}
 	if err != nil {
 		return fmt.Errorf("OUTPUT_CERTS: %w", err)

@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"time"
 
@@ -56,7 +57,7 @@ type Agent struct {
 	source     Source
 	socketPath string
 	embedded   ControlPlane           // embedded mode
-	unlock     func()                 // releases the embedded state dir
+	unlocks    []func()               // release the embedded state dir and OUTPUT_CERTS
 	ca         *caclient.Client       // CA modes
 	secrets    *secretmanager.Manager // nil with an external SDS server
 	sds        *sds.Server            // nil with an external SDS server
@@ -284,9 +285,20 @@ func credentialFiles(dir string) (present, missing []string) {
 }
 
 func (a *Agent) newSecretManager(cfg Config, clk clock.Clock, log *slog.Logger, registry *prometheus.Registry) (*secretmanager.Manager, error) {
+	output := secretmanager.Output{Dir: cfg.OutputCerts, GroupRead: cfg.OutputGroupRead, KeyGroupRead: cfg.OutputKeyGroupRead}
+	if output.Dir != "" {
+		// Held for the agent's life, before anything reads the directory: a second agent on it
+		// would overwrite this one's key pair.
+		claim, err := secretmanager.ClaimOutput(output)
+		if err != nil {
+			return nil, err
+		}
+		a.unlocks = append(a.unlocks, claim.Release)
+		output.Claim = claim
+	}
 	smCfg := secretmanager.Config{
 		FileResourceDirs: cfg.fileResourceDirs(),
-		Output:           secretmanager.Output{Dir: cfg.OutputCerts, GroupRead: cfg.OutputGroupRead, KeyGroupRead: cfg.OutputKeyGroupRead},
+		Output:           output,
 		Clock:            clk,
 		Logger:           log.With(logkey.Component, "secretmanager"),
 		Registerer:       registry,
@@ -365,17 +377,24 @@ func (a *Agent) embed(caCfg *caclient.Config, cfg Config, id pki.SPIFFEID, clk c
 	if err := fsutil.CheckSocketPath(socket); err != nil {
 		return fmt.Errorf("the embedded CA's socket under --root-dir: %w", err)
 	}
-	if err := fsutil.EnsureDir(stateDir, fsutil.PrivateDirMode); err != nil {
-		return err
+	// Made private, or found ours alone, before the lock goes in: another user who could write
+	// in it could have put their own CA key and token key there.
+	if err := fsutil.EnsureOwnedDir(stateDir, fsutil.PrivateDirMode); err != nil {
+		return fmt.Errorf("the embedded CA's state dir: %w", err)
 	}
-	unlock, err := fsutil.TryLock(filepath.Join(stateDir, embeddedLock))
+	lock := filepath.Join(stateDir, embeddedLock)
+	unlock, err := fsutil.TryLockPID(lock)
 	if errors.Is(err, fsutil.ErrLocked) {
-		return fmt.Errorf("another agent runs the embedded CA in %s: give each agent its own --root-dir", stateDir)
+		holder := "another agent"
+		if pid, ok := fsutil.LockHolder(lock); ok {
+			holder += " (pid " + strconv.Itoa(pid) + ")"
+		}
+		return fmt.Errorf("%s runs the embedded CA in %s (%w): give each agent its own --root-dir", holder, stateDir, fsutil.ErrLocked)
 	}
 	if err != nil {
 		return err
 	}
-	a.unlock = unlock
+	a.unlocks = append(a.unlocks, unlock)
 	e, err := cfg.Embed(EmbedConfig{
 		StateDir:    stateDir,
 		SocketPath:  socket,
@@ -567,9 +586,10 @@ func (a *Agent) release() {
 	if a.xdsConn != nil {
 		_ = a.xdsConn.Close()
 	}
-	if a.unlock != nil {
-		a.unlock()
+	for i := len(a.unlocks) - 1; i >= 0; i-- {
+		a.unlocks[i]()
 	}
+	a.unlocks = nil
 }
 
 // close releases what build opened, for an agent that will not Run.

@@ -7,11 +7,13 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/meshid/meshid/agent"
+	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
 	"github.com/meshid/meshid/sds/sdstest"
@@ -361,6 +363,8 @@ func TestSecondAgentOnOneRootDirIsRefused(t *testing.T) {
 	second.StatusAddr, second.DebugAddr = "127.0.0.1:0", ""
 	if _, err := agent.New(second); err == nil || !strings.Contains(err.Error(), "another agent") || !strings.Contains(err.Error(), "--root-dir") {
 		t.Fatalf("second agent on the same root dir: %v, want a refusal naming --root-dir", err)
+	} else if !errors.Is(err, fsutil.ErrLocked) || !strings.Contains(err.Error(), "pid "+strconv.Itoa(os.Getpid())) {
+		t.Errorf("second agent on the same root dir: %v, want ErrLocked (exit 2) naming the first agent's pid", err)
 	}
 	rotate(t, clk, first)
 	if renewed := receive(t, certs, "renewal after the refusal"); renewed.Version == serial0 {

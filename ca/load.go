@@ -205,7 +205,7 @@ func readSelfSigned(stateDir string) (*x509.Certificate, crypto.Signer, error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	keyPEM, keyOK, err := fsutil.ReadOptional(filepath.Join(stateDir, CAKeyFile))
+	keyPEM, keyOK, err := readStateKey(stateDir)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -226,6 +226,16 @@ func readSelfSigned(stateDir string) (*x509.Certificate, crypto.Signer, error) {
 		return nil, nil, fmt.Errorf("self-signed CA in %s: %s: %w", stateDir, CAKeyFile, err)
 	}
 	return certs[0], key, nil
+}
+
+// readStateKey reads the self-signed CA's key in stateDir, if there is one, and only when it is
+// ours alone (fsutil.CheckKeyFile): another user could have put their own there.
+func readStateKey(stateDir string) ([]byte, bool, error) {
+	path := filepath.Join(stateDir, CAKeyFile)
+	if err := fsutil.CheckKeyFile(path); err != nil {
+		return nil, false, err
+	}
+	return fsutil.ReadOptional(path)
 }
 
 // persistKey atomically writes the self-signed CA's key (0600).
@@ -287,7 +297,7 @@ func completeInterruptedPair(cfg StartupConfig) error {
 	if err != nil || certOK {
 		return err // a complete pair: the pending root is a leftover, replaced at the next write
 	}
-	keyPEM, keyOK, err := fsutil.ReadOptional(filepath.Join(dir, CAKeyFile))
+	keyPEM, keyOK, err := readStateKey(dir)
 	if err != nil || !keyOK {
 		return err // killed before the key: nothing of ours to keep
 	}
@@ -319,13 +329,14 @@ func GenerateSelfSignedRoot(cfg SelfSignedConfig, now time.Time) (*x509.Certific
 }
 
 // CreateSelfSigned generates a root key and certificate and persists them in stateDir as one
-// unit (see persistPair).
+// unit (see persistPair); stateDir is made private when missing, and refused when it is not ours
+// alone (fsutil.EnsureOwnedDir).
 func CreateSelfSigned(stateDir string, cfg SelfSignedConfig, now time.Time) (*Bundle, error) {
 	root, key, err := GenerateSelfSignedRoot(cfg, now)
 	if err != nil {
 		return nil, err
 	}
-	if err := fsutil.EnsureDir(stateDir, fsutil.PrivateDirMode); err != nil {
+	if err := fsutil.EnsureOwnedDir(stateDir, fsutil.PrivateDirMode); err != nil {
 		return nil, err
 	}
 	if err := persistPair(stateDir, key, root); err != nil {
@@ -377,14 +388,16 @@ const lockFile = ".lock"
 // the place of those steps. Roots that the previous
 // root-cert.pem trusted and that are still within their overlap stay trusted, as retained roots
 // (see retainPrevious). It then writes the record of replaced roots and the trust bundle to
-// StateDir/root-cert.pem for clients. Replicas sharing StateDir take turns.
+// StateDir/root-cert.pem for clients. Replicas sharing StateDir take turns. A StateDir that
+// another user owns or can write in, or a CA key in it that is not ours alone, is refused
+// (fsutil.ErrNotOwned) before anything is read from it or written to it.
 func LoadOrCreate(cfg StartupConfig) (*Bundle, Origin, error) {
 	if cfg.CACertsDir != "" {
 		if err := CheckCACertsDir(cfg.CACertsDir); err != nil {
 			return nil, "", err
 		}
 	}
-	if err := fsutil.EnsureDir(cfg.StateDir, fsutil.PrivateDirMode); err != nil {
+	if err := fsutil.EnsureOwnedDir(cfg.StateDir, fsutil.PrivateDirMode); err != nil {
 		return nil, "", err
 	}
 	unlock, err := fsutil.Lock(filepath.Join(cfg.StateDir, lockFile))

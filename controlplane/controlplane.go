@@ -66,6 +66,11 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 	if err := cfg.checkGivenPaths(); err != nil {
 		return nil, err
 	}
+	// Before anything is read from the state dir or written to it, the embedded CA's socket
+	// included: keys another user could have put there are never used.
+	if err := CheckStateDir(cfg.StateDir); err != nil {
+		return nil, fmt.Errorf("the CA's state dir: %w", err)
+	}
 	log := cfg.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
@@ -515,6 +520,23 @@ func (c *ControlPlane) monitoringHandler(registry *prometheus.Registry) http.Han
 		_, _ = fmt.Fprintln(w, "ready")
 	})
 	return mux
+}
+
+// CheckStateDir refuses (fsutil.ErrNotOwned) a state dir that is not ours alone: one that
+// another user owns or can write in, a CA key or token key in it that is a link, another user's
+// or open to others, or a secrets tree reached through a link. Whoever could write there could
+// have put their own keys there, and the CA would sign what they ask. A missing state dir
+// passes: the CA makes it private, and checks it again once made.
+func CheckStateDir(stateDir string) error {
+	if err := fsutil.CheckOwnedDir(stateDir); err != nil {
+		return err
+	}
+	for _, name := range []string{ca.CAKeyFile, ca.TokenKeyFile} {
+		if err := fsutil.CheckKeyFile(filepath.Join(stateDir, name)); err != nil {
+			return err
+		}
+	}
+	return fsutil.CheckOwnedSubdir(SecretsDir(stateDir))
 }
 
 // TokenKeyPath is where the control plane whose state dir is stateDir keeps its local token

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"path/filepath"
+	"strconv"
 	"sync"
 	"time"
 
@@ -39,6 +41,92 @@ type Output struct {
 	GroupRead, KeyGroupRead bool
 	// RetryInitial and RetryMax bound the backoff between failed writes.
 	RetryInitial, RetryMax time.Duration
+	// Claim, when set, is the agent's hold on Dir (ClaimOutput): the key pair left there is read
+	// only once it is held, and a write takes it first when the directory could not be made at
+	// start.
+	Claim *OutputClaim
+}
+
+// OutputLockFile is the lock an agent holds in OUTPUT_CERTS for its life, holding its pid. It is
+// a dot-file, which readers of the ..data layout never look at, and no generation or temporary
+// file name: nothing that sweeps the directory removes it.
+const OutputLockFile = ".meshid-agent.lock"
+
+// OutputClaim is an agent's hold on OUTPUT_CERTS: the directory found ours alone, and a lock in it
+// that keeps a second agent out while the first runs. Two agents on one directory would overwrite
+// each other's key pair.
+type OutputClaim struct {
+	dir  string
+	mode os.FileMode
+
+	mu       sync.Mutex
+	unlock   func() // set once held
+	released bool
+}
+
+// ClaimOutput makes OUTPUT_CERTS private when it is missing, checks it and locks it. It is
+// refused (fsutil.ErrNotOwned) when another user owns the directory or can write in it, or when
+// the key a restart would serve from it is a link out, another user's or open to others: they
+// could have put their own key pair there. It is refused (fsutil.ErrLocked) while another agent
+// holds the directory, naming that agent's pid. A directory that cannot be made yet (a read-only
+// disk, a missing mount) is claimed by the first write that can make it; until then writes fail,
+// and the agent is not ready. Call Release when the agent stops.
+func ClaimOutput(o Output) (*OutputClaim, error) {
+	c := &OutputClaim{dir: o.Dir, mode: o.modes().dir}
+	if err := c.take(); errors.Is(err, fsutil.ErrNotOwned) || errors.Is(err, fsutil.ErrLocked) {
+		return nil, err
+	}
+	return c, nil
+}
+
+// take checks the directory and locks it, once.
+func (c *OutputClaim) take() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	switch {
+	case c.released:
+		return errors.New("OUTPUT_CERTS " + c.dir + " was released: the agent is stopping")
+	case c.unlock != nil:
+		return nil
+	}
+	if err := fsutil.EnsureOwnedDir(c.dir, c.mode); err != nil {
+		return fmt.Errorf("OUTPUT_CERTS: %w", err)
+	}
+	if err := fsutil.CheckDataKeyFile(c.dir, KeyFile); err != nil {
+		return fmt.Errorf("OUTPUT_CERTS: %w", err)
+	}
+	path := filepath.Join(c.dir, OutputLockFile)
+	unlock, err := fsutil.TryLockPID(path)
+	if errors.Is(err, fsutil.ErrLocked) {
+		holder := "another agent"
+		if pid, ok := fsutil.LockHolder(path); ok {
+			holder = "the agent with pid " + strconv.Itoa(pid)
+		}
+		return fmt.Errorf("OUTPUT_CERTS %s is %w, %s: give each agent its own --output-certs (OUTPUT_CERTS)", c.dir, fsutil.ErrLocked, holder)
+	}
+	if err != nil {
+		return fmt.Errorf("OUTPUT_CERTS: %w", err)
+	}
+	c.unlock = unlock
+	return nil
+}
+
+// held reports whether the directory is checked and locked.
+func (c *OutputClaim) held() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.unlock != nil
+}
+
+// Release lets another agent have the directory; nothing is written to it after.
+func (c *OutputClaim) Release() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.unlock != nil {
+		c.unlock()
+		c.unlock = nil
+	}
+	c.released = true
 }
 
 // outputModes are the modes of what writeOutput creates.
@@ -178,8 +266,11 @@ func (w *outputWriter) run(ctx context.Context) error {
 			rootsPEM = roots.Bundle.PEM
 		}
 		files := outputFiles(w.modes, pair.KeyPair.KeyPEM, pair.KeyPair.ChainPEM, rootsPEM)
-		err := error(nil)
-		if !onDisk(w.cfg.Dir, files) {
+		var err error
+		if w.cfg.Claim != nil {
+			err = w.cfg.Claim.take() // at once when it was taken at start
+		}
+		if err == nil && !onDisk(w.cfg.Dir, files) {
 			err = writeOutput(w.cfg.Dir, w.modes.dir, files)
 		}
 		if err != nil {

@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/testutil"
 )
 
@@ -405,4 +406,62 @@ func TestRestartRemovesUnfinishedGenerations(t *testing.T) {
 	if got := generations(t, dir); len(got) != 1 {
 		t.Errorf("generations %v, want the one in service", got)
 	}
+}
+
+// The claim on OUTPUT_CERTS: a directory that cannot be made at start is claimed by the first
+// write that can make it; the lock then keeps other agents out, and outlives every write and
+// every sweep of the directory.
+func TestOutputClaim(t *testing.T) {
+	t.Parallel()
+	blocker := filepath.Join(t.TempDir(), "not-a-dir")
+	if err := os.WriteFile(blocker, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	dir := filepath.Join(blocker, "out")
+	claim, err := ClaimOutput(Output{Dir: dir})
+	if err != nil {
+		t.Fatalf("a directory that cannot be made yet: %v", err)
+	}
+	t.Cleanup(claim.Release)
+	if claim.held() {
+		t.Fatal("held a directory that cannot be made")
+	}
+	if err := os.Remove(blocker); err != nil {
+		t.Fatal(err)
+	}
+	e := newEnv(t)
+	e.cfg.Output.Dir, e.cfg.Output.Claim = dir, claim
+	r := e.start()
+	s := r.next(t)
+	e.awaitOutput(s.Version)
+	if !claim.held() {
+		t.Fatal("written without the claim")
+	}
+	if ev := e.attempt(s.RenewAt); ev.Kind != EventIssued {
+		t.Fatalf("renewal: %+v", ev)
+	}
+	e.awaitOutput(r.next(t).Version) // a second generation: the first is pruned
+	if _, err := fsutil.RemoveTempFiles(dir); err != nil {
+		t.Fatal(err)
+	}
+	lock := filepath.Join(dir, OutputLockFile)
+	if pid, ok := fsutil.LockHolder(lock); !ok || pid != os.Getpid() {
+		t.Fatalf("lock file after two writes and a sweep: holder %d (%v), want this process", pid, ok)
+	}
+	if stale := fsutil.StaleGenerations(dir, versionPrefix); len(stale) != 0 {
+		t.Errorf("stale generations %v", stale)
+	}
+	_, err = ClaimOutput(Output{Dir: dir})
+	if !errors.Is(err, fsutil.ErrLocked) || !strings.Contains(err.Error(), dir) || !strings.Contains(err.Error(), fmt.Sprintf("pid %d", os.Getpid())) {
+		t.Fatalf("a second claim: %v, want ErrLocked naming %s and this process", err, dir)
+	}
+	if err := r.stop(t); err != nil {
+		t.Fatal(err)
+	}
+	claim.Release()
+	again, err := ClaimOutput(Output{Dir: dir})
+	if err != nil {
+		t.Fatalf("a claim once released: %v", err)
+	}
+	again.Release()
 }

@@ -166,14 +166,17 @@ func New(cfg Config) (*Manager, error) {
 		return nil, err
 	}
 	env := &sourceEnv{
-		clock:     m.clock,
-		log:       m.log,
-		metrics:   m.metrics,
-		event:     m.onEvent,
-		files:     m.files,
-		set:       m.set,
-		fail:      m.fail,
-		outputDir: cfg.Output.Dir,
+		clock:   m.clock,
+		log:     m.log,
+		metrics: m.metrics,
+		event:   m.onEvent,
+		files:   m.files,
+		set:     m.set,
+		fail:    m.fail,
+	}
+	// What an earlier run left in OUTPUT_CERTS is read only from a directory found ours alone.
+	if cfg.Output.Claim == nil || cfg.Output.Claim.held() {
+		env.outputDir = cfg.Output.Dir
 	}
 	if m.workload, err = cfg.Workload.start(env); err != nil {
 		return nil, err

@@ -91,6 +91,9 @@ const (
 	// SecretAbsent: no secret is wanted and none of ours exists.
 	SecretAbsent SecretEventKind = "absent"
 	SecretFailed SecretEventKind = "failed"
+	// SecretRefused: the store will not hold this secret as things stand (a link in the secrets
+	// tree, a name too long for it); logged once, counted, not retried before the next resync.
+	SecretRefused SecretEventKind = "refused"
 )
 
 // SecretEvent reports one reconcile.
@@ -121,6 +124,7 @@ type Secrets struct {
 	queue    *workqueue.Typed[SecretKey] // set while Run runs
 	due      map[SecretKey]time.Time     // next refresh or retry
 	foreign  map[SecretKey]bool          // warned about, until it goes
+	refused  map[SecretKey]string        // why the store refused it, logged once, until it is not
 	wake     chan struct{}               // the schedule changed
 	listErr  string                      // the last failure to list, logged once
 	healthy  bool                        // the last resync listed the store
@@ -176,7 +180,7 @@ func NewSecrets(cfg SecretsConfig) (*Secrets, error) {
 	s := &Secrets{
 		cfg: cfg, clock: clock.OrReal(cfg.Clock), log: log,
 		limiter: workqueue.NewTypedItemExponentialFailureRateLimiter[SecretKey](cfg.RetryBase, cfg.RetryMax),
-		due:     map[SecretKey]time.Time{}, foreign: map[SecretKey]bool{}, wake: make(chan struct{}, 1),
+		due:     map[SecretKey]time.Time{}, foreign: map[SecretKey]bool{}, refused: map[SecretKey]string{}, wake: make(chan struct{}, 1),
 	}
 	counter := func(name, help string) prometheus.Counter {
 		return prometheus.NewCounter(prometheus.CounterOpts{Name: name, Help: help})
@@ -185,7 +189,7 @@ func NewSecrets(cfg SecretsConfig) (*Secrets, error) {
 		created:   counter("meshid_ca_secrets_created_total", "Service-account secrets created."),
 		refreshed: counter("meshid_ca_secrets_refreshed_total", "Service-account secrets re-issued: due, root changed, or found invalid."),
 		deleted:   counter("meshid_ca_secrets_deleted_total", "Service-account secrets removed: service account gone or namespace no longer served."),
-		errors:    counter("meshid_ca_secret_reconcile_errors_total", "Failed reconciles of service-account secrets."),
+		errors:    counter("meshid_ca_secret_reconcile_errors_total", "Failed reconciles of service-account secrets, and secrets their store refuses (a link in the secrets tree, a name too long), each refusal once."),
 	}
 	if cfg.Registerer != nil {
 		depth := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
@@ -366,10 +370,18 @@ func (s *Secrets) processNext(ctx context.Context, queue *workqueue.Typed[Secret
 	}
 	defer queue.Done(k)
 	ev, next, err := s.reconcile(ctx, k)
-	if err != nil {
-		if ctx.Err() != nil {
-			return true // stopping: not a failure
-		}
+	switch {
+	case err == nil:
+		s.limiter.Forget(k)
+		s.refuse(k, nil)
+	case ctx.Err() != nil:
+		return true // stopping: not a failure
+	case errors.Is(err, ErrSecretRefused):
+		// Retrying would meet the same refusal: the next resync looks again.
+		s.limiter.Forget(k)
+		s.refuse(k, err)
+		ev, next = SecretEvent{Kind: SecretRefused, Err: err}, time.Time{}
+	default:
 		delay := s.limiter.When(k)
 		retryAt := s.clock.Now().Add(delay)
 		s.metrics.errors.Inc()
@@ -377,8 +389,6 @@ func (s *Secrets) processNext(ctx context.Context, queue *workqueue.Typed[Secret
 			logkey.Error, err.Error(), logkey.RetryAt, retryAt)
 		ev = SecretEvent{Kind: SecretFailed, Err: err}
 		next = retryAt
-	} else {
-		s.limiter.Forget(k)
 	}
 	s.schedule(k, next)
 	ev.Namespace, ev.ServiceAccount, ev.Where = k.Namespace, k.ServiceAccount, s.cfg.Secrets.Where(k)
@@ -482,6 +492,24 @@ func (s *Secrets) wanted(ctx context.Context, k SecretKey) (bool, string, error)
 		return false, "not served: " + why, nil
 	}
 	return true, "", nil
+}
+
+// refuse logs and counts a secret its store refuses to hold (err), once until the refusal
+// changes; a nil err ends it.
+func (s *Secrets) refuse(k SecretKey, err error) {
+	s.mu.Lock()
+	report := err != nil && s.refused[k] != err.Error()
+	if err != nil {
+		s.refused[k] = err.Error()
+	} else {
+		delete(s.refused, k)
+	}
+	s.mu.Unlock()
+	if report {
+		s.metrics.errors.Inc()
+		s.log.Error("a service-account secret is refused by its store; it is not retried", logkey.Namespace, k.Namespace,
+			logkey.ServiceAccount, k.ServiceAccount, logkey.Secret, s.cfg.Secrets.Where(k), logkey.Error, err.Error())
+	}
 }
 
 func (s *Secrets) warnForeign(k SecretKey, foreign bool) {

@@ -183,7 +183,12 @@ func (h *secretsHarness) secretDir(ns, sa string) string {
 // chain to the roots in root-cert.pem.
 func (h *secretsHarness) leaf(ns, sa string) *x509.Certificate {
 	h.t.Helper()
-	dir := h.secretDir(ns, sa)
+	return h.leafIn(h.secretDir(ns, sa), ns, sa)
+}
+
+// leafIn is leaf for the secret in dir.
+func (h *secretsHarness) leafIn(dir, ns, sa string) *x509.Certificate {
+	h.t.Helper()
 	read := func(name string) []byte {
 		data, err := os.ReadFile(filepath.Join(dir, name))
 		if err != nil {

@@ -261,8 +261,13 @@ func LoadKey(path string) (crypto.Signer, error) {
 }
 
 // LoadOrCreateKey reads the token signing key at path, or creates an ECDSA P-256 one there (0600).
-// It reports whether the key was created.
+// It reports whether the key was created. The key is the state dir's, which the CA trusts: one
+// that is not ours alone (a link, another user's, open to others) is refused, with
+// fsutil.ErrNotOwned.
 func LoadOrCreateKey(path string) (crypto.Signer, bool, error) {
+	if err := fsutil.CheckKeyFile(path); err != nil {
+		return nil, false, fmt.Errorf("token signing key: %w", err)
+	}
 	if _, ok, err := fsutil.ReadOptional(path); err != nil {
 		return nil, false, err
 	} else if ok {

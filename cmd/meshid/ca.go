@@ -77,12 +77,18 @@ laid out as the kubelet mounts a secret (..data), so that "meshid agent --creden
 use it. A secret is re-issued when less than max(--workload-cert-grace-period-ratio x lifetime,
 --workload-cert-min-grace-period) is left, when the CA's roots change, and when it is found
 deleted or altered (checked every minute); it is removed when its ServiceAccount goes or its
-namespace stops being served. Directories it did not make are never touched.
+namespace stops being served. Directories it did not make are never touched, and a link in
+the tree (a namespace or secret directory) is never followed: that secret is refused, logged
+once and counted. A service-account name too long for a directory name (it may have 253
+characters, a file name 255) gets istio.<its first 232 characters>_<the first 16 hex digits of
+its SHA-256>, always the same, which the directory's .meshid-secret marker ties to the account.
 
 On Kubernetes (--kubeconfig FILE, or --in-cluster in a pod), the API server replaces the files:
   - namespaces and service accounts come from informers, labels taking effect as they change;
   - the secrets are Secrets istio.<sa> of type istio.io/key-and-cert in each served namespace,
     kept by the one replica holding the Lease "meshid-ca" in --ca-namespace (every replica signs);
+    a service account whose istio.<sa> would be longer than a Secret's name may be (253) is
+    refused, logged once and counted, not retried;
   - the key material is the Secret cacerts in --ca-namespace: mounted files in --cacerts-dir
     first; else cacerts, created from istio-ca-secret when only that exists, or from a new
     self-signed root when neither does. A cacerts the CA generated carries the annotation
@@ -136,7 +142,7 @@ The RBAC this needs is in deploy/kubernetes/rbac.yaml.`,
 	f := cmd.Flags()
 	f.StringVar(&cfg.GRPCAddr, "grpc-addr", cfg.GRPCAddr, "listen address of the CA protocol (TLS gRPC); port 0 picks a free port")
 	f.StringVar(&cfg.MonitoringAddr, "monitoring-addr", cfg.MonitoringAddr, "listen address of /metrics, /version, /healthz, /healthz/ready; empty disables it")
-	f.StringVar(&cfg.StateDir, "state-dir", cfg.StateDir, "directory of the self-signed CA (ca-cert.pem, ca-key.pem), the trust bundle root-cert.pem, and token-key.pem")
+	f.StringVar(&cfg.StateDir, "state-dir", cfg.StateDir, "directory of the self-signed CA (ca-cert.pem, ca-key.pem), the trust bundle root-cert.pem, and token-key.pem; made 0700 when missing, and refused when another user owns it or can write in it")
 	f.StringVar(&cfg.CACertsDir, "cacerts-dir", cfg.CACertsDir, "directory of a plugged-in CA (Istio's cacerts secret); takes precedence over the self-signed CA. It must exist but may be empty: files that appear in it later take over")
 	f.StringVar(&cfg.TrustDomain, "trust-domain", cfg.TrustDomain, "trust domain of the SPIFFE IDs this CA issues")
 	f.StringVar(&keyAlgorithm, "key-algorithm", string(pki.ECDSA), "key of a newly generated self-signed root: ECDSA (P-256) or RSA")

@@ -48,7 +48,7 @@ spiffe://<trust-domain>/ns/<namespace>/sa/<service-account>.`,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			minter, err := loadMinter(keyPath, stateDir)
 			if err != nil {
-				return err
+				return cli.RefusedAsCalled(err)
 			}
 			params.Now = time.Now()
 			jwt, err := minter.Mint(params)
@@ -81,13 +81,17 @@ spiffe://<trust-domain>/ns/<namespace>/sa/<service-account>.`,
 }
 
 // loadMinter loads the key of --key, or else the local token key of the CA whose state dir is
-// --state-dir, which a first start of `meshid ca` creates.
+// --state-dir, which a first start of `meshid ca` creates: only when the state dir and the key
+// are ours alone, as the CA trusts them (fsutil.ErrNotOwned otherwise).
 func loadMinter(keyPath, stateDir string) (*token.Minter, error) {
 	if keyPath != "" {
 		return token.LoadMinter(keyPath)
 	}
 	if stateDir == "" {
 		return nil, errors.New("give --key or --state-dir")
+	}
+	if err := controlplane.CheckStateDir(stateDir); err != nil {
+		return nil, fmt.Errorf("--state-dir: %w", err)
 	}
 	minter, err := token.LoadMinter(controlplane.TokenKeyPath(stateDir))
 	if errors.Is(err, fs.ErrNotExist) {

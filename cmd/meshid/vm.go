@@ -8,6 +8,8 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/spf13/cobra"
 
@@ -96,6 +98,19 @@ with the one it wrote to OUTPUT_CERTS, as long as that one has not expired.`,
 					errs = append(errs, fmt.Errorf("%s %q must be an absolute path on the VM", flag, p))
 				}
 			}
+			// Every value below goes into agent.env or names a file: a newline would add a line of
+			// its own to agent.env (CA_ADDR=, say), a NUL would cut a path short.
+			for _, v := range []struct{ flag, value string }{
+				{"--namespace", b.token.Namespace}, {"--service-account", b.token.ServiceAccount},
+				{"--ca-addr", b.caAddress}, {"--trust-domain", b.trustDomain},
+				{"--install-dir", b.installDir}, {"--output-certs", b.outputCerts}, {"--out", b.out},
+				{"--state-dir", stateDir}, {"--key", keyPath}, {"--root-cert", b.rootCert},
+			} {
+				if i := strings.IndexFunc(v.value, isControl); i >= 0 {
+					r, _ := utf8.DecodeRuneInString(v.value[i:])
+					errs = append(errs, fmt.Errorf("%s %q holds a control character (%U at byte %d): give the value without it", v.flag, v.value, r, i))
+				}
+			}
 			if strings.ContainsAny(b.token.Namespace+b.token.ServiceAccount+b.caAddress+b.trustDomain, "\n\"'$` ") {
 				errs = append(errs, errors.New("--namespace, --service-account, --ca-addr and --trust-domain must not hold spaces, quotes or $"))
 			}
@@ -103,14 +118,18 @@ with the one it wrote to OUTPUT_CERTS, as long as that one has not expired.`,
 		},
 		RunE: func(*cobra.Command, []string) error {
 			if b.rootCert == "" {
+				// The trust bundle is the state dir's: read only from one of ours.
+				if err := controlplane.CheckStateDir(stateDir); err != nil {
+					return cli.RefusedAsCalled(fmt.Errorf("--state-dir: %w", err))
+				}
 				b.rootCert = controlplane.RootCertPath(stateDir)
 			}
 			minter, err := loadMinter(keyPath, stateDir)
 			if err != nil {
-				return err
+				return cli.RefusedAsCalled(err)
 			}
 			if err := b.write(minter, time.Now()); err != nil {
-				return err
+				return cli.RefusedAsCalled(err)
 			}
 			g.Logger().Info("VM bundle written", logkey.Path, b.out, logkey.Namespace, b.token.Namespace,
 				logkey.ServiceAccount, b.token.ServiceAccount, logkey.Expires, b.token.Now.Add(b.token.TTL).UTC().Format(time.RFC3339))
@@ -132,6 +151,12 @@ with the one it wrote to OUTPUT_CERTS, as long as that one has not expired.`,
 	return cmd
 }
 
+// isControl reports a control character (newline, carriage return, NUL, DEL, C1, ...) or a
+// Unicode line or paragraph separator: nothing a value of agent.env or a file name needs.
+func isControl(r rune) bool {
+	return unicode.IsControl(r) || unicode.In(r, unicode.Zl, unicode.Zp)
+}
+
 // write mints the token and writes the bundle; an existing bundle's files are replaced.
 func (b *vmBundle) write(minter *token.Minter, now time.Time) error {
 	roots, err := os.ReadFile(b.rootCert)
@@ -146,8 +171,9 @@ func (b *vmBundle) write(minter *token.Minter, now time.Time) error {
 	if err != nil {
 		return err
 	}
-	if err := fsutil.EnsureDir(b.out, 0o700); err != nil {
-		return err
+	// The agent takes its token and its CA root from here: write only into a directory of ours.
+	if err := fsutil.EnsureOwnedDir(b.out, fsutil.PrivateDirMode); err != nil {
+		return fmt.Errorf("--out: %w", err)
 	}
 	env := fmt.Sprintf(`# meshid-agent on a VM: spiffe://%s/ns/%s/sa/%s, written by "meshid vm bootstrap".
 CA_ADDR=%s

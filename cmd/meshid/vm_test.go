@@ -4,8 +4,10 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"errors"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -194,4 +196,46 @@ func readFile(t *testing.T, path string) string {
 		t.Fatal(err)
 	}
 	return string(data)
+}
+
+// A control character in any value that ends up in agent.env or names a file is refused, naming
+// the flag: a newline would add a line of its own to agent.env (CA_ADDR=, say).
+func TestVMBootstrapRefusesControlCharacters(t *testing.T) {
+	t.Parallel()
+	stateDir, _ := vmStateDir(t)
+	values := map[string]string{
+		"--namespace": "vm", "--service-account": "billing", "--ca-addr": "ca:15012", "--trust-domain": "cluster.local",
+		"--install-dir": "/etc/meshid", "--output-certs": "/var/lib/meshid/certs", "--state-dir": stateDir,
+		"--root-cert": filepath.Join(stateDir, "root-cert.pem"), "--key": filepath.Join(stateDir, "token-key.pem"),
+	}
+	for flag := range values {
+		for _, bad := range []string{"\nCA_ADDR=evil:1", "\r", "\x00", "\t", "\x7f", "\u0085", "\u2028"} {
+			t.Run(flag+strconv.Quote(bad), func(t *testing.T) {
+				t.Parallel()
+				args := []string{"vm", "bootstrap", "--out", filepath.Join(t.TempDir(), "out")}
+				for f, v := range values {
+					if f == flag {
+						v += bad
+					}
+					args = append(args, f, v)
+				}
+				code, stderr := mainExit(t, args...)
+				if code != cli.ExitUsage || !strings.Contains(stderr, flag+" ") || !strings.Contains(stderr, "control character") {
+					t.Fatalf("exit code %d, want %d with a refusal naming %s; stderr:\n%s", code, cli.ExitUsage, flag, stderr)
+				}
+			})
+		}
+	}
+	t.Run("--out", func(t *testing.T) {
+		t.Parallel()
+		out := filepath.Join(t.TempDir(), "out\nx")
+		code, stderr := mainExit(t, "vm", "bootstrap", "--state-dir", stateDir, "--namespace", "vm", "--service-account", "billing",
+			"--ca-addr", "ca:15012", "--out", out)
+		if code != cli.ExitUsage || !strings.Contains(stderr, "--out ") {
+			t.Fatalf("exit code %d, want %d naming --out; stderr:\n%s", code, cli.ExitUsage, stderr)
+		}
+		if _, err := os.Lstat(out); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("%q was made (%v)", out, err)
+		}
+	})
 }

@@ -126,6 +126,21 @@ func (s *SecretStore) checkSynced() error {
 	}
 }
 
+// maxSecretName is the longest name a Secret may have (a DNS subdomain).
+const maxSecretName = 253
+
+// checkName refuses (controller.ErrSecretRefused) a service account whose Secret istio.<sa> would
+// have a longer name than a Secret may: a valid service-account name may have 253 characters too.
+// The API server would refuse every attempt alike, so none is made.
+func checkName(k controller.SecretKey) error {
+	name := controller.SecretPrefix + k.ServiceAccount
+	if len(name) <= maxSecretName {
+		return nil
+	}
+	return fmt.Errorf("%w: no Secret can be named %s/%s…: istio.<service account> has %d characters, and a Secret's name at most %d",
+		controller.ErrSecretRefused, k.Namespace, name[:64], len(name), maxSecretName)
+}
+
 // Where names the Secret: namespace/name.
 func (s *SecretStore) Where(k controller.SecretKey) string {
 	return k.Namespace + "/" + controller.SecretPrefix + k.ServiceAccount
@@ -172,6 +187,9 @@ func (s *SecretStore) cached(k controller.SecretKey) (*corev1.Secret, error) {
 
 // Read implements controller.SecretStore.
 func (s *SecretStore) Read(_ context.Context, k controller.SecretKey) (controller.StoredSecret, error) {
+	if err := checkName(k); err != nil {
+		return controller.StoredSecret{}, err
+	}
 	secret, err := s.cached(k)
 	if err != nil || secret == nil {
 		return controller.StoredSecret{}, err
@@ -182,6 +200,9 @@ func (s *SecretStore) Read(_ context.Context, k controller.SecretKey) (controlle
 // Write creates or updates the Secret. An update names the version it replaces: a Secret changed
 // since it was read (a Conflict) is an error, and the controller retries from the new one.
 func (s *SecretStore) Write(ctx context.Context, k controller.SecretKey, data map[string][]byte, _ string) error {
+	if err := checkName(k); err != nil {
+		return err
+	}
 	secrets := s.cfg.Clients.Core.Secrets(k.Namespace)
 	current, err := s.cached(k)
 	if err != nil {
@@ -228,6 +249,9 @@ func (s *SecretStore) Write(ctx context.Context, k controller.SecretKey, data ma
 // Delete deletes the Secret the view holds, and only that one: a Secret recreated since (another
 // UID) is not deleted.
 func (s *SecretStore) Delete(ctx context.Context, k controller.SecretKey) error {
+	if err := checkName(k); err != nil {
+		return err
+	}
 	current, err := s.cached(k)
 	if err != nil || current == nil {
 		return err

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -213,5 +214,47 @@ func TestStoreWithoutRightsSaysSo(t *testing.T) {
 	}
 	if _, err := store.ServiceAccounts(context.Background(), ""); err == nil {
 		t.Error("a store that may not list answered")
+	}
+}
+
+// A valid service-account name of 248 to 253 characters makes istio.<sa> longer than a Secret's
+// name may be: the controller says so once, as a refusal, rather than failing and retrying.
+func TestSecretNameTooLongIsRefusedOnce(t *testing.T) {
+	t.Parallel()
+	caNS, ns := env.Namespace(t, nil), env.Namespace(t, nil)
+	env.ServiceAccount(t, caNS, "meshid-ca")
+	bind(t, caNS, "meshid-ca", nil, secretControllerRules())
+	label := strings.Repeat("a", 63)
+	long := label + "." + label + "." + label + "." + strings.Repeat("b", 61) // 253
+	env.ServiceAccount(t, ns, long)
+	env.ServiceAccount(t, ns, "web")
+	h := runSecretsOnKube(t, env.As(t, caNS, "meshid-ca"), ns)
+	eventually(t, "istio.web created", func() error { _, err := h.secret("web"); return err })
+
+	timeout := time.After(waitLimit)
+	for refused := false; !refused; {
+		select {
+		case ev := <-h.events:
+			if ev.ServiceAccount != long {
+				continue
+			}
+			if ev.Kind != controller.SecretRefused {
+				t.Fatalf("%s for the long name (%v), want %s", ev.Kind, ev.Err, controller.SecretRefused)
+			}
+			if !errors.Is(ev.Err, controller.ErrSecretRefused) || !strings.Contains(ev.Err.Error(), "253") {
+				t.Fatalf("refusal %v, want ErrSecretRefused saying why", ev.Err)
+			}
+			refused = true
+		case <-timeout:
+			t.Fatalf("no refusal for the long name within %s", waitLimit)
+		}
+	}
+	store := kube.NewSecretStore(kube.SecretStoreConfig{Clients: clientsFor(t, env.Admin)})
+	k := controller.SecretKey{Namespace: ns, ServiceAccount: long}
+	if err := store.Write(context.Background(), k, map[string][]byte{"key.pem": []byte("x")}, ""); !errors.Is(err, controller.ErrSecretRefused) {
+		t.Errorf("Write: %v, want ErrSecretRefused before any request", err)
+	}
+	if _, err := store.Read(context.Background(), k); !errors.Is(err, controller.ErrSecretRefused) {
+		t.Errorf("Read: %v, want ErrSecretRefused", err)
 	}
 }

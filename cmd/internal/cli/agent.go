@@ -271,7 +271,7 @@ root is needed.`,
 	f.StringVar(&cfg.CAServerName, "istiod-san", cfg.CAServerName, "name verified in the CA's certificate (ISTIOD_SAN)")
 	f.StringVar(&cfg.TokenPath, "token-path", "", "service-account token presented to the CA, re-read at every request (default <root-dir>/var/run/secrets/tokens/istio-token)")
 	f.StringVar(&cfg.ProvCert, "prov-cert", "", "directory of a provisioned key pair (cert-chain.pem, key.pem) for mTLS to the CA (PROV_CERT)")
-	f.StringVar(&cfg.OutputCerts, "output-certs", "", "directory that receives key.pem, cert-chain.pem and root-cert.pem on every renewal (OUTPUT_CERTS)")
+	f.StringVar(&cfg.OutputCerts, "output-certs", "", "directory that receives key.pem, cert-chain.pem and root-cert.pem on every renewal (OUTPUT_CERTS); made 0700 when missing, refused when another user owns it or can write in it, and locked by this agent while it runs")
 	f.StringVar(&outputGroupRead, "output-certs-group-read", "none", "what the agent's group may read in --output-certs: none, certs (directories 0750, cert-chain.pem and root-cert.pem 0640) or all (key.pem 0640 too)")
 	f.StringVar(&cfg.TrustDomain, "trust-domain", cfg.TrustDomain, "trust domain of the workload's SPIFFE ID (TRUST_DOMAIN)")
 	f.StringVar(&cfg.Namespace, "namespace", "", "namespace of the workload (POD_NAMESPACE)")

@@ -3,10 +3,14 @@ package cli
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 
 	"github.com/spf13/cobra"
+
+	"github.com/meshid/meshid/agent"
+	"github.com/meshid/meshid/internal/fsutil"
 )
 
 func TestNewLogger(t *testing.T) {
@@ -85,5 +89,38 @@ func TestMainExitsTwoForUsageErrors(t *testing.T) {
 		if code := Main(root); code != tc.want {
 			t.Errorf("tool %v: exit code %d, want %d", tc.args, code, tc.want)
 		}
+	}
+}
+
+// What is refused because of how a command was called, found only once it runs (a state dir
+// another user could write in, a directory another agent holds, no CA to turn to), exits 2 like
+// any other refusal; a failure while running still exits 1.
+func TestRefusedAsCalled(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name string
+		err  error
+		want int
+	}{
+		{"no CA", fmt.Errorf("no credential files: %w", agent.ErrNoCA), ExitUsage},
+		{"not owned", fmt.Errorf("--state-dir: %w", fsutil.ErrNotOwned), ExitUsage},
+		{"locked", fmt.Errorf("OUTPUT_CERTS: %w", fsutil.ErrLocked), ExitUsage},
+		{"failure", errors.New("it broke"), 1},
+		{"success", nil, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			root := NewRoot("tool", "short", "long", &Globals{})
+			root.AddCommand(&cobra.Command{Use: "run", RunE: func(*cobra.Command, []string) error { return RefusedAsCalled(tc.err) }})
+			var stderr bytes.Buffer
+			root.SetErr(&stderr)
+			root.SetArgs([]string{"run"})
+			if code := Main(root); code != tc.want {
+				t.Errorf("exit code %d, want %d", code, tc.want)
+			}
+			if tc.err != nil && stderr.String() != "tool: "+tc.err.Error()+"\n" {
+				t.Errorf("stderr %q, want the error as it is", stderr.String())
+			}
+		})
 	}
 }

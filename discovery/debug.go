@@ -40,7 +40,7 @@ const (
 // syncState is what one stream was sent and what it acknowledged, by type.
 type syncState struct {
 	namespace string
-	node      *corev3.Node
+	node      nodeInfo
 	sent      map[string]sentVersion
 	acked     map[string]string // the version last ACKed
 	nacked    map[string]string // the error of the last NACK, until the next ACK
@@ -74,29 +74,38 @@ func (t *syncTracker) sentResponse(id int64, typeURL, version, nonce string) {
 	}
 }
 
-// request records the node and an ACK or NACK of the response the request names.
-func (t *syncTracker) request(id int64, node *corev3.Node, typeURL, version, nonce string, nack *rpcstatus.Status) {
+// request records the node, when the request has one, and an ACK or NACK of the response the
+// request names. It returns what it holds of the stream's node: the node of this request or of
+// an earlier one.
+func (t *syncTracker) request(id int64, node *corev3.Node, typeURL, version, nonce string, nack *rpcstatus.Status) nodeInfo {
+	// Copied before the lock: the node is the client's, read on the stream's own goroutine.
+	var info nodeInfo
+	if node != nil {
+		info = nodeInfoOf(node)
+	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	st, ok := t.streams[id]
 	if !ok {
-		return
+		return info
 	}
 	if node != nil {
-		st.node = node
+		st.node = info
 	}
+	info = st.node
 	if nonce == "" || st.sent[typeURL].nonce != nonce {
-		return
+		return info
 	}
 	if nack != nil {
 		st.nacked[typeURL] = nack.GetMessage()
-		return
+		return info
 	}
 	if version == "" { // delta acknowledges a nonce, not a version
 		version = st.sent[typeURL].version
 	}
 	delete(st.nacked, typeURL)
 	st.acked[typeURL] = version
+	return info
 }
 
 // clients reports the streams of namespace: a caller sees only its own namespace's nodes.
@@ -108,7 +117,7 @@ func (t *syncTracker) clients(namespace string) []*statusv3.ClientConfig {
 		if st.namespace != namespace {
 			continue
 		}
-		cc := &statusv3.ClientConfig{Node: proto.CloneOf(st.node)}
+		cc := &statusv3.ClientConfig{Node: st.node.node()}
 		for _, typeURL := range slices.Sorted(maps.Keys(st.sent)) {
 			state := statusv3.ConfigStatus_STALE
 			switch {

@@ -106,12 +106,12 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		StreamClosedFunc:      s.closed,
 		DeltaStreamClosedFunc: s.closed,
 		StreamRequestFunc: func(id int64, req *discoveryv3.DiscoveryRequest) error {
-			s.sync.request(id, req.GetNode(), req.GetTypeUrl(), req.GetVersionInfo(), req.GetResponseNonce(), req.GetErrorDetail())
-			return s.stamp(id, &req.Node)
+			info := s.sync.request(id, req.GetNode(), req.GetTypeUrl(), req.GetVersionInfo(), req.GetResponseNonce(), req.GetErrorDetail())
+			return s.stamp(id, info, &req.Node)
 		},
 		StreamDeltaRequestFunc: func(id int64, req *discoveryv3.DeltaDiscoveryRequest) error {
-			s.sync.request(id, req.GetNode(), req.GetTypeUrl(), "", req.GetResponseNonce(), req.GetErrorDetail())
-			return s.stamp(id, &req.Node)
+			info := s.sync.request(id, req.GetNode(), req.GetTypeUrl(), "", req.GetResponseNonce(), req.GetErrorDetail())
+			return s.stamp(id, info, &req.Node)
 		},
 		StreamResponseFunc: func(_ context.Context, id int64, _ *discoveryv3.DiscoveryRequest, resp *discoveryv3.DiscoveryResponse) {
 			s.sync.sentResponse(id, resp.GetTypeUrl(), resp.GetVersionInfo(), resp.GetNonce())
@@ -252,27 +252,47 @@ func (s *Server) closed(id int64, _ *corev3.Node) {
 	}
 }
 
-// stamp writes the stream's authenticated namespace into the request's node, over whatever the
-// client declared, before the cache picks a snapshot by it.
-func (s *Server) stamp(id int64, node **corev3.Node) error {
+// stamp replaces the request's node with a new one: the stream's node as info holds it, and the
+// stream's authenticated namespace in its metadata, whatever the client declared, for the cache
+// to pick a snapshot by.
+//
+// The client's node is never written: go-control-plane keeps the node a SotW stream sent first
+// and puts it into every later request that has none, so a write into it would be a write into
+// a node that other requests, and syncz, read under other locks.
+func (s *Server) stamp(id int64, info nodeInfo, node **corev3.Node) error {
 	s.mu.Lock()
 	ns, ok := s.streams[id]
 	s.mu.Unlock()
 	if !ok {
 		return status.Error(codes.Unauthenticated, "stream not authenticated")
 	}
-	if *node == nil {
-		*node = &corev3.Node{}
-	}
-	n := *node
-	if n.Metadata == nil {
-		n.Metadata = &structpb.Struct{Fields: map[string]*structpb.Value{}}
-	}
-	if n.Metadata.Fields == nil {
-		n.Metadata.Fields = map[string]*structpb.Value{}
-	}
-	n.Metadata.Fields[NamespaceMetadataKey] = structpb.NewStringValue(ns)
+	n := info.node()
+	n.Metadata = &structpb.Struct{Fields: map[string]*structpb.Value{NamespaceMetadataKey: structpb.NewStringValue(ns)}}
+	*node = n
 	return nil
+}
+
+// nodeInfo is what the server keeps of a stream's node: what syncz shows, copied from the
+// client's node, which the server never holds on to.
+type nodeInfo struct {
+	id, cluster           string
+	region, zone, subZone string
+	hasLocality           bool
+}
+
+func nodeInfoOf(n *corev3.Node) nodeInfo {
+	l := n.GetLocality()
+	return nodeInfo{id: n.GetId(), cluster: n.GetCluster(),
+		region: l.GetRegion(), zone: l.GetZone(), subZone: l.GetSubZone(), hasLocality: l != nil}
+}
+
+// node returns a new node of the id, cluster and locality info holds.
+func (i nodeInfo) node() *corev3.Node {
+	n := &corev3.Node{Id: i.id, Cluster: i.cluster}
+	if i.hasLocality {
+		n.Locality = &corev3.Locality{Region: i.region, Zone: i.zone, SubZone: i.subZone}
+	}
+	return n
 }
 
 // nodeNamespace keys the snapshot cache by the stamped namespace.

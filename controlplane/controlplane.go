@@ -111,11 +111,11 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 	discoveryAuth := &credentialNamespace{}
 	if cfg.XDSConfig != "" {
 		if cp.discovery, err = discovery.NewServer(discovery.ServerConfig{
-			ConfigPath:    cfg.XDSConfig,
-			Authenticator: discoveryAuth,
-			Clock:         clk,
-			Logger:        log.With(logkey.Component, "discovery"),
-			Registerer:    registry,
+			ConfigPath: cfg.XDSConfig,
+			Authorizer: discoveryAuth,
+			Clock:      clk,
+			Logger:     log.With(logkey.Component, "discovery"),
+			Registerer: registry,
 		}); err != nil {
 			return nil, err
 		}
@@ -388,12 +388,12 @@ func (c *ControlPlane) Namespaces() controller.Store {
 // the CA authenticates it; ca is set once the CA server exists, before anything is served.
 type credentialNamespace struct{ ca *caserver.Server }
 
-func (c *credentialNamespace) Namespace(ctx context.Context) (string, error) {
+func (c *credentialNamespace) Authorize(ctx context.Context) (discovery.Caller, error) {
 	caller, err := c.ca.Authenticate(ctx)
 	if err != nil {
-		return "", err
+		return discovery.Caller{}, err
 	}
-	return caller.Identity.Namespace, nil
+	return discovery.Caller{Namespace: caller.Identity.Namespace, Identity: caller.Identity.String()}, nil
 }
 
 // secretStore is where the secret controller keeps its secrets: Kubernetes Secrets, or

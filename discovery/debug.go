@@ -1,9 +1,7 @@
 package discovery
 
 import (
-	"context"
 	"fmt"
-	"io"
 	"maps"
 	"slices"
 	"strconv"
@@ -16,7 +14,6 @@ import (
 	statusv3 "github.com/envoyproxy/go-control-plane/envoy/service/status/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
 	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
-	serverv3 "github.com/envoyproxy/go-control-plane/pkg/server/v3"
 	rpcstatus "google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -138,91 +135,56 @@ func (t *syncTracker) clients(namespace string) []*statusv3.ClientConfig {
 	return out
 }
 
-// adsWithDebug answers istio.io/debug requests on a state-of-the-world ADS stream itself and
-// hands every other request to go-control-plane's server.
-type adsWithDebug struct {
-	serverv3.Server
-	s *Server
-}
+func isDebugType(typeURL string) bool { return strings.HasPrefix(typeURL, debugPrefix) }
 
-func (a adsWithDebug) StreamAggregatedResources(stream discoveryv3.AggregatedDiscoveryService_StreamAggregatedResourcesServer) error {
-	d := &debugStream{AggregatedDiscoveryService_StreamAggregatedResourcesServer: stream, s: a.s}
-	err := a.Server.StreamAggregatedResources(d)
-	// go-control-plane takes any receive error for the client's end of the stream: the reason
-	// a debug request ended it is returned here instead.
-	if d.err != nil {
-		return d.err
-	}
-	return err
-}
-
-// debugStream takes the debug requests out of a stream and answers them; its sends are
-// serialised with the server's, which come from another goroutine.
-type debugStream struct {
-	discoveryv3.AggregatedDiscoveryService_StreamAggregatedResourcesServer
-	s   *Server
-	mu  sync.Mutex
-	err error // why a debug request ended the stream; read once the server has returned
-}
-
-func (d *debugStream) Send(resp *discoveryv3.DiscoveryResponse) error {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	return d.AggregatedDiscoveryService_StreamAggregatedResourcesServer.Send(resp)
-}
-
-func (d *debugStream) Recv() (*discoveryv3.DiscoveryRequest, error) {
-	for {
-		req, err := d.AggregatedDiscoveryService_StreamAggregatedResourcesServer.Recv()
-		if err != nil || !strings.HasPrefix(req.GetTypeUrl(), debugPrefix) {
-			return req, err
-		}
-		resp, err := d.s.debug(d.Context(), req)
-		if err != nil {
-			d.err = err
-			return nil, io.EOF
-		}
-		if err := d.Send(resp); err != nil {
-			return nil, err
-		}
-	}
-}
-
-// debug answers one debug request for the caller's namespace. A caller whose credential no
-// longer holds, or an unknown debug type, ends the stream.
-func (s *Server) debug(ctx context.Context, req *discoveryv3.DiscoveryRequest) (*discoveryv3.DiscoveryResponse, error) {
-	ns, err := s.cfg.Authenticator.Namespace(ctx)
-	if err != nil {
-		return nil, err
-	}
-	var answers []proto.Message
+// debug answers one debug request, syncz or config_dump (check has refused the others), for the
+// caller's namespace.
+func (s *Server) debug(st *stream, req *discoveryv3.DiscoveryRequest) (*discoveryv3.DiscoveryResponse, error) {
+	ns := st.caller.Namespace
+	resp := &discoveryv3.DiscoveryResponse{TypeUrl: req.GetTypeUrl(), Nonce: strconv.FormatUint(s.debugNonce.Add(1), 10)}
 	switch req.GetTypeUrl() {
 	case DebugSyncz:
-		for _, cc := range s.sync.clients(ns) {
-			answers = append(answers, cc)
+		resources, err := synczAnswer(s.sync.clients(ns))
+		if err != nil {
+			return nil, status.Error(codes.Internal, err.Error())
 		}
+		resp.Resources = resources
 	case DebugConfigDump:
 		s.mu.Lock()
 		set, version := s.current.For(ns)
 		s.mu.Unlock()
-		dump, err := configDump(set, version)
+		a, err := renderedConfigDump(set, version)
 		if err != nil {
 			return nil, status.Error(codes.Internal, err.Error())
 		}
-		answers = append(answers, dump)
+		resp.Resources = []*anypb.Any{a}
 	default:
 		return nil, status.Errorf(codes.InvalidArgument, "unknown debug type %q: want %s or %s",
 			logkey.Untrusted(req.GetTypeUrl()), DebugSyncz, DebugConfigDump)
 	}
-	resp := &discoveryv3.DiscoveryResponse{TypeUrl: req.GetTypeUrl(), Nonce: strconv.FormatUint(s.debugNonce.Add(1), 10)}
-	for _, m := range answers {
-		a, err := rendered(m)
-		if err != nil {
-			return nil, status.Error(codes.Internal, err.Error())
-		}
-		resp.Resources = append(resp.Resources, a)
-	}
 	return resp, nil
+}
+
+// synczAnswer renders the nodes of a syncz answer.
+func synczAnswer(clients []*statusv3.ClientConfig) ([]*anypb.Any, error) {
+	var out []*anypb.Any
+	for _, cc := range clients {
+		a, err := rendered(cc)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, a)
+	}
+	return out, nil
+}
+
+// renderedConfigDump is the config_dump answer's one resource for a set.
+func renderedConfigDump(set map[resource.Type][]types.Resource, version string) (*anypb.Any, error) {
+	dump, err := configDump(set, version)
+	if err != nil {
+		return nil, err
+	}
+	return rendered(dump)
 }
 
 // rendered is m as JSON in a google.protobuf.Value: debug answers are for people, and the agent

@@ -1,0 +1,218 @@
+package discovery
+
+import (
+	"context"
+	"io"
+	"sync"
+
+	discoveryv3 "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
+	"github.com/envoyproxy/go-control-plane/pkg/cache/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/status"
+
+	"github.com/meshid/meshid/internal/admission"
+	"github.com/meshid/meshid/internal/logkey"
+)
+
+// Refusal reasons, the reason label of meshid_discovery_refusals_total.
+const (
+	reasonUnknownType = "unknown_type"
+)
+
+const (
+	protocolSotW  = "sotw"
+	protocolDelta = "delta"
+)
+
+// envoyTypes are the types go-control-plane's cache knows: those the server answers from its
+// snapshots.
+func envoyTypes() []resource.Type {
+	var out []resource.Type
+	for t := types.ResponseType(0); t < types.UnknownType; t++ {
+		if typeURL, err := cache.GetResponseTypeURL(t); err == nil {
+			out = append(out, typeURL)
+		}
+	}
+	return out
+}
+
+func isEnvoyType(typeURL string) bool { return cache.GetResponseType(typeURL) != types.UnknownType }
+
+// stream is an admitted stream: who opened it, which it was authorized as. It does not change.
+type stream struct {
+	caller Caller
+	peer   string
+}
+
+// streamKey carries a stream's *stream in its context, from admittedADS to the callbacks.
+type streamKey struct{}
+
+// admittedADS admits each stream (authorizes its caller, counts it against the caps), checks
+// each request before go-control-plane's server sees it, and answers istio.io/debug requests on
+// state-of-the-world streams itself.
+type admittedADS struct {
+	discoveryv3.UnimplementedAggregatedDiscoveryServiceServer
+	s *Server
+}
+
+func (a admittedADS) StreamAggregatedResources(grpcStream discoveryv3.AggregatedDiscoveryService_StreamAggregatedResourcesServer) error {
+	st, err := a.s.admit(grpcStream.Context())
+	if err != nil {
+		return err
+	}
+	d := &sotwStream{AggregatedDiscoveryService_StreamAggregatedResourcesServer: grpcStream, s: a.s, st: st,
+		ctx: context.WithValue(grpcStream.Context(), streamKey{}, st)}
+	err = a.s.xds.StreamAggregatedResources(d)
+	// go-control-plane takes any receive error for the client's end of the stream: the reason
+	// a request ended it is returned here instead.
+	if d.err != nil {
+		return d.err
+	}
+	return err
+}
+
+func (a admittedADS) DeltaAggregatedResources(grpcStream discoveryv3.AggregatedDiscoveryService_DeltaAggregatedResourcesServer) error {
+	st, err := a.s.admit(grpcStream.Context())
+	if err != nil {
+		return err
+	}
+	d := &deltaStream{AggregatedDiscoveryService_DeltaAggregatedResourcesServer: grpcStream, s: a.s, st: st,
+		ctx: context.WithValue(grpcStream.Context(), streamKey{}, st)}
+	err = a.s.xds.DeltaAggregatedResources(d)
+	if d.err != nil {
+		return d.err
+	}
+	return err
+}
+
+// admit authorizes a new stream's caller.
+func (s *Server) admit(ctx context.Context) (*stream, error) {
+	caller, err := s.cfg.Authorizer.Authorize(ctx)
+	if err != nil {
+		if _, ok := status.FromError(err); ok {
+			return nil, err
+		}
+		return nil, status.Error(codes.Unauthenticated, err.Error())
+	}
+	return &stream{caller: caller, peer: peerOf(ctx)}, nil
+}
+
+// check refuses a request of a type the server does not answer (debug types only on SotW
+// streams). The error ends the stream.
+func (s *Server) check(st *stream, protocol, typeURL string) error {
+	switch {
+	case isEnvoyType(typeURL):
+	case protocol == protocolSotW && (typeURL == DebugSyncz || typeURL == DebugConfigDump):
+	case protocol == protocolSotW && isDebugType(typeURL):
+		return s.refuse(st, reasonUnknownType, typeURL, status.Errorf(codes.InvalidArgument, "unknown debug type %q: want %s or %s",
+			logkey.Untrusted(typeURL), DebugSyncz, DebugConfigDump))
+	case isDebugType(typeURL):
+		return s.refuse(st, reasonUnknownType, typeURL, status.Errorf(codes.InvalidArgument,
+			"%q: debug types are answered on state-of-the-world streams only", logkey.Untrusted(typeURL)))
+	default:
+		return s.refuse(st, reasonUnknownType, typeURL, status.Errorf(codes.InvalidArgument,
+			"type %q is not served: want an Envoy xDS type, %s or %s", logkey.Untrusted(typeURL), DebugSyncz, DebugConfigDump))
+	}
+	return nil
+}
+
+// refuse counts a refusal and logs it, each reason at most admission's burst at once then once
+// a second, and returns err, a status.
+func (s *Server) refuse(st *stream, reason, typeURL string, err error) error {
+	code := status.Code(err)
+	s.refusals.WithLabelValues(reason, code.String()).Inc()
+	logged, dropped := s.logs.Allow(reason)
+	if !logged {
+		return err
+	}
+	attrs := []any{logkey.Reason, reason, logkey.Code, code.String(), logkey.Peer, st.peer,
+		logkey.Identity, st.caller.Identity, logkey.Error, status.Convert(err).Message()}
+	if typeURL != "" {
+		attrs = append(attrs, logkey.TypeURL, logkey.Untrusted(typeURL))
+	}
+	if dropped > 0 {
+		attrs = append(attrs, logkey.Dropped, dropped)
+	}
+	s.log.Warn("discovery request refused", attrs...)
+	return err
+}
+
+// peerOf names a stream's peer: its process on a Unix socket, else its address.
+func peerOf(ctx context.Context) string {
+	if who := admission.Peer(ctx); who != "" {
+		return who
+	}
+	if p, ok := peer.FromContext(ctx); ok && p.Addr != nil {
+		return p.Addr.String()
+	}
+	return ""
+}
+
+// sotwStream checks each request of a state-of-the-world stream, and answers the debug ones;
+// its sends are serialised with the server's, which come from another goroutine.
+type sotwStream struct {
+	discoveryv3.AggregatedDiscoveryService_StreamAggregatedResourcesServer
+	s   *Server
+	st  *stream
+	ctx context.Context // the stream's, carrying st
+	mu  sync.Mutex
+	err error // why a request ended the stream; read once the server has returned
+}
+
+func (d *sotwStream) Context() context.Context { return d.ctx }
+
+func (d *sotwStream) Send(resp *discoveryv3.DiscoveryResponse) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.AggregatedDiscoveryService_StreamAggregatedResourcesServer.Send(resp)
+}
+
+func (d *sotwStream) Recv() (*discoveryv3.DiscoveryRequest, error) {
+	for {
+		req, err := d.AggregatedDiscoveryService_StreamAggregatedResourcesServer.Recv()
+		if err != nil {
+			return nil, err
+		}
+		if err := d.s.check(d.st, protocolSotW, req.GetTypeUrl()); err != nil {
+			d.err = err
+			return nil, io.EOF
+		}
+		if !isDebugType(req.GetTypeUrl()) {
+			return req, nil
+		}
+		resp, err := d.s.debug(d.st, req)
+		if err != nil {
+			d.err = err
+			return nil, io.EOF
+		}
+		if err := d.Send(resp); err != nil {
+			return nil, err
+		}
+	}
+}
+
+// deltaStream checks each request of a delta stream.
+type deltaStream struct {
+	discoveryv3.AggregatedDiscoveryService_DeltaAggregatedResourcesServer
+	s   *Server
+	st  *stream
+	ctx context.Context // the stream's, carrying st
+	err error           // why a request ended the stream; read once the server has returned
+}
+
+func (d *deltaStream) Context() context.Context { return d.ctx }
+
+func (d *deltaStream) Recv() (*discoveryv3.DeltaDiscoveryRequest, error) {
+	req, err := d.AggregatedDiscoveryService_DeltaAggregatedResourcesServer.Recv()
+	if err != nil {
+		return nil, err
+	}
+	if err := d.s.check(d.st, protocolDelta, req.GetTypeUrl()); err != nil {
+		d.err = err
+		return nil, io.EOF
+	}
+	return req, nil
+}

@@ -385,15 +385,16 @@ func (c *ControlPlane) Namespaces() controller.Store {
 }
 
 // credentialNamespace gives the discovery server the namespace of a caller's credential, as
-// the CA authenticates it; ca is set once the CA server exists, before anything is served.
+// the CA authorizes it for a certificate: authenticated, and its namespace served by this
+// instance. ca is set once the CA server exists, before anything is served.
 type credentialNamespace struct{ ca *caserver.Server }
 
 func (c *credentialNamespace) Authorize(ctx context.Context) (discovery.Caller, error) {
-	caller, err := c.ca.Authenticate(ctx)
+	caller, err := c.ca.Authorize(ctx)
 	if err != nil {
 		return discovery.Caller{}, err
 	}
-	return discovery.Caller{Namespace: caller.Identity.Namespace, Identity: caller.Identity.String()}, nil
+	return discovery.Caller{Namespace: caller.Identity.Namespace, Identity: caller.Identity.String(), Credential: caller.Credential}, nil
 }
 
 // secretStore is where the secret controller keeps its secrets: Kubernetes Secrets, or

@@ -90,19 +90,29 @@ func (a admittedADS) DeltaAggregatedResources(grpcStream discoveryv3.AggregatedD
 
 // admit authorizes a new stream's caller.
 func (s *Server) admit(ctx context.Context) (*stream, error) {
-	caller, err := s.cfg.Authorizer.Authorize(ctx)
+	caller, err := s.authorize(ctx)
 	if err != nil {
-		if _, ok := status.FromError(err); ok {
-			return nil, err
-		}
-		return nil, status.Error(codes.Unauthenticated, err.Error())
+		return nil, err
 	}
 	return &stream{caller: caller, peer: peerOf(ctx)}, nil
 }
 
+// authorize asks the authorizer about the caller of ctx; its refusal is a status.
+func (s *Server) authorize(ctx context.Context) (Caller, error) {
+	caller, err := s.cfg.Authorizer.Authorize(ctx)
+	if err != nil {
+		if _, ok := status.FromError(err); ok {
+			return Caller{}, err
+		}
+		return Caller{}, status.Error(codes.Unauthenticated, err.Error())
+	}
+	return caller, nil
+}
+
 // check refuses a request of a type the server does not answer (debug types only on SotW
-// streams). The error ends the stream.
-func (s *Server) check(st *stream, protocol, typeURL string) error {
+// streams), or of a caller no longer authorized (its namespace no longer served, say). The error
+// ends the stream.
+func (s *Server) check(ctx context.Context, st *stream, protocol, typeURL string) error {
 	switch {
 	case isEnvoyType(typeURL):
 	case protocol == protocolSotW && (typeURL == DebugSyncz || typeURL == DebugConfigDump):
@@ -115,6 +125,11 @@ func (s *Server) check(st *stream, protocol, typeURL string) error {
 	default:
 		return s.refuse(st, reasonUnknownType, typeURL, status.Errorf(codes.InvalidArgument,
 			"type %q is not served: want an Envoy xDS type, %s or %s", logkey.Untrusted(typeURL), DebugSyncz, DebugConfigDump))
+	}
+	// Again at every request: a namespace no longer served is refused at its next request, and
+	// a credential expired since the stream opened too. The authorizer logs and counts this.
+	if _, err := s.authorize(ctx); err != nil {
+		return err
 	}
 	return nil
 }
@@ -176,7 +191,7 @@ func (d *sotwStream) Recv() (*discoveryv3.DiscoveryRequest, error) {
 		if err != nil {
 			return nil, err
 		}
-		if err := d.s.check(d.st, protocolSotW, req.GetTypeUrl()); err != nil {
+		if err := d.s.check(d.ctx, d.st, protocolSotW, req.GetTypeUrl()); err != nil {
 			d.err = err
 			return nil, io.EOF
 		}
@@ -210,7 +225,7 @@ func (d *deltaStream) Recv() (*discoveryv3.DeltaDiscoveryRequest, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := d.s.check(d.st, protocolDelta, req.GetTypeUrl()); err != nil {
+	if err := d.s.check(d.ctx, d.st, protocolDelta, req.GetTypeUrl()); err != nil {
 		d.err = err
 		return nil, io.EOF
 	}

@@ -38,11 +38,14 @@ type Caller struct {
 	Namespace string
 	// Identity names the client in the logs (its SPIFFE ID).
 	Identity string
+	// Credential is a fingerprint of the credential the client presented, never the credential.
+	Credential string
 }
 
 // Authorizer tells who a client is, from its credential (a service-account JWT or a workload
-// certificate), and whether the CA serves its namespace. A refusal is returned as a gRPC status,
-// already logged and counted by the authorizer.
+// certificate), and whether the CA serves its namespace: the server asks it when a stream opens
+// and at every request. A refusal is returned as a gRPC status, already logged and counted by
+// the authorizer.
 type Authorizer interface {
 	Authorize(ctx context.Context) (Caller, error)
 }

@@ -2,9 +2,11 @@ package discovery
 
 import (
 	"context"
+	"errors"
 	"io"
 	"sync"
 
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discoveryv3 "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/v3"
@@ -12,14 +14,46 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/meshid/meshid/internal/admission"
 	"github.com/meshid/meshid/internal/logkey"
 )
 
+// Bounds of what one client can make the discovery server hold. None is reached by a real
+// sidecar or gateway.
+const (
+	// DefaultMaxStreams bounds the streams open at once over every client: one per proxy (and
+	// one per agent's debug endpoint) connected to this replica. A mesh with more proxies runs
+	// several CA replicas, as it would run several istiods.
+	DefaultMaxStreams = 10000
+	// DefaultMaxStreamsPerCredential bounds the streams of one credential: Envoy opens one ADS
+	// stream per connection to its control plane, and pilot-agent and meshid's agent one more
+	// for their debug endpoint; a hundred leaves room for restarts whose old streams have not
+	// ended yet.
+	DefaultMaxStreamsPerCredential = 100
+	// MaxNodeSize bounds the node a request carries: Envoy's is a few kB (its metadata, the
+	// extensions it was built with), pilot-agent's a few kB more.
+	MaxNodeSize = 512 << 10
+	// MaxAnswerSize is the largest message the server sends: a configuration file whose answer
+	// for one type would pass it, less answerMargin, is refused, and syncz answers are cut to it.
+	MaxAnswerSize = 4 << 20
+	// answerMargin is left under MaxAnswerSize for what an answer holds besides its resources
+	// (version, type URL, nonce).
+	answerMargin = 64 << 10
+	// maxSynczNodes bounds the nodes one syncz answer lists.
+	maxSynczNodes = 1000
+	// maxDebugAnswers bounds the debug answers built at once, over every stream: each can be as
+	// large as MaxAnswerSize while it is built.
+	maxDebugAnswers = 4
+)
+
 // Refusal reasons, the reason label of meshid_discovery_refusals_total.
 const (
-	reasonUnknownType = "unknown_type"
+	reasonUnknownType         = "unknown_type"
+	reasonNodeTooLarge        = "node_too_large"
+	reasonTooManyStreams      = "too_many_streams"
+	reasonTooManyByCredential = "too_many_streams_per_credential"
 )
 
 const (
@@ -63,6 +97,7 @@ func (a admittedADS) StreamAggregatedResources(grpcStream discoveryv3.Aggregated
 	if err != nil {
 		return err
 	}
+	defer a.s.gate.Release(st.caller.Credential)
 	d := &sotwStream{AggregatedDiscoveryService_StreamAggregatedResourcesServer: grpcStream, s: a.s, st: st,
 		ctx: context.WithValue(grpcStream.Context(), streamKey{}, st)}
 	err = a.s.xds.StreamAggregatedResources(d)
@@ -79,6 +114,7 @@ func (a admittedADS) DeltaAggregatedResources(grpcStream discoveryv3.AggregatedD
 	if err != nil {
 		return err
 	}
+	defer a.s.gate.Release(st.caller.Credential)
 	d := &deltaStream{AggregatedDiscoveryService_DeltaAggregatedResourcesServer: grpcStream, s: a.s, st: st,
 		ctx: context.WithValue(grpcStream.Context(), streamKey{}, st)}
 	err = a.s.xds.DeltaAggregatedResources(d)
@@ -88,13 +124,22 @@ func (a admittedADS) DeltaAggregatedResources(grpcStream discoveryv3.AggregatedD
 	return err
 }
 
-// admit authorizes a new stream's caller.
+// admit authorizes a new stream's caller and counts the stream in, overall and under its
+// credential. The caller releases it with gate.Release(caller.Credential).
 func (s *Server) admit(ctx context.Context) (*stream, error) {
 	caller, err := s.authorize(ctx)
 	if err != nil {
 		return nil, err
 	}
-	return &stream{caller: caller, peer: peerOf(ctx)}, nil
+	st := &stream{caller: caller, peer: peerOf(ctx)}
+	if err := s.gate.Admit(caller.Credential); err != nil {
+		reason := reasonTooManyStreams
+		if errors.Is(err, admission.ErrTooManyForKey) {
+			reason = reasonTooManyByCredential
+		}
+		return nil, s.refuse(st, reason, "", status.Errorf(codes.ResourceExhausted, "discovery: %v", err))
+	}
+	return st, nil
 }
 
 // authorize asks the authorizer about the caller of ctx; its refusal is a status.
@@ -109,10 +154,18 @@ func (s *Server) authorize(ctx context.Context) (Caller, error) {
 	return caller, nil
 }
 
-// check refuses a request of a type the server does not answer (debug types only on SotW
-// streams), or of a caller no longer authorized (its namespace no longer served, say). The error
-// ends the stream.
-func (s *Server) check(ctx context.Context, st *stream, protocol, typeURL string) error {
+// check refuses a request the server does not serve: a node over MaxNodeSize, a type it does not
+// answer (debug types only on SotW streams), or a caller no longer authorized (its namespace no
+// longer served, say). The error ends the stream.
+func (s *Server) check(ctx context.Context, st *stream, protocol, typeURL string, node *corev3.Node) error {
+	// Only a node the client sent: go-control-plane fills in the first one itself, and that one
+	// is measured once.
+	if node != nil {
+		if size := proto.Size(node); size > MaxNodeSize {
+			return s.refuse(st, reasonNodeTooLarge, typeURL,
+				status.Errorf(codes.InvalidArgument, "the node is %d bytes, over the limit of %d", size, MaxNodeSize))
+		}
+	}
 	switch {
 	case isEnvoyType(typeURL):
 	case protocol == protocolSotW && (typeURL == DebugSyncz || typeURL == DebugConfigDump):
@@ -191,14 +244,14 @@ func (d *sotwStream) Recv() (*discoveryv3.DiscoveryRequest, error) {
 		if err != nil {
 			return nil, err
 		}
-		if err := d.s.check(d.ctx, d.st, protocolSotW, req.GetTypeUrl()); err != nil {
+		if err := d.s.check(d.ctx, d.st, protocolSotW, req.GetTypeUrl(), req.GetNode()); err != nil {
 			d.err = err
 			return nil, io.EOF
 		}
 		if !isDebugType(req.GetTypeUrl()) {
 			return req, nil
 		}
-		resp, err := d.s.debug(d.st, req)
+		resp, err := d.s.debug(d.ctx, d.st, req)
 		if err != nil {
 			d.err = err
 			return nil, io.EOF
@@ -225,7 +278,7 @@ func (d *deltaStream) Recv() (*discoveryv3.DeltaDiscoveryRequest, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := d.s.check(d.ctx, d.st, protocolDelta, req.GetTypeUrl()); err != nil {
+	if err := d.s.check(d.ctx, d.st, protocolDelta, req.GetTypeUrl(), req.GetNode()); err != nil {
 		d.err = err
 		return nil, io.EOF
 	}

@@ -1,6 +1,7 @@
 package discovery
 
 import (
+	"context"
 	"fmt"
 	"maps"
 	"slices"
@@ -18,6 +19,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
 	"google.golang.org/protobuf/types/known/structpb"
@@ -138,8 +140,13 @@ func (t *syncTracker) clients(namespace string) []*statusv3.ClientConfig {
 func isDebugType(typeURL string) bool { return strings.HasPrefix(typeURL, debugPrefix) }
 
 // debug answers one debug request, syncz or config_dump (check has refused the others), for the
-// caller's namespace.
-func (s *Server) debug(st *stream, req *discoveryv3.DiscoveryRequest) (*discoveryv3.DiscoveryResponse, error) {
+// caller's namespace. At most maxDebugAnswers are built at once over every stream; a request
+// waits for its turn as long as its stream lasts.
+func (s *Server) debug(ctx context.Context, st *stream, req *discoveryv3.DiscoveryRequest) (*discoveryv3.DiscoveryResponse, error) {
+	if err := s.debugSlots.Acquire(ctx, 1); err != nil {
+		return nil, status.FromContextError(err).Err()
+	}
+	defer s.debugSlots.Release(1)
 	ns := st.caller.Namespace
 	resp := &discoveryv3.DiscoveryResponse{TypeUrl: req.GetTypeUrl(), Nonce: strconv.FormatUint(s.debugNonce.Add(1), 10)}
 	switch req.GetTypeUrl() {
@@ -165,17 +172,51 @@ func (s *Server) debug(st *stream, req *discoveryv3.DiscoveryRequest) (*discover
 	return resp, nil
 }
 
-// synczAnswer renders the nodes of a syncz answer.
+// synczAnswer renders the nodes of a syncz answer, in their order, as long as the answer stays
+// within maxSynczNodes and MaxAnswerSize; when it cuts, a last ClientConfig says how many nodes
+// were left out.
 func synczAnswer(clients []*statusv3.ClientConfig) ([]*anypb.Any, error) {
 	var out []*anypb.Any
-	for _, cc := range clients {
-		a, err := rendered(cc)
-		if err != nil {
-			return nil, err
+	size := 0
+	for i, cc := range clients {
+		var a *anypb.Any
+		if i < maxSynczNodes {
+			var err error
+			if a, err = rendered(cc); err != nil {
+				return nil, err
+			}
 		}
+		// The margin holds the last resource, of a few dozen bytes.
+		if a == nil || size+resourceSize(a) > MaxAnswerSize-answerMargin {
+			left, err := rendered(leftOut(len(clients) - i))
+			if err != nil {
+				return nil, err
+			}
+			return append(out, left), nil
+		}
+		size += resourceSize(a)
 		out = append(out, a)
 	}
 	return out, nil
+}
+
+// LeftOutNodeID is the id of the last node of a syncz answer that was cut; its metadata field
+// LeftOutMetadataKey holds how many nodes were left out.
+const (
+	LeftOutNodeID      = "meshid.io/nodes-left-out"
+	LeftOutMetadataKey = "nodes_left_out"
+)
+
+func leftOut(n int) *statusv3.ClientConfig {
+	return &statusv3.ClientConfig{Node: &corev3.Node{Id: LeftOutNodeID, Metadata: &structpb.Struct{Fields: map[string]*structpb.Value{
+		LeftOutMetadataKey: structpb.NewNumberValue(float64(n)),
+	}}}}
+}
+
+// resourceSize is what a resource adds to a DiscoveryResponse: the Any, its length and its tag.
+func resourceSize(a *anypb.Any) int {
+	n := proto.Size(a)
+	return n + protowire.SizeVarint(uint64(n)) + 1
 }
 
 // renderedConfigDump is the config_dump answer's one resource for a set.

@@ -17,6 +17,7 @@ import (
 	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
 	serverv3 "github.com/envoyproxy/go-control-plane/pkg/server/v3"
 	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sync/semaphore"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -55,10 +56,15 @@ type ServerConfig struct {
 	// ConfigPath is the --xds-config file, watched and reloaded.
 	ConfigPath string
 	Authorizer Authorizer
-	Debounce   time.Duration // of the file watch; zero: filewatch's default
-	Clock      clock.Clock
-	Logger     *slog.Logger
-	Registerer prometheus.Registerer // optional
+	// MaxStreams bounds the streams open at once (default DefaultMaxStreams), and
+	// MaxStreamsPerCredential those of one credential (default DefaultMaxStreamsPerCredential);
+	// past either a stream is refused with ResourceExhausted.
+	MaxStreams              int
+	MaxStreamsPerCredential int
+	Debounce                time.Duration // of the file watch; zero: filewatch's default
+	Clock                   clock.Clock
+	Logger                  *slog.Logger
+	Registerer              prometheus.Registerer // optional
 	// OnReload, when set, is told of every reload after the fact: nil, or why the file was not
 	// put in service.
 	OnReload func(error)
@@ -81,7 +87,10 @@ type Server struct {
 
 	sync       *syncTracker
 	debugNonce atomic.Uint64
+	// debugSlots bounds the debug answers being built at once, over every stream.
+	debugSlots *semaphore.Weighted
 
+	gate *admission.Gate
 	logs *admission.LogLimiter
 
 	reloads  *prometheus.CounterVec
@@ -94,11 +103,24 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	if cfg.Authorizer == nil {
 		return nil, errors.New("discovery server: no authorizer")
 	}
+	if cfg.MaxStreams < 0 || cfg.MaxStreamsPerCredential < 0 {
+		return nil, fmt.Errorf("discovery stream limits must be positive, not %d and %d per credential", cfg.MaxStreams, cfg.MaxStreamsPerCredential)
+	}
+	if cfg.MaxStreams == 0 {
+		cfg.MaxStreams = DefaultMaxStreams
+	}
+	if cfg.MaxStreamsPerCredential == 0 {
+		cfg.MaxStreamsPerCredential = DefaultMaxStreamsPerCredential
+	}
 	log := cfg.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
 	current, err := loadConfig(cfg.ConfigPath)
+	if err != nil {
+		return nil, err
+	}
+	gate, err := admission.NewGate(admission.Limits{Streams: cfg.MaxStreams, StreamsPerKey: cfg.MaxStreamsPerCredential})
 	if err != nil {
 		return nil, err
 	}
@@ -110,7 +132,9 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	s := &Server{
 		cfg: cfg, log: log, stop: stop, watcher: w, current: current,
 		namespaces: map[string]bool{}, streams: map[int64]*stream{}, sync: &syncTracker{streams: map[int64]*syncState{}},
-		logs: admission.NewLogLimiter(cfg.Clock),
+		debugSlots: semaphore.NewWeighted(maxDebugAnswers),
+		gate:       gate,
+		logs:       admission.NewLogLimiter(cfg.Clock),
 		reloads: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "meshid_discovery_config_reloads_total",
 			Help: "Loads of --xds-config after a change, by outcome: loaded, unchanged, or invalid (the last good one keeps serving).",

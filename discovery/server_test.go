@@ -36,7 +36,8 @@ import (
 )
 
 // headerAuthenticator stands for the CA's authorizer: the namespace is what the caller's
-// credential says, here a header; no header is a refusal.
+// credential says, here a header (the credential itself, x-credential-id, defaults to it); no
+// header is a refusal.
 type headerAuthenticator struct{}
 
 func (headerAuthenticator) Authorize(ctx context.Context) (discovery.Caller, error) {
@@ -45,7 +46,11 @@ func (headerAuthenticator) Authorize(ctx context.Context) (discovery.Caller, err
 	if len(ns) != 1 {
 		return discovery.Caller{}, status.Error(codes.Unauthenticated, "no credential")
 	}
-	return discovery.Caller{Namespace: ns[0], Identity: "spiffe://cluster.local/ns/" + ns[0] + "/sa/test"}, nil
+	credential := "header:" + ns[0]
+	if id := md.Get("x-credential-id"); len(id) == 1 {
+		credential = "header:" + id[0]
+	}
+	return discovery.Caller{Namespace: ns[0], Identity: "spiffe://cluster.local/ns/" + ns[0] + "/sa/test", Credential: credential}, nil
 }
 
 type discoveryHarness struct {

@@ -49,15 +49,21 @@ func labelled(t *testing.T, reg *prometheus.Registry, name string, labels map[st
 	return 0
 }
 
-// client is an ADS client of namespace ns, on a connection of its own.
-func (h *discoveryHarness) client(ns string) (discoveryv3.AggregatedDiscoveryServiceClient, context.Context) {
+// client is an ADS client of namespace ns, credential id (empty: the namespace's), on a
+// connection of its own; its context ends after answerWithin.
+func (h *discoveryHarness) client(ns, id string) (discoveryv3.AggregatedDiscoveryServiceClient, context.Context) {
 	h.t.Helper()
 	conn, err := grpc.NewClient(h.addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		h.t.Fatal(err)
 	}
 	h.t.Cleanup(func() { _ = conn.Close() })
-	ctx := metadata.AppendToOutgoingContext(h.t.Context(), "x-credential-namespace", ns)
+	ctx, cancel := context.WithTimeout(h.t.Context(), answerWithin)
+	h.t.Cleanup(cancel)
+	ctx = metadata.AppendToOutgoingContext(ctx, "x-credential-namespace", ns)
+	if id != "" {
+		ctx = metadata.AppendToOutgoingContext(ctx, "x-credential-id", id)
+	}
 	return discoveryv3.NewAggregatedDiscoveryServiceClient(conn), ctx
 }
 
@@ -73,9 +79,7 @@ func TestDiscoveryAnswersEveryEnvoyType(t *testing.T) {
 	} {
 		t.Run(typeURL, func(t *testing.T) {
 			t.Parallel()
-			client, ctx := h.client("prod")
-			ctx, cancel := context.WithTimeout(ctx, answerWithin)
-			defer cancel()
+			client, ctx := h.client("prod", "")
 			sotw, err := client.StreamAggregatedResources(ctx)
 			if err != nil {
 				t.Fatal(err)
@@ -121,9 +125,7 @@ func TestDiscoveryRefusesTypesItDoesNotServe(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
 			h := startDiscovery(t, twoNamespaces)
-			client, ctx := h.client("prod")
-			ctx, cancel := context.WithTimeout(ctx, answerWithin)
-			defer cancel()
+			client, ctx := h.client("prod", "")
 			const tries = 25 // more than the log lets through at once
 			for range tries {
 				var err error

@@ -79,6 +79,9 @@ func isEnvoyType(typeURL string) bool { return cache.GetResponseType(typeURL) !=
 type stream struct {
 	caller Caller
 	peer   string
+	// ctx is the stream's own context, its credential in it: the caller is authorized again
+	// with it at each request.
+	ctx context.Context
 }
 
 // streamKey carries a stream's *stream in its context, from admittedADS to the callbacks.
@@ -131,7 +134,7 @@ func (s *Server) admit(ctx context.Context) (*stream, error) {
 	if err != nil {
 		return nil, err
 	}
-	st := &stream{caller: caller, peer: peerOf(ctx)}
+	st := &stream{caller: caller, peer: peerOf(ctx), ctx: ctx}
 	if err := s.gate.Admit(caller.Credential); err != nil {
 		reason := reasonTooManyStreams
 		if errors.Is(err, admission.ErrTooManyForKey) {
@@ -154,10 +157,10 @@ func (s *Server) authorize(ctx context.Context) (Caller, error) {
 	return caller, nil
 }
 
-// check refuses a request the server does not serve: a node over MaxNodeSize, a type it does not
-// answer (debug types only on SotW streams), or a caller no longer authorized (its namespace no
-// longer served, say). The error ends the stream.
-func (s *Server) check(ctx context.Context, st *stream, protocol, typeURL string, node *corev3.Node) error {
+// check refuses a request the server does not serve: a node over MaxNodeSize, or a type it does
+// not answer (debug types only on SotW streams). The error ends the stream. The caller is
+// authorized again later, on the stream's own goroutine (onRequest), or before a debug answer.
+func (s *Server) check(st *stream, protocol, typeURL string, node *corev3.Node) error {
 	// Only a node the client sent: go-control-plane fills in the first one itself, and that one
 	// is measured once.
 	if node != nil {
@@ -178,11 +181,6 @@ func (s *Server) check(ctx context.Context, st *stream, protocol, typeURL string
 	default:
 		return s.refuse(st, reasonUnknownType, typeURL, status.Errorf(codes.InvalidArgument,
 			"type %q is not served: want an Envoy xDS type, %s or %s", logkey.Untrusted(typeURL), DebugSyncz, DebugConfigDump))
-	}
-	// Again at every request: a namespace no longer served is refused at its next request, and
-	// a credential expired since the stream opened too. The authorizer logs and counts this.
-	if _, err := s.authorize(ctx); err != nil {
-		return err
 	}
 	return nil
 }
@@ -244,12 +242,17 @@ func (d *sotwStream) Recv() (*discoveryv3.DiscoveryRequest, error) {
 		if err != nil {
 			return nil, err
 		}
-		if err := d.s.check(d.ctx, d.st, protocolSotW, req.GetTypeUrl(), req.GetNode()); err != nil {
+		if err := d.s.check(d.st, protocolSotW, req.GetTypeUrl(), req.GetNode()); err != nil {
 			d.err = err
 			return nil, io.EOF
 		}
 		if !isDebugType(req.GetTypeUrl()) {
 			return req, nil
+		}
+		// Authorized here, as go-control-plane's callbacks never see a debug request.
+		if _, err := d.s.authorize(d.ctx); err != nil {
+			d.err = err
+			return nil, io.EOF
 		}
 		resp, err := d.s.debug(d.ctx, d.st, req)
 		if err != nil {
@@ -278,7 +281,7 @@ func (d *deltaStream) Recv() (*discoveryv3.DeltaDiscoveryRequest, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := d.s.check(d.ctx, d.st, protocolDelta, req.GetTypeUrl(), req.GetNode()); err != nil {
+	if err := d.s.check(d.st, protocolDelta, req.GetTypeUrl(), req.GetNode()); err != nil {
 		d.err = err
 		return nil, io.EOF
 	}

@@ -18,6 +18,7 @@ import (
 	serverv3 "github.com/envoyproxy/go-control-plane/pkg/server/v3"
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sync/semaphore"
+	rpcstatus "google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -152,12 +153,10 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		StreamClosedFunc:      s.closed,
 		DeltaStreamClosedFunc: s.closed,
 		StreamRequestFunc: func(id int64, req *discoveryv3.DiscoveryRequest) error {
-			info := s.sync.request(id, req.GetNode(), req.GetTypeUrl(), req.GetVersionInfo(), req.GetResponseNonce(), req.GetErrorDetail())
-			return s.stamp(id, info, &req.Node)
+			return s.onRequest(id, &req.Node, req.GetTypeUrl(), req.GetVersionInfo(), req.GetResponseNonce(), req.GetErrorDetail())
 		},
 		StreamDeltaRequestFunc: func(id int64, req *discoveryv3.DeltaDiscoveryRequest) error {
-			info := s.sync.request(id, req.GetNode(), req.GetTypeUrl(), "", req.GetResponseNonce(), req.GetErrorDetail())
-			return s.stamp(id, info, &req.Node)
+			return s.onRequest(id, &req.Node, req.GetTypeUrl(), "", req.GetResponseNonce(), req.GetErrorDetail())
 		},
 		StreamResponseFunc: func(_ context.Context, id int64, _ *discoveryv3.DiscoveryRequest, resp *discoveryv3.DiscoveryResponse) {
 			s.sync.sentResponse(id, resp.GetTypeUrl(), resp.GetVersionInfo(), resp.GetNonce())
@@ -306,23 +305,32 @@ func (s *Server) closed(id int64, _ *corev3.Node) {
 	}
 }
 
-// stamp replaces the request's node with a new one: the stream's node as info holds it, and the
-// stream's authenticated namespace in its metadata, whatever the client declared, for the cache
-// to pick a snapshot by.
+// onRequest is go-control-plane's request callback, run on the stream's own goroutine before the
+// request reaches the cache. It authorizes the caller again, so that a namespace no longer
+// served is refused at its stream's next request (the authorizer logs and counts that); records
+// the request for syncz; and replaces the request's node with a new one: the stream's node as
+// the tracker holds it, with the stream's authenticated namespace in its metadata, whatever the
+// client declared, for the cache to pick a snapshot by.
 //
 // The client's node is never written: go-control-plane keeps the node a SotW stream sent first
 // and puts it into every later request that has none, so a write into it would be a write into
 // a node that other requests, and syncz, read under other locks.
-func (s *Server) stamp(id int64, info nodeInfo, node **corev3.Node) error {
+//
+// Authorizing here rather than where requests are received keeps the receiving goroutine, which
+// every idle stream has, from growing its stack through token verification.
+func (s *Server) onRequest(id int64, node **corev3.Node, typeURL, version, nonce string, nack *rpcstatus.Status) error {
 	s.mu.Lock()
 	st, ok := s.streams[id]
 	s.mu.Unlock()
 	if !ok {
 		return status.Error(codes.Unauthenticated, "stream not authenticated")
 	}
-	ns := st.caller.Namespace
+	if _, err := s.authorize(st.ctx); err != nil {
+		return err
+	}
+	info := s.sync.request(id, *node, typeURL, version, nonce, nack)
 	n := info.node()
-	n.Metadata = &structpb.Struct{Fields: map[string]*structpb.Value{NamespaceMetadataKey: structpb.NewStringValue(ns)}}
+	n.Metadata = &structpb.Struct{Fields: map[string]*structpb.Value{NamespaceMetadataKey: structpb.NewStringValue(st.caller.Namespace)}}
 	*node = n
 	return nil
 }

@@ -15,6 +15,7 @@ import (
 	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/ca/controller"
 	"github.com/meshid/meshid/ca/token"
+	"github.com/meshid/meshid/discovery"
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/hostport"
@@ -29,6 +30,14 @@ const (
 	DefaultTrustDomain    = istio.DefaultTrustDomain
 	DefaultCANamespace    = istio.DefaultCANamespace
 	DefaultStateDir       = "/var/lib/meshid/ca"
+
+	// DefaultMaxConnectionAge is istiod's: long enough that reconnecting costs nothing to
+	// speak of, short enough that a stream opened with a credential that has since expired (a
+	// token, a client certificate whose root's overlap ended) ends within it.
+	DefaultMaxConnectionAge = 30 * time.Minute
+	// DefaultMaxConnectionAgeGrace lets a response in flight reach the client before its
+	// connection is closed; Envoy and gRPC clients reconnect as soon as they are told to go.
+	DefaultMaxConnectionAgeGrace = 10 * time.Second
 )
 
 // Config is everything the control plane needs; cmd builds it from flags and validates it.
@@ -63,6 +72,16 @@ type Config struct {
 	// XDSConfig, when set, is the discovery server's configuration (--xds-config), served on the
 	// gRPC port beside the CA, as istiod does.
 	XDSConfig string
+	// XDSMaxStreams bounds the discovery streams open at once, XDSMaxStreamsPerCredential those
+	// opened with one credential (--xds-max-streams, --xds-max-streams-per-credential).
+	XDSMaxStreams              int
+	XDSMaxStreamsPerCredential int
+
+	// MaxConnectionAge ends a connection to the gRPC port after this long (±10%, gRPC's
+	// jitter), and its streams MaxConnectionAgeGrace later, so that a client reconnects and its
+	// credential is checked again (--max-connection-age).
+	MaxConnectionAge      time.Duration
+	MaxConnectionAgeGrace time.Duration
 
 	// Kubernetes, when enabled, replaces Manifests with the Kubernetes API (see KubernetesConfig).
 	Kubernetes KubernetesConfig
@@ -103,18 +122,22 @@ func SecretsDir(stateDir string) string { return filepath.Join(stateDir, "secret
 // DefaultConfig returns the configuration `meshid ca` starts from.
 func DefaultConfig() Config {
 	return Config{
-		StateDir:                  DefaultStateDir,
-		GRPCAddr:                  DefaultGRPCAddr,
-		MonitoringAddr:            DefaultMonitoringAddr,
-		TrustDomain:               DefaultTrustDomain,
-		SelfSigned:                ca.SelfSignedConfig{KeyAlgorithm: pki.ECDSA, RSAKeySize: pki.DefaultRSAKeySize, TTL: ca.DefaultSelfSignedRootTTL},
-		RootCheckInterval:         ca.DefaultRootCheckInterval,
-		RootRotationThreshold:     ca.DefaultRootRotationThreshold,
-		JWTAudience:               token.DefaultAudience,
-		CANamespace:               DefaultCANamespace,
-		EnableNamespacesByDefault: true,
-		WorkloadCertTTL:           ca.DefaultWorkloadCertTTL,
-		MaxWorkloadCertTTL:        ca.DefaultMaxWorkloadCertTTL,
+		StateDir:                   DefaultStateDir,
+		GRPCAddr:                   DefaultGRPCAddr,
+		MonitoringAddr:             DefaultMonitoringAddr,
+		TrustDomain:                DefaultTrustDomain,
+		SelfSigned:                 ca.SelfSignedConfig{KeyAlgorithm: pki.ECDSA, RSAKeySize: pki.DefaultRSAKeySize, TTL: ca.DefaultSelfSignedRootTTL},
+		RootCheckInterval:          ca.DefaultRootCheckInterval,
+		RootRotationThreshold:      ca.DefaultRootRotationThreshold,
+		JWTAudience:                token.DefaultAudience,
+		CANamespace:                DefaultCANamespace,
+		EnableNamespacesByDefault:  true,
+		WorkloadCertTTL:            ca.DefaultWorkloadCertTTL,
+		MaxWorkloadCertTTL:         ca.DefaultMaxWorkloadCertTTL,
+		XDSMaxStreams:              discovery.DefaultMaxStreams,
+		XDSMaxStreamsPerCredential: discovery.DefaultMaxStreamsPerCredential,
+		MaxConnectionAge:           DefaultMaxConnectionAge,
+		MaxConnectionAgeGrace:      DefaultMaxConnectionAgeGrace,
 		Secrets: SecretsConfig{
 			GracePeriodRatio: controller.DefaultGracePeriodRatio,
 			MinGracePeriod:   controller.DefaultMinGracePeriod,
@@ -164,6 +187,18 @@ func (c *Config) Validate() error {
 	}
 	if err := ca.ValidateRootRotationThreshold(c.RootRotationThreshold); err != nil {
 		errs = append(errs, fmt.Errorf("--root-rotation-threshold: %w", err))
+	}
+	if c.XDSMaxStreams <= 0 {
+		errs = append(errs, fmt.Errorf("--xds-max-streams %d must be positive", c.XDSMaxStreams))
+	}
+	if c.XDSMaxStreamsPerCredential <= 0 {
+		errs = append(errs, fmt.Errorf("--xds-max-streams-per-credential %d must be positive", c.XDSMaxStreamsPerCredential))
+	}
+	if c.MaxConnectionAge <= 0 {
+		errs = append(errs, fmt.Errorf("--max-connection-age %s must be positive", c.MaxConnectionAge))
+	}
+	if c.MaxConnectionAgeGrace <= 0 {
+		errs = append(errs, fmt.Errorf("the connection age grace %s must be positive", c.MaxConnectionAgeGrace))
 	}
 	if c.TrustBundleOverlap < 0 {
 		errs = append(errs, fmt.Errorf("--trust-bundle-overlap %s must not be negative", c.TrustBundleOverlap))

@@ -27,6 +27,7 @@ import (
 	caserver "github.com/meshid/meshid/ca/server"
 	"github.com/meshid/meshid/ca/token"
 	"github.com/meshid/meshid/discovery"
+	"github.com/meshid/meshid/internal/admission"
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/logkey"
@@ -36,6 +37,40 @@ import (
 
 // shutdownGrace bounds how long in-flight RPCs may run after the context ends.
 const shutdownGrace = 5 * time.Second
+
+// Bounds of the gRPC port that its transport enforces (STYLE habit 13), beside the discovery
+// server's own. None is reached by a real client: a CSR is about a kilobyte, a discovery request
+// Envoy's node (a few kB) and some names; Envoy and Istio's agent open one ADS stream per
+// connection, and a CA client a few calls at a time.
+const (
+	// maxRequestSize bounds one message from a client: a discovery request carries a node of
+	// at most discovery.MaxNodeSize and the names it subscribes to.
+	maxRequestSize = 4 << 20
+	// maxHeaderListSize bounds a call's headers (gRPC's default is 16 MiB): a token is a
+	// kilobyte or two.
+	maxHeaderListSize = 64 << 10
+	// maxStreamsPerConnection is told to the client through HTTP/2, which holds further calls
+	// back until one ends.
+	maxStreamsPerConnection = 100
+	// keepaliveMinTime is the shortest interval between a client's pings before the server
+	// sends it away. Istio's clients ping every 30 s or so, with no call open too: gRPC's default
+	// policy (5 min, not without a call) would send them away.
+	keepaliveMinTime = 5 * time.Second
+)
+
+// grpcTransport are the gRPC port's transport bounds. The largest message sent is the largest
+// discovery answer, which the discovery server keeps every answer within.
+func grpcTransport(cfg Config) admission.Transport {
+	return admission.Transport{
+		MaxStreamsPerConnection: maxStreamsPerConnection,
+		MaxRecvMsgSize:          maxRequestSize,
+		MaxSendMsgSize:          discovery.MaxAnswerSize,
+		MaxHeaderListSize:       maxHeaderListSize,
+		KeepaliveMinTime:        keepaliveMinTime,
+		MaxConnectionAge:        cfg.MaxConnectionAge,
+		MaxConnectionAgeGrace:   cfg.MaxConnectionAgeGrace,
+	}
+}
 
 // ControlPlane is a running `meshid ca`.
 type ControlPlane struct {
@@ -114,11 +149,13 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 	discoveryAuth := &credentialNamespace{}
 	if cfg.XDSConfig != "" {
 		if cp.discovery, err = discovery.NewServer(discovery.ServerConfig{
-			ConfigPath:    cfg.XDSConfig,
-			Authenticator: discoveryAuth,
-			Clock:         clk,
-			Logger:        log.With(logkey.Component, "discovery"),
-			Registerer:    registry,
+			ConfigPath:              cfg.XDSConfig,
+			Authorizer:              discoveryAuth,
+			MaxStreams:              cfg.XDSMaxStreams,
+			MaxStreamsPerCredential: cfg.XDSMaxStreamsPerCredential,
+			Clock:                   clk,
+			Logger:                  log.With(logkey.Component, "discovery"),
+			Registerer:              registry,
 		}); err != nil {
 			return nil, err
 		}
@@ -219,8 +256,10 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 	if cp.discovery != nil {
 		discoveryAuth.ca = caServer
 	}
+	transport := grpcTransport(cfg)
 	cp.newGRPC = func() *grpc.Server {
-		grpcServer := grpc.NewServer(append(caserver.GRPCServerOptions(), grpc.Creds(credentials.NewTLS(&tls.Config{
+		opts := append(caserver.GRPCServerOptions(), transport.ServerOptions()...)
+		grpcServer := grpc.NewServer(append(opts, grpc.Creds(credentials.NewTLS(&tls.Config{
 			MinVersion:     tls.VersionTLS12,
 			GetCertificate: serving.GetCertificate,
 			// Client certificates are verified per call by the mTLS authenticator, against the
@@ -388,15 +427,16 @@ func (c *ControlPlane) Namespaces() controller.Store {
 }
 
 // credentialNamespace gives the discovery server the namespace of a caller's credential, as
-// the CA authenticates it; ca is set once the CA server exists, before anything is served.
+// the CA authorizes it for a certificate: authenticated, and its namespace served by this
+// instance. ca is set once the CA server exists, before anything is served.
 type credentialNamespace struct{ ca *caserver.Server }
 
-func (c *credentialNamespace) Namespace(ctx context.Context) (string, error) {
-	caller, err := c.ca.Authenticate(ctx)
+func (c *credentialNamespace) Authorize(ctx context.Context) (discovery.Caller, error) {
+	caller, err := c.ca.Authorize(ctx)
 	if err != nil {
-		return "", err
+		return discovery.Caller{}, err
 	}
-	return caller.Identity.Namespace, nil
+	return discovery.Caller{Namespace: caller.Identity.Namespace, Identity: caller.Identity.String(), Credential: caller.Credential}, nil
 }
 
 // secretStore is where the secret controller keeps its secrets: Kubernetes Secrets, or

@@ -290,6 +290,10 @@ func TestNewFailsClearly(t *testing.T) {
 		}, "lease duration (5s) > renew deadline (10s)"},
 		{"max below default ttl", func(c *controlplane.Config) { c.MaxWorkloadCertTTL = time.Minute }, "--max-workload-cert-ttl"},
 		{"missing jwt keys file", func(c *controlplane.Config) { c.JWTKeysFile = filepath.Join(partial, "nope") }, "token keys"},
+		{"no discovery streams", func(c *controlplane.Config) { c.XDSMaxStreams = 0 }, "--xds-max-streams 0 must be positive"},
+		{"no discovery streams per credential", func(c *controlplane.Config) { c.XDSMaxStreamsPerCredential = -1 }, "--xds-max-streams-per-credential"},
+		{"no connection age", func(c *controlplane.Config) { c.MaxConnectionAge = 0 }, "--max-connection-age"},
+		{"no connection age grace", func(c *controlplane.Config) { c.MaxConnectionAgeGrace = -time.Second }, "grace"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -1,11 +1,16 @@
 package controlplane_test
 
 import (
+	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"errors"
+	"io"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
+	"time"
 
 	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -18,7 +23,121 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/meshid/meshid/ca"
+	"github.com/meshid/meshid/controlplane/controlplanetest"
+	"github.com/meshid/meshid/internal/filewatch"
+	"github.com/meshid/meshid/internal/testutil"
 )
+
+// adsClient opens a connection to the CA's port as an agent's xDS proxy does: TLS verified with
+// the CA root (at the time of clk, when not nil), presenting client (when not nil).
+func adsClient(t *testing.T, addr, rootFile string, clk *testutil.FakeClock, client *tls.Certificate) discoveryv3.AggregatedDiscoveryServiceClient {
+	t.Helper()
+	rootPEM, err := os.ReadFile(rootFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool := x509.NewCertPool()
+	pool.AppendCertsFromPEM(rootPEM)
+	cfg := &tls.Config{RootCAs: pool, ServerName: "istiod.istio-system.svc", MinVersion: tls.VersionTLS12}
+	if clk != nil {
+		cfg.Time = clk.Now
+	}
+	if client != nil {
+		cfg.Certificates = []tls.Certificate{*client}
+	}
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(credentials.NewTLS(cfg)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	return discoveryv3.NewAggregatedDiscoveryServiceClient(conn)
+}
+
+// streamLimit bounds, in real time, how long a test waits on a stream for what the server owes.
+const streamLimit = 30 * time.Second
+
+// firstClusters opens an ADS stream on client with token tok (none when empty), asks for the
+// clusters and returns the stream and the first response. The stream ends after streamLimit.
+func firstClusters(t *testing.T, client discoveryv3.AggregatedDiscoveryServiceClient, tok string) (discoveryv3.AggregatedDiscoveryService_StreamAggregatedResourcesClient, *discoveryv3.DiscoveryResponse, error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), streamLimit)
+	t.Cleanup(cancel)
+	if tok != "" {
+		ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+tok)
+	}
+	stream, err := client.StreamAggregatedResources(ctx)
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := stream.Send(&discoveryv3.DiscoveryRequest{Node: &corev3.Node{Id: "sidecar~10.0.0.1~web~web.svc.cluster.local"}, TypeUrl: resource.ClusterType}); err != nil && !errors.Is(err, io.EOF) {
+		return nil, nil, err
+	}
+	resp, err := stream.Recv()
+	return stream, resp, err
+}
+
+// Attack (issue 24, item 4): discovery served configuration to a namespace that namespace
+// targeting refuses certificates. It is now refused as CreateCertificate is, with the same
+// text, counted and logged alike; at a stream's open, and at each request, so that a label edit
+// ends a stream at its next request.
+func TestDiscoveryHonoursNamespaceTargeting(t *testing.T) {
+	t.Parallel()
+	manifests := t.TempDir()
+	testutil.WriteFiles(t, manifests, map[string][]byte{
+		"web.yaml":  namespaceManifest("web", `ca.istio.io/env: istio-system`),
+		"prod.yaml": namespaceManifest("prod", `ca.istio.io/override: "false"`),
+	})
+	clk := testutil.NewFakeClock(time.Now().Truncate(time.Second))
+	dir := t.TempDir()
+	cfg := testConfig(filepath.Join(dir, "state"))
+	cfg.Manifests = manifests
+	cfg.EnableNamespacesByDefault = false
+	cfg.Clock = clk
+	cfg.XDSConfig = filepath.Join(dir, "xds.yaml")
+	if err := os.WriteFile(cfg.XDSConfig, []byte("clusters: [{name: backend, connect_timeout: 1s}]"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cp := start(t, cfg)
+	client := adsClient(t, cp.GRPCAddr(), filepath.Join(cfg.StateDir, ca.RootCertFile), clk, nil)
+	tok := func(ns string) string {
+		return controlplanetest.Token(t, cfg.StateDir, ns, "demo", clk.Now(), time.Hour)
+	}
+
+	_, _, err := firstClusters(t, client, tok("prod"))
+	if status.Code(err) != codes.PermissionDenied {
+		t.Fatalf("a prod token, prod not served: %v, want PermissionDenied", err)
+	}
+	for _, want := range []string{"namespace prod", `ca.istio.io/override="false"`, "row 12", "no CA instance serves it"} {
+		if !strings.Contains(status.Convert(err).Message(), want) {
+			t.Errorf("refused with %q, which does not name %q", status.Convert(err).Message(), want)
+		}
+	}
+	_, metrics := get(t, "http://"+cp.MonitoringAddr()+"/metrics")
+	if !strings.Contains(metrics, `meshid_ca_requests_refused_total{code="PermissionDenied",reason="namespace_not_targeted"} 1`) {
+		t.Errorf("the refusal is not counted:\n%s", metrics)
+	}
+
+	stream, resp, err := firstClusters(t, client, tok("web"))
+	if err != nil {
+		t.Fatalf("web, served: %v", err)
+	}
+	// web's label is edited: its stream is refused at its next request.
+	testutil.WriteFiles(t, manifests, map[string][]byte{"web.yaml": namespaceManifest("web", `ca.istio.io/override: "false"`)})
+	store := cp.Namespaces()
+	for {
+		changed := store.Changed()
+		if labels, _, _ := store.NamespaceLabels(t.Context(), "web"); labels["ca.istio.io/override"] == "false" {
+			break
+		}
+		testutil.Drive(t, clk, filewatch.DefaultDebounce, 2, changed) // 2: the root check and secret resync timers
+	}
+	if err := stream.Send(&discoveryv3.DiscoveryRequest{TypeUrl: resource.ClusterType, VersionInfo: resp.GetVersionInfo(), ResponseNonce: resp.GetNonce()}); err != nil && !errors.Is(err, io.EOF) {
+		t.Fatal(err)
+	}
+	if _, err := stream.Recv(); status.Code(err) != codes.PermissionDenied || !strings.Contains(status.Convert(err).Message(), "namespace web") {
+		t.Fatalf("web's stream after the edit: %v, want PermissionDenied naming web", err)
+	}
+}
 
 // clustersFor opens an ADS stream to the CA's port as an agent's xDS proxy does (TLS verified
 // with the CA root, a bearer token) and returns the clusters of the first response.

@@ -19,6 +19,7 @@ import (
 	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
 	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
 	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 	"sigs.k8s.io/yaml"
 
@@ -99,7 +100,7 @@ func ParseConfig(data []byte) (*Config, error) {
 		}
 	}
 	cfg := &Config{namespaces: map[string]resources{}}
-	if cfg.defaults, err = parseResources(top, ""); err != nil {
+	if cfg.defaults, err = parseResources(top, "", "the top-level set (every namespace without its own)"); err != nil {
 		return nil, err
 	}
 	for ns, raw := range nsSections {
@@ -110,17 +111,20 @@ func ParseConfig(data []byte) (*Config, error) {
 		if err := json.Unmarshal(raw, &section); err != nil {
 			return nil, fmt.Errorf("namespaces.%s: want a mapping of listeners, clusters, routes and endpoints: %w", ns, err)
 		}
-		if cfg.namespaces[ns], err = parseResources(section, "namespaces."+ns+"."); err != nil {
+		if cfg.namespaces[ns], err = parseResources(section, "namespaces."+ns+".", "namespace "+ns); err != nil {
 			return nil, err
 		}
 	}
 	return cfg, nil
 }
 
-func parseResources(sections map[string]json.RawMessage, prefix string) (resources, error) {
+// parseResources decodes and checks one set, the namespace's named by where, and refuses it when
+// one of its answers would pass the size an answer may have.
+func parseResources(sections map[string]json.RawMessage, prefix, where string) (resources, error) {
 	known := map[string]bool{}
 	r := resources{byType: map[resource.Type][]types.Resource{}}
 	digest := sha256.New()
+	answers := map[resource.Type]int{} // the size of each type's answer
 	for _, kind := range resourceKinds() {
 		known[kind.key] = true
 		// Every type is in the set, empty or not: a type missing from a snapshot is never
@@ -155,6 +159,7 @@ func parseResources(sections map[string]json.RawMessage, prefix string) (resourc
 			}
 			_, _ = fmt.Fprintf(digest, "%s %d\n", kind.typeURL, len(wire)) // a hash never fails a write
 			digest.Write(wire)
+			answers[kind.typeURL] += resourceEntrySize(kind.typeURL, len(wire))
 		}
 	}
 	for key := range sections {
@@ -163,7 +168,37 @@ func parseResources(sections map[string]json.RawMessage, prefix string) (resourc
 		}
 	}
 	r.version = hex.EncodeToString(digest.Sum(nil))[:16]
+	for _, kind := range resourceKinds() {
+		if err := checkAnswerSize(where, kind.typeURL, answers[kind.typeURL]); err != nil {
+			return resources{}, err
+		}
+	}
+	// config_dump holds every type at once, as JSON.
+	dump, err := renderedConfigDump(r.byType, r.version)
+	if err != nil {
+		return resources{}, err
+	}
+	if err := checkAnswerSize(where, DebugConfigDump, resourceSize(dump)); err != nil {
+		return resources{}, err
+	}
 	return r, nil
+}
+
+// checkAnswerSize refuses an answer whose resources take size bytes when it would pass
+// MaxAnswerSize less answerMargin: the server would fail to send it.
+func checkAnswerSize(where, typeURL string, size int) error {
+	if limit := MaxAnswerSize - answerMargin; size > limit {
+		return fmt.Errorf("%s: the answer of type %s would be %d bytes, over the %d bytes an answer may have (%d MiB less a margin)",
+			where, typeURL, size, limit, MaxAnswerSize>>20)
+	}
+	return nil
+}
+
+// resourceEntrySize is what a resource whose wire form is n bytes adds to an answer of typeURL:
+// the Any that wraps it (its type URL and value), the Any's length and its tag.
+func resourceEntrySize(typeURL string, n int) int {
+	wrapped := protowire.SizeTag(1) + protowire.SizeBytes(len(typeURL)) + protowire.SizeTag(2) + protowire.SizeBytes(n)
+	return protowire.SizeTag(2) + protowire.SizeBytes(wrapped)
 }
 
 func resourceName(msg proto.Message) string {

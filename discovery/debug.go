@@ -3,7 +3,6 @@ package discovery
 import (
 	"context"
 	"fmt"
-	"io"
 	"maps"
 	"slices"
 	"strconv"
@@ -16,11 +15,11 @@ import (
 	statusv3 "github.com/envoyproxy/go-control-plane/envoy/service/status/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
 	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
-	serverv3 "github.com/envoyproxy/go-control-plane/pkg/server/v3"
 	rpcstatus "google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
 	"google.golang.org/protobuf/types/known/structpb"
@@ -40,7 +39,7 @@ const (
 // syncState is what one stream was sent and what it acknowledged, by type.
 type syncState struct {
 	namespace string
-	node      *corev3.Node
+	node      nodeInfo
 	sent      map[string]sentVersion
 	acked     map[string]string // the version last ACKed
 	nacked    map[string]string // the error of the last NACK, until the next ACK
@@ -74,29 +73,38 @@ func (t *syncTracker) sentResponse(id int64, typeURL, version, nonce string) {
 	}
 }
 
-// request records the node and an ACK or NACK of the response the request names.
-func (t *syncTracker) request(id int64, node *corev3.Node, typeURL, version, nonce string, nack *rpcstatus.Status) {
+// request records the node, when the request has one, and an ACK or NACK of the response the
+// request names. It returns what it holds of the stream's node: the node of this request or of
+// an earlier one.
+func (t *syncTracker) request(id int64, node *corev3.Node, typeURL, version, nonce string, nack *rpcstatus.Status) nodeInfo {
+	// Copied before the lock: the node is the client's, read on the stream's own goroutine.
+	var info nodeInfo
+	if node != nil {
+		info = nodeInfoOf(node)
+	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	st, ok := t.streams[id]
 	if !ok {
-		return
+		return info
 	}
 	if node != nil {
-		st.node = node
+		st.node = info
 	}
+	info = st.node
 	if nonce == "" || st.sent[typeURL].nonce != nonce {
-		return
+		return info
 	}
 	if nack != nil {
 		st.nacked[typeURL] = nack.GetMessage()
-		return
+		return info
 	}
 	if version == "" { // delta acknowledges a nonce, not a version
 		version = st.sent[typeURL].version
 	}
 	delete(st.nacked, typeURL)
 	st.acked[typeURL] = version
+	return info
 }
 
 // clients reports the streams of namespace: a caller sees only its own namespace's nodes.
@@ -108,7 +116,7 @@ func (t *syncTracker) clients(namespace string) []*statusv3.ClientConfig {
 		if st.namespace != namespace {
 			continue
 		}
-		cc := &statusv3.ClientConfig{Node: proto.CloneOf(st.node)}
+		cc := &statusv3.ClientConfig{Node: st.node.node()}
 		for _, typeURL := range slices.Sorted(maps.Keys(st.sent)) {
 			state := statusv3.ConfigStatus_STALE
 			switch {
@@ -129,91 +137,95 @@ func (t *syncTracker) clients(namespace string) []*statusv3.ClientConfig {
 	return out
 }
 
-// adsWithDebug answers istio.io/debug requests on a state-of-the-world ADS stream itself and
-// hands every other request to go-control-plane's server.
-type adsWithDebug struct {
-	serverv3.Server
-	s *Server
-}
+func isDebugType(typeURL string) bool { return strings.HasPrefix(typeURL, debugPrefix) }
 
-func (a adsWithDebug) StreamAggregatedResources(stream discoveryv3.AggregatedDiscoveryService_StreamAggregatedResourcesServer) error {
-	d := &debugStream{AggregatedDiscoveryService_StreamAggregatedResourcesServer: stream, s: a.s}
-	err := a.Server.StreamAggregatedResources(d)
-	// go-control-plane takes any receive error for the client's end of the stream: the reason
-	// a debug request ended it is returned here instead.
-	if d.err != nil {
-		return d.err
+// debug answers one debug request, syncz or config_dump (check has refused the others), for the
+// caller's namespace. At most maxDebugAnswers are built at once over every stream; a request
+// waits for its turn as long as its stream lasts.
+func (s *Server) debug(ctx context.Context, st *stream, req *discoveryv3.DiscoveryRequest) (*discoveryv3.DiscoveryResponse, error) {
+	if err := s.debugSlots.Acquire(ctx, 1); err != nil {
+		return nil, status.FromContextError(err).Err()
 	}
-	return err
-}
-
-// debugStream takes the debug requests out of a stream and answers them; its sends are
-// serialised with the server's, which come from another goroutine.
-type debugStream struct {
-	discoveryv3.AggregatedDiscoveryService_StreamAggregatedResourcesServer
-	s   *Server
-	mu  sync.Mutex
-	err error // why a debug request ended the stream; read once the server has returned
-}
-
-func (d *debugStream) Send(resp *discoveryv3.DiscoveryResponse) error {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	return d.AggregatedDiscoveryService_StreamAggregatedResourcesServer.Send(resp)
-}
-
-func (d *debugStream) Recv() (*discoveryv3.DiscoveryRequest, error) {
-	for {
-		req, err := d.AggregatedDiscoveryService_StreamAggregatedResourcesServer.Recv()
-		if err != nil || !strings.HasPrefix(req.GetTypeUrl(), debugPrefix) {
-			return req, err
-		}
-		resp, err := d.s.debug(d.Context(), req)
-		if err != nil {
-			d.err = err
-			return nil, io.EOF
-		}
-		if err := d.Send(resp); err != nil {
-			return nil, err
-		}
-	}
-}
-
-// debug answers one debug request for the caller's namespace. A caller whose credential no
-// longer holds, or an unknown debug type, ends the stream.
-func (s *Server) debug(ctx context.Context, req *discoveryv3.DiscoveryRequest) (*discoveryv3.DiscoveryResponse, error) {
-	ns, err := s.cfg.Authenticator.Namespace(ctx)
-	if err != nil {
-		return nil, err
-	}
-	var answers []proto.Message
+	defer s.debugSlots.Release(1)
+	ns := st.caller.Namespace
+	resp := &discoveryv3.DiscoveryResponse{TypeUrl: req.GetTypeUrl(), Nonce: strconv.FormatUint(s.debugNonce.Add(1), 10)}
 	switch req.GetTypeUrl() {
 	case DebugSyncz:
-		for _, cc := range s.sync.clients(ns) {
-			answers = append(answers, cc)
+		resources, err := synczAnswer(s.sync.clients(ns))
+		if err != nil {
+			return nil, status.Error(codes.Internal, err.Error())
 		}
+		resp.Resources = resources
 	case DebugConfigDump:
 		s.mu.Lock()
 		set, version := s.current.For(ns)
 		s.mu.Unlock()
-		dump, err := configDump(set, version)
+		a, err := renderedConfigDump(set, version)
 		if err != nil {
 			return nil, status.Error(codes.Internal, err.Error())
 		}
-		answers = append(answers, dump)
+		resp.Resources = []*anypb.Any{a}
 	default:
 		return nil, status.Errorf(codes.InvalidArgument, "unknown debug type %q: want %s or %s",
 			logkey.Untrusted(req.GetTypeUrl()), DebugSyncz, DebugConfigDump)
 	}
-	resp := &discoveryv3.DiscoveryResponse{TypeUrl: req.GetTypeUrl(), Nonce: strconv.FormatUint(s.debugNonce.Add(1), 10)}
-	for _, m := range answers {
-		a, err := rendered(m)
-		if err != nil {
-			return nil, status.Error(codes.Internal, err.Error())
-		}
-		resp.Resources = append(resp.Resources, a)
-	}
 	return resp, nil
+}
+
+// synczAnswer renders the nodes of a syncz answer, in their order, as long as the answer stays
+// within maxSynczNodes and MaxAnswerSize; when it cuts, a last ClientConfig says how many nodes
+// were left out.
+func synczAnswer(clients []*statusv3.ClientConfig) ([]*anypb.Any, error) {
+	var out []*anypb.Any
+	size := 0
+	for i, cc := range clients {
+		var a *anypb.Any
+		if i < maxSynczNodes {
+			var err error
+			if a, err = rendered(cc); err != nil {
+				return nil, err
+			}
+		}
+		// The margin holds the last resource, of a few dozen bytes.
+		if a == nil || size+resourceSize(a) > MaxAnswerSize-answerMargin {
+			left, err := rendered(leftOut(len(clients) - i))
+			if err != nil {
+				return nil, err
+			}
+			return append(out, left), nil
+		}
+		size += resourceSize(a)
+		out = append(out, a)
+	}
+	return out, nil
+}
+
+// LeftOutNodeID is the id of the last node of a syncz answer that was cut; its metadata field
+// LeftOutMetadataKey holds how many nodes were left out.
+const (
+	LeftOutNodeID      = "meshid.io/nodes-left-out"
+	LeftOutMetadataKey = "nodes_left_out"
+)
+
+func leftOut(n int) *statusv3.ClientConfig {
+	return &statusv3.ClientConfig{Node: &corev3.Node{Id: LeftOutNodeID, Metadata: &structpb.Struct{Fields: map[string]*structpb.Value{
+		LeftOutMetadataKey: structpb.NewNumberValue(float64(n)),
+	}}}}
+}
+
+// resourceSize is what a resource adds to a DiscoveryResponse: the Any, its length and its tag.
+func resourceSize(a *anypb.Any) int {
+	n := proto.Size(a)
+	return n + protowire.SizeVarint(uint64(n)) + 1
+}
+
+// renderedConfigDump is the config_dump answer's one resource for a set.
+func renderedConfigDump(set map[resource.Type][]types.Resource, version string) (*anypb.Any, error) {
+	dump, err := configDump(set, version)
+	if err != nil {
+		return nil, err
+	}
+	return rendered(dump)
 }
 
 // rendered is m as JSON in a google.protobuf.Value: debug answers are for people, and the agent

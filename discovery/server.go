@@ -12,14 +12,19 @@ import (
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discoveryv3 "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
 	serverv3 "github.com/envoyproxy/go-control-plane/pkg/server/v3"
 	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sync/semaphore"
+	rpcstatus "google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/structpb"
 
+	"github.com/meshid/meshid/internal/admission"
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/filewatch"
 	"github.com/meshid/meshid/internal/logkey"
@@ -29,22 +34,38 @@ import (
 // client authenticated as, overwriting whatever the client declared: it picks the snapshot.
 const NamespaceMetadataKey = "meshid.io/authenticated-namespace"
 
-// Authenticator tells which namespace a client's credential (a service-account JWT or a
-// workload certificate) belongs to. A refusal is returned as a gRPC status, already logged and
-// counted by the authenticator.
-type Authenticator interface {
-	Namespace(ctx context.Context) (string, error)
+// Caller is a client as the CA sees its credential.
+type Caller struct {
+	// Namespace picks the client's snapshot.
+	Namespace string
+	// Identity names the client in the logs (its SPIFFE ID).
+	Identity string
+	// Credential is a fingerprint of the credential the client presented, never the credential.
+	Credential string
+}
+
+// Authorizer tells who a client is, from its credential (a service-account JWT or a workload
+// certificate), and whether the CA serves its namespace: the server asks it when a stream opens
+// and at every request. A refusal is returned as a gRPC status, already logged and counted by
+// the authorizer.
+type Authorizer interface {
+	Authorize(ctx context.Context) (Caller, error)
 }
 
 // ServerConfig configures a Server.
 type ServerConfig struct {
 	// ConfigPath is the --xds-config file, watched and reloaded.
-	ConfigPath    string
-	Authenticator Authenticator
-	Debounce      time.Duration // of the file watch; zero: filewatch's default
-	Clock         clock.Clock
-	Logger        *slog.Logger
-	Registerer    prometheus.Registerer // optional
+	ConfigPath string
+	Authorizer Authorizer
+	// MaxStreams bounds the streams open at once (default DefaultMaxStreams), and
+	// MaxStreamsPerCredential those of one credential (default DefaultMaxStreamsPerCredential);
+	// past either a stream is refused with ResourceExhausted.
+	MaxStreams              int
+	MaxStreamsPerCredential int
+	Debounce                time.Duration // of the file watch; zero: filewatch's default
+	Clock                   clock.Clock
+	Logger                  *slog.Logger
+	Registerer              prometheus.Registerer // optional
 	// OnReload, when set, is told of every reload after the fact: nil, or why the file was not
 	// put in service.
 	OnReload func(error)
@@ -62,26 +83,45 @@ type Server struct {
 
 	mu         sync.Mutex
 	current    *Config
-	namespaces map[string]bool  // with a snapshot: configured or connected
-	streams    map[int64]string // open stream → its namespace
+	namespaces map[string]bool   // with a snapshot: configured or connected
+	streams    map[int64]*stream // open stream → who opened it
 
 	sync       *syncTracker
 	debugNonce atomic.Uint64
+	// debugSlots bounds the debug answers being built at once, over every stream.
+	debugSlots *semaphore.Weighted
 
-	reloads *prometheus.CounterVec
-	open    prometheus.Gauge
+	gate *admission.Gate
+	logs *admission.LogLimiter
+
+	reloads  *prometheus.CounterVec
+	refusals *prometheus.CounterVec
+	open     prometheus.Gauge
 }
 
 // NewServer loads the configuration; an invalid one fails the start. It starts no goroutine.
 func NewServer(cfg ServerConfig) (*Server, error) {
-	if cfg.Authenticator == nil {
-		return nil, errors.New("discovery server: no authenticator")
+	if cfg.Authorizer == nil {
+		return nil, errors.New("discovery server: no authorizer")
+	}
+	if cfg.MaxStreams < 0 || cfg.MaxStreamsPerCredential < 0 {
+		return nil, fmt.Errorf("discovery stream limits must be positive, not %d and %d per credential", cfg.MaxStreams, cfg.MaxStreamsPerCredential)
+	}
+	if cfg.MaxStreams == 0 {
+		cfg.MaxStreams = DefaultMaxStreams
+	}
+	if cfg.MaxStreamsPerCredential == 0 {
+		cfg.MaxStreamsPerCredential = DefaultMaxStreamsPerCredential
 	}
 	log := cfg.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
 	current, err := loadConfig(cfg.ConfigPath)
+	if err != nil {
+		return nil, err
+	}
+	gate, err := admission.NewGate(admission.Limits{Streams: cfg.MaxStreams, StreamsPerKey: cfg.MaxStreamsPerCredential})
 	if err != nil {
 		return nil, err
 	}
@@ -92,11 +132,18 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	ctx, stop := context.WithCancel(context.Background())
 	s := &Server{
 		cfg: cfg, log: log, stop: stop, watcher: w, current: current,
-		namespaces: map[string]bool{}, streams: map[int64]string{}, sync: &syncTracker{streams: map[int64]*syncState{}},
+		namespaces: map[string]bool{}, streams: map[int64]*stream{}, sync: &syncTracker{streams: map[int64]*syncState{}},
+		debugSlots: semaphore.NewWeighted(maxDebugAnswers),
+		gate:       gate,
+		logs:       admission.NewLogLimiter(cfg.Clock),
 		reloads: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "meshid_discovery_config_reloads_total",
 			Help: "Loads of --xds-config after a change, by outcome: loaded, unchanged, or invalid (the last good one keeps serving).",
 		}, []string{"outcome"}),
+		refusals: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "meshid_discovery_refusals_total",
+			Help: "Discovery streams and requests refused, by reason and the gRPC code the stream ended with. Refusals of the credential or the namespace are counted in meshid_ca_requests_refused_total.",
+		}, []string{"reason", "code"}),
 		open: prometheus.NewGauge(prometheus.GaugeOpts{Name: "meshid_discovery_streams", Help: "Open xDS streams."}),
 	}
 	s.cache = cache.NewSnapshotCache(true, nodeNamespace{}, nil)
@@ -106,12 +153,10 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		StreamClosedFunc:      s.closed,
 		DeltaStreamClosedFunc: s.closed,
 		StreamRequestFunc: func(id int64, req *discoveryv3.DiscoveryRequest) error {
-			s.sync.request(id, req.GetNode(), req.GetTypeUrl(), req.GetVersionInfo(), req.GetResponseNonce(), req.GetErrorDetail())
-			return s.stamp(id, &req.Node)
+			return s.onRequest(id, &req.Node, req.GetTypeUrl(), req.GetVersionInfo(), req.GetResponseNonce(), req.GetErrorDetail())
 		},
 		StreamDeltaRequestFunc: func(id int64, req *discoveryv3.DeltaDiscoveryRequest) error {
-			s.sync.request(id, req.GetNode(), req.GetTypeUrl(), "", req.GetResponseNonce(), req.GetErrorDetail())
-			return s.stamp(id, &req.Node)
+			return s.onRequest(id, &req.Node, req.GetTypeUrl(), "", req.GetResponseNonce(), req.GetErrorDetail())
 		},
 		StreamResponseFunc: func(_ context.Context, id int64, _ *discoveryv3.DiscoveryRequest, resp *discoveryv3.DiscoveryResponse) {
 			s.sync.sentResponse(id, resp.GetTypeUrl(), resp.GetVersionInfo(), resp.GetNonce())
@@ -127,7 +172,7 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		return nil, err
 	}
 	if cfg.Registerer != nil {
-		for _, c := range []prometheus.Collector{s.reloads, s.open} {
+		for _, c := range []prometheus.Collector{s.reloads, s.refusals, s.open} {
 			if err := cfg.Registerer.Register(c); err != nil {
 				return nil, fmt.Errorf("discovery metrics: %w", err)
 			}
@@ -138,7 +183,7 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 
 // Register serves the aggregated discovery service on g.
 func (s *Server) Register(g *grpc.Server) {
-	discoveryv3.RegisterAggregatedDiscoveryServiceServer(g, adsWithDebug{Server: s.xds, s: s})
+	discoveryv3.RegisterAggregatedDiscoveryServiceServer(g, admittedADS{s: s})
 }
 
 // Ready is closed once the file is watched: an edit from then on is reloaded.
@@ -211,23 +256,31 @@ func (s *Server) publish(cfg *Config) error {
 
 func (s *Server) setSnapshot(cfg *Config, namespace string) error {
 	set, version := cfg.For(namespace)
-	snap, err := cache.NewSnapshot(version, set)
+	// Every type the cache knows is in the snapshot, empty where the file has none: a type
+	// missing from a snapshot is never answered, and Envoy waits for the answers of the types
+	// its bootstrap names before it serves.
+	all := make(map[resource.Type][]types.Resource, int(types.UnknownType))
+	for _, typeURL := range envoyTypes() {
+		all[typeURL] = set[typeURL]
+		if all[typeURL] == nil {
+			all[typeURL] = []types.Resource{}
+		}
+	}
+	snap, err := cache.NewSnapshot(version, all)
 	if err != nil {
 		return err
 	}
 	return s.cache.SetSnapshot(context.Background(), namespace, snap)
 }
 
-// opened authenticates a new stream, and makes sure its namespace has a snapshot before its
-// first request is answered.
+// opened makes sure the namespace of a stream, admitted by admittedADS, has a snapshot before
+// its first request is answered.
 func (s *Server) opened(ctx context.Context, id int64, _ string) error {
-	ns, err := s.cfg.Authenticator.Namespace(ctx)
-	if err != nil {
-		if _, ok := status.FromError(err); ok {
-			return err
-		}
-		return status.Error(codes.Unauthenticated, err.Error())
+	st, ok := ctx.Value(streamKey{}).(*stream)
+	if !ok {
+		return status.Error(codes.Internal, "discovery stream opened without admission")
 	}
+	ns := st.caller.Namespace
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if !s.namespaces[ns] {
@@ -236,7 +289,7 @@ func (s *Server) opened(ctx context.Context, id int64, _ string) error {
 		}
 		s.namespaces[ns] = true
 	}
-	s.streams[id] = ns
+	s.streams[id] = st
 	s.sync.open(id, ns)
 	s.open.Inc()
 	return nil
@@ -252,27 +305,57 @@ func (s *Server) closed(id int64, _ *corev3.Node) {
 	}
 }
 
-// stamp writes the stream's authenticated namespace into the request's node, over whatever the
-// client declared, before the cache picks a snapshot by it.
-func (s *Server) stamp(id int64, node **corev3.Node) error {
+// onRequest is go-control-plane's request callback, run on the stream's own goroutine before the
+// request reaches the cache. It authorizes the caller again, so that a namespace no longer
+// served is refused at its stream's next request (the authorizer logs and counts that); records
+// the request for syncz; and replaces the request's node with a new one: the stream's node as
+// the tracker holds it, with the stream's authenticated namespace in its metadata, whatever the
+// client declared, for the cache to pick a snapshot by.
+//
+// The client's node is never written: go-control-plane keeps the node a SotW stream sent first
+// and puts it into every later request that has none, so a write into it would be a write into
+// a node that other requests, and syncz, read under other locks.
+//
+// Authorizing here rather than where requests are received keeps the receiving goroutine, which
+// every idle stream has, from growing its stack through token verification.
+func (s *Server) onRequest(id int64, node **corev3.Node, typeURL, version, nonce string, nack *rpcstatus.Status) error {
 	s.mu.Lock()
-	ns, ok := s.streams[id]
+	st, ok := s.streams[id]
 	s.mu.Unlock()
 	if !ok {
 		return status.Error(codes.Unauthenticated, "stream not authenticated")
 	}
-	if *node == nil {
-		*node = &corev3.Node{}
+	if _, err := s.authorize(st.ctx); err != nil {
+		return err
 	}
-	n := *node
-	if n.Metadata == nil {
-		n.Metadata = &structpb.Struct{Fields: map[string]*structpb.Value{}}
-	}
-	if n.Metadata.Fields == nil {
-		n.Metadata.Fields = map[string]*structpb.Value{}
-	}
-	n.Metadata.Fields[NamespaceMetadataKey] = structpb.NewStringValue(ns)
+	info := s.sync.request(id, *node, typeURL, version, nonce, nack)
+	n := info.node()
+	n.Metadata = &structpb.Struct{Fields: map[string]*structpb.Value{NamespaceMetadataKey: structpb.NewStringValue(st.caller.Namespace)}}
+	*node = n
 	return nil
+}
+
+// nodeInfo is what the server keeps of a stream's node: what syncz shows, copied from the
+// client's node, which the server never holds on to.
+type nodeInfo struct {
+	id, cluster           string
+	region, zone, subZone string
+	hasLocality           bool
+}
+
+func nodeInfoOf(n *corev3.Node) nodeInfo {
+	l := n.GetLocality()
+	return nodeInfo{id: n.GetId(), cluster: n.GetCluster(),
+		region: l.GetRegion(), zone: l.GetZone(), subZone: l.GetSubZone(), hasLocality: l != nil}
+}
+
+// node returns a new node of the id, cluster and locality info holds.
+func (i nodeInfo) node() *corev3.Node {
+	n := &corev3.Node{Id: i.id, Cluster: i.cluster}
+	if i.hasLocality {
+		n.Locality = &corev3.Locality{Region: i.region, Zone: i.zone, SubZone: i.subZone}
+	}
+	return n
 }
 
 // nodeNamespace keys the snapshot cache by the stamped namespace.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"os"
 	"path/filepath"
@@ -31,36 +32,56 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/meshid/meshid/discovery"
+	"github.com/meshid/meshid/internal/testutil"
 )
 
-// headerAuthenticator stands for the CA's authenticators: the namespace is what the caller's
-// credential says, here a header; no header is a refusal.
+// headerAuthenticator stands for the CA's authorizer: the namespace is what the caller's
+// credential says, here a header (the credential itself, x-credential-id, defaults to it); no
+// header is a refusal.
 type headerAuthenticator struct{}
 
-func (headerAuthenticator) Namespace(ctx context.Context) (string, error) {
+func (headerAuthenticator) Authorize(ctx context.Context) (discovery.Caller, error) {
 	md, _ := metadata.FromIncomingContext(ctx)
-	if ns := md.Get("x-credential-namespace"); len(ns) == 1 {
-		return ns[0], nil
+	ns := md.Get("x-credential-namespace")
+	if len(ns) != 1 {
+		return discovery.Caller{}, status.Error(codes.Unauthenticated, "no credential")
 	}
-	return "", status.Error(codes.Unauthenticated, "no credential")
+	credential := "header:" + ns[0]
+	if id := md.Get("x-credential-id"); len(id) == 1 {
+		credential = "header:" + id[0]
+	}
+	return discovery.Caller{Namespace: ns[0], Identity: "spiffe://cluster.local/ns/" + ns[0] + "/sa/test", Credential: credential}, nil
 }
 
 type discoveryHarness struct {
 	t        *testing.T
 	path     string
 	registry *prometheus.Registry
+	logs     *testutil.SyncBuffer // JSON
 	addr     string
 	reloads  chan error
 }
 
 func startDiscovery(t *testing.T, config string) *discoveryHarness {
 	t.Helper()
-	h := &discoveryHarness{t: t, path: filepath.Join(t.TempDir(), "xds.yaml"), registry: prometheus.NewRegistry(), reloads: make(chan error, 16)}
+	return startDiscoveryWith(t, config, nil)
+}
+
+// startDiscoveryWith starts a server on config, its ServerConfig changed by edit (when not nil).
+func startDiscoveryWith(t *testing.T, config string, edit func(*discovery.ServerConfig)) *discoveryHarness {
+	t.Helper()
+	h := &discoveryHarness{t: t, path: filepath.Join(t.TempDir(), "xds.yaml"), registry: prometheus.NewRegistry(),
+		logs: &testutil.SyncBuffer{}, reloads: make(chan error, 16)}
 	h.write(config)
-	srv, err := discovery.NewServer(discovery.ServerConfig{
-		ConfigPath: h.path, Authenticator: headerAuthenticator{}, Debounce: time.Millisecond, Registerer: h.registry,
+	cfg := discovery.ServerConfig{
+		ConfigPath: h.path, Authorizer: headerAuthenticator{}, Debounce: time.Millisecond, Registerer: h.registry,
+		Logger:   slog.New(slog.NewJSONHandler(h.logs, nil)),
 		OnReload: func(err error) { h.reloads <- err },
-	})
+	}
+	if edit != nil {
+		edit(&cfg)
+	}
+	srv, err := discovery.NewServer(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -263,7 +284,7 @@ func TestNewServerRefusesAnInvalidFile(t *testing.T) {
 	if err := os.WriteFile(path, []byte("clusters: [{name: a, connect_timeout: -1s}]"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	_, err := discovery.NewServer(discovery.ServerConfig{ConfigPath: path, Authenticator: headerAuthenticator{}})
+	_, err := discovery.NewServer(discovery.ServerConfig{ConfigPath: path, Authorizer: headerAuthenticator{}})
 	if err == nil || !strings.Contains(err.Error(), path) || !strings.Contains(err.Error(), "ConnectTimeout") {
 		t.Fatalf("error %v, want one naming the file and the field", err)
 	}

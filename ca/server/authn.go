@@ -2,7 +2,9 @@ package server
 
 import (
 	"context"
+	"crypto/sha256"
 	"crypto/x509"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"strings"
@@ -25,6 +27,25 @@ type Caller struct {
 	// Method names how the caller proved its identity ("jwt", "mtls", "tokenreview"); it is the
 	// auth_method label of the issued-certificates metric.
 	Method string
+	// Credential is a fingerprint of the credential itself, never the credential: "jwt:" and the
+	// first 16 hex digits of the token's SHA-256 (TokenCredential), or "mtls:" and those of the
+	// client certificate's DER (CertificateCredential). Servers on the CA's port cap the streams
+	// of one credential with it.
+	Credential string
+}
+
+// TokenCredential is the Caller.Credential of a caller authenticated by bearer token raw.
+func TokenCredential(raw string) string { return "jwt:" + fingerprint([]byte(raw)) }
+
+// CertificateCredential is the Caller.Credential of a caller authenticated by the client
+// certificate whose DER is leaf.
+func CertificateCredential(leaf []byte) string { return "mtls:" + fingerprint(leaf) }
+
+// fingerprint is the first 16 hex digits of data's SHA-256: enough that two credentials in use
+// at once do not share one, and no use to whoever reads it in a log.
+func fingerprint(data []byte) string {
+	sum := sha256.Sum256(data)
+	return hex.EncodeToString(sum[:8])
 }
 
 // Authenticator establishes a caller's identity from a request's credentials. It returns an
@@ -93,7 +114,8 @@ func (a *JWTAuthenticator) Authenticate(ctx context.Context) (Caller, error) {
 	if err != nil {
 		return Caller{}, fmt.Errorf("bearer token: %w", err)
 	}
-	return Caller{Identity: pki.SPIFFEID{TrustDomain: a.trustDomain, Namespace: ns, ServiceAccount: sa}, Method: "jwt"}, nil
+	return Caller{Identity: pki.SPIFFEID{TrustDomain: a.trustDomain, Namespace: ns, ServiceAccount: sa}, Method: "jwt",
+		Credential: TokenCredential(raw)}, nil
 }
 
 // TrustSource yields the CA's current key material, whose roots client certificates must chain to.
@@ -164,7 +186,7 @@ func (a *MTLSAuthenticator) Authenticate(ctx context.Context) (Caller, error) {
 	if id.TrustDomain != a.trustDomain {
 		return Caller{}, fmt.Errorf("%w: trust domain %q, want %q", errClientCertificate, logkey.Untrusted(id.TrustDomain), a.trustDomain)
 	}
-	return Caller{Identity: id, Method: "mtls"}, nil
+	return Caller{Identity: id, Method: "mtls", Credential: CertificateCredential(leaf.Raw)}, nil
 }
 
 // anyTrustedRoot accepts chains if one of them ends at a root still trusted now: the pool keeps a

@@ -56,13 +56,21 @@ type Server struct {
 	refusals       *admission.LogLimiter
 }
 
-// Authenticate authenticates a caller of another service on the CA's port (the discovery
-// server) as CreateCertificate does: the same authenticators, its refusal logged and counted
-// alike and returned as a gRPC status.
-func (s *Server) Authenticate(ctx context.Context) (Caller, error) {
+// Authorize authenticates a caller and checks that this CA instance serves its namespace:
+// CreateCertificate begins with it, and so does every other service on the CA's port (the
+// discovery server), so that the two cannot drift. A refusal is logged and counted as
+// CreateCertificate's are, and returned as a gRPC status.
+func (s *Server) Authorize(ctx context.Context) (Caller, error) {
 	caller, err := authenticate(ctx, s.authenticators)
 	if err != nil {
-		return Caller{}, s.refuse(ctx, Caller{}, err)
+		return Caller{}, s.refuse(ctx, caller, err)
+	}
+	served, why, err := s.targeting.Targets(ctx, caller.Identity.Namespace)
+	if err != nil {
+		return Caller{}, s.refuse(ctx, caller, fmt.Errorf("%w: %w", errTargetingUnavailable, err))
+	}
+	if !served {
+		return Caller{}, s.refuse(ctx, caller, fmt.Errorf("%w: %s", errNamespaceNotTargeted, why))
 	}
 	return caller, nil
 }
@@ -91,16 +99,9 @@ var (
 // CreateCertificate authenticates the caller, checks that its namespace is served, and signs the
 // CSR for the caller's own identity. The response chain is leaf, intermediates, root.
 func (s *Server) CreateCertificate(ctx context.Context, req *pb.IstioCertificateRequest) (*pb.IstioCertificateResponse, error) {
-	caller, err := authenticate(ctx, s.authenticators)
+	caller, err := s.Authorize(ctx)
 	if err != nil {
-		return nil, s.refuse(ctx, caller, err)
-	}
-	served, why, err := s.targeting.Targets(ctx, caller.Identity.Namespace)
-	if err != nil {
-		return nil, s.refuse(ctx, caller, fmt.Errorf("%w: %w", errTargetingUnavailable, err))
-	}
-	if !served {
-		return nil, s.refuse(ctx, caller, fmt.Errorf("%w: %s", errNamespaceNotTargeted, why))
+		return nil, err
 	}
 	csr, err := ca.ParseCSR([]byte(req.GetCsr()))
 	if err != nil {

@@ -97,7 +97,24 @@ On Kubernetes (--kubeconfig FILE, or --in-cluster in a pod), the API server repl
     restart, the old root trusted for the overlap;
   - the roots are published as ConfigMap istio-ca-root-cert (root-cert.pem) in served namespaces;
   - tokens are checked with TokenReview (audience --jwt-audience), besides --jwt-keys when given.
-The RBAC this needs is in deploy/kubernetes/rbac.yaml.`,
+The RBAC this needs is in deploy/kubernetes/rbac.yaml.
+
+With --xds-config, the gRPC port also serves Envoy's aggregated discovery service (state of
+the world and delta) from the file, as istiod does. A client authenticates as for a
+certificate, and its namespace must be one this instance serves (checked at the stream's open
+and at each request); the namespace of its credential picks the configuration. Every Envoy type
+go-control-plane knows is answered (empty where the file has none), and istio.io/debug/syncz and
+config_dump on state-of-the-world streams; any other type ends the stream (InvalidArgument).
+
+What a client can make the gRPC port hold is bounded:
+  - messages of 4 MiB at most, each way (a file whose answer for one type would be larger is
+    refused), headers of 64 KiB, 100 calls at once on one connection, pings every 5 s at most;
+  - --xds-max-streams discovery streams at once, --xds-max-streams-per-credential with one token
+    or client certificate (ResourceExhausted past either);
+  - a node of 512 KiB; syncz answers of 1,000 nodes; four debug answers built at once;
+  - --max-connection-age: a connection is told to go after it, and closed 10 s later.
+Refusals are counted (meshid_discovery_refusals_total, meshid_ca_requests_refused_total) and
+logged, each reason at most ten lines at once then one a second.`,
 		Args: cobra.NoArgs,
 		PreRunE: func(cmd *cobra.Command, _ []string) error {
 			alg, err := pki.ParseKeyAlgorithm(keyAlgorithm)
@@ -157,6 +174,9 @@ The RBAC this needs is in deploy/kubernetes/rbac.yaml.`,
 	f.StringVar(&cfg.JWTIssuer, "jwt-issuer", "", "issuer tokens must carry; empty accepts any")
 	f.StringVar(&cfg.Manifests, "manifests", "", "directory of Namespace and ServiceAccount manifests (*.yaml, *.yml, *.json; not its subdirectories), watched; their labels decide which namespaces this CA serves. It must exist but may be empty. Empty: no namespace is known")
 	f.StringVar(&cfg.XDSConfig, "xds-config", "", "serve Envoy's aggregated discovery service on the gRPC port from this file (YAML or JSON shaped like bootstrap's static_resources: listeners, clusters, routes, endpoints, and namespaces: {<ns>: {...}} replacing them for that namespace); watched, and a bad edit keeps the last good one")
+	f.IntVar(&cfg.XDSMaxStreams, "xds-max-streams", cfg.XDSMaxStreams, "most discovery streams open at once over every client; past it a stream is refused with ResourceExhausted")
+	f.IntVar(&cfg.XDSMaxStreamsPerCredential, "xds-max-streams-per-credential", cfg.XDSMaxStreamsPerCredential, "most discovery streams open at once with one token or client certificate (Envoy opens one per connection, an agent one more for its debug endpoint); past it ResourceExhausted")
+	f.DurationVar(&cfg.MaxConnectionAge, "max-connection-age", cfg.MaxConnectionAge, "a connection to --grpc-addr is told to go after this long (±10%), and closed 10s later, so that its client reconnects and shows its credential again: a stream opened with a token that has since expired, or a client certificate whose root's overlap has ended, ends within it")
 	f.StringVar(&cfg.Kubernetes.Kubeconfig, "kubeconfig", "", "kubeconfig file of the Kubernetes API to run on, instead of --manifests")
 	f.BoolVar(&cfg.Kubernetes.InCluster, "in-cluster", false, "run on the Kubernetes API of the cluster this pod runs in, as its service account (see deploy/kubernetes)")
 	f.StringVar(&cfg.CANamespace, "ca-namespace", cfg.CANamespace, "namespace of this CA instance, matched against the ca.istio.io/env namespace label; on Kubernetes, where its cacerts Secret and its Lease are")

@@ -44,7 +44,9 @@ func TestCAFlagsBuildConfig(t *testing.T) {
 	if cfg.StateDir != "/tmp/x" || cfg.GRPCAddr != want.GRPCAddr || cfg.MonitoringAddr != want.MonitoringAddr ||
 		cfg.TrustDomain != "cluster.local" || cfg.JWTAudience != "istio-ca" || !cfg.EnableNamespacesByDefault ||
 		cfg.WorkloadCertTTL != 24*time.Hour || cfg.MaxWorkloadCertTTL != 2160*time.Hour ||
-		cfg.SelfSigned.KeyAlgorithm != pki.ECDSA || cfg.CANamespace != "istio-system" || cfg.Logger == nil {
+		cfg.SelfSigned.KeyAlgorithm != pki.ECDSA || cfg.CANamespace != "istio-system" || cfg.Logger == nil ||
+		cfg.XDSMaxStreams != 10000 || cfg.XDSMaxStreamsPerCredential != 100 || cfg.MaxConnectionAge != 30*time.Minute ||
+		cfg.MaxConnectionAgeGrace != 10*time.Second {
 		t.Fatalf("defaults not applied: %+v", cfg)
 	}
 
@@ -53,7 +55,8 @@ func TestCAFlagsBuildConfig(t *testing.T) {
 		"--jwt-issuer", "iss", "--ca-namespace", "mesh", "--enable-namespaces-by-default=false",
 		"--workload-cert-ttl", "1h", "--max-workload-cert-ttl", "2h", "--self-signed-ca-cert-ttl", "48h",
 		"--self-signed-ca-org", "Org", "--grpc-host-identities", "ca.example.org, 10.0.0.1,", "--log-format", "json",
-		"--root-check-interval", "10m", "--root-rotation-threshold", "0.3", "--trust-bundle-overlap", "72h")
+		"--root-check-interval", "10m", "--root-rotation-threshold", "0.3", "--trust-bundle-overlap", "72h",
+		"--xds-max-streams", "500", "--xds-max-streams-per-credential", "5", "--max-connection-age", "1h")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -62,7 +65,8 @@ func TestCAFlagsBuildConfig(t *testing.T) {
 		cfg.EnableNamespacesByDefault || cfg.WorkloadCertTTL != time.Hour || cfg.MaxWorkloadCertTTL != 2*time.Hour ||
 		cfg.SelfSigned.TTL != 48*time.Hour || cfg.SelfSigned.Org != "Org" ||
 		strings.Join(cfg.GRPCHostIdentities, ",") != "ca.example.org,10.0.0.1" ||
-		cfg.RootCheckInterval != 10*time.Minute || cfg.RootRotationThreshold != 0.3 || cfg.TrustBundleOverlap != 72*time.Hour {
+		cfg.RootCheckInterval != 10*time.Minute || cfg.RootRotationThreshold != 0.3 || cfg.TrustBundleOverlap != 72*time.Hour ||
+		cfg.XDSMaxStreams != 500 || cfg.XDSMaxStreamsPerCredential != 5 || cfg.MaxConnectionAge != time.Hour {
 		t.Fatalf("flags not applied: %+v", cfg)
 	}
 }
@@ -116,6 +120,9 @@ func TestBadInputIsRefusedBeforeRunning(t *testing.T) {
 		{"rotation threshold", []string{"ca", "--root-rotation-threshold", "1.5"}, "--root-rotation-threshold"},
 		{"rotation threshold NaN", []string{"ca", "--root-rotation-threshold", "NaN"}, "--root-rotation-threshold"},
 		{"negative overlap", []string{"ca", "--trust-bundle-overlap", "-1h"}, "--trust-bundle-overlap"},
+		{"no discovery streams", []string{"ca", "--xds-max-streams", "0"}, "--xds-max-streams"},
+		{"no discovery streams per credential", []string{"ca", "--xds-max-streams-per-credential", "0"}, "--xds-max-streams-per-credential"},
+		{"no connection age", []string{"ca", "--max-connection-age", "0s"}, "--max-connection-age"},
 		{"positional argument", []string{"ca", "extra"}, "unknown command"},
 		{"token without identity", []string{"token", "--state-dir", "/s"}, "--namespace and --service-account are required"},
 		{"token with bad ttl", []string{"token", "--namespace", "a", "--service-account", "b", "--ttl", "-1s"}, "--ttl"},

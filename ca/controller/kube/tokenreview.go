@@ -216,6 +216,7 @@ func (a *TokenReviewAuthenticator) review(ctx context.Context, raw string, key [
 		a.reviewsSent.WithLabelValues("refused").Inc()
 		return a.remember(reviewResult{err: err}, raw, key)
 	}
+	caller.Credential = caserver.TokenCredential(raw)
 	a.reviewsSent.WithLabelValues("authenticated").Inc()
 	a.log.Debug("token reviewed", logkey.Identity, caller.Identity.String())
 	return a.remember(reviewResult{caller: caller}, raw, key)

@@ -95,12 +95,17 @@ func TestTokenReviewAuthenticatesServiceAccount(t *testing.T) {
 	ns := env.Namespace(t, nil)
 	env.ServiceAccount(t, ns, "workload")
 	r := newReviewer(t, nil, "")
-	caller, err := r.auth.Authenticate(reviewBearer(t.Context(), env.Token(t, ns, "workload", time.Hour, "istio-ca")))
+	tok := env.Token(t, ns, "workload", time.Hour, "istio-ca")
+	caller, err := r.auth.Authenticate(reviewBearer(t.Context(), tok))
 	if err != nil {
 		t.Fatal(err)
 	}
 	if want := "spiffe://" + reviewTrustDomain + "/ns/" + ns + "/sa/workload"; caller.Identity.String() != want || caller.Method != "tokenreview" {
 		t.Fatalf("caller %s by %q, want %s by tokenreview", caller.Identity, caller.Method, want)
+	}
+	// The streams of one token are capped together, whichever authenticator accepted it.
+	if want := caserver.TokenCredential(tok); caller.Credential != want {
+		t.Fatalf("credential %q, want %q", caller.Credential, want)
 	}
 	if got := metric(t, r.registry, "meshid_ca_token_reviews_total", "outcome", "authenticated"); got != 1 {
 		t.Fatalf("%v authenticated reviews counted, want 1", got)

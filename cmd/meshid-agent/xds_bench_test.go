@@ -1,0 +1,123 @@
+package main
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/metadata"
+
+	"github.com/meshid/meshid/ca/token"
+	"github.com/meshid/meshid/controlplane"
+)
+
+// BenchmarkIdleXDSStreams measures what an open, idle discovery stream costs `meshid ca
+// --xds-config` (issue 24): one CA process, 1,000 ADS streams over 10 TLS connections (each
+// connection an agent of its own, with its own token), every stream past its first CDS answer
+// and then idle. It reports the CA's resident memory and goroutines before and after, and each
+// per stream.
+func BenchmarkIdleXDSStreams(b *testing.B) {
+	const conns, perConn = 10, 100
+	dir := b.TempDir()
+	state := filepath.Join(dir, "state")
+	xds := filepath.Join(dir, "xds.yaml")
+	if err := os.WriteFile(xds, []byte("clusters: [{name: backend, connect_timeout: 1s}]\n"), 0o600); err != nil {
+		b.Fatal(err)
+	}
+	cmd, rec := startLogged(b, agentBinary(b), "CA started", "ca", "--state-dir", state, "--xds-config", xds,
+		"--grpc-addr", "127.0.0.1:0", "--monitoring-addr", "127.0.0.1:0")
+	addr, _ := rec["address"].(string)
+	monitor, _ := rec["monitoring_address"].(string)
+	minter, err := token.LoadMinter(controlplane.TokenKeyPath(state))
+	if err != nil {
+		b.Fatal(err)
+	}
+	rootPEM, err := os.ReadFile(filepath.Join(state, "root-cert.pem"))
+	if err != nil {
+		b.Fatal(err)
+	}
+	pool := x509.NewCertPool()
+	pool.AppendCertsFromPEM(rootPEM)
+
+	b.ResetTimer()
+	for range b.N {
+		b.StopTimer()
+		rssBefore := rssOf(b, cmd.Process.Pid) / 1024
+		goroutinesBefore := scrape(b, monitor, "go_goroutines")
+		ctx, cancel := context.WithCancel(b.Context())
+		var clients []*grpc.ClientConn
+		var wg sync.WaitGroup
+		errs := make(chan error, conns*perConn)
+		start := time.Now()
+		b.StartTimer()
+		for c := range conns {
+			conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{
+				RootCAs: pool, ServerName: "istiod.istio-system.svc", MinVersion: tls.VersionTLS12,
+			})))
+			if err != nil {
+				b.Fatal(err)
+			}
+			clients = append(clients, conn)
+			tok, err := minter.Mint(token.MintParams{Issuer: token.DefaultIssuer, Audiences: []string{token.DefaultAudience},
+				Namespace: "default", ServiceAccount: fmt.Sprintf("agent-%d", c), TTL: time.Hour, Now: time.Now()})
+			if err != nil {
+				b.Fatal(err)
+			}
+			client := discovery.NewAggregatedDiscoveryServiceClient(conn)
+			sctx := metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+tok)
+			for s := range perConn {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					stream, err := client.StreamAggregatedResources(sctx)
+					if err != nil {
+						errs <- err
+						return
+					}
+					node := &corev3.Node{Id: fmt.Sprintf("sidecar~10.0.%d.%d~web-%d.default~default.svc.cluster.local", c, s, s), Cluster: "web"}
+					if err := stream.Send(&discovery.DiscoveryRequest{Node: node, TypeUrl: resource.ClusterType}); err != nil {
+						errs <- err
+						return
+					}
+					if _, err := stream.Recv(); err != nil {
+						errs <- err
+					}
+				}()
+			}
+		}
+		wg.Wait()
+		b.StopTimer()
+		took := time.Since(start)
+		close(errs)
+		for err := range errs {
+			b.Fatalf("a stream failed: %v", err)
+		}
+		n := float64(conns * perConn)
+		rssAfter := rssOf(b, cmd.Process.Pid) / 1024
+		goroutinesAfter := scrape(b, monitor, "go_goroutines")
+		b.ReportMetric(rssBefore, "ca-rss-before-MB")
+		b.ReportMetric(rssAfter, "ca-rss-after-MB")
+		b.ReportMetric((rssAfter-rssBefore)*1024/n, "ca-rss-kB/stream")
+		b.ReportMetric(goroutinesBefore, "goroutines-before")
+		b.ReportMetric(goroutinesAfter, "goroutines-after")
+		b.ReportMetric((goroutinesAfter-goroutinesBefore)/n, "goroutines/stream")
+		b.ReportMetric(scrape(b, monitor, "go_memstats_heap_inuse_bytes")/(1<<20), "ca-heap-after-MB")
+		b.ReportMetric(float64(took.Milliseconds()), "open-ms")
+		cancel()
+		for _, conn := range clients {
+			_ = conn.Close()
+		}
+		b.StartTimer()
+	}
+}

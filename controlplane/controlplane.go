@@ -436,7 +436,11 @@ func (c *credentialNamespace) Authorize(ctx context.Context) (discovery.Caller, 
 	if err != nil {
 		return discovery.Caller{}, err
 	}
-	return discovery.Caller{Namespace: caller.Identity.Namespace, Identity: caller.Identity.String(), Credential: caller.Credential}, nil
+	return discovery.Caller{Identity: caller.Identity, Method: caller.Method, Credential: caller.Credential}, nil
+}
+
+func (c *credentialNamespace) Serves(ctx context.Context, caller discovery.Caller) error {
+	return c.ca.Serves(ctx, caserver.Caller{Identity: caller.Identity, Method: caller.Method, Credential: caller.Credential})
 }
 
 // secretStore is where the secret controller keeps its secrets: Kubernetes Secrets, or

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"slices"
 	"sync"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -52,6 +53,7 @@ const (
 // Refusal reasons, the reason label of meshid_discovery_refusals_total.
 const (
 	reasonUnknownType         = "unknown_type"
+	reasonIstioAgentType      = "istio_agent_type"
 	reasonNodeTooLarge        = "node_too_large"
 	reasonTooManyStreams      = "too_many_streams"
 	reasonTooManyByCredential = "too_many_streams_per_credential"
@@ -60,6 +62,8 @@ const (
 const (
 	protocolSotW  = "sotw"
 	protocolDelta = "delta"
+	// codeDropped counts a request ignored while its stream goes on.
+	codeDropped = "dropped"
 )
 
 // envoyTypes are the types go-control-plane's cache knows: those the server answers from its
@@ -75,6 +79,22 @@ func envoyTypes() []resource.Type {
 }
 
 func isEnvoyType(typeURL string) bool { return cache.GetResponseType(typeURL) != types.UnknownType }
+
+// istioAgentTypes are what Istio's agent asks istiod for on Envoy's own stream, besides Envoy's
+// types: its DNS proxy's name table (ISTIO_META_DNS_CAPTURE), its health reports of a
+// WorkloadEntry, its dynamic proxy configuration. They are not served here, and dropped rather
+// than refused, so that the Envoy stream pilot-agent sends them on goes on, as it did when every
+// type was accepted and these were never answered.
+func istioAgentTypes() []string {
+	return []string{
+		"type.googleapis.com/istio.networking.nds.v1.NameTable",
+		"type.googleapis.com/istio.v1.HealthInformation",
+		"type.googleapis.com/istio.mesh.v1alpha1.ProxyConfig",
+	}
+}
+
+// errDropped is check's answer for a request dropped while its stream goes on.
+var errDropped = errors.New("request dropped")
 
 // stream is an admitted stream: who opened it, which it was authorized as. It does not change.
 type stream struct {
@@ -150,16 +170,22 @@ func (s *Server) admit(ctx context.Context) (*stream, error) {
 func (s *Server) authorize(ctx context.Context) (Caller, error) {
 	caller, err := s.cfg.Authorizer.Authorize(ctx)
 	if err != nil {
-		if _, ok := status.FromError(err); ok {
-			return Caller{}, err
-		}
-		return Caller{}, status.Error(codes.Unauthenticated, err.Error())
+		return Caller{}, asStatus(err)
 	}
 	return caller, nil
 }
 
+// asStatus is an authorizer's refusal as a status: Unauthenticated when it is not one already.
+func asStatus(err error) error {
+	if _, ok := status.FromError(err); ok {
+		return err
+	}
+	return status.Error(codes.Unauthenticated, err.Error())
+}
+
 // check refuses a request the server does not serve: a node over MaxNodeSize, or a type it does
-// not answer (debug types only on SotW streams). The error ends the stream. The caller is
+// not answer (debug types only on SotW streams). The error ends the stream, but errDropped: the
+// request of one of Istio's agent's own types is dropped, counted, and the stream goes on. The caller is
 // authorized again later, on the stream's own goroutine (onRequest), or before a debug answer.
 func (s *Server) check(st *stream, protocol, typeURL string, node *corev3.Node) error {
 	// Only a node the client sent: go-control-plane fills in the first one itself, and that one
@@ -172,6 +198,9 @@ func (s *Server) check(st *stream, protocol, typeURL string, node *corev3.Node) 
 	}
 	switch {
 	case isEnvoyType(typeURL):
+	case slices.Contains(istioAgentTypes(), typeURL):
+		s.refuse(st, reasonIstioAgentType, typeURL, nil)
+		return errDropped
 	case protocol == protocolSotW && (typeURL == DebugSyncz || typeURL == DebugConfigDump):
 	case protocol == protocolSotW && isDebugType(typeURL):
 		return s.refuse(st, reasonUnknownType, typeURL, status.Errorf(codes.InvalidArgument, "unknown debug type %q: want %s or %s",
@@ -187,16 +216,22 @@ func (s *Server) check(st *stream, protocol, typeURL string, node *corev3.Node) 
 }
 
 // refuse counts a refusal and logs it, each reason at most admission's burst at once then once
-// a second, and returns err, a status.
+// a second, and returns err, a status; nil for a request dropped while its stream goes on
+// (counted with the code "dropped").
 func (s *Server) refuse(st *stream, reason, typeURL string, err error) error {
-	code := status.Code(err)
-	s.refusals.WithLabelValues(reason, code.String()).Inc()
+	code := codeDropped
+	if err != nil {
+		code = status.Code(err).String()
+	}
+	s.refusals.WithLabelValues(reason, code).Inc()
 	logged, dropped := s.logs.Allow(reason)
 	if !logged {
 		return err
 	}
-	attrs := []any{logkey.Reason, reason, logkey.Code, code.String(), logkey.Peer, st.peer,
-		logkey.Identity, st.caller.Identity, logkey.Error, status.Convert(err).Message()}
+	attrs := []any{logkey.Reason, reason, logkey.Code, code, logkey.Peer, st.peer, logkey.Identity, st.caller.Identity.String()}
+	if err != nil {
+		attrs = append(attrs, logkey.Error, status.Convert(err).Message())
+	}
 	if typeURL != "" {
 		attrs = append(attrs, logkey.TypeURL, logkey.Untrusted(typeURL))
 	}
@@ -243,7 +278,9 @@ func (d *sotwStream) Recv() (*discoveryv3.DiscoveryRequest, error) {
 		if err != nil {
 			return nil, err
 		}
-		if err := d.s.check(d.st, protocolSotW, req.GetTypeUrl(), req.GetNode()); err != nil {
+		if err := d.s.check(d.st, protocolSotW, req.GetTypeUrl(), req.GetNode()); errors.Is(err, errDropped) {
+			continue
+		} else if err != nil {
 			d.err = err
 			return nil, io.EOF
 		}
@@ -278,13 +315,17 @@ type deltaStream struct {
 func (d *deltaStream) Context() context.Context { return d.ctx }
 
 func (d *deltaStream) Recv() (*discoveryv3.DeltaDiscoveryRequest, error) {
-	req, err := d.AggregatedDiscoveryService_DeltaAggregatedResourcesServer.Recv()
-	if err != nil {
-		return nil, err
+	for {
+		req, err := d.AggregatedDiscoveryService_DeltaAggregatedResourcesServer.Recv()
+		if err != nil {
+			return nil, err
+		}
+		if err := d.s.check(d.st, protocolDelta, req.GetTypeUrl(), req.GetNode()); errors.Is(err, errDropped) {
+			continue
+		} else if err != nil {
+			d.err = err
+			return nil, io.EOF
+		}
+		return req, nil
 	}
-	if err := d.s.check(d.st, protocolDelta, req.GetTypeUrl(), req.GetNode()); err != nil {
-		d.err = err
-		return nil, io.EOF
-	}
-	return req, nil
 }

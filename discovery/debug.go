@@ -147,7 +147,7 @@ func (s *Server) debug(ctx context.Context, st *stream, req *discoveryv3.Discove
 		return nil, status.FromContextError(err).Err()
 	}
 	defer s.debugSlots.Release(1)
-	ns := st.caller.Namespace
+	ns := st.caller.Identity.Namespace
 	resp := &discoveryv3.DiscoveryResponse{TypeUrl: req.GetTypeUrl(), Nonce: strconv.FormatUint(s.debugNonce.Add(1), 10)}
 	switch req.GetTypeUrl() {
 	case DebugSyncz:

@@ -9,11 +9,17 @@ import (
 	discoveryv3 "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"github.com/meshid/meshid/internal/pki"
 )
 
 type allowAll struct{}
 
-func (allowAll) Authorize(context.Context) (Caller, error) { return Caller{Namespace: "prod"}, nil }
+func (allowAll) Authorize(context.Context) (Caller, error) { return prodCaller, nil }
+
+func (allowAll) Serves(context.Context, Caller) error { return nil }
+
+var prodCaller = Caller{Identity: pki.SPIFFEID{TrustDomain: "cluster.local", Namespace: "prod", ServiceAccount: "test"}}
 
 // At most maxDebugAnswers debug answers are built at once over every stream (each can be as
 // large as an answer may be); a request waiting for its turn waits only as long as its stream.
@@ -27,7 +33,7 @@ func TestDebugAnswersAreBuiltFewAtOnce(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	st := &stream{caller: Caller{Namespace: "prod"}}
+	st := &stream{caller: prodCaller}
 	req := &discoveryv3.DiscoveryRequest{TypeUrl: DebugConfigDump}
 	// Every slot is taken, as by maxDebugAnswers answers being built.
 	if !s.debugSlots.TryAcquire(maxDebugAnswers) {

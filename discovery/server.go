@@ -28,6 +28,7 @@ import (
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/filewatch"
 	"github.com/meshid/meshid/internal/logkey"
+	"github.com/meshid/meshid/internal/pki"
 )
 
 // NamespaceMetadataKey is the node metadata field the server stamps with the namespace a
@@ -36,20 +37,25 @@ const NamespaceMetadataKey = "meshid.io/authenticated-namespace"
 
 // Caller is a client as the CA sees its credential.
 type Caller struct {
-	// Namespace picks the client's snapshot.
-	Namespace string
-	// Identity names the client in the logs (its SPIFFE ID).
-	Identity string
+	// Identity is the client's SPIFFE ID; its namespace picks the client's snapshot.
+	Identity pki.SPIFFEID
+	// Method names how the client proved its identity ("jwt", "mtls", "tokenreview").
+	Method string
 	// Credential is a fingerprint of the credential the client presented, never the credential.
 	Credential string
 }
 
 // Authorizer tells who a client is, from its credential (a service-account JWT or a workload
-// certificate), and whether the CA serves its namespace: the server asks it when a stream opens
-// and at every request. A refusal is returned as a gRPC status, already logged and counted by
-// the authorizer.
+// certificate), and whether the CA serves its namespace. A refusal is returned as a gRPC status,
+// already logged and counted by the authorizer.
 type Authorizer interface {
+	// Authorize authenticates the caller of ctx and checks that its namespace is served: when a
+	// stream opens, and before each debug answer.
 	Authorize(ctx context.Context) (Caller, error)
+	// Serves checks again that caller's namespace is served: at every request, so that a
+	// namespace no longer served is refused at its stream's next request. The credential itself
+	// is shown again when the connection reaches its maximum age.
+	Serves(ctx context.Context, caller Caller) error
 }
 
 // ServerConfig configures a Server.
@@ -280,7 +286,7 @@ func (s *Server) opened(ctx context.Context, id int64, _ string) error {
 	if !ok {
 		return status.Error(codes.Internal, "discovery stream opened without admission")
 	}
-	ns := st.caller.Namespace
+	ns := st.caller.Identity.Namespace
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if !s.namespaces[ns] {
@@ -306,8 +312,10 @@ func (s *Server) closed(id int64, _ *corev3.Node) {
 }
 
 // onRequest is go-control-plane's request callback, run on the stream's own goroutine before the
-// request reaches the cache. It authorizes the caller again, so that a namespace no longer
-// served is refused at its stream's next request (the authorizer logs and counts that); records
+// request reaches the cache. It checks that the caller's namespace is still served, so that a
+// namespace no longer served is refused at its stream's next request (the authorizer logs and
+// counts that; the credential itself is checked again when the connection reaches its maximum
+// age, not at every request, which would verify a token per ACK); records
 // the request for syncz; and replaces the request's node with a new one: the stream's node as
 // the tracker holds it, with the stream's authenticated namespace in its metadata, whatever the
 // client declared, for the cache to pick a snapshot by.
@@ -316,8 +324,8 @@ func (s *Server) closed(id int64, _ *corev3.Node) {
 // and puts it into every later request that has none, so a write into it would be a write into
 // a node that other requests, and syncz, read under other locks.
 //
-// Authorizing here rather than where requests are received keeps the receiving goroutine, which
-// every idle stream has, from growing its stack through token verification.
+// Checking here rather than where requests are received keeps the receiving goroutine, which
+// every idle stream has, from growing its stack.
 func (s *Server) onRequest(id int64, node **corev3.Node, typeURL, version, nonce string, nack *rpcstatus.Status) error {
 	s.mu.Lock()
 	st, ok := s.streams[id]
@@ -325,12 +333,12 @@ func (s *Server) onRequest(id int64, node **corev3.Node, typeURL, version, nonce
 	if !ok {
 		return status.Error(codes.Unauthenticated, "stream not authenticated")
 	}
-	if _, err := s.authorize(st.ctx); err != nil {
-		return err
+	if err := s.cfg.Authorizer.Serves(st.ctx, st.caller); err != nil {
+		return asStatus(err)
 	}
 	info := s.sync.request(id, *node, typeURL, version, nonce, nack)
 	n := info.node()
-	n.Metadata = &structpb.Struct{Fields: map[string]*structpb.Value{NamespaceMetadataKey: structpb.NewStringValue(st.caller.Namespace)}}
+	n.Metadata = &structpb.Struct{Fields: map[string]*structpb.Value{NamespaceMetadataKey: structpb.NewStringValue(st.caller.Identity.Namespace)}}
 	*node = n
 	return nil
 }

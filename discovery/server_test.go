@@ -32,6 +32,7 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/meshid/meshid/discovery"
+	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
 )
 
@@ -50,8 +51,11 @@ func (headerAuthenticator) Authorize(ctx context.Context) (discovery.Caller, err
 	if id := md.Get("x-credential-id"); len(id) == 1 {
 		credential = "header:" + id[0]
 	}
-	return discovery.Caller{Namespace: ns[0], Identity: "spiffe://cluster.local/ns/" + ns[0] + "/sa/test", Credential: credential}, nil
+	return discovery.Caller{Identity: pki.SPIFFEID{TrustDomain: "cluster.local", Namespace: ns[0], ServiceAccount: "test"}, Credential: credential}, nil
 }
+
+// Serves: every namespace a credential names is served here.
+func (headerAuthenticator) Serves(context.Context, discovery.Caller) error { return nil }
 
 type discoveryHarness struct {
 	t        *testing.T

@@ -164,3 +164,47 @@ func TestDiscoveryRefusesTypesItDoesNotServe(t *testing.T) {
 		})
 	}
 }
+
+// Istio's agent sends its own types on Envoy's stream (its DNS proxy's name table with
+// ISTIO_META_DNS_CAPTURE, WorkloadEntry health, proxy config). They are not served, and dropped
+// rather than refused, counted: the stream they came on goes on, as pilot-agent's Envoy needs.
+func TestDiscoveryDropsIstioAgentTypes(t *testing.T) {
+	t.Parallel()
+	h := startDiscovery(t, twoNamespaces)
+	client, ctx := h.client("prod", "")
+	sotw, err := client.StreamAggregatedResources(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	delta, err := client.DeltaAggregatedResources(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, typeURL := range []string{
+		"type.googleapis.com/istio.networking.nds.v1.NameTable",
+		"type.googleapis.com/istio.v1.HealthInformation",
+		"type.googleapis.com/istio.mesh.v1alpha1.ProxyConfig",
+	} {
+		if err := sotw.Send(&discoveryv3.DiscoveryRequest{Node: &corev3.Node{Id: "sidecar"}, TypeUrl: typeURL}); err != nil {
+			t.Fatal(err)
+		}
+		if err := delta.Send(&discoveryv3.DeltaDiscoveryRequest{Node: &corev3.Node{Id: "sidecar"}, TypeUrl: typeURL}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := sotw.Send(&discoveryv3.DiscoveryRequest{TypeUrl: resource.ClusterType}); err != nil {
+		t.Fatal(err)
+	}
+	if resp, err := sotw.Recv(); err != nil || resp.GetTypeUrl() != resource.ClusterType {
+		t.Fatalf("SotW clusters after Istio's types: %v, %v", resp, err)
+	}
+	if err := delta.Send(&discoveryv3.DeltaDiscoveryRequest{TypeUrl: resource.ClusterType, ResourceNamesSubscribe: []string{"*"}}); err != nil {
+		t.Fatal(err)
+	}
+	if resp, err := delta.Recv(); err != nil || resp.GetTypeUrl() != resource.ClusterType {
+		t.Fatalf("delta clusters after Istio's types: %v, %v", resp, err)
+	}
+	if got := labelled(t, h.registry, "meshid_discovery_refusals_total", map[string]string{"reason": "istio_agent_type", "code": "dropped"}); got != 6 {
+		t.Errorf("%v requests of Istio's agent types counted, want 6", got)
+	}
+}

@@ -14,9 +14,11 @@ import (
 
 // Bounds of what clients on the socket can make the proxy hold. Envoy opens one ADS stream (two
 // for a moment across a hot restart), and each stream costs about 41 kB here and one
-// authenticated stream upstream (BenchmarkStreamMemory).
+// authenticated stream upstream (BenchmarkStreamMemory). With the proxy's own debug stream the
+// default stays under the discovery server's cap of streams per credential (100), which the
+// agent's upstream streams share.
 const (
-	DefaultMaxStreams              = 100
+	DefaultMaxStreams              = 64
 	DefaultMaxStreamsPerConnection = 10
 
 	// maxRequestSize bounds one request from Envoy: a node and the names it subscribes to (an

@@ -65,14 +65,24 @@ func (s *Server) Authorize(ctx context.Context) (Caller, error) {
 	if err != nil {
 		return Caller{}, s.refuse(ctx, caller, err)
 	}
-	served, why, err := s.targeting.Targets(ctx, caller.Identity.Namespace)
-	if err != nil {
-		return Caller{}, s.refuse(ctx, caller, fmt.Errorf("%w: %w", errTargetingUnavailable, err))
-	}
-	if !served {
-		return Caller{}, s.refuse(ctx, caller, fmt.Errorf("%w: %s", errNamespaceNotTargeted, why))
+	if err := s.Serves(ctx, caller); err != nil {
+		return Caller{}, err
 	}
 	return caller, nil
+}
+
+// Serves checks that this CA instance serves the namespace of a caller Authorize let in: the
+// discovery server asks again at every request of a stream, as namespace labels change. A
+// refusal is logged and counted as Authorize's, and returned as a gRPC status.
+func (s *Server) Serves(ctx context.Context, caller Caller) error {
+	served, why, err := s.targeting.Targets(ctx, caller.Identity.Namespace)
+	if err != nil {
+		return s.refuse(ctx, caller, fmt.Errorf("%w: %w", errTargetingUnavailable, err))
+	}
+	if !served {
+		return s.refuse(ctx, caller, fmt.Errorf("%w: %s", errNamespaceNotTargeted, why))
+	}
+	return nil
 }
 
 // New returns a Server.

@@ -120,6 +120,7 @@ func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *p
 
 			MaxStreams:              cfg.SDSMaxStreams,
 			MaxStreamsPerConnection: cfg.SDSMaxStreamsPerConnection,
+			SocketClock:             cfg.SocketClock,
 			OnSocket:                onSocket(cfg, a.socketPath),
 		})
 		if err != nil {
@@ -493,6 +494,7 @@ func (a *Agent) newXDSProxy(cfg Config, clk clock.Clock, log *slog.Logger, regis
 		Clock:                   clk,
 		Logger:                  log.With(logkey.Component, "xds-proxy"),
 		Registerer:              registry,
+		SocketClock:             cfg.SocketClock,
 		OnSocket:                onSocket(cfg, cfg.xdsSocket()),
 	})
 	if err != nil {
@@ -551,6 +553,7 @@ func (a *Agent) Run(ctx context.Context) error {
 		xdsDebugLis = a.xdsDebugSocket.Listener()
 		defer a.xdsDebugSocket.Remove()
 	}
+	var servers []*http.Server
 	for _, srv := range []struct {
 		server *http.Server
 		lis    net.Listener
@@ -559,17 +562,23 @@ func (a *Agent) Run(ctx context.Context) error {
 		if srv.server == nil {
 			continue
 		}
+		servers = append(servers, srv.server)
 		g.Go(func() error {
 			if err := srv.server.Serve(srv.lis); err != nil && !errors.Is(err, http.ErrServerClosed) {
 				return fmt.Errorf("serve %s: %w", srv.name, err)
 			}
 			return nil
 		})
-		g.Go(func() error {
-			<-ctx.Done()
-			return srv.server.Close()
-		})
 	}
+	// One goroutine closes them all: an idle sidecar pays a stack for each goroutine.
+	g.Go(func() error {
+		<-ctx.Done()
+		var errs []error
+		for _, srv := range servers {
+			errs = append(errs, srv.Close())
+		}
+		return errors.Join(errs...)
+	})
 	a.log.Info("agent started", logkey.Source, string(a.source), logkey.SDSSocket, a.socketPath, logkey.StatusAddress, a.StatusAddr(),
 		logkey.DebugAddress, a.DebugAddr(), logkey.XDSDebugSocket, a.XDSDebugSocket())
 	err := g.Wait()

@@ -8,11 +8,11 @@ import (
 	"strconv"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/meshid/meshid/agent"
 	"github.com/meshid/meshid/controlplane"
 	"github.com/meshid/meshid/internal/testutil"
+	"github.com/meshid/meshid/sds"
 	"github.com/meshid/meshid/xdsproxy"
 )
 
@@ -113,8 +113,8 @@ func TestDebugServerRefusesHostsThatAreNotLoopback(t *testing.T) {
 }
 
 // A server that binds the agent's SDS or XDS socket path after it started (spire-agent, say:
-// istio#61343) takes Envoy's new connections. The agent notices at once: it is not ready, naming
-// the cause and who serves the path now, until the path is its own again.
+// istio#61343) takes Envoy's new connections. The agent notices within seconds: it is not ready,
+// naming the cause and who serves the path now, until the path is its own again.
 func TestReadinessFollowsTheSocketPaths(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
@@ -135,7 +135,9 @@ func TestReadinessFollowsTheSocketPaths(t *testing.T) {
 				err    error
 			}
 			changes := make(chan change, 10)
+			sockets := newFakeClock()
 			cfg := testConfig(t, clk, nil, nil)
+			cfg.SocketClock = sockets
 			cfg.OnSocket = func(socket string, err error) { changes <- change{socket, err} }
 			a := newAgent(t, cfg)
 			certs := issued(t, a)
@@ -154,8 +156,7 @@ func TestReadinessFollowsTheSocketPaths(t *testing.T) {
 			if err := os.Rename(path+".new", path); err != nil {
 				t.Fatal(err)
 			}
-			baseline := clk.PendingTimers()
-			if got := testutil.Drive(t, clk, 100*time.Millisecond, baseline, changes); got.socket != path || got.err == nil {
+			if got := testutil.Drive(t, sockets, sds.SocketCheckInterval, 0, changes); got.socket != path || got.err == nil {
 				t.Fatalf("the takeover reported as %v", got)
 			}
 			code, body := httpGet(t, ready)
@@ -170,7 +171,7 @@ func TestReadinessFollowsTheSocketPaths(t *testing.T) {
 			if err := os.Remove(path); err != nil {
 				t.Fatal(err)
 			}
-			for got := testutil.Drive(t, clk, 100*time.Millisecond, baseline, changes); got.err != nil; got = <-changes {
+			for got := testutil.Drive(t, sockets, sds.SocketCheckInterval, 0, changes); got.err != nil; got = <-changes {
 			}
 			if code, body := httpGet(t, ready); code != http.StatusOK {
 				t.Fatalf("/healthz/ready once the path is the agent's again: %d %q", code, body)

@@ -118,6 +118,9 @@ type Config struct {
 
 	Logger *slog.Logger
 	Clock  clock.Clock
+	// SocketClock paces the look at the SDS and XDS socket paths (every few seconds, for the
+	// agent's life); nil: the real clock.
+	SocketClock clock.Clock
 	// OnEvent, when set, is told of the secret manager's events: certificates obtained, failed
 	// renewals, OUTPUT_CERTS written or not, secrets changing state.
 	OnEvent func(secretmanager.Event)

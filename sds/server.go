@@ -26,7 +26,6 @@ import (
 
 	"github.com/meshid/meshid/internal/admission"
 	"github.com/meshid/meshid/internal/clock"
-	"github.com/meshid/meshid/internal/filewatch"
 	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/secretmanager"
@@ -41,8 +40,8 @@ const (
 // ErrSocketInUse reports a socket path that another server already answers on.
 var ErrSocketInUse = fsutil.ErrSocketInUse
 
-// SocketCheckInterval is how often the server looks again at a socket path another server took,
-// to take it back once that server is gone; a change of the path is seen as it happens.
+// SocketCheckInterval is how often the server looks whether its socket path still leads to it,
+// and, when another server took it, whether that one is gone.
 const SocketCheckInterval = 2 * time.Second
 
 // Config configures a Server.
@@ -60,9 +59,13 @@ type Config struct {
 	MaxStreams              int
 	MaxStreamsPerConnection int
 
-	Clock      clock.Clock
-	Logger     *slog.Logger
-	Registerer prometheus.Registerer // optional
+	Clock clock.Clock
+	// SocketClock paces the look at the socket path (every SocketCheckInterval); nil: the real
+	// clock. It is not Clock: the look runs for the server's life, unlike the timers of a
+	// stream or a drain.
+	SocketClock clock.Clock
+	Logger      *slog.Logger
+	Registerer  prometheus.Registerer // optional
 	// OnSocket, when set, is told after the fact when the socket path stops leading to the
 	// server (why) and when it leads there again (nil).
 	OnSocket func(error)
@@ -70,13 +73,15 @@ type Config struct {
 
 // Server is the SDS server.
 type Server struct {
-	cfg     Config
-	log     *slog.Logger
-	clock   clock.Clock
-	cache   *secretCache
-	socket  *fsutil.Socket
-	metrics *metrics
-	logs    *admission.LogLimiter
+	cfg   Config
+	log   *slog.Logger
+	clock clock.Clock
+	// socketClock paces the look at the socket path.
+	socketClock clock.Clock
+	cache       *secretCache
+	socket      *fsutil.Socket
+	metrics     *metrics
+	logs        *admission.LogLimiter
 
 	nextStream atomic.Int64 // numbers the streams, for the logs
 
@@ -120,12 +125,13 @@ func New(cfg Config) (*Server, error) {
 		return nil, err
 	}
 	s := &Server{
-		cfg:     cfg,
-		log:     log,
-		clock:   clock.OrReal(cfg.Clock),
-		socket:  socket,
-		metrics: newMetrics(),
-		gate:    gate,
+		cfg:         cfg,
+		log:         log,
+		clock:       clock.OrReal(cfg.Clock),
+		socketClock: clock.OrReal(cfg.SocketClock),
+		socket:      socket,
+		metrics:     newMetrics(),
+		gate:        gate,
 	}
 	s.logs = admission.NewLogLimiter(s.clock)
 	s.cache = newSecretCache(cfg.Secrets, s.clock, log)
@@ -139,8 +145,9 @@ func New(cfg Config) (*Server, error) {
 }
 
 // Run serves until ctx ends; then it stops accepting, lets open streams go on for the drain
-// duration, and ends them. Meanwhile it checks that the socket path still leads to it: another
-// server that takes the path gets every new connection (see SocketProblem).
+// duration, and ends them. Meanwhile it looks every SocketCheckInterval whether the socket path
+// still leads to it: another server that takes the path gets every new connection (see
+// SocketProblem).
 func (s *Server) Run(ctx context.Context) error {
 	defer s.cache.close()
 	defer s.socket.Remove()
@@ -149,47 +156,32 @@ func (s *Server) Run(ctx context.Context) error {
 
 	served := make(chan error, 1)
 	go func() { served <- grpcServer.Serve(s.socket.Listener()) }()
-	// The guard's listeners, made when the path is taken back, are served until the stop.
+	// The listeners the guard makes when it takes the path back are served until the stop.
 	var reserved sync.WaitGroup
-	guardCtx, stopGuard := context.WithCancel(ctx)
-	guarded := make(chan struct{})
-	go func() {
-		defer close(guarded)
-		if err := s.guardSocket(guardCtx, func(lis net.Listener) {
-			reserved.Go(func() { _ = grpcServer.Serve(lis) })
-		}); err != nil {
-			s.log.Warn("the SDS socket is not guarded: a server that takes its path is not noticed", logkey.Error, err.Error())
-		}
-	}()
-	defer func() {
-		stopGuard()
-		<-guarded
-		reserved.Wait()
-	}()
+	defer reserved.Wait()
+	guard := s.socket.Guard(func(lis net.Listener) { reserved.Go(func() { _ = grpcServer.Serve(lis) }) }, s.socketChanged)
 	s.log.Info("SDS serving", logkey.Socket, s.cfg.SocketPath)
-	select {
-	case err := <-served:
-		grpcServer.Stop()
-		return fmt.Errorf("serve SDS: %w", err)
-	case <-ctx.Done():
+	for {
+		timer := s.socketClock.NewTimer(SocketCheckInterval)
+		select {
+		case err := <-served:
+			timer.Stop()
+			grpcServer.Stop()
+			return fmt.Errorf("serve SDS: %w", err)
+		case <-timer.C():
+			guard.Look()
+			continue
+		case <-ctx.Done():
+			timer.Stop()
+		}
+		break
 	}
-	stopGuard()
-	<-guarded
 	s.drain(grpcServer)
 	if err := <-served; err != nil && !errors.Is(err, grpc.ErrServerStopped) {
 		return fmt.Errorf("serve SDS: %w", err)
 	}
 	s.log.Info("SDS stopped")
 	return nil
-}
-
-// guardSocket watches the socket path until ctx ends (see fsutil.Socket.Guard).
-func (s *Server) guardSocket(ctx context.Context, serve func(net.Listener)) error {
-	w, err := filewatch.New(filewatch.Config{Paths: []string{s.cfg.SocketPath}, Clock: s.clock, Logger: s.log})
-	if err != nil {
-		return err
-	}
-	return s.socket.Guard(ctx, w, s.clock, SocketCheckInterval, serve, s.socketChanged)
 }
 
 // socketChanged is told when the socket path stops leading to this server (err says what is

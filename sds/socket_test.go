@@ -89,7 +89,7 @@ func TestNewWarnsOfASharedSocketDir(t *testing.T) {
 }
 
 // Another SDS server (spire-agent, say) that binds the socket path after this one started takes
-// every new connection of Envoy's (istio#61343). The server notices as it happens: logged once
+// every new connection of Envoy's (istio#61343). The server notices at its next look: logged once
 // with who serves the path now, counted, and reported (the agent is not ready then); streams
 // already open go on; once the other server is gone the path is taken back and served again.
 func TestServerNoticesItsSocketTakenAndTakesItBack(t *testing.T) {
@@ -100,7 +100,7 @@ func TestServerNoticesItsSocketTakenAndTakesItBack(t *testing.T) {
 	clk := testutil.NewFakeClock(time.Now())
 	changes := make(chan error, 10)
 	h := startServer(t, f, func(c *sds.Config) {
-		c.Clock = clk
+		c.SocketClock = clk
 		c.OnSocket = func(err error) { changes <- err }
 	})
 	open := h.sotw()
@@ -117,7 +117,7 @@ func TestServerNoticesItsSocketTakenAndTakesItBack(t *testing.T) {
 	if err := os.Rename(h.socket+".new", h.socket); err != nil {
 		t.Fatal(err)
 	}
-	err = testutil.Drive(t, clk, 100*time.Millisecond, 0, changes)
+	err = testutil.Drive(t, clk, sds.SocketCheckInterval, 0, changes)
 	if !errors.Is(err, fsutil.ErrSocketTaken) || !strings.Contains(err.Error(), "served by pid="+strconv.Itoa(os.Getpid())) {
 		t.Fatalf("the takeover reported as %v, want ErrSocketTaken naming the other server", err)
 	}
@@ -139,7 +139,7 @@ func TestServerNoticesItsSocketTakenAndTakesItBack(t *testing.T) {
 	if err := os.Remove(h.socket); err != nil {
 		t.Fatal(err)
 	}
-	if err := testutil.Drive(t, clk, 100*time.Millisecond, 0, changes); !errors.Is(err, fsutil.ErrSocketTaken) {
+	if err := testutil.Drive(t, clk, sds.SocketCheckInterval, 0, changes); !errors.Is(err, fsutil.ErrSocketTaken) {
 		t.Fatalf("the other server's end reported as %v", err)
 	}
 	if err := <-changes; err != nil {

@@ -215,8 +215,8 @@ func TestDebugUnknownTypeIsRefusedBeforeTheUpstream(t *testing.T) {
 }
 
 // A server that takes the proxy's socket path after it started gets Envoy's new connections:
-// noticed at once, logged once naming the process, counted; once it is gone, the path is taken
-// back.
+// noticed at the next look, logged once naming the process, counted; once it is gone, the path
+// is taken back.
 func TestSocketTakenAndTakenBack(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
@@ -224,7 +224,7 @@ func TestSocketTakenAndTakenBack(t *testing.T) {
 	clk := testutil.NewFakeClock(time.Now())
 	changes := make(chan error, 10)
 	h := startProxy(t, up.addr, func(c *xdsproxy.Config) {
-		c.Clock = clk
+		c.SocketClock = clk
 		c.OnSocket = func(err error) { changes <- err }
 	})
 	openCDS(t, ctx, h)
@@ -236,7 +236,7 @@ func TestSocketTakenAndTakenBack(t *testing.T) {
 	if err := os.Rename(h.socket+".new", h.socket); err != nil {
 		t.Fatal(err)
 	}
-	err = testutil.Drive(t, clk, 100*time.Millisecond, 0, changes)
+	err = testutil.Drive(t, clk, xdsproxy.SocketCheckInterval, 0, changes)
 	if !errors.Is(err, fsutil.ErrSocketTaken) || !strings.Contains(err.Error(), "served by pid="+strconv.Itoa(os.Getpid())) {
 		t.Fatalf("the takeover reported as %v", err)
 	}
@@ -254,7 +254,7 @@ func TestSocketTakenAndTakenBack(t *testing.T) {
 	if err := os.Remove(h.socket); err != nil {
 		t.Fatal(err)
 	}
-	if err := testutil.Drive(t, clk, 100*time.Millisecond, 0, changes); !errors.Is(err, fsutil.ErrSocketTaken) {
+	if err := testutil.Drive(t, clk, xdsproxy.SocketCheckInterval, 0, changes); !errors.Is(err, fsutil.ErrSocketTaken) {
 		t.Fatalf("the other server's end reported as %v", err)
 	}
 	if err := <-changes; err != nil {

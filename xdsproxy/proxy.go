@@ -26,7 +26,6 @@ import (
 
 	"github.com/meshid/meshid/internal/admission"
 	"github.com/meshid/meshid/internal/clock"
-	"github.com/meshid/meshid/internal/filewatch"
 	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/logkey"
 )
@@ -40,8 +39,8 @@ const (
 	DebugTypePrefix = "istio.io/debug/"
 )
 
-// SocketCheckInterval is how often the proxy looks again at a socket path another server took,
-// to take it back once that server is gone; a change of the path is seen at once.
+// SocketCheckInterval is how often the proxy looks whether its socket path still leads to it,
+// and, when another server took it, whether that one is gone.
 const SocketCheckInterval = 2 * time.Second
 
 // ErrSocketInUse reports a socket path that another server already answers on.
@@ -71,9 +70,12 @@ type Config struct {
 	MaxStreams              int
 	MaxStreamsPerConnection int
 
-	Clock      clock.Clock
-	Logger     *slog.Logger
-	Registerer prometheus.Registerer // optional
+	Clock clock.Clock
+	// SocketClock paces the look at the socket path (every SocketCheckInterval); nil: the real
+	// clock. It is not Clock: the look runs for the proxy's life, unlike its other timers.
+	SocketClock clock.Clock
+	Logger      *slog.Logger
+	Registerer  prometheus.Registerer // optional
 	// OnSocket, when set, is told after the fact when the socket path stops leading to the proxy
 	// (why) and when it leads there again (nil).
 	OnSocket func(error)
@@ -81,14 +83,16 @@ type Config struct {
 
 // Proxy is the ADS proxy.
 type Proxy struct {
-	cfg      Config
-	log      *slog.Logger
-	clock    clock.Clock
-	upstream discovery.AggregatedDiscoveryServiceClient
-	metrics  *metrics
-	socket   *fsutil.Socket
-	gate     *admission.Gate
-	logs     *admission.LogLimiter
+	cfg   Config
+	log   *slog.Logger
+	clock clock.Clock
+	// socketClock paces the look at the socket path.
+	socketClock clock.Clock
+	upstream    discovery.AggregatedDiscoveryServiceClient
+	metrics     *metrics
+	socket      *fsutil.Socket
+	gate        *admission.Gate
+	logs        *admission.LogLimiter
 	// socketProblem says why the socket path no longer leads to the proxy; nil while it does.
 	socketProblem atomic.Pointer[error]
 
@@ -147,14 +151,15 @@ func New(cfg Config) (*Proxy, error) {
 	}
 	clk := clock.OrReal(cfg.Clock)
 	p := &Proxy{
-		cfg:      cfg,
-		log:      log,
-		clock:    clk,
-		upstream: discovery.NewAggregatedDiscoveryServiceClient(cfg.Upstream),
-		metrics:  newMetrics(),
-		gate:     gate,
-		logs:     admission.NewLogLimiter(clk),
-		started:  make(chan struct{}),
+		cfg:         cfg,
+		log:         log,
+		clock:       clk,
+		socketClock: clock.OrReal(cfg.SocketClock),
+		upstream:    discovery.NewAggregatedDiscoveryServiceClient(cfg.Upstream),
+		metrics:     newMetrics(),
+		gate:        gate,
+		logs:        admission.NewLogLimiter(clk),
+		started:     make(chan struct{}),
 	}
 	if cfg.Registerer != nil {
 		if err := p.metrics.register(cfg.Registerer); err != nil {
@@ -171,8 +176,8 @@ func New(cfg Config) (*Proxy, error) {
 func (p *Proxy) Close() { p.socket.Close() }
 
 // Run serves until ctx ends; then it ends every stream, Envoy's and its own, and returns once
-// all its goroutines have stopped. Meanwhile it checks that the socket path still leads to it
-// (see SocketProblem). A Proxy runs once.
+// all its goroutines have stopped. Meanwhile it looks every SocketCheckInterval whether the
+// socket path still leads to it (see SocketProblem). A Proxy runs once.
 func (p *Proxy) Run(ctx context.Context) error {
 	defer p.socket.Remove()
 	p.debugMu.Lock()
@@ -186,25 +191,23 @@ func (p *Proxy) Run(ctx context.Context) error {
 	discovery.RegisterAggregatedDiscoveryServiceServer(grpcServer, adsServer{p: p})
 	served := make(chan error, 1)
 	go func() { served <- grpcServer.Serve(p.socket.Listener()) }()
-	guardCtx, stopGuard := context.WithCancel(ctx)
-	guarded := make(chan struct{})
-	go func() {
-		defer close(guarded)
-		if err := p.guardSocket(guardCtx, func(lis net.Listener) {
-			p.wg.Go(func() { _ = grpcServer.Serve(lis) })
-		}); err != nil {
-			p.log.Warn("the xDS proxy socket is not guarded: a server that takes its path is not noticed", logkey.Error, err.Error())
-		}
-	}()
+	// The listeners the guard makes when it takes the path back are served until the stop.
+	guard := p.socket.Guard(func(lis net.Listener) { p.wg.Go(func() { _ = grpcServer.Serve(lis) }) }, p.socketChanged)
 	p.log.Info("xDS proxy serving", logkey.Socket, p.cfg.Socket)
 
 	var serveErr error
-	select {
-	case serveErr = <-served:
-	case <-ctx.Done():
+	for {
+		timer := p.socketClock.NewTimer(SocketCheckInterval)
+		select {
+		case serveErr = <-served:
+		case <-timer.C():
+			guard.Look()
+			continue
+		case <-ctx.Done():
+		}
+		timer.Stop()
+		break
 	}
-	stopGuard()
-	<-guarded
 	// Envoy's streams never end by themselves, so there is nothing to drain: Stop cancels them,
 	// which cancels their upstream streams.
 	p.stopping.Store(true)
@@ -219,15 +222,6 @@ func (p *Proxy) Run(ctx context.Context) error {
 	}
 	p.log.Info("xDS proxy stopped")
 	return nil
-}
-
-// guardSocket watches the socket path until ctx ends (see fsutil.Socket.Guard).
-func (p *Proxy) guardSocket(ctx context.Context, serve func(net.Listener)) error {
-	w, err := filewatch.New(filewatch.Config{Paths: []string{p.cfg.Socket}, Clock: p.clock, Logger: p.log})
-	if err != nil {
-		return err
-	}
-	return p.socket.Guard(ctx, w, p.clock, SocketCheckInterval, serve, p.socketChanged)
 }
 
 // socketChanged is told when the socket path stops leading to the proxy (err says what is there

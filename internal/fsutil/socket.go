@@ -3,7 +3,6 @@
 package fsutil
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -14,7 +13,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/logkey"
 )
 
@@ -185,97 +183,43 @@ func (s *Socket) reclaim() (net.Listener, error) {
 	return s.Listener(), nil
 }
 
-// Watch tells when watched paths change (internal/filewatch's Watcher is one).
-type Watch interface {
-	// Ready is closed once the watch is in place: a change made after it is reported.
-	Ready() <-chan struct{}
-	// Run watches until ctx ends, calling onChange after changes.
-	Run(ctx context.Context, onChange func(changed []string)) error
+// SocketGuard looks, each time it is asked, whether the path still leads to its socket. It
+// reports a takeover once, with what is there now; once whatever took the path is gone (nothing
+// there, or a socket nothing answers on: a server that dies leaves its file without a sound), it
+// listens there again, hands the new listener to serve, and reports nil. The listeners of before
+// stay open (a server stops serving them only as it stops). A server asks it every few seconds
+// from the goroutine that runs it: it needs no goroutine of its own, nor a watch's buffers.
+type SocketGuard struct {
+	socket   *Socket
+	serve    func(net.Listener)
+	report   func(error)
+	reported error
 }
 
-// Guard keeps watch, until ctx ends, on whether the path still leads to the socket. It looks once
-// w, a watch of the path, is in place, then whenever w reports a change (so that a change is seen
-// at once and an idle server arms no timer), and while the path leads elsewhere also every retry
-// on clk, since a server that dies leaves its socket file without a sound. When the path does not
-// lead to the socket, report is told why, once per change; when whatever took the path is gone,
-// Guard listens there again, hands the new listener to serve, and reports nil. The listeners of
-// before stay open (a server stops serving them only as it stops). A watch that fails ends Guard
-// with its error, leaving the path unguarded.
-func (s *Socket) Guard(ctx context.Context, w Watch, clk clock.Clock, retry time.Duration, serve func(net.Listener), report func(error)) error {
-	clk = clock.OrReal(clk)
-	changes := make(chan struct{}, 1)
-	look := func() {
-		select {
-		case changes <- struct{}{}:
-		default: // a look is due already
-		}
-	}
-	ctx, cancel := context.WithCancel(ctx)
-	watched := make(chan error, 1)
-	go func() { watched <- w.Run(ctx, func([]string) { look() }) }()
-	watching := true
-	defer func() {
-		cancel()
-		if watching {
-			<-watched
-		}
-	}()
-	// The path may have changed before the watch was in place.
-	select {
-	case <-w.Ready():
-		look()
-	case <-ctx.Done():
-	case err := <-watched:
-		watching = false
-		if ctx.Err() == nil {
-			return fmt.Errorf("watch the socket %s: %w", s.path, err)
-		}
-	}
+// Guard returns the guard of the socket's path.
+func (s *Socket) Guard(serve func(net.Listener), report func(error)) *SocketGuard {
+	return &SocketGuard{socket: s, serve: serve, report: report}
+}
 
-	var reported error
-	tell := func(err error) {
-		if (err == nil) != (reported == nil) || err != nil && err.Error() != reported.Error() {
-			report(err)
-		}
-		reported = err
+// Look checks the path once, reports a change, and takes the path back when it can. Call it
+// from one goroutine.
+func (g *SocketGuard) Look() {
+	err := g.socket.Check()
+	g.tell(err)
+	if err == nil {
+		return
 	}
-	for {
-		var timer clock.Timer
-		var retryC <-chan time.Time
-		if reported != nil {
-			timer = clk.NewTimer(retry)
-			retryC = timer.C()
-		}
-		var watchErr error
-		select {
-		case <-ctx.Done():
-		case watchErr = <-watched:
-			watching = false
-			if watchErr == nil {
-				watchErr = errors.New("the watch ended")
-			}
-		case <-changes:
-		case <-retryC:
-		}
-		if timer != nil {
-			timer.Stop()
-		}
-		switch {
-		case ctx.Err() != nil:
-			return nil
-		case watchErr != nil:
-			return fmt.Errorf("watch the socket %s: %w", s.path, watchErr)
-		}
-		err := s.Check()
-		tell(err)
-		if err == nil {
-			continue
-		}
-		if lis, err := s.reclaim(); err == nil {
-			serve(lis)
-			tell(nil)
-		}
+	if lis, err := g.socket.reclaim(); err == nil {
+		g.serve(lis)
+		g.tell(nil)
 	}
+}
+
+func (g *SocketGuard) tell(err error) {
+	if (err == nil) != (g.reported == nil) || err != nil && err.Error() != g.reported.Error() {
+		g.report(err)
+	}
+	g.reported = err
 }
 
 // Remove removes the socket file while the path still leads to it. Call it once the listeners

@@ -1,7 +1,6 @@
 package fsutil
 
 import (
-	"context"
 	"errors"
 	"net"
 	"os"
@@ -9,10 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
-	"time"
 
-	"github.com/meshid/meshid/internal/filewatch"
-	"github.com/meshid/meshid/internal/testutil"
 )
 
 func TestListenSocketRefusesALiveServerAndRemovesAStaleSocket(t *testing.T) {
@@ -87,35 +83,7 @@ func TestSocketCheckSaysWhatTookThePath(t *testing.T) {
 	}
 }
 
-// guard runs s.Guard with a real watch of the socket's directory on a fake clock, and returns
-// what it reports and serves.
-func guard(t *testing.T, s *Socket, clk *testutil.FakeClock) (reports chan error, served chan net.Listener) {
-	t.Helper()
-	w, err := filewatch.New(filewatch.Config{Paths: []string{s.Path()}, Clock: clk})
-	if err != nil {
-		t.Fatal(err)
-	}
-	reports, served = make(chan error, 10), make(chan net.Listener, 10)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() {
-		done <- s.Guard(ctx, w, clk, 2*time.Second, func(l net.Listener) { served <- l }, func(err error) { reports <- err })
-	}()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Guard: %v", err)
-		}
-	})
-	select {
-	case <-w.Ready():
-	case <-time.After(10 * time.Second):
-		t.Fatal("the watch did not start")
-	}
-	return reports, served
-}
-
-// Guard, on the fake clock: a takeover is reported once, as it happens; nothing is done while the
+// The guard, looked at step by step: a takeover is reported once; nothing is done while the
 // other server answers; once it is gone, the path is listened on again, served, and reported.
 func TestSocketGuardReportsATakeoverAndTakesThePathBack(t *testing.T) {
 	t.Parallel()
@@ -139,43 +107,38 @@ func TestSocketGuardReportsATakeoverAndTakesThePathBack(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer s.Close()
-			clk := testutil.NewFakeClock(time.Unix(1_700_000_000, 0))
-			reports, served := guard(t, s, clk)
+			var reports []error
+			var served []net.Listener
+			g := s.Guard(func(l net.Listener) { served = append(served, l) }, func(err error) { reports = append(reports, err) })
 
+			g.Look()
+			if len(reports) != 0 {
+				t.Fatalf("reported %v while the path is ours", reports)
+			}
 			intruder := takeOver(t, path)
-			if err := testutil.Drive(t, clk, 100*time.Millisecond, 0, reports); !errors.Is(err, ErrSocketTaken) || !strings.Contains(err.Error(), "served by") {
-				t.Fatalf("takeover reported as %v", err)
+			g.Look()
+			if len(reports) != 1 || !errors.Is(reports[0], ErrSocketTaken) || !strings.Contains(reports[0].Error(), "served by") {
+				t.Fatalf("takeover reported as %v", reports)
 			}
-			// Retried while taken, and not reported again while nothing changes. Each look is
-			// over once the retry is armed again.
-			for range 3 {
-				if err := clk.WaitForTimers(context.Background(), 1); err != nil {
-					t.Fatal(err)
-				}
-				clk.Advance(2 * time.Second)
-			}
-			if err := clk.WaitForTimers(context.Background(), 1); err != nil {
-				t.Fatal(err)
-			}
-			select {
-			case err := <-reports:
-				t.Fatalf("reported again while nothing changed: %v", err)
-			default:
+			g.Look()
+			g.Look()
+			if len(reports) != 1 || len(served) != 0 {
+				t.Fatalf("reported again (%v) or served (%d) while nothing changed", reports, len(served))
 			}
 			tc.leave(intruder, path)
-			if err := testutil.Drive(t, clk, 100*time.Millisecond, 0, reports); !errors.Is(err, ErrSocketTaken) || !strings.Contains(err.Error(), tc.gone) {
-				t.Fatalf("the other server's end reported as %v, want %q", err, tc.gone)
+			g.Look()
+			if len(reports) != 3 || !strings.Contains(reports[1].Error(), tc.gone) || reports[2] != nil {
+				t.Fatalf("the other server's end reported as %v, want %q then nil", reports, tc.gone)
 			}
-			if err := <-reports; err != nil {
-				t.Fatalf("the path taken back reported as %v, want nil", err)
+			if len(served) != 1 {
+				t.Fatalf("%d listeners served, want the one taken back", len(served))
 			}
-			lis := <-served
 			if err := s.Check(); err != nil {
 				t.Fatalf("Check after the path was taken back: %v", err)
 			}
 			accepted := make(chan error, 1)
 			go func() {
-				c, err := lis.Accept()
+				c, err := served[0].Accept()
 				if err == nil {
 					_ = c.Close()
 				}

@@ -87,8 +87,6 @@ type Server struct {
 
 	// gate counts the streams and calls, and the connections, admitted and not ended.
 	gate *admission.Gate
-	// socketProblem says why the socket path no longer leads to this server; nil while it does.
-	socketProblem atomic.Pointer[error]
 }
 
 // New prepares the socket directory, removes a stale socket, and listens (see
@@ -184,17 +182,11 @@ func (s *Server) Run(ctx context.Context) error {
 	return nil
 }
 
-// socketChanged is told when the socket path stops leading to this server (err says what is
-// there now), and when it leads here again (nil).
+// socketChanged is told, after the guard has logged it, when the socket path stops leading to
+// this server (err says what is there now), and when it leads here again (nil).
 func (s *Server) socketChanged(err error) {
-	if err == nil {
-		s.socketProblem.Store(nil)
-		s.log.Info("the SDS socket path leads to this server again", logkey.Socket, s.cfg.SocketPath)
-	} else {
-		s.socketProblem.Store(&err)
+	if err != nil {
 		s.metrics.socketTaken.Inc()
-		s.log.Warn("the SDS socket path no longer leads to this server: Envoy's new connections reach whatever is there now",
-			logkey.Socket, s.cfg.SocketPath, logkey.Error, err.Error())
 	}
 	if s.cfg.OnSocket != nil {
 		s.cfg.OnSocket(err)
@@ -203,12 +195,7 @@ func (s *Server) socketChanged(err error) {
 
 // SocketProblem says why the socket path no longer leads to this server (it was removed, or
 // another server took it); nil while it does.
-func (s *Server) SocketProblem() error {
-	if p := s.socketProblem.Load(); p != nil {
-		return *p
-	}
-	return nil
-}
+func (s *Server) SocketProblem() error { return s.socket.Problem() }
 
 func (s *Server) drain(grpcServer *grpc.Server) {
 	stopped := make(chan struct{})

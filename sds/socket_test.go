@@ -127,7 +127,7 @@ func TestServerNoticesItsSocketTakenAndTakesItBack(t *testing.T) {
 	if got := h.counter(t, "meshid_sds_socket_taken_total")[""]; got != 1 {
 		t.Fatalf("meshid_sds_socket_taken_total = %v, want 1", got)
 	}
-	if n := strings.Count(h.logs.String(), "the SDS socket path no longer leads to this server"); n != 1 {
+	if n := strings.Count(h.logs.String(), "the socket path was taken"); n != 1 {
 		t.Fatalf("the takeover logged %d times, want once:\n%s", n, h.logs)
 	}
 	// The stream opened before goes on.

@@ -246,7 +246,7 @@ func TestSocketTakenAndTakenBack(t *testing.T) {
 	if got := h.metric(t, "meshid_xds_proxy_socket_taken_total"); got != 1 {
 		t.Fatalf("takeovers counted: %v, want 1", got)
 	}
-	if logged := h.logs.Records(t, "the xDS proxy socket path no longer leads to this proxy: Envoy's new connections reach whatever is there now"); len(logged) != 1 {
+	if logged := h.logs.Records(t, "the socket path was taken: Envoy's new connections reach whatever is there now"); len(logged) != 1 {
 		t.Fatalf("the takeover logged %d times, want once", len(logged))
 	}
 

@@ -93,8 +93,6 @@ type Proxy struct {
 	socket      *fsutil.Socket
 	gate        *admission.Gate
 	logs        *admission.LogLimiter
-	// socketProblem says why the socket path no longer leads to the proxy; nil while it does.
-	socketProblem atomic.Pointer[error]
 
 	// wg counts the goroutines Run must wait for besides the gRPC server's own: each Envoy
 	// stream's request forwarder, and the debug stream's reader.
@@ -224,17 +222,11 @@ func (p *Proxy) Run(ctx context.Context) error {
 	return nil
 }
 
-// socketChanged is told when the socket path stops leading to the proxy (err says what is there
-// now), and when it leads here again (nil).
+// socketChanged is told, after the guard has logged it, when the socket path stops leading to
+// the proxy (err says what is there now), and when it leads here again (nil).
 func (p *Proxy) socketChanged(err error) {
-	if err == nil {
-		p.socketProblem.Store(nil)
-		p.log.Info("the xDS proxy socket path leads to this proxy again", logkey.Socket, p.cfg.Socket)
-	} else {
-		p.socketProblem.Store(&err)
+	if err != nil {
 		p.metrics.socketTaken.Inc()
-		p.log.Warn("the xDS proxy socket path no longer leads to this proxy: Envoy's new connections reach whatever is there now",
-			logkey.Socket, p.cfg.Socket, logkey.Error, err.Error())
 	}
 	if p.cfg.OnSocket != nil {
 		p.cfg.OnSocket(err)
@@ -243,12 +235,7 @@ func (p *Proxy) socketChanged(err error) {
 
 // SocketProblem says why the socket path no longer leads to the proxy (it was removed, or another
 // server took it); nil while it does.
-func (p *Proxy) SocketProblem() error {
-	if e := p.socketProblem.Load(); e != nil {
-		return *e
-	}
-	return nil
-}
+func (p *Proxy) SocketProblem() error { return p.socket.Problem() }
 
 // adsServer serves Envoy's ADS streams, each by a stream of its own upstream.
 type adsServer struct {

@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -59,6 +60,10 @@ type Socket struct {
 	mu  sync.Mutex
 	lis net.Listener // the latest listener
 	id  fileID       // of the socket file lis made
+
+	// problem says why the path does not lead to the socket, as its guard last saw; nil while it
+	// does.
+	problem atomic.Pointer[error]
 }
 
 // ListenSocket prepares path's directory (made 0750 when missing), refuses a path another
@@ -183,12 +188,13 @@ func (s *Socket) reclaim() (net.Listener, error) {
 	return s.Listener(), nil
 }
 
-// SocketGuard looks, each time it is asked, whether the path still leads to its socket. It
-// reports a takeover once, with what is there now; once whatever took the path is gone (nothing
-// there, or a socket nothing answers on: a server that dies leaves its file without a sound), it
-// listens there again, hands the new listener to serve, and reports nil. The listeners of before
-// stay open (a server stops serving them only as it stops). A server asks it every few seconds
-// from the goroutine that runs it: it needs no goroutine of its own, nor a watch's buffers.
+// SocketGuard looks, each time it is asked, whether the path still leads to its socket. It logs
+// and reports a takeover once, with what is there now; once whatever took the path is gone
+// (nothing there, or a socket nothing answers on: a server that dies leaves its file without a
+// sound), it listens there again, hands the new listener to serve, and reports nil. The listeners
+// of before stay open (a server stops serving them only as it stops). A server asks it every few
+// seconds from the goroutine that runs it: it needs no goroutine of its own, nor a watch's
+// buffers.
 type SocketGuard struct {
 	socket   *Socket
 	serve    func(net.Listener)
@@ -216,10 +222,30 @@ func (g *SocketGuard) Look() {
 }
 
 func (g *SocketGuard) tell(err error) {
-	if (err == nil) != (g.reported == nil) || err != nil && err.Error() != g.reported.Error() {
-		g.report(err)
-	}
+	changed := (err == nil) != (g.reported == nil) || err != nil && err.Error() != g.reported.Error()
 	g.reported = err
+	if !changed {
+		return
+	}
+	s := g.socket
+	if err == nil {
+		s.problem.Store(nil)
+		s.log.Info("the socket path is this server's again", logkey.Socket, s.path)
+	} else {
+		s.problem.Store(&err)
+		s.log.Warn("the socket path was taken: Envoy's new connections reach whatever is there now",
+			logkey.Socket, s.path, logkey.Error, err.Error())
+	}
+	g.report(err)
+}
+
+// Problem says why the path no longer leads to the socket (it was removed, or another server
+// took it), as its guard last saw; nil while it does.
+func (s *Socket) Problem() error {
+	if p := s.problem.Load(); p != nil {
+		return *p
+	}
+	return nil
 }
 
 // Remove removes the socket file while the path still leads to it. Call it once the listeners

@@ -8,7 +8,6 @@ import (
 	"strconv"
 	"strings"
 	"testing"
-
 )
 
 func TestListenSocketRefusesALiveServerAndRemovesAStaleSocket(t *testing.T) {

@@ -138,6 +138,13 @@ logged, each reason at most ten lines at once then one a second.`,
 					}
 				}
 			}
+			if cfg.XDSConfig == "" {
+				for _, name := range []string{"xds-max-streams", "xds-max-streams-per-credential"} {
+					if flags.Changed(name) {
+						return fmt.Errorf("--%s configures the discovery server, which runs only with --xds-config", name)
+					}
+				}
+			}
 			// Citadel's order: the flag, then $NAMESPACE.
 			if !flags.Changed("listened-namespace") && hasStore {
 				if ns, ok := lookupEnv("NAMESPACE"); ok {

@@ -56,7 +56,7 @@ func TestCAFlagsBuildConfig(t *testing.T) {
 		"--workload-cert-ttl", "1h", "--max-workload-cert-ttl", "2h", "--self-signed-ca-cert-ttl", "48h",
 		"--self-signed-ca-org", "Org", "--grpc-host-identities", "ca.example.org, 10.0.0.1,", "--log-format", "json",
 		"--root-check-interval", "10m", "--root-rotation-threshold", "0.3", "--trust-bundle-overlap", "72h",
-		"--xds-max-streams", "500", "--xds-max-streams-per-credential", "5", "--max-connection-age", "1h")
+		"--xds-config", "/x.yaml", "--xds-max-streams", "500", "--xds-max-streams-per-credential", "5", "--max-connection-age", "1h")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -123,6 +123,8 @@ func TestBadInputIsRefusedBeforeRunning(t *testing.T) {
 		{"no discovery streams", []string{"ca", "--xds-max-streams", "0"}, "--xds-max-streams"},
 		{"no discovery streams per credential", []string{"ca", "--xds-max-streams-per-credential", "0"}, "--xds-max-streams-per-credential"},
 		{"no connection age", []string{"ca", "--max-connection-age", "0s"}, "--max-connection-age"},
+		{"discovery streams without discovery", []string{"ca", "--xds-max-streams", "50"}, "--xds-max-streams configures the discovery server"},
+		{"discovery streams per credential without discovery", []string{"ca", "--xds-max-streams-per-credential", "5"}, "which runs only with --xds-config"},
 		{"positional argument", []string{"ca", "extra"}, "unknown command"},
 		{"token without identity", []string{"token", "--state-dir", "/s"}, "--namespace and --service-account are required"},
 		{"token with bad ttl", []string{"token", "--namespace", "a", "--service-account", "b", "--ttl", "-1s"}, "--ttl"},

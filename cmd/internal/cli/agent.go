@@ -248,6 +248,8 @@ root is needed.`,
 					}
 				}
 				cfg.ProxyXDSDebug = false
+			} else if !cfg.ProxyXDSDebug && flags.Changed("xds-debug-socket") {
+				errs = append(errs, errors.New("--xds-debug-socket serves /debug/<type>, which --proxy-xds-debug-via-agent=false (PROXY_XDS_DEBUG_VIA_AGENT) turns off"))
 			}
 			cfg.Logger = log
 			return errors.Join(append(errs, cfg.Validate())...)

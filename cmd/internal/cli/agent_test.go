@@ -200,6 +200,7 @@ func TestAgentXDSProxyLimitsAndDebug(t *testing.T) {
 		{[]string{"--xds-proxy-max-streams", "0"}, "--xds-proxy-max-streams"},
 		{[]string{"--xds-proxy-max-streams-per-connection", "-1"}, "--xds-proxy-max-streams-per-connection"},
 		{[]string{"--xds-debug-tcp", "--proxy-xds-debug-via-agent=false"}, "--xds-debug-tcp"},
+		{[]string{"--xds-debug-socket", "/tmp/dbg.sock", "--proxy-xds-debug-via-agent=false"}, "--xds-debug-socket serves /debug/<type>"},
 		{[]string{"--xds-debug-tcp", "--debug-addr", ""}, "--debug-addr"},
 		{[]string{"--xds-debug-socket", "/tmp/" + strings.Repeat("d", 120)}, "--xds-debug-socket"},
 	} {

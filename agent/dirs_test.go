@@ -77,8 +77,7 @@ func TestOutputCertsNotOursIsRefused(t *testing.T) {
 			before := dirEntries(t, cfg.OutputCerts)
 			a, err := agent.New(cfg)
 			if err == nil {
-				runAgent(t, a)()
-				t.Fatal("the agent started")
+				t.Fatalf("the agent started (its Run: %v)", runAgent(t, a)())
 			}
 			if !errors.Is(err, fsutil.ErrNotOwned) || !strings.Contains(err.Error(), cfg.OutputCerts) || !strings.Contains(err.Error(), tt.names) {
 				t.Fatalf("%v, want ErrNotOwned naming %s and %q", err, cfg.OutputCerts, tt.names)

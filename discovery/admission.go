@@ -199,7 +199,7 @@ func (s *Server) check(st *stream, protocol, typeURL string, node *corev3.Node) 
 	switch {
 	case isEnvoyType(typeURL):
 	case slices.Contains(istioAgentTypes(), typeURL):
-		s.refuse(st, reasonIstioAgentType, typeURL, nil)
+		_ = s.refuse(st, reasonIstioAgentType, typeURL, nil) // counted and logged; the stream goes on
 		return errDropped
 	case protocol == protocolSotW && (typeURL == DebugSyncz || typeURL == DebugConfigDump):
 	case protocol == protocolSotW && isDebugType(typeURL):

@@ -213,10 +213,9 @@ func leftOut(n int) *statusv3.ClientConfig {
 	}}}}
 }
 
-// resourceSize is what a resource adds to a DiscoveryResponse: the Any, its length and its tag.
+// resourceSize is what a resource adds to a DiscoveryResponse: its tag, its length and the Any.
 func resourceSize(a *anypb.Any) int {
-	n := proto.Size(a)
-	return n + protowire.SizeVarint(uint64(n)) + 1
+	return protowire.SizeTag(1) + protowire.SizeBytes(proto.Size(a))
 }
 
 // renderedConfigDump is the config_dump answer's one resource for a set.

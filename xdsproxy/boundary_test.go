@@ -62,7 +62,9 @@ func TestStreamLimit(t *testing.T) {
 	}
 
 	// An ended stream frees its place.
-	first.CloseSend()
+	if err := first.CloseSend(); err != nil {
+		t.Fatal(err)
+	}
 	for {
 		if _, err := first.Recv(); err != nil {
 			break

@@ -79,8 +79,8 @@ func TestMistakesExitTwo(t *testing.T) {
 		// Item 1: `meshid agent --credentials-dir <typo>` used to run the embedded CA and serve
 		// spiffe://cluster.local/ns/default/sa/default instead of the credentials meant.
 		{"agent credentials dir typo", func(dir string) []string {
-			return []string{"agent", "--root-dir", dir, "--status-addr", "127.0.0.1:0", "--debug-addr", "", "--credentials-dir", filepath.Join(dir, "credentails")}
-		}, []string{"--credentials-dir", "credentails does not exist"}},
+			return []string{"agent", "--root-dir", dir, "--status-addr", "127.0.0.1:0", "--debug-addr", "", "--credentials-dir", filepath.Join(dir, "credentals-typo")}
+		}, []string{"--credentials-dir", "credentals-typo does not exist"}},
 		// Item 2: the probe dials HOST:PORT.
 		{"probe without a port", probe("--addr", "127.0.0.1"), []string{"--addr", `"127.0.0.1"`, "no port", "HOST:PORT"}},
 		{"probe with a scheme", probe("--addr", "http://127.0.0.1:15020"), []string{"--addr", "http://", `give HOST:PORT, as in "127.0.0.1:15020"`}},

@@ -47,8 +47,12 @@ func H2Dial(t testing.TB, socket string) *H2Conn {
 // Write sends a frame on stream 0.
 func (c *H2Conn) Write(t testing.TB, typ, flags byte, payload []byte) {
 	t.Helper()
+	if len(payload) >= 1<<24 {
+		t.Fatalf("an HTTP/2 frame carries less than 16 MiB, not %d bytes", len(payload))
+	}
 	frame := make([]byte, 9, 9+len(payload))
-	frame[0], frame[1], frame[2] = byte(len(payload)>>16), byte(len(payload)>>8), byte(len(payload))
+	n := uint32(len(payload)) //nolint:gosec // checked above: under 2^24
+	frame[0], frame[1], frame[2] = byte(n>>16), byte(n>>8), byte(n)
 	frame[3], frame[4] = typ, flags
 	if _, err := c.Conn.Write(append(frame, payload...)); err != nil {
 		t.Fatal(err)

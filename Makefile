@@ -28,16 +28,17 @@ build:
 	CGO_ENABLED=0 $(GO) build -trimpath -tags '$(TAGS)' -ldflags '$(LDFLAGS)' -o $(BIN)/ ./cmd/...
 
 vet:
-	$(GO) vet $(PKGS)
+	$(GO) vet -tags external $(PKGS)
 
-# Unit, integration and fuzz-seed tests under the race detector, the Kubernetes ones against a
-# real kube-apiserver and etcd (built once by hack/kube-env.sh into a cache outside the repo), the
-# Istio interoperability ones against a real pilot-agent (built once by hack/istio-env.sh).
-# atexit_sleep_ms=0: the race detector's default one-second wait at exit, per test binary, buys
-# nothing here.
+# Unit, integration and fuzz-seed tests under the race detector, and with -tags external the ones
+# that need binaries from outside: the Kubernetes ones against a real kube-apiserver and etcd
+# (built once by hack/kube-env.sh into a cache outside the repo), the Istio interoperability ones
+# against a real pilot-agent (built once by hack/istio-env.sh). A plain go test ./... runs the
+# rest. atexit_sleep_ms=0: the race detector's default one-second wait at exit, per test binary,
+# buys nothing here.
 test: vet
 	@bin=$$(hack/kube-env.sh) && istio=$$(hack/istio-env.sh) && \
-	MESHID_KUBE_BIN=$$bin MESHID_ISTIO_BIN=$$istio GORACE=atexit_sleep_ms=0 $(GO) test -race -count=1 $(PKGS)
+	MESHID_KUBE_BIN=$$bin MESHID_ISTIO_BIN=$$istio GORACE=atexit_sleep_ms=0 $(GO) test -race -count=1 -tags external $(PKGS)
 
 # The fault suite's long form (e2e/chaos_test.go): more kills, longer outages, more rotations.
 # Its short form runs in `make test`.

@@ -16,6 +16,8 @@ if answers "$CACHE/pilot-agent"; then
 	exit 0
 fi
 
+say() { echo "hack/istio-env.sh: $*" >&2; }
+say "building pilot-agent $ISTIO_VERSION from the Go module proxy into $CACHE, once: about 2 minutes on a cold machine"
 # GOFLAGS cleared: a -mod=vendor or the like of the caller would refuse a module@version build.
 export CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS=
 mkdir -p "$CACHE"
@@ -23,4 +25,5 @@ mkdir -p "$CACHE"
 GOBIN=$CACHE go install -trimpath -ldflags "-s -w" "istio.io/istio/pilot/cmd/pilot-agent@$ISTIO_VERSION" >&2
 
 answers "$CACHE/pilot-agent"
+say "done in $SECONDS s"
 echo "$CACHE"

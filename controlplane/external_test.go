@@ -1,0 +1,13 @@
+//go:build !external
+
+package controlplane_test
+
+import "testing"
+
+// The tests of the control plane on Kubernetes (kubernetes_test.go, sidecar_test.go) run on a
+// real kube-apiserver and etcd, which hack/kube-env.sh builds from the module proxy: they are
+// built with -tags external, as make test does, so that a plain go test needs nothing from
+// outside.
+func TestOnKubernetesNeedsTagExternal(t *testing.T) {
+	t.Skip("the tests on a real kube-apiserver are built with -tags external: run make test (or hack/kube-env.sh, then go test -tags external)")
+}

@@ -8,7 +8,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"os"
 	"path/filepath"
 	"strings"
 	"sync/atomic"
@@ -80,6 +79,8 @@ type ControlPlane struct {
 	grpc      *grpc.Server
 	newGRPC   func() *grpc.Server // builds grpc in Run: its stream workers are goroutines
 	grpcLis   net.Listener
+	// grpcSocket is the socket of a unix:// address, removed once the server has stopped.
+	grpcSocket *fsutil.Socket
 	monitor   *http.Server
 	monLis    net.Listener
 	manifests *controller.Manifests // nil without --manifests
@@ -117,7 +118,7 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 
 	// Bind first: a port in use fails the start before anything is written to the state dir.
 	cp := &ControlPlane{log: log, readyCh: make(chan struct{})}
-	if cp.grpcLis, err = listen(cfg.GRPCAddr); err != nil {
+	if cp.grpcLis, cp.grpcSocket, err = listen(cfg.GRPCAddr, log); err != nil {
 		return nil, fmt.Errorf("listen for gRPC on %s: %w", cfg.GRPCAddr, err)
 	}
 	defer func() {
@@ -364,25 +365,29 @@ func newTokenVerifier(cfg Config, clk clock.Clock, log *slog.Logger) (*token.Ver
 	})
 }
 
-// listen opens a TCP address, or a private Unix socket for "unix:///path" (a stale socket file
-// is replaced, a missing directory created private).
-func listen(addr string) (net.Listener, error) {
+// listen opens a TCP address, or for "unix:///path" a private Unix socket through the servers'
+// one socket listener (a stale socket file replaced, a live one refused, the file removed at the
+// end only while it is still ours), in a directory created private when missing.
+func listen(addr string, log *slog.Logger) (net.Listener, *fsutil.Socket, error) {
 	path, ok := strings.CutPrefix(addr, unixScheme)
 	if !ok {
-		return net.Listen("tcp", addr)
+		lis, err := net.Listen("tcp", addr)
+		return lis, nil, err
 	}
 	// The embedding agent puts the socket in the state dir, which a first start has not made yet.
 	if err := fsutil.EnsureDir(filepath.Dir(path), fsutil.PrivateDirMode); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	// The directory is the CA's own state dir: one that others may write in is a mistake.
+	// The directory is the CA's own state dir: one that others may write in is a mistake, not
+	// a Kubernetes emptyDir to serve with a warning.
 	if err := fsutil.CheckSocketDir(filepath.Dir(path)); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return nil, err
+	socket, err := fsutil.ListenSocket(path, fsutil.PrivateFileMode, log)
+	if err != nil {
+		return nil, nil, err
 	}
-	return fsutil.ListenUnix(path, fsutil.PrivateFileMode)
+	return socket.Listener(), socket, nil
 }
 
 // GRPCAddr returns the address the CA protocol is served on: HOST:PORT, or unix:///path.
@@ -403,7 +408,11 @@ func (c *ControlPlane) MonitoringAddr() string {
 
 // Close releases the listeners of a control plane that will not Run.
 func (c *ControlPlane) Close() {
-	_ = c.grpcLis.Close()
+	if c.grpcSocket != nil {
+		c.grpcSocket.Close()
+	} else {
+		_ = c.grpcLis.Close()
+	}
 	if c.monLis != nil {
 		_ = c.monLis.Close()
 	}
@@ -521,6 +530,9 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 	})
 	c.log.Info("CA started", logkey.Address, c.GRPCAddr(), logkey.MonitoringAddress, c.MonitoringAddr(), logkey.Version, version.Version())
 	err := g.Wait()
+	if c.grpcSocket != nil {
+		c.grpcSocket.Remove() // the server has closed its listener
+	}
 	c.log.Info("CA stopped")
 	return err
 }

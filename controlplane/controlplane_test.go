@@ -27,6 +27,7 @@ import (
 	"github.com/meshid/meshid/controlplane"
 	"github.com/meshid/meshid/controlplane/controlplanetest"
 	"github.com/meshid/meshid/internal/pki"
+	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/testutil"
 )
 
@@ -454,5 +455,48 @@ func TestNewBindsBeforeWriting(t *testing.T) {
 				t.Fatalf("the failed start left its gRPC socket open (stat: %v)", err)
 			}
 		})
+	}
+}
+
+// The CA's Unix socket (an embedded control plane's) is listened on as the agent's sockets are:
+// a stale socket file is replaced, a live one is refused and left alone, and the file is removed
+// when the CA stops.
+func TestUnixSocketListener(t *testing.T) {
+	t.Parallel()
+	dir := testutil.ShortTempDir(t)
+	socket := filepath.Join(dir, "ca.sock")
+	live, err := net.Listen("unix", socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := testConfig(filepath.Join(t.TempDir(), "state"))
+	cfg.GRPCAddr = "unix://" + socket
+	if _, err := controlplane.New(cfg); !errors.Is(err, fsutil.ErrSocketInUse) {
+		t.Fatalf("a CA on a live socket: %v, want ErrSocketInUse", err)
+	}
+	if conn, err := net.Dial("unix", socket); err != nil {
+		t.Fatalf("the live socket was taken away: %v", err)
+	} else {
+		_ = conn.Close()
+	}
+	live.(*net.UnixListener).SetUnlinkOnClose(false)
+	_ = live.Close() // now stale
+	cp, err := controlplane.New(cfg)
+	if err != nil {
+		t.Fatalf("a stale socket was not replaced: %v", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- cp.Run(ctx) }()
+	<-cp.Ready()
+	if cp.GRPCAddr() != cfg.GRPCAddr {
+		t.Fatalf("serving on %s, want %s", cp.GRPCAddr(), cfg.GRPCAddr)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Lstat(socket); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("the socket file outlives the CA (stat: %v)", err)
 	}
 }

@@ -178,37 +178,99 @@ func checkPublicKey(pub crypto.PublicKey) error {
 	return fmt.Errorf("%w: %s (want RSA %d to %d bits, ECDSA P-256 or P-384)", ErrUnsupportedKey, pki.DescribeKey(pub), pki.MinRSAKeySize, pki.MaxRSAKeySize)
 }
 
-// SignWorkload checks the request against policy, signs a leaf for the caller's identity with the
-// current bundle, and verifies the result before returning it.
-func (a *Authority) SignWorkload(_ context.Context, req WorkloadRequest) (*Issued, error) {
+// Params is one certificate to issue, whoever asks: what it names, the key it certifies, how
+// long it lives. Its policy says which of these it may carry.
+type Params struct {
+	// Identity is the SPIFFE ID, the certificate's only URI; zero for the CA's own serving
+	// certificate.
+	Identity pki.SPIFFEID
+	// CSR, under a policy whose key comes from a request, is checked against Identity
+	// (CheckCSR) and gives the public key; under another, PublicKey does.
+	CSR       *x509.CertificateRequest
+	PublicKey crypto.PublicKey
+	// DNSNames and IPAddresses are the other names; CommonName the subject's.
+	DNSNames    []string
+	IPAddresses []net.IP
+	CommonName  string
+	// TTL is the lifetime asked for: what the policy makes of it (a default, a clamp) decides.
+	TTL time.Duration
+}
+
+// policy is a kind of certificate: what it must name, what it is used for, how long it lives.
+// Each Sign method is a policy over the one pipeline of issue.
+type policy struct {
+	what        string // in errors
+	identity    bool   // a workload's: the SPIFFE ID is required and is its only URI
+	fromCSR     bool   // the key comes from a request, checked against the identity
+	extKeyUsage []x509.ExtKeyUsage
+	ttl         func(requested time.Duration) (time.Duration, error)
+}
+
+// workloadPolicy is a workload certificate's: the SPIFFE ID (and, for a secret, the DNS names
+// Citadel adds), for mTLS both ways, its lifetime defaulted and clamped. A caller's key comes
+// from its request; a secret's from the secret controller.
+func (a *Authority) workloadPolicy(what string, fromCSR bool) policy {
+	return policy{what: what, identity: true, fromCSR: fromCSR,
+		extKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth}, ttl: a.workloadTTL}
+}
+
+// servingPolicy is the CA endpoint's own TLS certificate: its hosts, for serving only, for the
+// lifetime its caller chose.
+func servingPolicy() policy {
+	return policy{what: "serving certificate", extKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
+		ttl: func(ttl time.Duration) (time.Duration, error) { return ttl, nil }}
+}
+
+// issue is the one signing pipeline (STYLE habit 8): check the request against the policy, build
+// the template from the policy and p, sign it with the bundle in service, and verify the result.
+func (a *Authority) issue(pol policy, p Params) (*Issued, error) {
 	b := a.bundle.Load()
 	if b == nil {
 		return nil, ErrNotReady
 	}
-	if _, err := pki.NewSPIFFEID(req.Identity.TrustDomain, req.Identity.Namespace, req.Identity.ServiceAccount); err != nil {
-		return nil, fmt.Errorf("caller identity: %w", err)
+	if pol.identity {
+		if _, err := pki.NewSPIFFEID(p.Identity.TrustDomain, p.Identity.Namespace, p.Identity.ServiceAccount); err != nil {
+			return nil, fmt.Errorf("%s identity: %w", pol.what, err)
+		}
 	}
-	if err := CheckCSR(req.CSR, req.Identity); err != nil {
+	pub := p.PublicKey
+	if pol.fromCSR {
+		if err := CheckCSR(p.CSR, p.Identity); err != nil {
+			return nil, err
+		}
+		pub = p.CSR.PublicKey
+	} else if err := checkPublicKey(pub); err != nil {
 		return nil, err
 	}
-	ttl, err := a.workloadTTL(req.TTL)
+	ttl, err := pol.ttl(p.TTL)
 	if err != nil {
 		return nil, err
 	}
 	tmpl := &x509.Certificate{
-		URIs:                  []*url.URL{req.Identity.URL()},
+		Subject:               pkix.Name{CommonName: p.CommonName},
+		DNSNames:              slices.Clone(p.DNSNames),
+		IPAddresses:           slices.Clone(p.IPAddresses),
 		KeyUsage:              x509.KeyUsageDigitalSignature | x509.KeyUsageKeyEncipherment,
-		ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
+		ExtKeyUsage:           pol.extKeyUsage,
 		BasicConstraintsValid: true,
 	}
-	leaf, err := a.sign(b, tmpl, req.CSR.PublicKey, ttl)
+	if pol.identity {
+		tmpl.URIs = []*url.URL{p.Identity.URL()}
+	}
+	leaf, err := a.sign(b, tmpl, pub, ttl)
 	if err != nil {
 		return nil, err
 	}
-	if len(leaf.URIs) != 1 || leaf.URIs[0].String() != req.Identity.String() {
-		return nil, fmt.Errorf("issued certificate names %v, want %s", leaf.URIs, req.Identity)
+	if pol.identity && (len(leaf.URIs) != 1 || leaf.URIs[0].String() != p.Identity.String()) {
+		return nil, fmt.Errorf("issued certificate names %v, want %s", leaf.URIs, p.Identity)
 	}
 	return &Issued{Leaf: leaf, bundle: b}, nil
+}
+
+// SignWorkload signs a leaf for the caller's identity with the key of its request, checked
+// against the workload policy, and verifies it before returning it.
+func (a *Authority) SignWorkload(_ context.Context, req WorkloadRequest) (*Issued, error) {
+	return a.issue(a.workloadPolicy("caller", true), Params{Identity: req.Identity, CSR: req.CSR, TTL: req.TTL})
 }
 
 // SecretRequest asks for the certificate of a service-account secret, whose key the CA's own
@@ -223,35 +285,7 @@ type SecretRequest struct {
 // SignSecret signs a workload certificate for a service-account secret: the SPIFFE ID, then the
 // DNS names, verified before it is returned.
 func (a *Authority) SignSecret(_ context.Context, req SecretRequest) (*Issued, error) {
-	b := a.bundle.Load()
-	if b == nil {
-		return nil, ErrNotReady
-	}
-	if _, err := pki.NewSPIFFEID(req.Identity.TrustDomain, req.Identity.Namespace, req.Identity.ServiceAccount); err != nil {
-		return nil, fmt.Errorf("secret identity: %w", err)
-	}
-	if err := checkPublicKey(req.PublicKey); err != nil {
-		return nil, err
-	}
-	ttl, err := a.workloadTTL(req.TTL)
-	if err != nil {
-		return nil, err
-	}
-	tmpl := &x509.Certificate{
-		URIs:                  []*url.URL{req.Identity.URL()},
-		DNSNames:              slices.Clone(req.DNSNames),
-		KeyUsage:              x509.KeyUsageDigitalSignature | x509.KeyUsageKeyEncipherment,
-		ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
-		BasicConstraintsValid: true,
-	}
-	leaf, err := a.sign(b, tmpl, req.PublicKey, ttl)
-	if err != nil {
-		return nil, err
-	}
-	if len(leaf.URIs) != 1 || leaf.URIs[0].String() != req.Identity.String() {
-		return nil, fmt.Errorf("issued certificate names %v, want %s", leaf.URIs, req.Identity)
-	}
-	return &Issued{Leaf: leaf, bundle: b}, nil
+	return a.issue(a.workloadPolicy("secret", false), Params{Identity: req.Identity, DNSNames: req.DNSNames, PublicKey: req.PublicKey, TTL: req.TTL})
 }
 
 func (a *Authority) workloadTTL(requested time.Duration) (time.Duration, error) {
@@ -270,30 +304,18 @@ func (a *Authority) workloadTTL(requested time.Duration) (time.Duration, error) 
 // SignServing issues a TLS server certificate for the CA's own endpoint: hosts are DNS names or IP
 // addresses. It is not reachable by callers of the CA protocol.
 func (a *Authority) SignServing(pub crypto.PublicKey, hosts []string, ttl time.Duration) (*Issued, error) {
-	b := a.bundle.Load()
-	if b == nil {
-		return nil, ErrNotReady
-	}
-	tmpl := &x509.Certificate{
-		KeyUsage:              x509.KeyUsageDigitalSignature | x509.KeyUsageKeyEncipherment,
-		ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-		BasicConstraintsValid: true,
-	}
+	p := Params{PublicKey: pub, TTL: ttl}
 	for _, h := range hosts {
 		if ip := net.ParseIP(h); ip != nil {
-			tmpl.IPAddresses = append(tmpl.IPAddresses, ip)
+			p.IPAddresses = append(p.IPAddresses, ip)
 		} else {
-			tmpl.DNSNames = append(tmpl.DNSNames, h)
+			p.DNSNames = append(p.DNSNames, h)
 		}
 	}
 	if len(hosts) > 0 {
-		tmpl.Subject = pkix.Name{CommonName: hosts[0]}
+		p.CommonName = hosts[0]
 	}
-	leaf, err := a.sign(b, tmpl, pub, ttl)
-	if err != nil {
-		return nil, err
-	}
-	return &Issued{Leaf: leaf, bundle: b}, nil
+	return a.issue(servingPolicy(), p)
 }
 
 // sign fills in the validity, signs tmpl with b, and verifies that the leaf is valid under the

@@ -15,7 +15,6 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
-	"strings"
 	"sync"
 	"time"
 
@@ -34,6 +33,7 @@ import (
 	"github.com/meshid/meshid/internal/istio"
 	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/internal/pki"
+	"github.com/meshid/meshid/internal/upstream"
 )
 
 // Defaults of the client.
@@ -84,6 +84,7 @@ type Config struct {
 // Client signs CSRs with a remote CA.
 type Client struct {
 	cfg     Config
+	creds   *upstream.Credentials
 	clock   clock.Clock
 	log     *slog.Logger
 	latency *prometheus.HistogramVec
@@ -95,7 +96,24 @@ type Client struct {
 }
 
 // ErrNoCredentials reports a call that has neither a token nor a certificate to present.
-var ErrNoCredentials = errors.New("no credentials for the CA")
+var ErrNoCredentials = upstream.ErrNoCredentials
+
+// tokenSource is where the token of cfg comes from: Token, else the file at TokenPath.
+func tokenSource(token func(context.Context) (string, error), path string) upstream.TokenSource {
+	switch {
+	case token != nil:
+		return func(ctx context.Context) (string, error) {
+			tok, err := token(ctx)
+			if err != nil {
+				return "", fmt.Errorf("cannot get a token: %w", err)
+			}
+			return tok, nil
+		}
+	case path != "":
+		return upstream.FileToken(path)
+	}
+	return nil
+}
 
 // New returns a Client. It opens no connection until Connect or the first Sign; call Close when
 // done.
@@ -113,7 +131,9 @@ func New(cfg Config) (*Client, error) {
 		cfg.MaxAttempts = DefaultMaxAttempts
 	}
 	c := &Client{
-		cfg:   cfg,
+		cfg: cfg,
+		creds: &upstream.Credentials{RootCertFile: cfg.RootCertFile, ServerName: cfg.ServerName,
+			Token: tokenSource(cfg.Token, cfg.TokenPath), ClientCertificate: cfg.ClientCertificate, ClusterID: cfg.ClusterID, Clock: cfg.Clock},
 		clock: clock.OrReal(cfg.Clock),
 		log:   cfg.Logger,
 		latency: prometheus.NewHistogramVec(prometheus.HistogramOpts{
@@ -203,13 +223,13 @@ func (c *Client) call(ctx context.Context, req *pb.IstioCertificateRequest) (*pb
 	if c.cfg.ClientCertificate != nil {
 		cert = c.cfg.ClientCertificate()
 	}
-	token, err := c.token(ctx)
-	switch {
-	case err != nil && cert == nil:
-		return nil, fmt.Errorf("%w: %w, and no valid certificate to present", ErrNoCredentials, err)
-	case err != nil:
-		c.log.Debug("no token; the certificate held authenticates the request", logkey.Reason, err.Error())
-		token = ""
+	// Before anything is sent: a call with neither a token nor a certificate fails here.
+	md, tokenErr, err := c.creds.Metadata(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if tokenErr != nil {
+		c.log.Debug("no token; the certificate held authenticates the request", logkey.Reason, tokenErr.Error())
 	}
 	conn, err := c.connection(cert)
 	if err != nil {
@@ -217,11 +237,8 @@ func (c *Client) call(ctx context.Context, req *pb.IstioCertificateRequest) (*pb
 	}
 	ctx, cancel := context.WithTimeout(ctx, c.cfg.CallTimeout)
 	defer cancel()
-	if token != "" {
-		ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+token)
-	}
-	if c.cfg.ClusterID != "" {
-		ctx = metadata.AppendToOutgoingContext(ctx, "ClusterID", c.cfg.ClusterID)
+	for k, v := range md {
+		ctx = metadata.AppendToOutgoingContext(ctx, k, v)
 	}
 	start := time.Now()
 	resp, err := pb.NewIstioCertificateServiceClient(conn).CreateCertificate(ctx, req)
@@ -242,29 +259,6 @@ func (c *Client) drop(conn *grpc.ClientConn) {
 		_ = c.conn.Close()
 		c.conn = nil
 	}
-}
-
-// token returns the token to send, or why there is none.
-func (c *Client) token(ctx context.Context) (string, error) {
-	switch {
-	case c.cfg.Token != nil:
-		tok, err := c.cfg.Token(ctx)
-		if err != nil {
-			return "", fmt.Errorf("cannot get a token: %w", err)
-		}
-		return tok, nil
-	case c.cfg.TokenPath == "":
-		return "", errors.New("no token configured")
-	}
-	data, err := os.ReadFile(c.cfg.TokenPath)
-	if err != nil {
-		return "", fmt.Errorf("the token file: %w", err) // the error names the path
-	}
-	tok := strings.TrimSpace(string(data))
-	if tok == "" {
-		return "", fmt.Errorf("the token file %s is empty", c.cfg.TokenPath)
-	}
-	return tok, nil
 }
 
 // connection returns the connection to the CA, dialing it again when the roots that verify it or
@@ -296,27 +290,12 @@ func (c *Client) connection(cert *tls.Certificate) (*grpc.ClientConn, error) {
 	if c.conn != nil && c.material == material {
 		return c.conn, nil
 	}
-	var roots *x509.CertPool // nil: the system roots
-	if rootsPEM != nil {
-		roots = x509.NewCertPool()
-		if !roots.AppendCertsFromPEM(rootsPEM) {
-			return nil, fmt.Errorf("the CA root file %s holds no certificate", c.cfg.RootCertFile)
-		}
+	if rootsPEM != nil && !x509.NewCertPool().AppendCertsFromPEM(rootsPEM) {
+		return nil, fmt.Errorf("the CA root file %s holds no certificate", c.cfg.RootCertFile)
 	}
-	// The CA's certificate is checked on our clock, the one every other validity decision uses,
-	// tolerating a NotBefore ahead of it (a CA whose clock is ahead of ours): see verifyServer.
-	cfg := &tls.Config{
-		MinVersion: tls.VersionTLS12, ServerName: c.cfg.ServerName,
-		InsecureSkipVerify: true, //nolint:gosec // VerifyConnection verifies the chain and the name
-		VerifyConnection: func(cs tls.ConnectionState) error {
-			return verifyServer(cs, roots, c.cfg.ServerName, c.clock)
-		},
-	}
-	if cert != nil {
-		// Presented whatever CAs the server names: it checks the chain itself, per call.
-		cfg.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) { return cert, nil }
-	}
-	conn, err := grpc.NewClient(c.cfg.Address, grpc.WithTransportCredentials(credentials.NewTLS(cfg)))
+	// The handshake reads the roots and asks for the certificate again (upstream.Credentials):
+	// what it finds is what was hashed here, or newer, which the next call dials again for.
+	conn, err := grpc.NewClient(c.cfg.Address, grpc.WithTransportCredentials(credentials.NewTLS(c.creds.TLSConfig())))
 	if err != nil {
 		return nil, fmt.Errorf("CA address %q: %w", c.cfg.Address, err)
 	}

@@ -47,6 +47,9 @@ func allowed() map[string][]string {
 		// A server's admission names the process at the other end of a Unix connection as the
 		// socket helpers do.
 		"internal/admission": {"internal/clock", "internal/logkey", "internal/fsutil"},
+		// The control plane's clients check its certificate as pki tells validity, clock skew
+		// included.
+		"internal/upstream": {"internal/clock", "internal/logkey", "internal/pki"},
 
 		// The TokenReview authenticator is one of ca/server's authenticators, and refuses a user
 		// that is not a service account as ca/token's verifier does.

@@ -109,55 +109,98 @@ func validDebugType(s string) bool {
 	return true
 }
 
-// askDebug sends req on the debug stream and waits for the response of its type, at most the
-// debug timeout. On failure it returns the HTTP status to answer with.
-//
-// One request at a time (debugMu): the stream then has at most one answer awaited, and a late
-// answer cannot be taken for the next request's, because a request that times out or fails
-// closes the stream (the next one opens another).
+// debugAsk is one debug request handed to Run's debug goroutine, which replies on reply.
+type debugAsk struct {
+	ctx   context.Context // the HTTP request's: an abandoned request stops waiting
+	req   *discovery.DiscoveryRequest
+	reply chan debugReply // buffered: the debug goroutine never blocks on it
+}
+
+type debugReply struct {
+	resp *discovery.DiscoveryResponse
+	code int // the HTTP status of a failure
+	err  error
+}
+
+// askDebug hands req to Run's debug goroutine and returns its answer; on failure, the HTTP status
+// to answer with. A request that comes as the agent starts waits for Run, at most the debug
+// timeout.
 func (p *Proxy) askDebug(ctx context.Context, req *discovery.DiscoveryRequest) (*discovery.DiscoveryResponse, int, error) {
+	ask := debugAsk{ctx: ctx, req: req, reply: make(chan debugReply, 1)}
 	timer := p.clock.NewTimer(p.cfg.DebugTimeout)
-	defer timer.Stop()
-	// A request that comes as the agent starts waits for Run.
 	select {
-	case <-p.started:
+	case p.debugAsks <- ask:
+		timer.Stop()
+	case <-p.debugStopped:
+		timer.Stop()
+		return nil, http.StatusServiceUnavailable, errors.New("the xDS proxy is not running")
 	case <-timer.C():
 		return nil, http.StatusServiceUnavailable, errors.New("the xDS proxy is not running")
 	case <-ctx.Done():
+		timer.Stop()
 		return nil, http.StatusServiceUnavailable, fmt.Errorf("the debug request was abandoned: %w", ctx.Err())
 	}
-	p.debugMu.Lock()
-	defer p.debugMu.Unlock()
-	if p.running == nil || p.running.Err() != nil {
-		return nil, http.StatusServiceUnavailable, errors.New("the xDS proxy is not running")
+	r := <-ask.reply // the debug goroutine replies within the debug timeout, or as the request or Run ends
+	return r.resp, r.code, r.err
+}
+
+// debugLoop answers debug requests, one at a time, on the proxy's own upstream stream, until ctx
+// (Run's) ends. It alone owns the stream, so no lock is held across a round trip; one request at
+// a time means one answer awaited, and a request that fails or times out ends the stream (the
+// next opens another), so that a late answer cannot be taken for the next request's.
+func (p *Proxy) debugLoop(ctx context.Context) {
+	var d *debugStream
+	defer func() {
+		if d != nil {
+			d.cancel()
+		}
+		close(p.debugStopped)
+	}()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case ask := <-p.debugAsks:
+			var r debugReply
+			d, r = p.roundTrip(ctx, d, ask)
+			ask.reply <- r
+		}
 	}
-	d := p.debug
+}
+
+// roundTrip sends ask on the debug stream d, opened first when nil, and waits for the answer of
+// its type, at most the debug timeout. It returns the stream for the next request: nil when this
+// one has ended.
+func (p *Proxy) roundTrip(ctx context.Context, d *debugStream, ask debugAsk) (*debugStream, debugReply) {
 	if d == nil {
 		var err error
-		if d, err = p.openDebug(); err != nil {
-			return nil, http.StatusBadGateway, fmt.Errorf("open the upstream debug stream: %s", describeStatus(err))
+		if d, err = p.openDebug(ctx); err != nil {
+			return nil, debugReply{code: http.StatusBadGateway, err: fmt.Errorf("open the upstream debug stream: %s", describeStatus(err))}
 		}
-		p.debug = d
 	}
-	answer := d.await(req.GetTypeUrl())
+	timer := p.clock.NewTimer(p.cfg.DebugTimeout)
+	defer timer.Stop()
+	answer := d.await(ask.req.GetTypeUrl())
 	// A Send that fails leaves the reason to the reader, which sees the stream end.
-	_ = d.stream.Send(req)
+	_ = d.stream.Send(ask.req)
+	var r debugReply
 	select {
 	case resp := <-answer:
-		return resp, 0, nil
+		return d, debugReply{resp: resp}
 	case <-d.done:
-		p.closeDebug()
+		r = debugReply{code: http.StatusBadGateway, err: fmt.Errorf("the upstream refused the debug request: %s", describeStatus(d.err))}
 		if errors.Is(d.err, io.EOF) {
-			return nil, http.StatusBadGateway, errors.New("the upstream closed the debug stream without answering")
+			r.err = errors.New("the upstream closed the debug stream without answering")
 		}
-		return nil, http.StatusBadGateway, fmt.Errorf("the upstream refused the debug request: %s", describeStatus(d.err))
 	case <-timer.C():
-		p.closeDebug()
-		return nil, http.StatusGatewayTimeout, fmt.Errorf("the upstream did not answer %s within %v", req.GetTypeUrl(), p.cfg.DebugTimeout)
+		r = debugReply{code: http.StatusGatewayTimeout, err: fmt.Errorf("the upstream did not answer %s within %v", ask.req.GetTypeUrl(), p.cfg.DebugTimeout)}
+	case <-ask.ctx.Done():
+		r = debugReply{code: http.StatusServiceUnavailable, err: fmt.Errorf("the debug request was abandoned: %w", ask.ctx.Err())}
 	case <-ctx.Done():
-		p.closeDebug()
-		return nil, http.StatusServiceUnavailable, fmt.Errorf("the debug request was abandoned: %w", ctx.Err())
+		r = debugReply{code: http.StatusServiceUnavailable, err: errors.New("the xDS proxy is stopping")}
 	}
+	d.cancel()
+	return nil, r
 }
 
 func describeStatus(err error) string {
@@ -179,9 +222,9 @@ type debugStream struct {
 	answer chan *discovery.DiscoveryResponse // buffered: the reader never blocks on it
 }
 
-// openDebug opens the debug stream within Run's context and starts its reader. debugMu is held.
-func (p *Proxy) openDebug() (*debugStream, error) {
-	ctx, cancel := context.WithCancel(p.running)
+// openDebug opens a debug stream within ctx (Run's) and starts its reader, which Run waits for.
+func (p *Proxy) openDebug(ctx context.Context) (*debugStream, error) {
+	ctx, cancel := context.WithCancel(ctx)
 	stream, err := p.upstream.StreamAggregatedResources(ctx, p.cfg.CallOptions...)
 	if err != nil {
 		cancel()
@@ -219,22 +262,6 @@ func (d *debugStream) deliver(resp *discovery.DiscoveryResponse) {
 	}
 	d.answer <- resp
 	d.answer = nil
-}
-
-// closeDebug ends the debug stream, if any; the next request opens another. debugMu is held.
-func (p *Proxy) closeDebug() {
-	if p.debug != nil {
-		p.debug.cancel()
-		p.debug = nil
-	}
-}
-
-// stopDebug ends the debug stream and refuses further debug requests: Run is returning.
-func (p *Proxy) stopDebug() {
-	p.debugMu.Lock()
-	defer p.debugMu.Unlock()
-	p.closeDebug()
-	p.running = nil
 }
 
 // debugJSON writes a debug answer as protojson. A resource whose type this binary does not link

@@ -95,18 +95,14 @@ type Proxy struct {
 	logs        *admission.LogLimiter
 
 	// wg counts the goroutines Run must wait for besides the gRPC server's own: each Envoy
-	// stream's request forwarder, and the debug stream's reader.
+	// stream's request forwarder, the debug loop and its stream's reader.
 	wg sync.WaitGroup
 	// stopping is set once Run's context has ended, for the log of the streams it ends.
 	stopping atomic.Bool
 
-	// started is closed when Run starts.
-	started chan struct{}
-	// debugMu serializes debug requests, and guards what follows.
-	debugMu sync.Mutex
-	// running is Run's context while it runs, nil otherwise: the debug stream lives within it.
-	running context.Context
-	debug   *debugStream
+	// debugAsks hands debug requests to Run's debug loop; debugStopped is closed when it ends.
+	debugAsks    chan debugAsk
+	debugStopped chan struct{}
 }
 
 // New checks cfg, fills in its defaults and listens on the socket (see fsutil.ListenSocket). It
@@ -149,15 +145,16 @@ func New(cfg Config) (*Proxy, error) {
 	}
 	clk := clock.OrReal(cfg.Clock)
 	p := &Proxy{
-		cfg:         cfg,
-		log:         log,
-		clock:       clk,
-		socketClock: clock.OrReal(cfg.SocketClock),
-		upstream:    discovery.NewAggregatedDiscoveryServiceClient(cfg.Upstream),
-		metrics:     newMetrics(),
-		gate:        gate,
-		logs:        admission.NewLogLimiter(clk),
-		started:     make(chan struct{}),
+		cfg:          cfg,
+		log:          log,
+		clock:        clk,
+		socketClock:  clock.OrReal(cfg.SocketClock),
+		upstream:     discovery.NewAggregatedDiscoveryServiceClient(cfg.Upstream),
+		metrics:      newMetrics(),
+		gate:         gate,
+		logs:         admission.NewLogLimiter(clk),
+		debugAsks:    make(chan debugAsk),
+		debugStopped: make(chan struct{}),
 	}
 	if cfg.Registerer != nil {
 		if err := p.metrics.register(cfg.Registerer); err != nil {
@@ -178,11 +175,9 @@ func (p *Proxy) Close() { p.socket.Close() }
 // socket path still leads to it (see SocketProblem). A Proxy runs once.
 func (p *Proxy) Run(ctx context.Context) error {
 	defer p.socket.Remove()
-	p.debugMu.Lock()
-	p.running = ctx
-	p.debugMu.Unlock()
-	close(p.started)
-	defer p.stopDebug()
+	debugCtx, stopDebug := context.WithCancel(ctx)
+	defer stopDebug()
+	p.wg.Go(func() { p.debugLoop(debugCtx) })
 
 	// WaitForHandlers: Stop returns only once every stream handler has, so that none outlives Run.
 	grpcServer := grpc.NewServer(append(p.grpcOptions(), grpc.WaitForHandlers(true))...)
@@ -213,7 +208,7 @@ func (p *Proxy) Run(ctx context.Context) error {
 	if serveErr == nil {
 		serveErr = <-served
 	}
-	p.stopDebug()
+	stopDebug()
 	p.wg.Wait()
 	if serveErr != nil && !errors.Is(serveErr, grpc.ErrServerStopped) {
 		return fmt.Errorf("serve the xDS proxy: %w", serveErr)

@@ -2,14 +2,13 @@ package controlplane
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
 	"os"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sync/errgroup"
 
@@ -118,18 +117,15 @@ func newOnKubernetes(cfg Config, clk clock.Clock, log *slog.Logger, reg promethe
 	return k, nil
 }
 
-// replicaIdentity names this process in the leader election: the host name (a pod's name) and a
-// random suffix, so that two processes on one host never both believe they hold the Lease.
+// replicaIdentity names this process in the leader election as client-go's own example does:
+// the host name (a pod's name) and a UUID, so that two processes on one host never both believe
+// they hold the Lease.
 func replicaIdentity() (string, error) {
 	host, err := os.Hostname()
 	if err != nil {
 		return "", fmt.Errorf("leader election identity: %w", err)
 	}
-	suffix := make([]byte, 4)
-	if _, err := rand.Read(suffix); err != nil {
-		return "", err
-	}
-	return host + "_" + hex.EncodeToString(suffix), nil
+	return host + "_" + uuid.NewString(), nil
 }
 
 // initialBundle returns the key material from the cacerts Secret, or nil when the mounted

@@ -81,15 +81,15 @@ type ControlPlane struct {
 	grpcLis   net.Listener
 	// grpcSocket is the socket of a unix:// address, removed once the server has stopped.
 	grpcSocket *fsutil.Socket
-	monitor   *http.Server
-	monLis    net.Listener
-	manifests *controller.Manifests // nil without --manifests
-	kube      *onKubernetes         // nil off Kubernetes
-	discovery *discovery.Server     // nil without --xds-config
-	secrets   *controller.Secrets   // nil without a store of service accounts
-	probe     *livenessProbe        // nil without a liveness probe path
-	ready     atomic.Bool
-	readyCh   chan struct{} // closed once Run serves
+	monitor    *http.Server
+	monLis     net.Listener
+	manifests  *controller.Manifests // nil without --manifests
+	kube       *onKubernetes         // nil off Kubernetes
+	discovery  *discovery.Server     // nil without --xds-config
+	secrets    *controller.Secrets   // nil without a store of service accounts
+	probe      *livenessProbe        // nil without a liveness probe path
+	ready      atomic.Bool
+	readyCh    chan struct{} // closed once Run serves
 }
 
 // New opens the listeners, so that the bound addresses are known before Run, then loads or

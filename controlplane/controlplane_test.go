@@ -26,8 +26,8 @@ import (
 	"github.com/meshid/meshid/ca/token"
 	"github.com/meshid/meshid/controlplane"
 	"github.com/meshid/meshid/controlplane/controlplanetest"
-	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/fsutil"
+	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
 )
 

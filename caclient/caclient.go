@@ -224,7 +224,7 @@ func (c *Client) call(ctx context.Context, req *pb.IstioCertificateRequest) (*pb
 		cert = c.cfg.ClientCertificate()
 	}
 	// Before anything is sent: a call with neither a token nor a certificate fails here.
-	md, tokenErr, err := c.creds.Metadata(ctx)
+	md, tokenErr, err := c.creds.Metadata(ctx, cert != nil)
 	if err != nil {
 		return nil, err
 	}

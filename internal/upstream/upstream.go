@@ -131,9 +131,10 @@ func VerifyServer(cs tls.ConnectionState, roots *x509.CertPool, serverName strin
 }
 
 // Metadata is what goes with a call: the cluster id, and the bearer token. Without a token the
-// call goes on when a certificate authenticates the connection (tokenErr then says why there is
-// none); with neither, the error wraps ErrNoCredentials and nothing should be sent.
-func (c *Credentials) Metadata(ctx context.Context) (md map[string]string, tokenErr, err error) {
+// call goes on when haveCert says a certificate authenticates the connection (tokenErr then says
+// why there is none); with neither, the error wraps ErrNoCredentials and nothing should be sent.
+// The caller asks ClientCertificate, once: it may read files.
+func (c *Credentials) Metadata(ctx context.Context, haveCert bool) (md map[string]string, tokenErr, err error) {
 	md = map[string]string{}
 	if c.ClusterID != "" {
 		md["ClusterID"] = c.ClusterID
@@ -146,7 +147,7 @@ func (c *Credentials) Metadata(ctx context.Context) (md map[string]string, token
 			return md, nil, nil
 		}
 	}
-	if c.ClientCertificate == nil || c.ClientCertificate() == nil {
+	if !haveCert {
 		return nil, tokenErr, fmt.Errorf("%w: %w, and no valid certificate to present", ErrNoCredentials, tokenErr)
 	}
 	return md, tokenErr, nil
@@ -158,7 +159,8 @@ func (c *Credentials) PerRPC() credentials.PerRPCCredentials { return perRPC{c} 
 type perRPC struct{ c *Credentials }
 
 func (p perRPC) GetRequestMetadata(ctx context.Context, _ ...string) (map[string]string, error) {
-	md, _, err := p.c.Metadata(ctx)
+	haveCert := p.c.ClientCertificate != nil && p.c.ClientCertificate() != nil
+	md, _, err := p.c.Metadata(ctx, haveCert)
 	return md, err
 }
 

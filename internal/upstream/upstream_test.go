@@ -106,7 +106,8 @@ func TestMetadata(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			md, tokenErr, err := tc.creds.Metadata(context.Background())
+			haveCert := tc.creds.ClientCertificate != nil && tc.creds.ClientCertificate() != nil
+			md, tokenErr, err := tc.creds.Metadata(context.Background(), haveCert)
 			if tc.noCallErr {
 				if !errors.Is(err, upstream.ErrNoCredentials) || !strings.Contains(err.Error(), tc.tokenErr) {
 					t.Fatalf("error %v, want ErrNoCredentials saying %q", err, tc.tokenErr)

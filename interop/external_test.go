@@ -2,11 +2,20 @@
 
 package interop_test
 
-import "testing"
+import (
+	"os"
+	"path/filepath"
+	"testing"
+)
 
 // Every test of this package runs a real Istio pilot-agent, which hack/istio-env.sh builds from
 // the module proxy: they are built with -tags external, as make test does, so that a plain go
 // test needs nothing from outside.
 func TestPilotAgentNeedsTagExternal(t *testing.T) {
+	// What the message tells to run must be there to run.
+	script := filepath.Join("..", "hack", "istio-env.sh")
+	if info, err := os.Stat(script); err != nil || info.Mode().Perm()&0o100 == 0 {
+		t.Fatalf("%s, which make test runs for these tests, is not an executable script: %v", script, err)
+	}
 	t.Skip("the tests with a real pilot-agent are built with -tags external: run make test (or hack/istio-env.sh, then go test -tags external)")
 }

@@ -2,7 +2,6 @@ package sds
 
 import (
 	"context"
-	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -21,26 +20,13 @@ const (
 
 	// maxRequestSize bounds one request: an SDS request is a node and a few names.
 	maxRequestSize = 1 << 20
-	// maxHeaderListSize bounds a stream's headers (gRPC's default is 16 MiB); Envoy's are a
-	// few hundred bytes.
-	maxHeaderListSize = 64 << 10
-	// keepaliveMinTime is the shortest interval between a client's pings before the server
-	// sends it away; Envoy's HTTP/2 keepalive, when configured, pings far less often.
-	keepaliveMinTime = 5 * time.Second
 )
 
-// grpcOptions are the server's transport bounds and its admission of connections. The transport
-// enforces a stream past a connection's limit (REFUSED_STREAM) and a request over
-// MaxRecvMsgSize (ResourceExhausted) before any handler runs, so they are not counted.
+// grpcOptions are the server's transport bounds and its admission of connections.
 func (s *Server) grpcOptions() []grpc.ServerOption {
-	return append(admission.Transport{
-		MaxStreamsPerConnection: s.cfg.MaxStreamsPerConnection,
-		MaxRecvMsgSize:          maxRequestSize,
-		MaxHeaderListSize:       maxHeaderListSize,
-		KeepaliveMinTime:        keepaliveMinTime,
-	}.ServerOptions(), grpc.Creds(admission.UnixPeerCredentials(s.gate, func(who string, _ error) {
+	return admission.LocalServerOptions(s.gate, s.cfg.MaxStreamsPerConnection, maxRequestSize, func(who string, _ error) {
 		_ = s.refuse(refusal{peer: who, reason: reasonTooManyConnections, code: codeClosed})
-	})))
+	})
 }
 
 // admit lets a stream or a fetch in while fewer than MaxStreams streams and calls are open; the

@@ -2,7 +2,6 @@ package xdsproxy
 
 import (
 	"context"
-	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -25,12 +24,6 @@ const (
 	// EDS request of a gateway with 5,000 clusters is about 400 kB). Responses come from the
 	// upstream, bounded there.
 	maxRequestSize = 1 << 20
-	// maxHeaderListSize bounds a stream's headers (gRPC's default is 16 MiB); Envoy's are a
-	// few hundred bytes.
-	maxHeaderListSize = 64 << 10
-	// keepaliveMinTime is the shortest interval between a client's pings before the proxy sends
-	// it away; Envoy's HTTP/2 keepalive, when configured, pings far less often.
-	keepaliveMinTime = 5 * time.Second
 )
 
 // The protocols of Envoy's streams, as logged and counted.
@@ -50,18 +43,11 @@ const (
 	codeClosed = "closed"
 )
 
-// grpcOptions are the proxy's transport bounds and its admission of connections. The transport
-// enforces a stream past a connection's limit (REFUSED_STREAM) and a request over the size limit
-// (ResourceExhausted) before any handler runs, so they are not counted.
+// grpcOptions are the proxy's transport bounds and its admission of connections.
 func (p *Proxy) grpcOptions() []grpc.ServerOption {
-	return append(admission.Transport{
-		MaxStreamsPerConnection: p.cfg.MaxStreamsPerConnection,
-		MaxRecvMsgSize:          maxRequestSize,
-		MaxHeaderListSize:       maxHeaderListSize,
-		KeepaliveMinTime:        keepaliveMinTime,
-	}.ServerOptions(), grpc.Creds(admission.UnixPeerCredentials(p.gate, func(who string, _ error) {
+	return admission.LocalServerOptions(p.gate, p.cfg.MaxStreamsPerConnection, maxRequestSize, func(who string, _ error) {
 		p.refuse(who, "", reasonTooManyConnections, codeClosed, nil)
-	})))
+	})
 }
 
 // admit lets one of Envoy's streams in while fewer than MaxStreams are open; the handler releases

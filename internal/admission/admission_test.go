@@ -100,7 +100,7 @@ func TestLogLimiterPacesEachKindAndCountsWhatItDropped(t *testing.T) {
 	}
 }
 
-// A Unix socket server with UnixPeerCredentials: the connection cap closes the connection past
+// A Unix socket server with LocalServerOptions: the connection cap closes the connection past
 // it, names who was refused, and a stream's handler learns its peer.
 func TestUnixPeerCredentials(t *testing.T) {
 	t.Parallel()
@@ -120,12 +120,11 @@ func TestUnixPeerCredentials(t *testing.T) {
 	}
 	var mu sync.Mutex
 	var refused []string
-	srv := grpc.NewServer(append(admission.Transport{MaxRecvMsgSize: 1 << 10}.ServerOptions(),
-		grpc.Creds(admission.UnixPeerCredentials(gate, func(who string, err error) {
-			mu.Lock()
-			defer mu.Unlock()
-			refused = append(refused, who+": "+err.Error())
-		})),
+	srv := grpc.NewServer(append(admission.LocalServerOptions(gate, 10, 1<<10, func(who string, err error) {
+		mu.Lock()
+		defer mu.Unlock()
+		refused = append(refused, who+": "+err.Error())
+	}),
 		grpc.UnaryInterceptor(func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
 			if p := admission.Peer(ctx); !strings.Contains(p, "pid="+strconv.Itoa(os.Getpid())) {
 				return nil, status.Errorf(codes.Internal, "peer %q does not name this process", p)

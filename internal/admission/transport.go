@@ -66,6 +66,30 @@ func (t Transport) ServerOptions() []grpc.ServerOption {
 	return opts
 }
 
+// Bounds of a server that Envoy, or another local client, reaches on a Unix socket.
+const (
+	// localHeaderListSize bounds a stream's headers (gRPC's default is 16 MiB); Envoy's are a
+	// few hundred bytes.
+	localHeaderListSize = 64 << 10
+	// localKeepaliveMinTime is the shortest interval between a client's pings before the
+	// server sends it away; Envoy's HTTP/2 keepalive, when configured, pings far less often.
+	localKeepaliveMinTime = 5 * time.Second
+)
+
+// LocalServerOptions are the options of a gRPC server on a Unix socket that local clients (Envoy)
+// reach: at most maxStreamsPerConnection streams a connection and maxRecvMsgSize bytes a request,
+// Envoy-sized headers, a keepalive floor, and each connection admitted through gate and named by
+// its peer, refused told who was turned away. The transport enforces these before any handler
+// runs, so only the refused connections are for the server to count.
+func LocalServerOptions(gate *Gate, maxStreamsPerConnection, maxRecvMsgSize int, refused func(who string, err error)) []grpc.ServerOption {
+	return append(Transport{
+		MaxStreamsPerConnection: maxStreamsPerConnection,
+		MaxRecvMsgSize:          maxRecvMsgSize,
+		MaxHeaderListSize:       localHeaderListSize,
+		KeepaliveMinTime:        localKeepaliveMinTime,
+	}.ServerOptions(), grpc.Creds(UnixPeerCredentials(gate, refused)))
+}
+
 // UnixPeerCredentials are transport credentials for a Unix socket server. They secure nothing
 // (the socket's mode says who may connect): they name each connection's peer, as the kernel saw
 // it connect, so that a refusal says who asked (Peer), and admit connections through gate,

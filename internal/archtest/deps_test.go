@@ -26,7 +26,7 @@ func allowed() map[string][]string {
 		"controlplane":                  {"ca", "ca/", "discovery", "internal/"},
 		"controlplane/controlplanetest": {"controlplane", "ca/token", "agent"},
 		"sds/sdsclient":                 {"internal/"}, // nothing of the server it tests
-		"sds/sdstest":                   {"internal/"},
+		"sds/sdstest":                   {"sds/sdsclient"},
 		"ca/server":                     {"ca", "ca/token", "internal/"},
 		"ca/controller/":                {"ca", "ca/controller", "internal/"},
 		"ca/controller":                 {"ca", "internal/"},

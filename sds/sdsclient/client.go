@@ -110,6 +110,26 @@ func (c *Client) Close() error {
 // Stub is the generated client, for a request this package does not make.
 func (c *Client) Stub() secretservice.SecretDiscoveryServiceClient { return c.stub }
 
+// StreamSecrets opens a state-of-the-world stream that lives as long as ctx; nothing is sent yet.
+func (c *Client) StreamSecrets(ctx context.Context, opts ...grpc.CallOption) (*Stream, error) {
+	raw, err := c.stub.StreamSecrets(ctx, opts...)
+	return opened(&Stream{requests: requests{node: c.Node}, Raw: raw}, err)
+}
+
+// DeltaSecrets opens a delta stream that lives as long as ctx; nothing is sent yet.
+func (c *Client) DeltaSecrets(ctx context.Context, opts ...grpc.CallOption) (*DeltaStream, error) {
+	raw, err := c.stub.DeltaSecrets(ctx, opts...)
+	return opened(&DeltaStream{requests: requests{node: c.Node}, Raw: raw}, err)
+}
+
+// opened returns the stream made of a call that opened it, or the call's error.
+func opened[S any](s *S, err error) (*S, error) {
+	if err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
 // Fetch asks for names with FetchSecrets and returns the secrets received, or the call's error
 // as gRPC returned it (its status intact). It does not check that every name came.
 func (c *Client) Fetch(ctx context.Context, names ...string) (map[string]*tlsv3.Secret, error) {

@@ -1,7 +1,6 @@
 package sdsclient
 
 import (
-	"context"
 	"fmt"
 	"maps"
 	"slices"
@@ -11,7 +10,6 @@ import (
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	secretservice "github.com/envoyproxy/go-control-plane/envoy/service/secret/v3"
 	rpcstatus "google.golang.org/genproto/googleapis/rpc/status"
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/anypb"
@@ -29,41 +27,48 @@ type Response struct {
 // Names returns the names of the secrets received, sorted.
 func (r Response) Names() []string { return slices.Sorted(maps.Keys(r.Secrets)) }
 
+// requests is what both kinds of stream keep of what they sent: the node goes on the first
+// request only.
+type requests struct {
+	node *core.Node
+	sent bool
+}
+
+// stamp fills in the type of a request about to go out, unless it has one, and notes that a
+// request went out.
+func (r *requests) stamp(typeURL *string) {
+	if *typeURL == "" {
+		*typeURL = TypeURL
+	}
+	r.sent = true
+}
+
+// firstNode is the node when no request went out yet, else nil.
+func (r *requests) firstNode() *core.Node {
+	if r.sent {
+		return nil
+	}
+	return r.node
+}
+
 // Stream is a StreamSecrets (state of the world) stream. Its methods are not for concurrent use,
 // except that one goroutine may send while another receives, as with any gRPC stream.
 type Stream struct {
-	node *core.Node
-	sent bool // a request went out: the node is not sent again
+	requests
 	// Raw is the generated stream, for what this type does not do.
 	Raw secretservice.SecretDiscoveryService_StreamSecretsClient
 }
 
-// StreamSecrets opens a state-of-the-world stream that lives as long as ctx; nothing is sent yet.
-func (c *Client) StreamSecrets(ctx context.Context, opts ...grpc.CallOption) (*Stream, error) {
-	st, err := c.stub.StreamSecrets(ctx, opts...)
-	if err != nil {
-		return nil, err
-	}
-	return &Stream{node: c.Node, Raw: st}, nil
-}
-
 // Send sends req as it is, filling in the type when it has none.
 func (s *Stream) Send(req *discovery.DiscoveryRequest) error {
-	if req.TypeUrl == "" {
-		req.TypeUrl = TypeURL
-	}
-	s.sent = true
+	s.stamp(&req.TypeUrl)
 	return s.Raw.Send(req)
 }
 
 // Subscribe asks for names (replacing what the stream asked for before), with the node when it
 // is the stream's first request.
 func (s *Stream) Subscribe(names ...string) error {
-	req := &discovery.DiscoveryRequest{ResourceNames: names}
-	if !s.sent {
-		req.Node = s.node
-	}
-	return s.Send(req)
+	return s.Send(&discovery.DiscoveryRequest{Node: s.firstNode(), ResourceNames: names})
 }
 
 // Ack accepts r and (re)states the names, without the node, as Envoy does.
@@ -87,13 +92,7 @@ func (s *Stream) Recv() (Response, error) {
 	if err != nil {
 		return Response{}, err
 	}
-	if resp.GetTypeUrl() != TypeURL {
-		return Response{}, protocolErrorf("response of type %s", resp.GetTypeUrl())
-	}
-	if resp.GetNonce() == "" {
-		return Response{}, protocolErrorf("response without a nonce")
-	}
-	secrets, err := Parse(nil, resp.GetResources())
+	secrets, err := parseResponse(resp.GetTypeUrl(), resp.GetNonce(), nil, resp.GetResources())
 	if err != nil {
 		return Response{}, err
 	}
@@ -163,37 +162,20 @@ func ended(err error, n int) (*status.Status, error) {
 
 // DeltaStream is a DeltaSecrets stream, used as Stream is.
 type DeltaStream struct {
-	node *core.Node
-	sent bool
+	requests
 	// Raw is the generated stream, for what this type does not do.
 	Raw secretservice.SecretDiscoveryService_DeltaSecretsClient
 }
 
-// DeltaSecrets opens a delta stream that lives as long as ctx; nothing is sent yet.
-func (c *Client) DeltaSecrets(ctx context.Context, opts ...grpc.CallOption) (*DeltaStream, error) {
-	st, err := c.stub.DeltaSecrets(ctx, opts...)
-	if err != nil {
-		return nil, err
-	}
-	return &DeltaStream{node: c.Node, Raw: st}, nil
-}
-
 // Send sends req as it is, filling in the type when it has none.
 func (d *DeltaStream) Send(req *discovery.DeltaDiscoveryRequest) error {
-	if req.TypeUrl == "" {
-		req.TypeUrl = TypeURL
-	}
-	d.sent = true
+	d.stamp(&req.TypeUrl)
 	return d.Raw.Send(req)
 }
 
 // Subscribe adds names to the subscription, with the node when it is the stream's first request.
 func (d *DeltaStream) Subscribe(names ...string) error {
-	req := &discovery.DeltaDiscoveryRequest{ResourceNamesSubscribe: names}
-	if !d.sent {
-		req.Node = d.node
-	}
-	return d.Send(req)
+	return d.Send(&discovery.DeltaDiscoveryRequest{Node: d.firstNode(), ResourceNamesSubscribe: names})
 }
 
 // Ack accepts r, without the node.
@@ -222,13 +204,7 @@ func (d *DeltaStream) Recv() (Response, error) {
 	if err != nil {
 		return Response{}, err
 	}
-	if resp.GetTypeUrl() != TypeURL {
-		return Response{}, protocolErrorf("response of type %s", resp.GetTypeUrl())
-	}
-	if resp.GetNonce() == "" {
-		return Response{}, protocolErrorf("response without a nonce")
-	}
-	secrets, err := Parse(resp.GetResources(), nil)
+	secrets, err := parseResponse(resp.GetTypeUrl(), resp.GetNonce(), resp.GetResources(), nil)
 	if err != nil {
 		return Response{}, err
 	}
@@ -268,6 +244,17 @@ func (d *DeltaStream) RecvAll(names ...string) (last Response, versions map[stri
 func (d *DeltaStream) RecvErr() (*status.Status, error) {
 	resp, err := d.Raw.Recv()
 	return ended(err, len(resp.GetResources()))
+}
+
+// parseResponse checks a response's type and nonce, then reads its secrets.
+func parseResponse(typeURL, nonce string, resources []*discovery.Resource, anys []*anypb.Any) (map[string]*tlsv3.Secret, error) {
+	if typeURL != TypeURL {
+		return nil, protocolErrorf("response of type %s", typeURL)
+	}
+	if nonce == "" {
+		return nil, protocolErrorf("response without a nonce")
+	}
+	return Parse(resources, anys)
 }
 
 // Parse reads the secrets of a response: delta resources, or SotW ones (anys). A resource of

@@ -13,13 +13,9 @@ import (
 	"time"
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
-	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
-	secretservice "github.com/envoyproxy/go-control-plane/envoy/service/secret/v3"
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/meshid/meshid/internal/testutil"
-	"github.com/meshid/meshid/sds"
+	"github.com/meshid/meshid/sds/sdsclient"
 )
 
 // processCounts is what a leak shows in: this process's goroutines and open file descriptors.
@@ -37,20 +33,20 @@ func countProcess(t *testing.T) processCounts {
 // sdsConnectOnce is what an Envoy that starts and stops does to the agent: a new connection, a
 // StreamSecrets for "default", the first response, and the connection closed.
 func sdsConnectOnce(ctx context.Context, socket string) error {
-	conn, err := grpc.NewClient("unix://"+socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	c, err := sdsclient.Dial(socket, sdsclient.WithNode(&core.Node{Id: "churn"}))
 	if err != nil {
 		return err
 	}
-	defer func() { _ = conn.Close() }()
-	s, err := secretservice.NewSecretDiscoveryServiceClient(conn).StreamSecrets(ctx)
+	defer func() { _ = c.Close() }()
+	s, err := c.StreamSecrets(ctx)
 	if err != nil {
 		return err
 	}
-	if err := s.Send(&discovery.DiscoveryRequest{Node: &core.Node{Id: "churn"}, ResourceNames: []string{"default"}, TypeUrl: sds.SecretTypeURL}); err != nil {
+	if err := s.Subscribe("default"); err != nil {
 		return err
 	}
 	resp, err := s.Recv()
-	if err == nil && len(resp.GetResources()) != 1 {
+	if err == nil && len(resp.Secrets) != 1 {
 		err = errors.New("the first response does not hold the default secret")
 	}
 	return err

@@ -18,7 +18,7 @@ import (
 
 	"github.com/meshid/meshid/agent"
 	"github.com/meshid/meshid/internal/testutil"
-	"github.com/meshid/meshid/sds"
+	"github.com/meshid/meshid/sds/sdsclient"
 	"github.com/meshid/meshid/sds/sdstest"
 )
 
@@ -27,7 +27,7 @@ func sdsGet(t *testing.T, socket string, names ...string) map[string]*tlsv3.Secr
 	t.Helper()
 	ctx, cancel := context.WithTimeout(t.Context(), wait)
 	defer cancel()
-	got, err := sds.Get(ctx, socket, "test", names...)
+	got, err := sdsclient.Get(ctx, socket, "test", names...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -188,7 +188,7 @@ func TestAgentSourceDecisionFlow(t *testing.T) {
 					}
 					ctx, cancel := context.WithTimeout(t.Context(), wait)
 					defer cancel()
-					report, err := sds.Inspect(ctx, a.SocketPath(), now)
+					report, err := sdsclient.Inspect(ctx, a.SocketPath(), now)
 					if err != nil {
 						t.Fatal(err)
 					}

@@ -15,6 +15,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"maps"
 	"math/rand/v2"
 	"net"
 	"net/http"
@@ -31,9 +32,6 @@ import (
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	tlsv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/transport_sockets/tls/v3"
-	discoveryv3 "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
-	secretv3 "github.com/envoyproxy/go-control-plane/envoy/service/secret/v3"
-	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/backoff"
@@ -41,6 +39,7 @@ import (
 
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
+	"github.com/meshid/meshid/sds/sdsclient"
 )
 
 // chaosLong selects the long form of the fault suite (`make chaos`): more iterations, longer
@@ -233,10 +232,10 @@ func openSDSWatch(t *testing.T, socket, id string, n int, bundle func() []*x509.
 		streams.Wait()
 		_ = conn.Close()
 	})
-	client := secretv3.NewSecretDiscoveryServiceClient(conn)
 	for i := range n {
 		s := &watchedStream{n: i}
 		w.streams = append(w.streams, s)
+		client := sdsclient.New(conn, sdsclient.WithNode(sdsNode(i)))
 		streams.Go(func() { w.follow(ctx, client, s) })
 	}
 	return w
@@ -247,37 +246,22 @@ func sdsNode(n int) *corev3.Node {
 	return &corev3.Node{Id: fmt.Sprintf("sidecar~127.0.0.1~chaos-%d.default~default.svc.cluster.local", n), Cluster: "chaos"}
 }
 
-func (w *sdsWatch) follow(ctx context.Context, client secretv3.SecretDiscoveryServiceClient, s *watchedStream) {
-	node := sdsNode(s.n)
-	for ctx.Err() == nil {
-		stream, err := client.StreamSecrets(ctx, grpc.WaitForReady(true))
-		if err != nil {
-			continue // only when ctx ends: the stream waits for the agent
-		}
+// follow keeps stream s open, opening it again whenever the agent comes back, until ctx ends.
+func (w *sdsWatch) follow(ctx context.Context, client *sdsclient.Client, s *watchedStream) {
+	opened := func() {
 		w.mu.Lock()
 		s.opened++
 		s.leaf, s.chain, s.version, s.roots = nil, nil, "", nil // a new stream holds nothing yet
 		w.mu.Unlock()
-		names := []string{"default", "ROOTCA"}
-		if stream.Send(&discoveryv3.DiscoveryRequest{Node: node, TypeUrl: resource.SecretType, ResourceNames: names}) != nil {
-			continue
-		}
-		for {
-			resp, err := stream.Recv()
-			if err != nil {
-				break // the agent went away: open the stream again
-			}
-			w.receive(s, resp)
-			ack := &discoveryv3.DiscoveryRequest{TypeUrl: resource.SecretType, ResourceNames: names, VersionInfo: resp.GetVersionInfo(), ResponseNonce: resp.GetNonce()}
-			if stream.Send(ack) != nil {
-				break
-			}
-		}
+	}
+	received := func(r sdsclient.Response) error { w.receive(s, r); return nil }
+	if err := client.Follow(ctx, []string{"default", "ROOTCA"}, opened, received); ctx.Err() == nil {
+		w.t.Errorf("SDS stream %d: %v", s.n, err)
 	}
 }
 
 // receive applies one response to what s holds and checks the result.
-func (w *sdsWatch) receive(s *watchedStream, resp *discoveryv3.DiscoveryResponse) {
+func (w *sdsWatch) receive(s *watchedStream, resp sdsclient.Response) {
 	at := time.Now()
 	var bundle []*x509.Certificate
 	if w.bundle != nil {
@@ -288,15 +272,7 @@ func (w *sdsWatch) receive(s *watchedStream, resp *discoveryv3.DiscoveryResponse
 	var problems []string
 	gotDefault, gotRoots := false, false
 	// ROOTCA first: a response that carries both is checked as the stream holds it after.
-	secrets := make([]*tlsv3.Secret, 0, len(resp.GetResources()))
-	for _, r := range resp.GetResources() {
-		sec := &tlsv3.Secret{}
-		if err := r.UnmarshalTo(sec); err != nil {
-			problems = append(problems, fmt.Sprintf("a resource that is not a secret: %v", err))
-			continue
-		}
-		secrets = append(secrets, sec)
-	}
+	secrets := slices.Collect(maps.Values(resp.Secrets))
 	slices.SortFunc(secrets, func(a, b *tlsv3.Secret) int { return strings.Compare(b.GetName(), a.GetName()) }) // ROOTCA < default
 	for _, sec := range secrets {
 		switch sec.GetName() {
@@ -307,7 +283,7 @@ func (w *sdsWatch) receive(s *watchedStream, resp *discoveryv3.DiscoveryResponse
 				continue
 			}
 			s.roots, gotRoots = roots, true
-			s.receipts = append(s.receipts, receipt{at: at, name: "ROOTCA", version: resp.GetVersionInfo(), roots: roots})
+			s.receipts = append(s.receipts, receipt{at: at, name: "ROOTCA", version: resp.Version, roots: roots})
 		case "default":
 			tc := sec.GetTlsCertificate()
 			chainPEM, keyPEM := tc.GetCertificateChain().GetInlineBytes(), tc.GetPrivateKey().GetInlineBytes()
@@ -346,7 +322,7 @@ func (w *sdsWatch) receive(s *watchedStream, resp *discoveryv3.DiscoveryResponse
 		}
 	}
 	for _, p := range problems {
-		w.t.Errorf("SDS stream %d, response %q received at %s: %s", s.n, resp.GetVersionInfo(), at.Format(time.RFC3339Nano), p)
+		w.t.Errorf("SDS stream %d, response %q received at %s: %s", s.n, resp.Version, at.Format(time.RFC3339Nano), p)
 	}
 	close(w.changed)
 	w.changed = make(chan struct{})

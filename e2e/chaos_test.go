@@ -19,16 +19,12 @@ import (
 	"testing"
 	"time"
 
-	discoveryv3 "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
-	secretv3 "github.com/envoyproxy/go-control-plane/envoy/service/secret/v3"
-	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
+	"github.com/meshid/meshid/sds/sdsclient"
 )
 
 const chaosID = "spiffe://cluster.local/ns/default/sa/chaos"
@@ -208,15 +204,14 @@ func unreachablePastExpiry(t *testing.T, stopped bool) {
 // fetchDefault asks for default by FetchSecrets and returns the error.
 func fetchDefault(t *testing.T, socket string) error {
 	t.Helper()
-	conn, err := grpc.NewClient("unix://"+socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	client, err := sdsclient.Dial(socket, sdsclient.WithNode(sdsNode(0)))
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer func() { _ = conn.Close() }()
+	defer func() { _ = client.Close() }()
 	ctx, cancel := context.WithTimeout(t.Context(), wait)
 	defer cancel()
-	_, err = secretv3.NewSecretDiscoveryServiceClient(conn).FetchSecrets(ctx, &discoveryv3.DiscoveryRequest{
-		Node: sdsNode(0), TypeUrl: resource.SecretType, ResourceNames: []string{"default"}})
+	_, err = client.Fetch(ctx, "default")
 	return err
 }
 

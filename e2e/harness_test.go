@@ -28,13 +28,13 @@ import (
 	tcpproxyv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/tcp_proxy/v3"
 	tlsv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/transport_sockets/tls/v3"
 	discoveryv3 "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
-	secretv3 "github.com/envoyproxy/go-control-plane/envoy/service/secret/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
+	"github.com/meshid/meshid/sds/sdsclient"
 )
 
 // wait bounds, in real time, how long the test waits for something that should happen: a
@@ -518,7 +518,7 @@ func startEnvoy(t *testing.T, a *agentProcess) *envoy {
 	e.resolve(t, listeners, clusters)
 
 	// One SDS stream per secret name, as Envoy opens them, kept open for pushes.
-	client := secretv3.NewSecretDiscoveryServiceClient(sds)
+	client := sdsclient.New(sds, sdsclient.WithNode(e.node))
 	names := map[string]bool{}
 	for _, p := range []*tlsPolicy{e.inbound, e.outbound} {
 		if p != nil {
@@ -530,7 +530,7 @@ func startEnvoy(t *testing.T, a *agentProcess) *envoy {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := stream.Send(&discoveryv3.DiscoveryRequest{Node: e.node, TypeUrl: resource.SecretType, ResourceNames: []string{name}}); err != nil {
+		if err := stream.Subscribe(name); err != nil {
 			t.Fatal(err)
 		}
 		streams.Go(func() { e.followSecrets(t, ctx, stream, name) })
@@ -649,20 +649,13 @@ func policyOf(t *testing.T, c *tlsv3.CommonTlsContext) *tlsPolicy {
 }
 
 // followSecrets keeps what the SDS stream pushes and ACKs it, until the test ends.
-func (e *envoy) followSecrets(t *testing.T, ctx context.Context, stream secretv3.SecretDiscoveryService_StreamSecretsClient, name string) {
-	for {
-		resp, err := stream.Recv()
-		if err != nil {
-			if ctx.Err() == nil {
-				t.Errorf("%s: SDS stream for %s: %v", e.name, name, err)
-			}
-			return
-		}
-		for _, r := range resp.GetResources() {
-			s := &tlsv3.Secret{}
-			if err := r.UnmarshalTo(s); err != nil || s.GetName() != name {
-				t.Errorf("%s: SDS stream for %s sent %v (%v)", e.name, name, r, err)
-				return
+func (e *envoy) followSecrets(t *testing.T, ctx context.Context, stream *sdsclient.Stream, name string) {
+	var sentOther error
+	err := stream.Follow([]string{name}, func(r sdsclient.Response) error {
+		for got, s := range r.Secrets {
+			if got != name {
+				sentOther = fmt.Errorf("sent %q", got)
+				return sentOther
 			}
 			e.mu.Lock()
 			e.secrets[name] = s
@@ -670,12 +663,10 @@ func (e *envoy) followSecrets(t *testing.T, ctx context.Context, stream secretv3
 			e.pushed = make(chan struct{})
 			e.mu.Unlock()
 		}
-		ack := &discoveryv3.DiscoveryRequest{TypeUrl: resource.SecretType, ResourceNames: []string{name},
-			VersionInfo: resp.GetVersionInfo(), ResponseNonce: resp.GetNonce()}
-		if err := stream.Send(ack); err != nil && ctx.Err() == nil {
-			t.Errorf("%s: SDS ACK for %s: %v", e.name, name, err)
-			return
-		}
+		return nil
+	})
+	if sentOther != nil || ctx.Err() == nil {
+		t.Errorf("%s: SDS stream for %s: %v", e.name, name, err)
 	}
 }
 

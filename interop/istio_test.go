@@ -5,6 +5,7 @@ package interop_test
 import (
 	"context"
 	"crypto/x509"
+	"maps"
 	"os"
 	"slices"
 	"strings"
@@ -15,12 +16,12 @@ import (
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	tlsv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/transport_sockets/tls/v3"
 	discoveryv3 "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
-	secretv3 "github.com/envoyproxy/go-control-plane/envoy/service/secret/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/meshid/meshid/internal/pki"
+	"github.com/meshid/meshid/sds/sdsclient"
 )
 
 // xdsConfig has a default set and two namespaces' sets that replace it: prod with listeners and
@@ -62,28 +63,24 @@ func TestPilotAgentServesACertificateFromMeshidCA(t *testing.T) {
 		return
 	}
 	m := startMesh(t, "prod", xdsConfig)
-	stream, err := secretv3.NewSecretDiscoveryServiceClient(m.dial(t, sdsSocketPath)).StreamSecrets(m.Ctx)
+	stream, err := sdsclient.New(m.dial(t, sdsSocketPath), sdsclient.WithNode(envoyNode())).StreamSecrets(m.Ctx)
 	if err != nil {
 		m.fatal(t, "open an SDS stream on pilot-agent's socket", err)
 	}
 	secrets := map[string]*tlsv3.Secret{}
 	for _, name := range []string{"default", "ROOTCA"} {
-		if err := stream.Send(&discoveryv3.DiscoveryRequest{Node: envoyNode(), TypeUrl: resource.SecretType, ResourceNames: []string{name}}); err != nil {
+		if err := stream.Subscribe(name); err != nil {
 			m.fatal(t, "ask for "+name, err)
 		}
 		resp, err := stream.Recv()
 		if err != nil {
 			m.fatal(t, "receive "+name, err)
 		}
-		if len(resp.GetResources()) != 1 {
-			t.Fatalf("asked for %s, got %d resources", name, len(resp.GetResources()))
+		if len(resp.Secrets) != 1 {
+			t.Fatalf("asked for %s, got %d resources", name, len(resp.Secrets))
 		}
-		s := &tlsv3.Secret{}
-		if err := resp.GetResources()[0].UnmarshalTo(s); err != nil {
-			t.Fatal(err)
-		}
-		secrets[s.GetName()] = s
-		if err := stream.Send(&discoveryv3.DiscoveryRequest{TypeUrl: resource.SecretType, ResourceNames: []string{name}, VersionInfo: resp.GetVersionInfo(), ResponseNonce: resp.GetNonce()}); err != nil {
+		maps.Copy(secrets, resp.Secrets)
+		if err := stream.Ack(resp, name); err != nil {
 			m.fatal(t, "ACK "+name, err)
 		}
 	}

@@ -14,7 +14,7 @@ import (
 
 	"github.com/meshid/meshid/internal/filewatch"
 	"github.com/meshid/meshid/internal/testutil"
-	"github.com/meshid/meshid/sds"
+	"github.com/meshid/meshid/sds/sdsclient"
 	"github.com/meshid/meshid/sds/sdstest"
 	"github.com/meshid/meshid/secretmanager"
 )
@@ -225,7 +225,7 @@ func TestFileModeWorkload(t *testing.T) {
 	fs := startFileSetup(t)
 	ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
 	defer cancel()
-	got, err := sds.Get(ctx, fs.h.socket, nodeID, dflt, rootCA)
+	got, err := sdsclient.Get(ctx, fs.h.socket, nodeID, dflt, rootCA)
 	if err != nil {
 		t.Fatal(err)
 	}

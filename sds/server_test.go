@@ -27,6 +27,7 @@ import (
 	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/testutil"
 	"github.com/meshid/meshid/sds"
+	"github.com/meshid/meshid/sds/sdsclient"
 	"github.com/meshid/meshid/sds/sdstest"
 	"github.com/meshid/meshid/secretmanager"
 )
@@ -506,21 +507,21 @@ func TestGet(t *testing.T) {
 
 	// The first call finds the server's cache cold, the second warm.
 	for range 2 {
-		got, err := sds.Get(ctx, h.socket, nodeID, dflt, rootCA)
+		got, err := sdsclient.Get(ctx, h.socket, nodeID, dflt, rootCA)
 		if err != nil {
 			t.Fatal(err)
 		}
 		checkAll(t, got, d1, r1)
 	}
 
-	if _, err := sds.Get(ctx, h.socket, nodeID, dflt, "nonexistent"); status.Code(errors.Unwrap(err)) != codes.InvalidArgument || !strings.Contains(err.Error(), "nonexistent") {
+	if _, err := sdsclient.Get(ctx, h.socket, nodeID, dflt, "nonexistent"); status.Code(errors.Unwrap(err)) != codes.InvalidArgument || !strings.Contains(err.Error(), "nonexistent") {
 		t.Fatalf("Get of an unknown name: %v, want InvalidArgument naming it", err)
 	}
 	// A name with no valid secret is reported at once, with the manager's reason.
-	if _, err := sds.Get(ctx, h.socket, nodeID, dflt, failing); status.Code(errors.Unwrap(err)) != codes.Unavailable || !strings.Contains(err.Error(), "root file unreadable") {
+	if _, err := sdsclient.Get(ctx, h.socket, nodeID, dflt, failing); status.Code(errors.Unwrap(err)) != codes.Unavailable || !strings.Contains(err.Error(), "root file unreadable") {
 		t.Fatalf("Get of a failing name: %v, want Unavailable with the reason", err)
 	}
-	if _, err := sds.Get(ctx, filepath.Join(testutil.ShortTempDir(t), "none"), nodeID, dflt); err == nil {
+	if _, err := sdsclient.Get(ctx, filepath.Join(testutil.ShortTempDir(t), "none"), nodeID, dflt); err == nil {
 		t.Fatal("Get with no server answered")
 	}
 }
@@ -594,7 +595,7 @@ func TestGetOverStream(t *testing.T) {
 	})
 	ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
 	defer cancel()
-	got, err := sds.Get(ctx, socket, nodeID, dflt, rootCA)
+	got, err := sdsclient.Get(ctx, socket, nodeID, dflt, rootCA)
 	if err != nil {
 		t.Fatal(err)
 	}

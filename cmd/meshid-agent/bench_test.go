@@ -18,15 +18,13 @@ import (
 	"time"
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
-	tlsv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/transport_sockets/tls/v3"
-	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
-	secretservice "github.com/envoyproxy/go-control-plane/envoy/service/secret/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/meshid/meshid/controlplane/controlplanetest"
 	"github.com/meshid/meshid/internal/testutil"
 	"github.com/meshid/meshid/sds"
+	"github.com/meshid/meshid/sds/sdsclient"
 	"github.com/meshid/meshid/secretmanager"
 )
 
@@ -156,35 +154,29 @@ func dial(b *testing.B, socket string) *grpc.ClientConn {
 
 // stream is one Envoy-style SDS stream that keeps acknowledging what it gets.
 type stream struct {
-	client secretservice.SecretDiscoveryService_StreamSecretsClient
+	sds *sdsclient.Stream
 }
 
 func openStream(ctx context.Context, conn *grpc.ClientConn, node string, names ...string) (*stream, error) {
-	c, err := secretservice.NewSecretDiscoveryServiceClient(conn).StreamSecrets(ctx)
+	s, err := sdsclient.New(conn, sdsclient.WithNode(&core.Node{Id: node})).StreamSecrets(ctx)
 	if err != nil {
 		return nil, err
 	}
-	err = c.Send(&discovery.DiscoveryRequest{Node: &core.Node{Id: node}, ResourceNames: names, TypeUrl: sds.SecretTypeURL})
-	return &stream{client: c}, err
+	return &stream{sds: s}, s.Subscribe(names...)
 }
 
 // next receives a response, acknowledges it, and returns the default secret's certificate chain
 // (PEM), or "" when the response has none. The chain is compared, not parsed: at 10,000 streams
 // the benchmark's own X.509 parsing would be most of the rotation time it reports.
 func (s *stream) next(names ...string) (string, error) {
-	resp, err := s.client.Recv()
+	resp, err := s.sds.Recv()
 	if err != nil {
 		return "", err
 	}
-	if err := s.client.Send(&discovery.DiscoveryRequest{VersionInfo: resp.GetVersionInfo(), ResponseNonce: resp.GetNonce(),
-		ResourceNames: names, TypeUrl: sds.SecretTypeURL}); err != nil {
+	if err := s.sds.Ack(resp, names...); err != nil {
 		return "", err
 	}
-	for _, r := range resp.GetResources() {
-		var sec tlsv3.Secret
-		if err := r.UnmarshalTo(&sec); err != nil {
-			return "", err
-		}
+	for _, sec := range resp.Secrets {
 		if chain := sec.GetTlsCertificate().GetCertificateChain().GetInlineBytes(); chain != nil {
 			return string(chain), nil
 		}

@@ -11,7 +11,7 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/meshid/meshid/sds"
+	"github.com/meshid/meshid/sds/sdsclient"
 )
 
 // NewCertsCommand returns `certs`: show what the SDS server on a socket hands Envoy.
@@ -37,7 +37,7 @@ certificate (it then says why, at once).`,
 			}
 			ctx, cancel := contextWithTimeout(cmd, timeout)
 			defer cancel()
-			report, err := sds.Inspect(ctx, path, time.Now())
+			report, err := sdsclient.Inspect(ctx, path, time.Now())
 			if err != nil {
 				return err
 			}
@@ -62,7 +62,7 @@ certificate (it then says why, at once).`,
 	return cmd
 }
 
-func printReport(w io.Writer, r *sds.CertReport) {
+func printReport(w io.Writer, r *sdsclient.CertReport) {
 	verified := "yes"
 	if !r.Verified {
 		verified = "NO: " + r.VerifyError

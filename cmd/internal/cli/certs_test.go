@@ -13,7 +13,7 @@ import (
 	"github.com/meshid/meshid/agent"
 	"github.com/meshid/meshid/controlplane/controlplanetest"
 	"github.com/meshid/meshid/internal/testutil"
-	"github.com/meshid/meshid/sds"
+	"github.com/meshid/meshid/sds/sdsclient"
 )
 
 // runTestAgent runs a real agent until the test ends: the embedded control plane under a short
@@ -87,7 +87,7 @@ func TestCertsCommand(t *testing.T) {
 		if err != nil {
 			t.Fatalf("certs -o json: %v\n%s", err, out)
 		}
-		var report sds.CertReport
+		var report sdsclient.CertReport
 		if err := json.Unmarshal([]byte(out), &report); err != nil {
 			t.Fatalf("-o json output does not decode: %v\n%s", err, out)
 		}
@@ -155,7 +155,7 @@ func TestCertsCommandChainDoesNotVerify(t *testing.T) {
 	}
 
 	out, err := certsCommand(t, "--socket", socket, "-o", "json")
-	var report sds.CertReport
+	var report sdsclient.CertReport
 	if err == nil || json.Unmarshal([]byte(out), &report) != nil || report.Verified || report.VerifyError == "" {
 		t.Fatalf("certs -o json: error %v, report %+v; want an error and verified false with the reason", err, report)
 	}

@@ -31,7 +31,9 @@ const (
 
 // grpcOptions are the server's transport bounds and its admission of connections. The transport
 // enforces a stream past a connection's limit (REFUSED_STREAM) and a request over
-// MaxRecvMsgSize (ResourceExhausted) before any handler runs, so they are not counted.
+// MaxRecvMsgSize (ResourceExhausted) before any handler runs, so they are not counted. Stop
+// waits for the handlers, as GracefulStop does: Run returns after the last (grpc's Stop alone
+// returns while they may still run).
 func (s *Server) grpcOptions() []grpc.ServerOption {
 	return append(admission.Transport{
 		MaxStreamsPerConnection: s.cfg.MaxStreamsPerConnection,
@@ -40,7 +42,7 @@ func (s *Server) grpcOptions() []grpc.ServerOption {
 		KeepaliveMinTime:        keepaliveMinTime,
 	}.ServerOptions(), grpc.Creds(admission.UnixPeerCredentials(s.gate, func(who string, _ error) {
 		_ = s.refuse(refusal{peer: who, reason: reasonTooManyConnections, code: codeClosed})
-	})))
+	})), grpc.WaitForHandlers(true))
 }
 
 // admit lets a stream or a fetch in while fewer than MaxStreams streams and calls are open; the

@@ -14,7 +14,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"os"
 	"sync"
 	"time"
 
@@ -30,6 +29,7 @@ import (
 	pb "istio.io/api/security/v1alpha1"
 
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/istio"
 	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/internal/pki"
@@ -76,7 +76,11 @@ type Config struct {
 	CallTimeout time.Duration
 	MaxAttempts int
 
-	Clock      clock.Clock
+	Clock clock.Clock
+	// ReadClock paces the wait for the root file, read at every call (fsutil.DefaultReadBound: a
+	// file system that does not answer in time fails the call); nil: the real clock. It is not
+	// Clock, which tests drive through backoffs: that must not end a read that is merely slow.
+	ReadClock  clock.Clock
 	Logger     *slog.Logger
 	Registerer prometheus.Registerer // optional
 }
@@ -88,6 +92,8 @@ type Client struct {
 	clock   clock.Clock
 	log     *slog.Logger
 	latency *prometheus.HistogramVec
+	// rootReads reads the root file at each call, giving up on a file system that hangs.
+	rootReads *fsutil.BoundedReads
 
 	mu       sync.Mutex
 	conn     *grpc.ClientConn
@@ -134,8 +140,9 @@ func New(cfg Config) (*Client, error) {
 		cfg: cfg,
 		creds: &upstream.Credentials{RootCertFile: cfg.RootCertFile, ServerName: cfg.ServerName,
 			Token: tokenSource(cfg.Token, cfg.TokenPath), ClientCertificate: cfg.ClientCertificate, ClusterID: cfg.ClusterID, Clock: cfg.Clock},
-		clock: clock.OrReal(cfg.Clock),
-		log:   cfg.Logger,
+		clock:     clock.OrReal(cfg.Clock),
+		rootReads: fsutil.NewBoundedReads(cfg.ReadClock, fsutil.DefaultReadBound, 0),
+		log:       cfg.Logger,
 		latency: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: "meshid", Subsystem: "agent", Name: "ca_request_duration_seconds",
 			Help:    "Time of one CreateCertificate attempt, by outcome (gRPC code).",
@@ -200,7 +207,7 @@ func (c *Client) Connect() {
 	if c.cfg.ClientCertificate != nil {
 		cert = c.cfg.ClientCertificate()
 	}
-	if conn, err := c.connection(cert); err == nil {
+	if conn, err := c.connection(context.Background(), cert); err == nil {
 		conn.Connect()
 	}
 }
@@ -231,7 +238,7 @@ func (c *Client) call(ctx context.Context, req *pb.IstioCertificateRequest) (*pb
 	if tokenErr != nil {
 		c.log.Debug("no token; the certificate held authenticates the request", logkey.Reason, tokenErr.Error())
 	}
-	conn, err := c.connection(cert)
+	conn, err := c.connection(ctx, cert)
 	if err != nil {
 		return nil, err
 	}
@@ -263,10 +270,12 @@ func (c *Client) drop(conn *grpc.ClientConn) {
 
 // connection returns the connection to the CA, dialing it again when the roots that verify it or
 // the certificate presented changed since it was dialed.
-func (c *Client) connection(cert *tls.Certificate) (*grpc.ClientConn, error) {
+func (c *Client) connection(ctx context.Context, cert *tls.Certificate) (*grpc.ClientConn, error) {
 	var rootsPEM []byte
 	if c.cfg.RootCertFile != "" {
-		data, err := os.ReadFile(c.cfg.RootCertFile)
+		// Bounded: on a hung file system the call fails after the bound (or ctx), and one read of
+		// the file at most stays behind, however many calls are made meanwhile.
+		data, err := c.rootReads.ReadFile(ctx, c.cfg.RootCertFile)
 		if err != nil {
 			return nil, fmt.Errorf("read the CA root: %w", err)
 		}

@@ -22,11 +22,13 @@ const (
 	maxRequestSize = 1 << 20
 )
 
-// grpcOptions are the server's transport bounds and its admission of connections.
+// grpcOptions are the server's transport bounds and its admission of connections. Stop
+// waits for the handlers, as GracefulStop does: Run returns after the last (grpc's Stop alone
+// returns while they may still run).
 func (s *Server) grpcOptions() []grpc.ServerOption {
-	return admission.LocalServerOptions(s.gate, s.cfg.MaxStreamsPerConnection, maxRequestSize, func(who string, _ error) {
+	return append(admission.LocalServerOptions(s.gate, s.cfg.MaxStreamsPerConnection, maxRequestSize, func(who string, _ error) {
 		_ = s.refuse(refusal{peer: who, reason: reasonTooManyConnections, code: codeClosed})
-	})
+	}), grpc.WaitForHandlers(true))
 }
 
 // admit lets a stream or a fetch in while fewer than MaxStreams streams and calls are open; the

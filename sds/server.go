@@ -85,6 +85,10 @@ type Server struct {
 
 	nextStream atomic.Int64 // numbers the streams, for the logs
 
+	// pushes counts the goroutines sending a change to a stream (watcher.push); Run returns
+	// after the last has ended.
+	pushes sync.WaitGroup
+
 	// gate counts the streams and calls, and the connections, admitted and not ended.
 	gate *admission.Gate
 }
@@ -145,8 +149,11 @@ func New(cfg Config) (*Server, error) {
 // Run serves until ctx ends; then it stops accepting, lets open streams go on for the drain
 // duration, and ends them. Meanwhile it looks every SocketCheckInterval whether the socket path
 // still leads to it: another server that takes the path gets every new connection (see
-// SocketProblem).
+// SocketProblem). It returns once every goroutine it started has ended: the serving ones, the
+// stream handlers, and the pushes.
 func (s *Server) Run(ctx context.Context) error {
+	// Last: once the handlers have returned no stream is watched, so no push starts any more.
+	defer s.pushes.Wait()
 	defer s.cache.close()
 	defer s.socket.Remove()
 	grpcServer := grpc.NewServer(s.grpcOptions()...)
@@ -164,7 +171,7 @@ func (s *Server) Run(ctx context.Context) error {
 		select {
 		case err := <-served:
 			timer.Stop()
-			grpcServer.Stop()
+			grpcServer.Stop() // returns once the handlers have (grpc.WaitForHandlers)
 			return fmt.Errorf("serve SDS: %w", err)
 		case <-timer.C():
 			guard.Look()

@@ -27,7 +27,8 @@ const (
 
 // service serves SecretDiscoveryService on the generated stubs. A stream's handler goroutine reads
 // its requests and answers them; a change of a secret is sent by a goroutine started for it
-// (watcher.notify) that ends once sent, so that an idle stream costs one goroutine.
+// (watcher.notify) that ends once sent, so that an idle stream costs one goroutine. The server
+// counts those (Server.pushes), and Run waits for them.
 type service struct {
 	secretservice.UnimplementedSecretDiscoveryServiceServer
 	s *Server
@@ -43,6 +44,7 @@ type watcher struct {
 	node     string // of the stream's first request; only the handler's goroutine uses it
 	cache    *secretCache
 	metrics  *metrics
+	pushes   *sync.WaitGroup // the server's: counts the push goroutines
 	// send writes one response with the given nonce; it runs with mu held.
 	send func(nonce string, changed []pushed) error
 
@@ -83,6 +85,7 @@ func (s *Server) openWatcher(ctx context.Context, protocol string, send func(str
 		peer:     admission.Peer(ctx),
 		cache:    s.cache,
 		metrics:  s.metrics,
+		pushes:   &s.pushes,
 		send:     send,
 		known:    map[string]string{},
 	}, nil
@@ -110,7 +113,7 @@ func (w *watcher) refusal() refusal {
 func (w *watcher) notify() {
 	w.wake.Store(true)
 	if w.pushing.CompareAndSwap(false, true) {
-		go w.push()
+		w.pushes.Go(w.push)
 	}
 }
 

@@ -19,6 +19,7 @@ import (
 
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/filewatch"
+	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/internal/pki"
 )
@@ -43,10 +44,13 @@ type fileResource struct {
 	allowed        []string
 	// deliver receives every read: the secret, or why the files are not usable.
 	deliver func(*Secret, error)
+	// reads bounds the wait for each file (the loader's, set when r is added); nil: unbounded.
+	reads *fsutil.BoundedReads
 
 	// Guarded by the loader's mutex.
 	current *Secret // the last good read
 	failed  bool    // the last read failed
+	hung    bool    // the last read had no answer (fsutil.ErrNoAnswer)
 	reading bool    // a read is under way
 	again   bool    // changed during the read: read again after it
 }
@@ -205,11 +209,22 @@ func resolveDirs(dirs []string) []string {
 	return out
 }
 
+// readBounded reads one of r's files (see readFile), giving up after the bound of r.reads: a
+// read that hangs holds up neither the loader's goroutine nor Run's return, and no more than one
+// goroutine per file stays behind until the file system answers.
+func (r *fileResource) readBounded(path string) ([]byte, error) {
+	if r.reads == nil {
+		return readFile(path, r.allowed)
+	}
+	// The bound is the only limit: Run waits for the loader's reads, so at most that long.
+	return r.reads.Read(context.Background(), path, path, func() ([]byte, error) { return readFile(path, r.allowed) })
+}
+
 // read reads r's files into a secret, checking a key pair (the key matches the leaf, which is
 // valid at now and not a CA).
 func (r *fileResource) read(now time.Time) (*Secret, error) {
 	if r.root != "" {
-		data, err := readFile(r.root, r.allowed)
+		data, err := r.readBounded(r.root)
 		if err != nil {
 			return nil, err
 		}
@@ -220,11 +235,11 @@ func (r *fileResource) read(now time.Time) (*Secret, error) {
 		return &Secret{Name: r.name, Bundle: &TrustBundle{Roots: roots, PEM: pki.EncodeCertificates(roots...)},
 			Version: contentVersion(data), Source: SourceFiles}, nil
 	}
-	chainPEM, err := readFile(r.certChain, r.allowed)
+	chainPEM, err := r.readBounded(r.certChain)
 	if err != nil {
 		return nil, err
 	}
-	keyPEM, err := readFile(r.key, r.allowed)
+	keyPEM, err := r.readBounded(r.key)
 	if err != nil {
 		return nil, err
 	}
@@ -264,6 +279,10 @@ type fileLoader struct {
 	wake    chan struct{} // buffered: a registration or a change to look at
 	// readFiles reads a resource's files; tests make it hang, as on a filesystem that does.
 	readFiles func(r *fileResource, now time.Time) (*Secret, error)
+	// ownFiles and clientFiles bound the wait for each file read: of the operator's own files
+	// (r.allowed nil), and of those clients name, whose reads left hanging are bounded in number
+	// too. Apart, so that clients cannot use up the reads of the workload's own files.
+	ownFiles, clientFiles *fsutil.BoundedReads
 
 	mu          sync.Mutex
 	resources   map[string]*fileResource
@@ -274,7 +293,7 @@ type fileLoader struct {
 	reads       sync.WaitGroup         // every read under way
 }
 
-func newFileLoader(clk clock.Clock, log *slog.Logger, m *metrics) (*fileLoader, error) {
+func newFileLoader(clk, readClock clock.Clock, log *slog.Logger, m *metrics) (*fileLoader, error) {
 	w, err := filewatch.New(filewatch.Config{Clock: clk, Logger: log})
 	if err != nil {
 		return nil, err
@@ -286,8 +305,11 @@ func newFileLoader(clk clock.Clock, log *slog.Logger, m *metrics) (*fileLoader, 
 		watcher:   w,
 		wake:      make(chan struct{}, 1),
 		readFiles: (*fileResource).read,
-		resources: map[string]*fileResource{},
-		stale:     map[*fileResource]bool{},
+		ownFiles:  fsutil.NewBoundedReads(readClock, fsutil.DefaultReadBound, 0),
+		// Two files a resource: what maxClientReads reads at once.
+		clientFiles: fsutil.NewBoundedReads(readClock, fsutil.DefaultReadBound, 2*maxClientReads),
+		resources:   map[string]*fileResource{},
+		stale:       map[*fileResource]bool{},
 	}, nil
 }
 
@@ -317,6 +339,10 @@ func (l *fileLoader) addLocked(r *fileResource) bool {
 		return false
 	}
 	l.resources[r.name] = r
+	r.reads = l.ownFiles
+	if r.allowed != nil {
+		r.reads = l.clientFiles
+	}
 	l.unwatched = append(l.unwatched, r)
 	l.poke()
 	return true
@@ -494,7 +520,11 @@ func (l *fileLoader) read(r *fileResource) {
 		l.poke()
 		return
 	}
-	had, failed := r.current, r.failed
+	had, failed, hung := r.current, r.failed, r.hung
+	// A file system that does not answer is asked again at once: the read joins the one left
+	// hanging (no goroutine more), and the first to answer is taken. Told once.
+	noAnswer := errors.Is(err, fsutil.ErrNoAnswer)
+	r.hung = noAnswer
 	switch {
 	case err != nil:
 		if r.current != nil && !r.current.validAt(now) {
@@ -509,6 +539,7 @@ func (l *fileLoader) read(r *fileResource) {
 	l.mu.Unlock()
 
 	switch {
+	case noAnswer && hung:
 	case err != nil:
 		// The name and the error's paths are the client's.
 		name, why := logkey.Untrusted(r.name), logkey.Untrusted(err.Error())
@@ -537,7 +568,7 @@ func (l *fileLoader) read(r *fileResource) {
 	if r.allowed != nil {
 		l.clientReads--
 	}
-	if r.again && l.resources[r.name] == r {
+	if (r.again || noAnswer) && l.resources[r.name] == r {
 		l.stale[r] = true
 	}
 	r.again = false

@@ -3,6 +3,7 @@ package secretmanager
 // Attacks by a local client that can write in an allowed directory and ask for any file resource.
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -16,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/testutil"
 )
 
@@ -560,5 +562,63 @@ func TestForgottenReadBringsNothingBack(t *testing.T) {
 	}
 	if st := status(t, r.m, name); !st.Valid || st.Error != "" {
 		t.Errorf("Snapshot %+v, want the roots of the second read", st)
+	}
+}
+
+// A file system that stops answering (a dead NFS server): the read is given up after the bound,
+// on the read clock, and the subscribers are told why; the resource is asked again at once,
+// joining the read left hanging instead of starting another, and served once the file system
+// answers.
+func TestHungFileSystemIsReportedAndRecovers(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), waitLimit) // only bounds a broken test
+	defer cancel()
+	e := newEnv(t)
+	dir := t.TempDir()
+	e.cfg.FileResourceDirs = []string{dir}
+	readClock := testutil.NewFakeClock(time.Unix(1_700_000_000, 0))
+	e.cfg.ReadClock = readClock
+	ca := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "resource root"})
+	rootsPEM := testutil.CertPEM(ca.Cert)
+	testutil.WriteFiles(t, dir, map[string][]byte{"roots.pem": rootsPEM})
+	name := FileRootPrefix + filepath.Join(dir, "roots.pem")
+	m := e.newManager()
+	entered, answer := make(chan struct{}, 1), make(chan struct{})
+	var hung atomic.Int32
+	m.files.readFiles = func(r *fileResource, now time.Time) (*Secret, error) {
+		if r.name == name {
+			// The file system hangs on the file until answer, in a read made as readBounded makes it.
+			if _, err := r.reads.Read(context.Background(), r.root, r.root, func() ([]byte, error) {
+				hung.Add(1)
+				entered <- struct{}{}
+				<-answer
+				return nil, nil
+			}); err != nil {
+				return nil, err
+			}
+		}
+		return r.read(now)
+	}
+	r := e.run(m)
+	s := r.next(t)
+	e.idle(s.RenewAt)
+
+	sub := subscribe(t, r.m, name)
+	recv(t, entered, "the read that hangs")
+	if err := readClock.WaitForTimers(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	readClock.Advance(fsutil.DefaultReadBound)
+	if err := sub.nextErr(t); !errors.Is(err, fsutil.ErrNoAnswer) {
+		t.Fatalf("told %v, want ErrNoAnswer", err)
+	}
+	// Asked again at once: the read waits for the one left hanging, and starts none.
+	if err := readClock.WaitForTimers(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	close(answer)
+	checkRoots(t, sub.next(t), name, rootsPEM, ca.Cert)
+	if n := hung.Load(); n != 1 {
+		t.Fatalf("%d reads of the hung file, want 1", n)
 	}
 }

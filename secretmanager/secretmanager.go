@@ -33,7 +33,11 @@ type Config struct {
 	// Output, when its Dir is set, receives every new key pair and trust bundle (OUTPUT_CERTS).
 	Output Output
 
-	Clock      clock.Clock
+	Clock clock.Clock
+	// ReadClock paces the wait for each file read (fsutil.DefaultReadBound: a file system that
+	// does not answer in time is reported so); nil: the real clock. It is not Clock, which tests
+	// drive through rotations and expiries: that must not end a read that is merely slow.
+	ReadClock  clock.Clock
 	Logger     *slog.Logger
 	Registerer prometheus.Registerer // optional
 	// OnEvent, when set, is told of renewals, failures and writes as they happen (tests wait on it).
@@ -162,7 +166,7 @@ func New(cfg Config) (*Manager, error) {
 		m.onEvent = func(Event) {}
 	}
 	var err error
-	if m.files, err = newFileLoader(m.clock, m.log, m.metrics); err != nil {
+	if m.files, err = newFileLoader(m.clock, clock.OrReal(cfg.ReadClock), m.log, m.metrics); err != nil {
 		return nil, err
 	}
 	env := &sourceEnv{

@@ -4,16 +4,16 @@ import (
 	"bytes"
 	"crypto"
 	"crypto/ecdsa"
-	"crypto/elliptic"
 	"crypto/rsa"
 	"encoding/base64"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"math/big"
 	"os"
 	"time"
 
+	jose "github.com/go-jose/go-jose/v4"
+	josejson "github.com/go-jose/go-jose/v4/json"
 	"github.com/golang-jwt/jwt/v5"
 
 	"github.com/meshid/meshid/internal/logkey"
@@ -98,41 +98,54 @@ func ParseKeySet(data []byte) (*KeySet, error) {
 	return NewKeySet(keys...)
 }
 
-type jwk struct {
+// jwkNames are the members of a JWK that meshid's key policy reads before go-jose parses the key:
+// which keys are for signatures, which types and curves are allowed, and the exponent go-jose
+// would truncate.
+type jwkNames struct {
 	Kty string `json:"kty"`
 	Kid string `json:"kid"`
 	Use string `json:"use"`
 	Crv string `json:"crv"`
-	X   string `json:"x"`
-	Y   string `json:"y"`
-	N   string `json:"n"`
 	E   string `json:"e"`
 }
 
+// parseJWKS reads a JWKS document with go-jose, under meshid's key policy: keys whose use is
+// neither empty nor "sig" are skipped unparsed; the others must be EC P-256/P-384 or RSA public
+// keys that signingMethod accepts, with an exponent in [3, 2^31-1]; a JWK without kid is named
+// by pki.KeyID; one key twice under a kid counts once, two keys under one kid spoil the set.
+//
+// The keys are decoded one by one rather than as a jose.JSONWebKeySet, so that a key skipped by
+// its use is never parsed, and an error names the key. Both steps read JSON with go-jose's own
+// decoder, so the policy and the parser see the same members (names are case-sensitive, and a
+// duplicate member is an error).
 func parseJWKS(data []byte) (*KeySet, error) {
 	var doc struct {
-		Keys []jwk `json:"keys"`
+		Keys []josejson.RawMessage `json:"keys"`
 	}
-	if err := json.Unmarshal(data, &doc); err != nil {
+	if err := josejson.Unmarshal(data, &doc); err != nil {
 		return nil, fmt.Errorf("parse JWKS: %w", err)
 	}
 	ks := &KeySet{keys: map[string]crypto.PublicKey{}}
-	for i, k := range doc.Keys {
-		if k.Use != "" && k.Use != "sig" {
+	for i, raw := range doc.Keys {
+		var names jwkNames
+		if err := josejson.Unmarshal(raw, &names); err != nil {
+			return nil, fmt.Errorf("parse JWKS key %d: %w", i, err)
+		}
+		if names.Use != "" && names.Use != "sig" {
 			continue
 		}
-		pub, err := k.publicKey()
+		pub, err := jwkPublicKey(raw, names)
 		if err != nil {
-			return nil, fmt.Errorf("JWKS key %d (kid %q): %w", i, k.Kid, err)
+			return nil, fmt.Errorf("JWKS key %d (kid %q): %w", i, names.Kid, err)
 		}
-		kid := k.Kid
+		kid := names.Kid
 		if kid == "" {
 			if kid, err = pki.KeyID(pub); err != nil {
 				return nil, err
 			}
 		}
 		if err := ks.add(kid, pub); err != nil {
-			return nil, fmt.Errorf("JWKS key %d (kid %q): %w", i, k.Kid, err)
+			return nil, fmt.Errorf("JWKS key %d (kid %q): %w", i, names.Kid, err)
 		}
 	}
 	if ks.Len() == 0 {
@@ -141,43 +154,42 @@ func parseJWKS(data []byte) (*KeySet, error) {
 	return ks, nil
 }
 
-func (k jwk) publicKey() (crypto.PublicKey, error) {
-	switch k.Kty {
+// jwkPublicKey parses one JWK with go-jose and applies the policy go-jose does not: key types and
+// curves (go-jose also takes oct, OKP and P-521), public keys only (go-jose also returns private
+// ones), and the RSA exponent's range (go-jose keeps the low 64 bits of e). The key's size and
+// the rest of the rule for token keys are signingMethod's, checked in KeySet.add.
+func jwkPublicKey(raw []byte, names jwkNames) (crypto.PublicKey, error) {
+	switch names.Kty {
 	case "EC":
-		var curve elliptic.Curve
-		switch k.Crv {
-		case "P-256":
-			curve = elliptic.P256()
-		case "P-384":
-			curve = elliptic.P384()
-		default:
-			return nil, fmt.Errorf("unsupported curve %q", k.Crv)
+		if names.Crv != "P-256" && names.Crv != "P-384" {
+			return nil, fmt.Errorf("unsupported curve %q", names.Crv)
 		}
-		x, errX := base64.RawURLEncoding.DecodeString(k.X)
-		y, errY := base64.RawURLEncoding.DecodeString(k.Y)
-		if err := errors.Join(errX, errY); err != nil {
-			return nil, fmt.Errorf("decode EC coordinates: %w", err)
-		}
-		size := (curve.Params().BitSize + 7) / 8
-		if len(x) != size || len(y) != size {
-			return nil, fmt.Errorf("EC coordinates of %d and %d bytes, want %d", len(x), len(y), size)
-		}
-		return ecdsa.ParseUncompressedPublicKey(curve, append(append([]byte{4}, x...), y...))
 	case "RSA":
-		n, errN := base64.RawURLEncoding.DecodeString(k.N)
-		e, errE := base64.RawURLEncoding.DecodeString(k.E)
-		if err := errors.Join(errN, errE); err != nil {
-			return nil, fmt.Errorf("decode RSA parameters: %w", err)
+	default:
+		return nil, fmt.Errorf("unsupported key type %q", names.Kty)
+	}
+	var k jose.JSONWebKey
+	if err := k.UnmarshalJSON(raw); err != nil {
+		what := map[string]string{"EC": "EC coordinates", "RSA": "RSA modulus and exponent"}[names.Kty]
+		return nil, fmt.Errorf("decode %s: %w", what, err)
+	}
+	switch pub := k.Key.(type) {
+	case *ecdsa.PublicKey:
+		return pub, nil
+	case *rsa.PublicKey:
+		// go-jose has decoded e (strict base64url), and kept only its low 64 bits.
+		e, err := base64.RawURLEncoding.DecodeString(names.E)
+		if err != nil {
+			return nil, fmt.Errorf("decode RSA exponent: %w", err)
 		}
-		exp := new(big.Int).SetBytes(e)
-		if !exp.IsInt64() || exp.Int64() < 3 || exp.Int64() > 1<<31-1 {
+		if exp := new(big.Int).SetBytes(e); !exp.IsInt64() || exp.Int64() < 3 || exp.Int64() > 1<<31-1 {
 			return nil, errors.New("RSA exponent out of range")
 		}
-		// The size is checked with every other key's, in signingMethod.
-		return &rsa.PublicKey{N: new(big.Int).SetBytes(n), E: int(exp.Int64())}, nil
-	default:
-		return nil, fmt.Errorf("unsupported key type %q", k.Kty)
+		return pub, nil
+	case *ecdsa.PrivateKey, *rsa.PrivateKey:
+		return nil, errors.New("a private key: a JWKS of token issuers holds public keys only")
 	}
+	return nil, fmt.Errorf("unsupported key %T", k.Key)
 }
 
 // VerifierConfig configures a Verifier.

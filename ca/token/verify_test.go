@@ -383,6 +383,10 @@ func TestParseKeySetJWKSDefaultsAndSkips(t *testing.T) {
 	if ks.Len() != 1 {
 		t.Fatalf("Len() = %d, want 1 (the enc key skipped)", ks.Len())
 	}
+	// A key for another use is skipped before it is parsed: its type need not be one we know.
+	if ks := parseKeySet(t, jwksJSON(t, jwkOf(t, sig.Public(), "", ""), map[string]string{"kty": "OKP", "use": "enc", "crv": "X448", "x": "?"})); ks.Len() != 1 {
+		t.Fatalf("Len() = %d, want 1 (the unparsable enc key skipped)", ks.Len())
+	}
 	v := verifier(t, ks, nil)
 	if _, err := v.Verify(mint(t, sig, nil)); err != nil {
 		t.Fatalf("token with kid = pki.KeyID of a kid-less JWK: %v", err)
@@ -397,7 +401,8 @@ func TestParseKeySetJWKSDefaultsAndSkips(t *testing.T) {
 
 func TestParseKeySetRefusals(t *testing.T) {
 	t.Parallel()
-	ec := jwkOf(t, newKey(t).Public(), "k", "")
+	ecKey := newKey(t).(*ecdsa.PrivateKey)
+	ec := jwkOf(t, ecKey.Public(), "k", "")
 	with := func(edits ...string) map[string]string { // copy of ec with key=value edits
 		k := map[string]string{}
 		for name, v := range ec {
@@ -427,6 +432,10 @@ func TestParseKeySetRefusals(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	enc := base64.RawURLEncoding.EncodeToString
+	ecPrivate := enc(ecKey.D.FillBytes(make([]byte, 32)))
+	rsaPrivate := jwkOf(t, rsaKey.Public(), "r", "")
+	rsaPrivate["d"], rsaPrivate["p"], rsaPrivate["q"] = enc(rsaKey.D.Bytes()), enc(rsaKey.Primes[0].Bytes()), enc(rsaKey.Primes[1].Bytes())
 	tests := []struct {
 		name      string
 		data      []byte
@@ -449,6 +458,15 @@ func TestParseKeySetRefusals(t *testing.T) {
 		{name: "RSA 1024 bits", data: jwksJSON(t, map[string]string{"kty": "RSA", "n": modulus(1024), "e": "AQAB"}), wantInErr: "too small"},
 		{name: "RSA exponent 1", data: jwksJSON(t, map[string]string{"kty": "RSA", "n": modulus(2048), "e": "AQ"}), wantInErr: "exponent"},
 		{name: "RSA huge exponent", data: jwksJSON(t, map[string]string{"kty": "RSA", "n": modulus(2048), "e": "AQAAAAAB"}), wantInErr: "exponent"},
+		// 2^64+65537: go-jose keeps the low 64 bits, 65537.
+		{name: "RSA exponent past 64 bits", data: jwksJSON(t, map[string]string{"kty": "RSA", "n": modulus(2048), "e": "AQAAAAAAAQAB"}), wantInErr: "exponent"},
+		{name: "RSA exponent past 64 bits, padded", data: jwksJSON(t, map[string]string{"kty": "RSA", "n": modulus(2048), "e": "AQAAAAAAAQAB=="}), wantInErr: "decode"},
+		// go-jose parses private JWKs; a JWKS of issuers publishes public keys only.
+		{name: "EC private key", data: jwksJSON(t, with("d="+ecPrivate)), wantInErr: "private key"},
+		{name: "RSA private key", data: jwksJSON(t, rsaPrivate), wantInErr: "private key"},
+		// go-jose's decoder: member names are case-sensitive, and a duplicate member is an error.
+		{name: "upper-case member names", data: []byte(`{"keys":[{"KTY":"EC","CRV":"P-256","X":"` + ec["x"] + `","Y":"` + ec["y"] + `"}]}`), wantInErr: "unsupported key type"},
+		{name: "duplicate member", data: []byte(`{"keys":[{"kty":"EC","kty":"EC","crv":"P-256","x":"` + ec["x"] + `","y":"` + ec["y"] + `"}]}`), wantInErr: "duplicate"},
 		// crypto/rsa refuses such keys at every verification: they would fail each token.
 		{name: "RSA even exponent", data: jwksJSON(t, map[string]string{"kty": "RSA", "n": modulus(2048), "e": "AQAA"}), wantInErr: "even"},
 		{name: "RSA even modulus", data: jwksJSON(t, map[string]string{"kty": "RSA", "n": evenModulus, "e": "AQAB"}), wantInErr: "even"},

@@ -105,7 +105,7 @@ type Client struct {
 var ErrNoCredentials = upstream.ErrNoCredentials
 
 // tokenSource is where the token of cfg comes from: Token, else the file at TokenPath.
-func tokenSource(token func(context.Context) (string, error), path string) upstream.TokenSource {
+func tokenSource(token func(context.Context) (string, error), path string, reads *fsutil.BoundedReads) upstream.TokenSource {
 	switch {
 	case token != nil:
 		return func(ctx context.Context) (string, error) {
@@ -116,7 +116,7 @@ func tokenSource(token func(context.Context) (string, error), path string) upstr
 			return tok, nil
 		}
 	case path != "":
-		return upstream.FileToken(path)
+		return upstream.FileToken(path, reads)
 	}
 	return nil
 }
@@ -136,12 +136,16 @@ func New(cfg Config) (*Client, error) {
 	if cfg.MaxAttempts <= 0 {
 		cfg.MaxAttempts = DefaultMaxAttempts
 	}
+	// One BoundedReads for the root file and the token, read at each call and each handshake, so
+	// that a hung file system holds one goroutine per file.
+	reads := fsutil.NewBoundedReads(cfg.ReadClock, fsutil.DefaultReadBound, 0)
 	c := &Client{
 		cfg: cfg,
 		creds: &upstream.Credentials{RootCertFile: cfg.RootCertFile, ServerName: cfg.ServerName,
-			Token: tokenSource(cfg.Token, cfg.TokenPath), ClientCertificate: cfg.ClientCertificate, ClusterID: cfg.ClusterID, Clock: cfg.Clock},
+			Token: tokenSource(cfg.Token, cfg.TokenPath, reads), ClientCertificate: cfg.ClientCertificate, ClusterID: cfg.ClusterID,
+			Clock: cfg.Clock, Reads: reads},
 		clock:     clock.OrReal(cfg.Clock),
-		rootReads: fsutil.NewBoundedReads(cfg.ReadClock, fsutil.DefaultReadBound, 0),
+		rootReads: reads,
 		log:       cfg.Logger,
 		latency: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: "meshid", Subsystem: "agent", Name: "ca_request_duration_seconds",

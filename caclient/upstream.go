@@ -10,6 +10,7 @@ import (
 	"google.golang.org/grpc/credentials"
 
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/upstream"
 )
 
@@ -41,8 +42,9 @@ func DialUpstream(cfg UpstreamConfig) (*grpc.ClientConn, error) {
 	if cfg.ServerName == "" {
 		cfg.ServerName = DefaultServerName
 	}
-	creds := &upstream.Credentials{RootCertFile: cfg.RootCertFile, ServerName: cfg.ServerName, Token: tokenSource(cfg.Token, cfg.TokenPath),
-		ClientCertificate: cfg.ClientCertificate, ClusterID: cfg.ClusterID, Clock: cfg.Clock}
+	reads := fsutil.NewBoundedReads(nil, fsutil.DefaultReadBound, 0)
+	creds := &upstream.Credentials{RootCertFile: cfg.RootCertFile, ServerName: cfg.ServerName, Token: tokenSource(cfg.Token, cfg.TokenPath, reads),
+		ClientCertificate: cfg.ClientCertificate, ClusterID: cfg.ClusterID, Clock: cfg.Clock, Reads: reads}
 	conn, err := grpc.NewClient(cfg.Address, grpc.WithTransportCredentials(credentials.NewTLS(creds.TLSConfig())),
 		grpc.WithPerRPCCredentials(creds.PerRPC()))
 	if err != nil {

@@ -49,8 +49,8 @@ func allowed() map[string][]string {
 		// socket helpers do.
 		"internal/admission": {"internal/clock", "internal/logkey", "internal/fsutil"},
 		// The control plane's clients check its certificate as pki tells validity, clock skew
-		// included.
-		"internal/upstream": {"internal/clock", "internal/logkey", "internal/pki"},
+		// included, and read its root and their token with fsutil's bound.
+		"internal/upstream": {"internal/clock", "internal/fsutil", "internal/logkey", "internal/pki"},
 
 		// The TokenReview authenticator is one of ca/server's authenticators, and refuses a user
 		// that is not a service account as ca/token's verifier does.

@@ -18,6 +18,7 @@ import (
 	"google.golang.org/grpc/credentials"
 
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/pki"
 )
 
@@ -28,10 +29,11 @@ var ErrNoCredentials = errors.New("no credentials for the CA")
 type TokenSource func(ctx context.Context) (string, error)
 
 // FileToken reads the token at path for every call: the kubelet and VM operators rotate it in
-// place. A missing, empty or unreadable file is an error naming it.
-func FileToken(path string) TokenSource {
-	return func(context.Context) (string, error) {
-		data, err := os.ReadFile(path)
+// place. A missing, empty or unreadable file is an error naming it. The read goes through reads,
+// so that a call gives up on a file system that does not answer (nil: read without a bound).
+func FileToken(path string, reads *fsutil.BoundedReads) TokenSource {
+	return func(ctx context.Context) (string, error) {
+		data, err := readFile(ctx, reads, path)
 		if err != nil {
 			return "", fmt.Errorf("the token file: %w", err) // the error names the path
 		}
@@ -58,6 +60,16 @@ type Credentials struct {
 	// ClusterID goes with each call as the ClusterID header (ISTIO_META_CLUSTER_ID).
 	ClusterID string
 	Clock     clock.Clock
+	// Reads reads the root file, so that a handshake gives up on a file system that does not
+	// answer; nil reads it without a bound.
+	Reads *fsutil.BoundedReads
+}
+
+func readFile(ctx context.Context, reads *fsutil.BoundedReads, path string) ([]byte, error) {
+	if reads == nil {
+		return os.ReadFile(path)
+	}
+	return reads.ReadFile(ctx, path)
 }
 
 // TLSConfig is the connection's TLS configuration: the server verified against the root file as
@@ -72,7 +84,8 @@ func (c *Credentials) TLSConfig() *tls.Config {
 			var roots *x509.CertPool // nil: the system roots
 			if c.RootCertFile != "" {
 				var err error
-				if roots, err = ReadRoots(c.RootCertFile); err != nil {
+				// crypto/tls gives VerifyConnection no context: the read's bound is the handshake's.
+				if roots, err = readRoots(context.Background(), c.Reads, c.RootCertFile); err != nil {
 					return err
 				}
 			}
@@ -91,9 +104,9 @@ func (c *Credentials) TLSConfig() *tls.Config {
 	return cfg
 }
 
-// ReadRoots reads the PEM roots of a root file.
-func ReadRoots(rootFile string) (*x509.CertPool, error) {
-	rootsPEM, err := os.ReadFile(rootFile)
+// readRoots reads the PEM roots of a root file.
+func readRoots(ctx context.Context, reads *fsutil.BoundedReads, rootFile string) (*x509.CertPool, error) {
+	rootsPEM, err := readFile(ctx, reads, rootFile)
 	if err != nil {
 		return nil, fmt.Errorf("read the server's root: %w", err)
 	}

@@ -8,9 +8,11 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
+	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
 	"github.com/meshid/meshid/internal/upstream"
@@ -90,7 +92,7 @@ func TestMetadata(t *testing.T) {
 	if err := os.WriteFile(tokenFile, []byte("tok\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	missing := upstream.FileToken(filepath.Join(t.TempDir(), "missing"))
+	missing := upstream.FileToken(filepath.Join(t.TempDir(), "missing"), nil)
 	cert := &tls.Certificate{}
 	for _, tc := range []struct {
 		name      string
@@ -99,7 +101,7 @@ func TestMetadata(t *testing.T) {
 		tokenErr  string // "": a token was sent
 		noCallErr bool   // nothing may be sent
 	}{
-		{"a token from its file", upstream.Credentials{Token: upstream.FileToken(tokenFile), ClusterID: "Kubernetes"}, "Bearer tok", "", false},
+		{"a token from its file", upstream.Credentials{Token: upstream.FileToken(tokenFile, nil), ClusterID: "Kubernetes"}, "Bearer tok", "", false},
 		{"no token, a certificate", upstream.Credentials{Token: missing, ClientCertificate: func() *tls.Certificate { return cert }}, "", "the token file", false},
 		{"no token, no certificate", upstream.Credentials{Token: missing, ClientCertificate: func() *tls.Certificate { return nil }}, "", "the token file", true},
 		{"no token source, no certificate", upstream.Credentials{}, "", "no token configured", true},
@@ -124,5 +126,64 @@ func TestMetadata(t *testing.T) {
 				t.Fatalf("token error %v, want %q", tokenErr, tc.tokenErr)
 			}
 		})
+	}
+}
+
+// A token or root file on a file system that does not answer (here a FIFO no one writes: its open
+// blocks as a read on a dead NFS mount does) fails the call after the bound, instead of holding
+// it and every call after it; once the file system answers, the next read works.
+func TestReadsOnAHungFileSystemGiveUp(t *testing.T) {
+	t.Parallel()
+	fifo := filepath.Join(t.TempDir(), "hung")
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	clk := testutil.NewFakeClock(time.Now())
+	reads := fsutil.NewBoundedReads(clk, 0, 0)
+	creds := upstream.Credentials{RootCertFile: fifo, Token: upstream.FileToken(fifo, reads), Reads: reads}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+
+	tokenErr, rootErr := make(chan error, 1), make(chan error, 1)
+	go func() { _, err := creds.Token(ctx); tokenErr <- err }()
+	go func() { rootErr <- creds.TLSConfig().VerifyConnection(tls.ConnectionState{}) }()
+	// Both wait on the one read of the file, each on a timer of its own.
+	if err := clk.WaitForTimers(ctx, 2); err != nil {
+		t.Fatal(err)
+	}
+	clk.Advance(fsutil.DefaultReadBound)
+	for what, ch := range map[string]chan error{"token": tokenErr, "root": rootErr} {
+		if err := <-ch; !errors.Is(err, fsutil.ErrNoAnswer) || !strings.Contains(err.Error(), fifo) {
+			t.Errorf("the %s read from a hung file system: %v, want ErrNoAnswer naming the file", what, err)
+		}
+	}
+
+	// The file system answers: the stuck read ends, and the next read of the file starts afresh.
+	w, err := os.OpenFile(fifo, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := w.WriteString("tok\n"); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(fifo); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(fifo, []byte("fresh\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for {
+		tok, err := creds.Token(ctx)
+		if err == nil && tok == "fresh" {
+			break
+		}
+		if ctx.Err() != nil {
+			t.Fatalf("after the file system answered: token %q, %v", tok, err)
+		}
+		// The stuck read's goroutine may not have returned yet; this read joins it and gets
+		// its answer ("tok"), then the next one reads the new file.
 	}
 }

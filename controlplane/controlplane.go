@@ -74,6 +74,7 @@ func grpcTransport(cfg Config) admission.Transport {
 // ControlPlane is a running `meshid ca`.
 type ControlPlane struct {
 	log       *slog.Logger
+	clock     clock.Clock
 	authority *ca.Authority
 	keys      *ca.KeyManager
 	grpc      *grpc.Server
@@ -117,7 +118,7 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 	}
 
 	// Bind first: a port in use fails the start before anything is written to the state dir.
-	cp := &ControlPlane{log: log, readyCh: make(chan struct{})}
+	cp := &ControlPlane{log: log, clock: clk, readyCh: make(chan struct{})}
 	if cp.grpcLis, cp.grpcSocket, err = listen(cfg.GRPCAddr, log); err != nil {
 		return nil, fmt.Errorf("listen for gRPC on %s: %w", cfg.GRPCAddr, err)
 	}
@@ -537,26 +538,43 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 	return err
 }
 
-// stop stops the servers once ctx has ended, giving in-flight requests shutdownGrace.
+// stop stops the servers once ctx has ended, giving in-flight requests shutdownGrace on the
+// injected clock.
 func (c *ControlPlane) stop(ctx context.Context) {
 	stopped := make(chan struct{})
 	go func() {
 		c.grpc.GracefulStop()
 		close(stopped)
 	}()
-	timer := time.NewTimer(shutdownGrace)
+	timer := c.clock.NewTimer(shutdownGrace)
 	defer timer.Stop()
 	select {
 	case <-stopped:
-	case <-timer.C:
+	case <-timer.C():
 		c.grpc.Stop()
 		<-stopped
 	}
 	if c.monitor != nil {
-		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), shutdownGrace)
+		ctx, cancel := c.graceContext(ctx)
 		defer cancel()
 		_ = c.monitor.Shutdown(ctx)
 	}
+}
+
+// graceContext returns a context, not done with ctx, that ends shutdownGrace from now on the
+// control plane's clock.
+func (c *ControlPlane) graceContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	ctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	timer := c.clock.NewTimer(shutdownGrace)
+	go func() {
+		defer timer.Stop()
+		select {
+		case <-timer.C():
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	return ctx, cancel
 }
 
 func (c *ControlPlane) monitoringHandler(registry *prometheus.Registry) http.Handler {

@@ -116,22 +116,22 @@ func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *p
 		}
 		if a.sds, err = sds.New(sds.Config{
 			SocketPath:    a.socketPath,
-			SocketMode:    cfg.SocketMode,
+			SocketMode:    cfg.SDS.SocketMode,
 			Secrets:       a.secrets,
-			DrainDuration: cfg.DrainDuration,
+			DrainDuration: cfg.SDS.DrainDuration,
 			Clock:         clk,
 			Logger:        log.With(logkey.Component, "sds"),
 			Registerer:    registry,
 
-			MaxStreams:              cfg.SDSMaxStreams,
-			MaxStreamsPerConnection: cfg.SDSMaxStreamsPerConnection,
+			MaxStreams:              cfg.SDS.MaxStreams,
+			MaxStreamsPerConnection: cfg.SDS.MaxStreamsPerConnection,
 			SocketClock:             cfg.SocketClock,
 			OnSocket:                onSocket(cfg, a.socketPath),
 		}); err != nil {
 			return err
 		}
 	}
-	if cfg.ProxyXDS {
+	if cfg.XDS.Proxy {
 		var held func() *tls.Certificate
 		if a.secrets != nil {
 			held = a.secrets.TLSCertificate
@@ -145,15 +145,15 @@ func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *p
 
 // buildServers opens the status server, and the debug servers asked for.
 func (a *Agent) buildServers(cfg Config, clk clock.Clock, log *slog.Logger, registry *prometheus.Registry) (err error) {
-	if a.statusLis, err = net.Listen("tcp", cfg.StatusAddr); err != nil {
-		return fmt.Errorf("listen for status on %s: %w", cfg.StatusAddr, err)
+	if a.statusLis, err = net.Listen("tcp", cfg.Servers.StatusAddr); err != nil {
+		return fmt.Errorf("listen for status on %s: %w", cfg.Servers.StatusAddr, err)
 	}
 	a.status = &http.Server{Handler: a.statusHandler(registry), ReadHeaderTimeout: 10 * time.Second}
 	debug, err := newDebugBoundary(clk, log.With(logkey.Component, "debug"), registry)
 	if err != nil {
 		return err
 	}
-	if cfg.ProxyXDSDebug && a.xds != nil {
+	if cfg.XDS.ProxyDebug && a.xds != nil {
 		// Whoever may open the XDS socket may read the configuration: the debug socket sits next
 		// to it, with its mode.
 		if a.xdsDebugSocket, err = fsutil.ListenSocket(cfg.xdsDebugSocket(), xdsproxy.DefaultSocketMode, log.With(logkey.Component, "debug")); err != nil {
@@ -161,9 +161,9 @@ func (a *Agent) buildServers(cfg Config, clk clock.Clock, log *slog.Logger, regi
 		}
 		a.xdsDebug = &http.Server{Handler: a.xdsDebugHandler(), ConnContext: admission.ConnContext, ReadHeaderTimeout: 10 * time.Second}
 	}
-	if cfg.DebugAddr != "" {
-		if a.debugLis, err = net.Listen("tcp", cfg.DebugAddr); err != nil {
-			return fmt.Errorf("listen for debug on %s: %w", cfg.DebugAddr, err)
+	if cfg.Servers.DebugAddr != "" {
+		if a.debugLis, err = net.Listen("tcp", cfg.Servers.DebugAddr); err != nil {
+			return fmt.Errorf("listen for debug on %s: %w", cfg.Servers.DebugAddr, err)
 		}
 		a.debug = &http.Server{
 			Handler:           debug.loopbackOnly(a.debugHandler(clk, cfg)),
@@ -210,18 +210,18 @@ func (c *Config) checkGivenPaths() error {
 		}
 	}
 	const onlyDefault = "only the default may be absent"
-	if c.CredentialsDir != "" {
-		add("--credentials-dir", c.CredentialsDir, checkDir(c.CredentialsDir, onlyDefault))
+	if c.SDS.CredentialsDir != "" {
+		add("--credentials-dir", c.SDS.CredentialsDir, checkDir(c.SDS.CredentialsDir, onlyDefault))
 	}
 	// Istio's VMs use the pair they keep in OUTPUT_CERTS as PROV_CERT: the agent makes that dir.
-	if c.ProvCert != "" && (c.OutputCerts == "" || filepath.Clean(c.ProvCert) != filepath.Clean(c.OutputCerts)) {
-		add("--prov-cert (PROV_CERT)", c.ProvCert, checkDir(c.ProvCert, "it may be absent only when it is --output-certs (OUTPUT_CERTS) too, which the agent creates"))
+	if c.CA.ProvCert != "" && (c.Output.Dir == "" || filepath.Clean(c.CA.ProvCert) != filepath.Clean(c.Output.Dir)) {
+		add("--prov-cert (PROV_CERT)", c.CA.ProvCert, checkDir(c.CA.ProvCert, "it may be absent only when it is --output-certs (OUTPUT_CERTS) too, which the agent creates"))
 	}
-	if c.CARootCert != "" {
-		add("--ca-root-cert (CA_ROOT_CA)", c.CARootCert, checkRoots(c.CARootCert, onlyDefault))
+	if c.CA.RootCert != "" {
+		add("--ca-root-cert (CA_ROOT_CA)", c.CA.RootCert, checkRoots(c.CA.RootCert, onlyDefault))
 	}
-	if c.XDSRootCert != "" {
-		add("--xds-root-cert (XDS_ROOT_CA)", c.XDSRootCert, checkRoots(c.XDSRootCert, onlyDefault))
+	if c.XDS.RootCert != "" {
+		add("--xds-root-cert (XDS_ROOT_CA)", c.XDS.RootCert, checkRoots(c.XDS.RootCert, onlyDefault))
 	}
 	return errors.Join(errs...)
 }
@@ -266,7 +266,7 @@ func decide(cfg *Config, socketPath string) (Source, string, error) {
 	if _, err := os.Lstat(socketPath); err == nil && fsutil.SocketServing(socketPath) {
 		return SourceExternalSDS, "another server answers on " + socketPath, nil
 	}
-	if cfg.FileMountedCerts {
+	if cfg.SDS.FileMountedCerts {
 		return SourceFiles, "FILE_MOUNTED_CERTS is set: serving " + cfg.path(DefaultMountedCerts), nil
 	}
 	dir := cfg.credentialsDir()
@@ -278,12 +278,12 @@ func decide(cfg *Config, socketPath string) (Source, string, error) {
 			dir, strings.Join(present, ", "), strings.Join(missing, ", "))}
 	}
 	if cfg.embedded() {
-		if cfg.Embed == nil {
+		if cfg.CA.Embed == nil {
 			return "", "", fmt.Errorf("no credential files in %s and no --ca-addr (CA_ADDR): %w", dir, ErrNoCA)
 		}
 		return SourceEmbeddedCA, "no CA address given: running the control plane in-process under " + cfg.path(DefaultEmbeddedDir), nil
 	}
-	return SourceCA, "no credential files in " + dir + ": using the CA at " + cfg.CAAddress, nil
+	return SourceCA, "no credential files in " + dir + ": using the CA at " + cfg.CA.Address, nil
 }
 
 // credentialFiles says which of the three credential files dir holds.
@@ -302,7 +302,7 @@ func credentialFiles(dir string) (present, missing []string) {
 // client (the embedded control plane started first when it is the CA). OUTPUT_CERTS is claimed
 // before anything reads it: a second agent on it would overwrite this one's key pair.
 func (a *Agent) buildSecrets(cfg Config, clk clock.Clock, log *slog.Logger, registry *prometheus.Registry) error {
-	output := secretmanager.Output{Dir: cfg.OutputCerts, GroupRead: cfg.OutputGroupRead, KeyGroupRead: cfg.OutputKeyGroupRead}
+	output := secretmanager.Output{Dir: cfg.Output.Dir, GroupRead: cfg.Output.GroupRead, KeyGroupRead: cfg.Output.KeyGroupRead}
 	if output.Dir != "" {
 		claim, err := secretmanager.ClaimOutput(output)
 		if err != nil {
@@ -326,11 +326,11 @@ func (a *Agent) buildSecrets(cfg Config, clk clock.Clock, log *slog.Logger, regi
 		return err
 	}
 
-	id, err := cfg.Identity()
+	id, err := cfg.SPIFFEID()
 	if err != nil {
 		return err
 	}
-	up := upstream{address: cfg.CAAddress, rootCertFile: cfg.caRootCert(), tokenPath: cfg.TokenPath}
+	up := upstream{address: cfg.CA.Address, rootCertFile: cfg.caRootCert(), tokenPath: cfg.CA.TokenPath}
 	if a.source == SourceEmbeddedCA {
 		e, unlock, err := embed(cfg, id, clk, log)
 		if err != nil {
@@ -348,11 +348,11 @@ func (a *Agent) buildSecrets(cfg Config, clk clock.Clock, log *slog.Logger, regi
 	if a.ca, err = caclient.New(caclient.Config{
 		Address:           up.address,
 		RootCertFile:      up.rootCertFile,
-		ServerName:        cfg.CAServerName,
+		ServerName:        cfg.CA.ServerName,
 		TokenPath:         up.tokenPath,
 		Token:             up.token,
 		ClientCertificate: held.orProvisioned(provisioned(cfg, clk, log)),
-		ClusterID:         cfg.ClusterID,
+		ClusterID:         cfg.CA.ClusterID,
 		Clock:             clk,
 		Logger:            log.With(logkey.Component, "caclient"),
 		Registerer:        registry,
@@ -362,11 +362,11 @@ func (a *Agent) buildSecrets(cfg Config, clk clock.Clock, log *slog.Logger, regi
 	smCfg.Workload = &secretmanager.Rotation{
 		Signer:           a.ca,
 		Identity:         id,
-		KeyAlgorithm:     cfg.KeyAlgorithm,
-		RSAKeySize:       cfg.RSAKeySize,
-		TTL:              cfg.SecretTTL,
-		GraceRatio:       cfg.GraceRatio,
-		GraceRatioJitter: cfg.GraceRatioJitter,
+		KeyAlgorithm:     cfg.Certificate.KeyAlgorithm,
+		RSAKeySize:       cfg.Certificate.RSAKeySize,
+		TTL:              cfg.Certificate.TTL,
+		GraceRatio:       cfg.Certificate.GraceRatio,
+		GraceRatioJitter: cfg.Certificate.GraceRatioJitter,
 		RootCertFile:     up.rootCertFile,
 	}
 	if a.secrets, err = secretmanager.New(smCfg); err != nil {
@@ -404,16 +404,16 @@ func (h *heldCertificate) orProvisioned(provisioned func() *tls.Certificate) fun
 
 // provisioned returns PROV_CERT's key pair, read as the CA client asks for it; nil without one.
 func provisioned(cfg Config, clk clock.Clock, log *slog.Logger) func() *tls.Certificate {
-	if cfg.ProvCert == "" {
+	if cfg.CA.ProvCert == "" {
 		return func() *tls.Certificate { return nil }
 	}
-	return caclient.ProvisionedCertificate(cfg.ProvCert, clk, log.With(logkey.Component, "caclient"))
+	return caclient.ProvisionedCertificate(cfg.CA.ProvCert, clk, log.With(logkey.Component, "caclient"))
 }
 
 // mountedFiles are the credential files served: FILE_MOUNTED_CERTS's, or the credentials dir's.
 func mountedFiles(cfg Config) *secretmanager.MountedFiles {
 	dir := cfg.credentialsDir()
-	if cfg.FileMountedCerts {
+	if cfg.SDS.FileMountedCerts {
 		dir = cfg.path(DefaultMountedCerts)
 	}
 	return &secretmanager.MountedFiles{
@@ -450,10 +450,10 @@ func embed(cfg Config, id pki.SPIFFEID, clk clock.Clock, log *slog.Logger) (_ Co
 	if err != nil {
 		return nil, nil, err
 	}
-	e, err := cfg.Embed(EmbedConfig{
+	e, err := cfg.CA.Embed(EmbedConfig{
 		StateDir:    stateDir,
 		SocketPath:  socket,
-		TrustDomain: cfg.TrustDomain,
+		TrustDomain: cfg.Identity.TrustDomain,
 		Identity:    id,
 		Clock:       clk,
 		Logger:      log.With(logkey.Component, "embedded-ca"),
@@ -475,10 +475,10 @@ func describePath(p, ifEmpty string) string {
 // caRootCert finds the CA root in Istio's order: CA_ROOT_CA, PROV_CERT/root-cert.pem, then the
 // mounted istio-ca-root-cert config map; "" (the system roots) when none exists.
 func (c *Config) caRootCert() string {
-	if c.CARootCert != "" {
-		return c.CARootCert
+	if c.CA.RootCert != "" {
+		return c.CA.RootCert
 	}
-	for _, candidate := range []string{provRoot(c.ProvCert), c.path(DefaultCARootCert)} {
+	for _, candidate := range []string{provRoot(c.CA.ProvCert), c.path(DefaultCARootCert)} {
 		if candidate == "" {
 			continue
 		}
@@ -504,8 +504,8 @@ func provRoot(provCert string) string {
 func newXDSProxy(cfg Config, embedded ControlPlane, held func() *tls.Certificate, clk clock.Clock, log *slog.Logger,
 	registry *prometheus.Registry) (*xdsproxy.Proxy, *grpc.ClientConn, error) {
 	up := caclient.UpstreamConfig{
-		Address: cfg.DiscoveryAddress, ServerName: cfg.CAServerName, TokenPath: cfg.TokenPath, ClusterID: cfg.ClusterID, Clock: clk,
-		RootCertFile: cfg.XDSRootCert, ClientCertificate: held,
+		Address: cfg.XDS.DiscoveryAddress, ServerName: cfg.CA.ServerName, TokenPath: cfg.CA.TokenPath, ClusterID: cfg.CA.ClusterID, Clock: clk,
+		RootCertFile: cfg.XDS.RootCert, ClientCertificate: held,
 	}
 	switch {
 	case up.Address != "":
@@ -515,7 +515,7 @@ func newXDSProxy(cfg Config, embedded ControlPlane, held func() *tls.Certificate
 			up.RootCertFile = embedded.RootCertFile()
 		}
 	default:
-		up.Address = cfg.CAAddress
+		up.Address = cfg.CA.Address
 	}
 	if up.Address == "" {
 		// Credential files and no control plane named: nothing to proxy to.
@@ -525,7 +525,7 @@ func newXDSProxy(cfg Config, embedded ControlPlane, held func() *tls.Certificate
 	if up.RootCertFile == "" {
 		up.RootCertFile = cfg.caRootCert()
 	}
-	id, err := cfg.Identity()
+	id, err := cfg.SPIFFEID()
 	if err != nil {
 		return nil, nil, err
 	}
@@ -539,8 +539,8 @@ func newXDSProxy(cfg Config, embedded ControlPlane, held func() *tls.Certificate
 		// Istio's form of a sidecar's node ID; the discovery server picks the configuration by
 		// the credential, not by this.
 		Node:                    &corev3.Node{Id: fmt.Sprintf("sidecar~127.0.0.1~%s.%s~%s.svc.cluster.local", id.ServiceAccount, id.Namespace, id.Namespace)},
-		MaxStreams:              cfg.XDSMaxStreams,
-		MaxStreamsPerConnection: cfg.XDSMaxStreamsPerConnection,
+		MaxStreams:              cfg.XDS.MaxStreams,
+		MaxStreamsPerConnection: cfg.XDS.MaxStreamsPerConnection,
 		Clock:                   clk,
 		Logger:                  log.With(logkey.Component, "xds-proxy"),
 		Registerer:              registry,

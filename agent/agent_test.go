@@ -411,6 +411,36 @@ func TestCARootIsFoundInIstioOrder(t *testing.T) {
 	}
 }
 
+// A problem with one field of the Config is a *agent.FieldError keyed by the field's path, which
+// cmd renders with the field's flag and variable.
+func TestConfigValidateKeysErrorsByField(t *testing.T) {
+	t.Parallel()
+	for _, tt := range []struct {
+		field  string
+		modify func(*agent.Config)
+	}{
+		{"Certificate.GraceRatio", func(c *agent.Config) { c.Certificate.GraceRatio = 2 }},
+		{"Certificate.GraceRatioJitter", func(c *agent.Config) { c.Certificate.GraceRatioJitter = 0.6 }},
+		{"Certificate.TTL", func(c *agent.Config) { c.Certificate.TTL = -time.Second }},
+		{"Certificate.KeyAlgorithm", func(c *agent.Config) { c.Certificate.KeyAlgorithm = "DSA" }},
+		{"SDS.MaxStreams", func(c *agent.Config) { c.SDS.MaxStreams = 0 }},
+		{"XDS.MaxStreamsPerConnection", func(c *agent.Config) { c.XDS.MaxStreamsPerConnection = -1 }},
+		{"Servers.StatusAddr", func(c *agent.Config) { c.Servers.StatusAddr = "15020" }},
+		{"CA.Address", func(c *agent.Config) { c.CA.Address = "https://ca:15012" }},
+	} {
+		t.Run(tt.field, func(t *testing.T) {
+			t.Parallel()
+			c := agent.DefaultConfig("")
+			c.Identity.Namespace, c.Identity.ServiceAccount, c.CA.Address = "default", "demo", "127.0.0.1:15012"
+			tt.modify(&c)
+			var fe *agent.FieldError
+			if err := c.Validate(); !errors.As(err, &fe) || fe.Field != tt.field {
+				t.Fatalf("Validate() = %v, want a *agent.FieldError for %s", err, tt.field)
+			}
+		})
+	}
+}
+
 func TestConfigValidate(t *testing.T) {
 	t.Parallel()
 	good := func() agent.Config {
@@ -432,20 +462,22 @@ func TestConfigValidate(t *testing.T) {
 		{"bad service account", func(c *agent.Config) { c.Identity.ServiceAccount = "Bad_Name" }, "SERVICE_ACCOUNT"},
 		{"debug server off loopback", func(c *agent.Config) { c.Servers.DebugAddr = "0.0.0.0:15004" }, "loopback only"},
 		{"socket path too long", func(c *agent.Config) { c.SDS.SocketDir = "/" + strings.Repeat("d", 120) }, "kernel's limit"},
-		{"negative drain", func(c *agent.Config) { c.SDS.DrainDuration = -time.Second }, "--drain-duration"},
-		{"RSA too small", func(c *agent.Config) { c.Certificate.KeyAlgorithm, c.Certificate.RSAKeySize = pki.RSA, 1024 }, "WORKLOAD_RSA_KEY_SIZE"},
-		{"ratio", func(c *agent.Config) { c.Certificate.GraceRatio = 1 }, "--grace-period-ratio"},
-		{"jitter", func(c *agent.Config) { c.Certificate.GraceRatioJitter = 0.6 }, "--grace-period-ratio-jitter"},
-		{"ttl", func(c *agent.Config) { c.Certificate.TTL = 0 }, "--secret-ttl"},
-		{"status addr", func(c *agent.Config) { c.Servers.StatusAddr = "15020" }, "--status-addr"},
-		{"CA address, relative Unix socket", func(c *agent.Config) { c.CA.Address = "unix://ca.sock" }, `--ca-addr "unix://ca.sock" (CA_ADDR): a Unix socket needs an absolute path`},
-		{"discovery address, no host", func(c *agent.Config) { c.XDS.DiscoveryAddress = ":15012" }, `--discovery-addr ":15012": no host`},
+		// The agent names a field by its path in Config; cmd renders it with its flag and variable
+		// (cmd/internal/cli's TestAgentConfigErrorsNameFlagsAndVariables has these cases rendered).
+		{"negative drain", func(c *agent.Config) { c.SDS.DrainDuration = -time.Second }, "SDS.DrainDuration -1s must not be negative"},
+		{"RSA too small", func(c *agent.Config) { c.Certificate.KeyAlgorithm, c.Certificate.RSAKeySize = pki.RSA, 1024 }, "Certificate.RSAKeySize: RSA key size 1024"},
+		{"ratio", func(c *agent.Config) { c.Certificate.GraceRatio = 1 }, "Certificate.GraceRatio: grace period ratio 1 must be between 0 and 1"},
+		{"jitter", func(c *agent.Config) { c.Certificate.GraceRatioJitter = 0.6 }, "Certificate.GraceRatioJitter: grace period ratio jitter 0.6"},
+		{"ttl", func(c *agent.Config) { c.Certificate.TTL = 0 }, "Certificate.TTL 0s must be positive"},
+		{"status addr", func(c *agent.Config) { c.Servers.StatusAddr = "15020" }, `Servers.StatusAddr "15020": no port`},
+		{"CA address, relative Unix socket", func(c *agent.Config) { c.CA.Address = "unix://ca.sock" }, `CA.Address "unix://ca.sock": a Unix socket needs an absolute path`},
+		{"discovery address, no host", func(c *agent.Config) { c.XDS.DiscoveryAddress = ":15012" }, `XDS.DiscoveryAddress ":15012": no host`},
 		{"every address at once", func(c *agent.Config) {
 			c.Servers.StatusAddr, c.Servers.DebugAddr, c.CA.Address, c.XDS.DiscoveryAddress = "127.0.0.1:99999", "localhost", "https://ca:15012", "istiod"
-		}, "--status-addr \"127.0.0.1:99999\": port \"99999\": want a number from 0 to 65535\n" +
-			"--debug-addr \"localhost\": no port: give HOST:PORT, as in \"localhost:PORT\"\n" +
-			"--ca-addr \"https://ca:15012\" (CA_ADDR): https:// is not part of an address: give HOST:PORT, as in \"ca:15012\"\n" +
-			"--discovery-addr \"istiod\": no port: give HOST:PORT, as in \"istiod:PORT\""},
+		}, "Servers.StatusAddr \"127.0.0.1:99999\": port \"99999\": want a number from 0 to 65535\n" +
+			"Servers.DebugAddr \"localhost\": no port: give HOST:PORT, as in \"localhost:PORT\"\n" +
+			"CA.Address \"https://ca:15012\": https:// is not part of an address: give HOST:PORT, as in \"ca:15012\"\n" +
+			"XDS.DiscoveryAddress \"istiod\": no port: give HOST:PORT, as in \"istiod:PORT\""},
 		// Attack: a file-root: or file-cert: resource reading the embedded CA's keys.
 		{"file resource dir is the CA state dir", func(c *agent.Config) { c.SDS.FileResourceDirs = []string{"/etc/certs", "/var/lib/meshid"} },
 			"--file-resource-dirs: /var/lib/meshid overlaps the embedded CA's state dir /var/lib/meshid"},

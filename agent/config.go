@@ -280,7 +280,37 @@ func (c *Config) SPIFFEID() (pki.SPIFFEID, error) {
 	return pki.NewSPIFFEID(c.Identity.TrustDomain, ns, sa)
 }
 
-// Validate reports every problem with the configuration at once.
+// FieldError is a problem with one field of Config, named by its path in Config
+// ("Certificate.GraceRatio"). cmd, which alone knows the flag and the variable that set each
+// field, renders it with them; its own text names the field by its path. Value, when not nil, is
+// the value refused: text (an address) is shown quoted and followed by the cause, Err; a number or
+// a duration is shown as it is and followed by what it must be, Err ("must be positive").
+type FieldError struct {
+	Field string
+	Value any
+	Err   error
+}
+
+func (e *FieldError) Error() string { return e.Field + e.Detail() }
+
+// Detail is what follows the field's name in the message: the value refused, and why.
+func (e *FieldError) Detail() string {
+	switch v := e.Value.(type) {
+	case nil:
+		return ": " + e.Err.Error()
+	case string:
+		return fmt.Sprintf(" %q: %v", v, e.Err)
+	default:
+		return fmt.Sprintf(" %v %v", v, e.Err)
+	}
+}
+
+func (e *FieldError) Unwrap() error { return e.Err }
+
+var errMustBePositive = errors.New("must be positive")
+
+// Validate reports every problem with the configuration at once, joined (errors.Join); a problem
+// with one field is a *FieldError.
 func (c *Config) Validate() error {
 	var errs []error
 	switch {
@@ -300,33 +330,37 @@ func (c *Config) Validate() error {
 		errs = append(errs, errors.New("a group-readable OUTPUT_CERTS key needs group-readable directories too"))
 	}
 	if err := fsutil.CheckSocketPath(filepath.Join(c.socketDir(), sds.SocketName)); err != nil {
-		errs = append(errs, fmt.Errorf("--workload-socket-dir: %w", err))
+		errs = append(errs, &FieldError{Field: "SDS.SocketDir", Err: err})
 	}
 	errs = append(errs, c.checkAddresses()...)
 	if c.SDS.DrainDuration < 0 {
-		errs = append(errs, fmt.Errorf("--drain-duration %s must not be negative", c.SDS.DrainDuration))
+		errs = append(errs, &FieldError{Field: "SDS.DrainDuration", Value: c.SDS.DrainDuration, Err: errors.New("must not be negative")})
 	}
 	if c.SDS.MaxStreams <= 0 {
-		errs = append(errs, fmt.Errorf("--sds-max-streams %d must be positive", c.SDS.MaxStreams))
+		errs = append(errs, &FieldError{Field: "SDS.MaxStreams", Value: c.SDS.MaxStreams, Err: errMustBePositive})
 	}
 	if c.SDS.MaxStreamsPerConnection <= 0 {
-		errs = append(errs, fmt.Errorf("--sds-max-streams-per-connection %d must be positive", c.SDS.MaxStreamsPerConnection))
+		errs = append(errs, &FieldError{Field: "SDS.MaxStreamsPerConnection", Value: c.SDS.MaxStreamsPerConnection, Err: errMustBePositive})
 	}
 	errs = append(errs, c.validateXDS()...)
 	switch c.Certificate.KeyAlgorithm {
 	case pki.ECDSA:
 	case pki.RSA:
 		if err := pki.ValidateRSAKeySize(c.Certificate.RSAKeySize); err != nil {
-			errs = append(errs, fmt.Errorf("--workload-rsa-key-size (WORKLOAD_RSA_KEY_SIZE): %w", err))
+			errs = append(errs, &FieldError{Field: "Certificate.RSAKeySize", Err: err})
 		}
 	default:
-		errs = append(errs, fmt.Errorf("--key-algorithm %q: want ECDSA or RSA", c.Certificate.KeyAlgorithm))
+		errs = append(errs, &FieldError{Field: "Certificate.KeyAlgorithm", Value: string(c.Certificate.KeyAlgorithm), Err: errors.New("want ECDSA or RSA")})
 	}
 	if c.Certificate.TTL <= 0 {
-		errs = append(errs, fmt.Errorf("--secret-ttl %s must be positive", c.Certificate.TTL))
+		errs = append(errs, &FieldError{Field: "Certificate.TTL", Value: c.Certificate.TTL, Err: errMustBePositive})
 	}
 	if err := secretmanager.ValidateGrace(c.Certificate.GraceRatio, c.Certificate.GraceRatioJitter); err != nil {
-		errs = append(errs, fmt.Errorf("--grace-period-ratio (SECRET_GRACE_PERIOD_RATIO), --grace-period-ratio-jitter: %w", err))
+		field := "Certificate.GraceRatioJitter"
+		if secretmanager.ValidateGrace(c.Certificate.GraceRatio, 0) != nil {
+			field = "Certificate.GraceRatio"
+		}
+		errs = append(errs, &FieldError{Field: field, Err: err})
 	}
 	errs = append(errs, c.checkFileResourceDirs()...)
 	return errors.Join(errs...)
@@ -336,10 +370,10 @@ func (c *Config) Validate() error {
 func (c *Config) validateXDS() []error {
 	var errs []error
 	if c.XDS.MaxStreams <= 0 {
-		errs = append(errs, fmt.Errorf("--xds-proxy-max-streams %d must be positive", c.XDS.MaxStreams))
+		errs = append(errs, &FieldError{Field: "XDS.MaxStreams", Value: c.XDS.MaxStreams, Err: errMustBePositive})
 	}
 	if c.XDS.MaxStreamsPerConnection <= 0 {
-		errs = append(errs, fmt.Errorf("--xds-proxy-max-streams-per-connection %d must be positive", c.XDS.MaxStreamsPerConnection))
+		errs = append(errs, &FieldError{Field: "XDS.MaxStreamsPerConnection", Value: c.XDS.MaxStreamsPerConnection, Err: errMustBePositive})
 	}
 	if c.XDS.DebugTCP && !c.XDS.ProxyDebug {
 		errs = append(errs, errors.New("--xds-debug-tcp serves the xDS debug endpoint, which --proxy-xds-debug-via-agent=false (PROXY_XDS_DEBUG_VIA_AGENT) turns off"))
@@ -349,7 +383,7 @@ func (c *Config) validateXDS() []error {
 	}
 	if c.XDS.ProxyDebug {
 		if err := fsutil.CheckSocketPath(c.xdsDebugSocket()); err != nil {
-			errs = append(errs, fmt.Errorf("--xds-debug-socket: %w", err))
+			errs = append(errs, &FieldError{Field: "XDS.DebugSocket", Err: err})
 		}
 	}
 	return errs
@@ -361,24 +395,26 @@ func (c *Config) validateXDS() []error {
 func (c *Config) checkAddresses() []error {
 	var errs []error
 	if err := hostport.CheckListen(c.Servers.StatusAddr); err != nil {
-		errs = append(errs, fmt.Errorf("--status-addr %q: %w", c.Servers.StatusAddr, err))
+		errs = append(errs, &FieldError{Field: "Servers.StatusAddr", Value: c.Servers.StatusAddr, Err: err})
 	}
 	if c.Servers.DebugAddr != "" {
 		if err := hostport.CheckListen(c.Servers.DebugAddr); err != nil {
-			errs = append(errs, fmt.Errorf("--debug-addr %q: %w", c.Servers.DebugAddr, err))
+			errs = append(errs, &FieldError{Field: "Servers.DebugAddr", Value: c.Servers.DebugAddr, Err: err})
 		} else if host, _, _ := net.SplitHostPort(c.Servers.DebugAddr); host != "localhost" && !isLoopback(host) {
-			errs = append(errs, fmt.Errorf("--debug-addr %q: the debug server shows secrets' metadata and listens on loopback only", c.Servers.DebugAddr))
+			errs = append(errs, &FieldError{Field: "Servers.DebugAddr", Value: c.Servers.DebugAddr,
+				Err: errors.New("the debug server shows secrets' metadata and listens on loopback only")})
 		}
 	}
-	// CA_ADDR defaults to the discovery address: its mistake is reported once, as the flag given.
+	// The CA address defaults to the discovery address: its mistake is reported once, as the
+	// field given.
 	if c.CA.Address != "" && c.CA.Address != c.XDS.DiscoveryAddress {
 		if err := checkDialAddr(c.CA.Address); err != nil {
-			errs = append(errs, fmt.Errorf("--ca-addr %q (CA_ADDR): %w", c.CA.Address, err))
+			errs = append(errs, &FieldError{Field: "CA.Address", Value: c.CA.Address, Err: err})
 		}
 	}
 	if c.XDS.DiscoveryAddress != "" {
 		if err := checkDialAddr(c.XDS.DiscoveryAddress); err != nil {
-			errs = append(errs, fmt.Errorf("--discovery-addr %q: %w", c.XDS.DiscoveryAddress, err))
+			errs = append(errs, &FieldError{Field: "XDS.DiscoveryAddress", Value: c.XDS.DiscoveryAddress, Err: err})
 		}
 	}
 	return errs

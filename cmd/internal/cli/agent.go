@@ -252,7 +252,7 @@ root is needed.`,
 				errs = append(errs, errors.New("--xds-debug-socket serves /debug/<type>, which --proxy-xds-debug-via-agent=false (PROXY_XDS_DEBUG_VIA_AGENT) turns off"))
 			}
 			cfg.Logger = log
-			return errors.Join(append(errs, cfg.Validate())...)
+			return errors.Join(append(errs, renderConfigErrors(cfg.Validate()))...)
 		},
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			return RefusedAsCalled(run(cmd.Context(), cfg))
@@ -305,6 +305,101 @@ root is needed.`,
 	f.StringVar(&cfg.Servers.DebugAddr, "debug-addr", cfg.Servers.DebugAddr, "loopback listen address of /debug/secrets (and /debug/<type> with --xds-debug-tcp); answers only a Host naming loopback; empty disables it")
 	return cmd
 }
+
+// agentFieldFlags maps each field of agent.Config, by its path, to the flag that sets it; the
+// variable, when there is one, is agentEnv's.
+func agentFieldFlags() map[string]string {
+	return map[string]string{
+		"Identity.TrustDomain":         "trust-domain",
+		"Identity.Namespace":           "namespace",
+		"Identity.ServiceAccount":      "service-account",
+		"CA.Address":                   "ca-addr",
+		"CA.RootCert":                  "ca-root-cert",
+		"CA.ServerName":                "istiod-san",
+		"CA.ClusterID":                 "cluster-id",
+		"CA.TokenPath":                 "token-path",
+		"CA.ProvCert":                  "prov-cert",
+		"Certificate.KeyAlgorithm":     "key-algorithm",
+		"Certificate.RSAKeySize":       "workload-rsa-key-size",
+		"Certificate.TTL":              "secret-ttl",
+		"Certificate.GraceRatio":       "grace-period-ratio",
+		"Certificate.GraceRatioJitter": "grace-period-ratio-jitter",
+		"SDS.SocketDir":                "workload-socket-dir",
+		"SDS.CredentialsDir":           "credentials-dir",
+		"SDS.FileMountedCerts":         "file-mounted-certs",
+		"SDS.SocketMode":               "socket-mode",
+		"SDS.FileResourceDirs":         "file-resource-dirs",
+		"SDS.DrainDuration":            "drain-duration",
+		"SDS.MaxStreams":               "sds-max-streams",
+		"SDS.MaxStreamsPerConnection":  "sds-max-streams-per-connection",
+		"XDS.DiscoveryAddress":         "discovery-addr",
+		"XDS.RootCert":                 "xds-root-cert",
+		"XDS.Proxy":                    "proxy-xds-via-agent",
+		"XDS.ProxyDebug":               "proxy-xds-debug-via-agent",
+		"XDS.Socket":                   "xds-socket",
+		"XDS.DebugSocket":              "xds-debug-socket",
+		"XDS.DebugTCP":                 "xds-debug-tcp",
+		"XDS.MaxStreams":               "xds-proxy-max-streams",
+		"XDS.MaxStreamsPerConnection":  "xds-proxy-max-streams-per-connection",
+		"Output.Dir":                   "output-certs",
+		"Output.GroupRead":             "output-certs-group-read",
+		"Output.KeyGroupRead":          "output-certs-group-read",
+		"Servers.StatusAddr":           "status-addr",
+		"Servers.DebugAddr":            "debug-addr",
+		"RootDir":                      "root-dir",
+	}
+}
+
+// fieldName names a field of agent.Config as a user sets it: "--ca-addr (CA_ADDR)", the
+// variable after the flag when there is one; a field with no flag keeps the agent's name.
+func fieldName(field string) (flag, env string) {
+	flag, ok := agentFieldFlags()[field]
+	if !ok {
+		return field, ""
+	}
+	for _, b := range agentEnv() {
+		if b.flag == flag {
+			return "--" + flag, " (" + b.env + ")"
+		}
+	}
+	return "--" + flag, ""
+}
+
+// renderConfigErrors renders what agent.Config.Validate returns, each *agent.FieldError with
+// the flag and the variable of its field; the agent names fields by their path in the Config,
+// and only cmd knows how a user sets them.
+func renderConfigErrors(err error) error {
+	if err == nil {
+		return nil
+	}
+	if joined, ok := err.(interface{ Unwrap() []error }); ok {
+		var out []error
+		for _, e := range joined.Unwrap() {
+			out = append(out, renderConfigErrors(e))
+		}
+		return errors.Join(out...)
+	}
+	var fe *agent.FieldError
+	if !errors.As(err, &fe) {
+		return err
+	}
+	// The variable after the value, when it is shown with a cause: --ca-addr "x" (CA_ADDR): why.
+	flag, env := fieldName(fe.Field)
+	detail := fe.Detail()
+	if value, ok := fe.Value.(string); ok {
+		return renderedError{msg: fmt.Sprintf("%s %q%s: %v", flag, value, env, fe.Err), err: err}
+	}
+	return renderedError{msg: flag + env + detail, err: err}
+}
+
+// renderedError is an error shown as msg, still wrapping what it renders.
+type renderedError struct {
+	msg string
+	err error
+}
+
+func (e renderedError) Error() string { return e.msg }
+func (e renderedError) Unwrap() error { return e.err }
 
 func envHelp(bindings []envBinding) string {
 	var b strings.Builder

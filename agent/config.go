@@ -1,5 +1,8 @@
 // Package agent is the composition root of one meshid agent: it builds the CA client, the secret
 // manager and the status server from its Config, runs them under one context, and stops them.
+//
+// Config is grouped by component. Validate names a bad field by its path in Config
+// (*FieldError); cmd, which alone knows the flags and variables, renders it with them.
 package agent
 
 import (

@@ -13,6 +13,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -98,6 +99,10 @@ func New(cfg Config) (*Agent, error) {
 	return a, nil
 }
 
+// build makes the agent's parts in order, each from finished ones: the source decision, the
+// secrets (and, from a CA, the CA client and the embedded control plane), the SDS server, the
+// xDS proxy, the status and debug servers. A part is assigned once it is complete, so that
+// close releases what a failure leaves.
 func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *prometheus.Registry) (err error) {
 	var reason string
 	if a.source, reason, err = decide(&cfg, a.socketPath); err != nil {
@@ -106,41 +111,49 @@ func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *p
 	log.Info("SDS source chosen", logkey.Source, string(a.source), logkey.Reason, reason)
 
 	if a.source != SourceExternalSDS {
-		if a.secrets, err = a.newSecretManager(cfg, clk, log, registry); err != nil {
+		if err := a.buildSecrets(cfg, clk, log, registry); err != nil {
 			return err
 		}
-		a.sds, err = sds.New(sds.Config{
+		if a.sds, err = sds.New(sds.Config{
 			SocketPath:    a.socketPath,
-			SocketMode:    cfg.SocketMode,
+			SocketMode:    cfg.SDS.SocketMode,
 			Secrets:       a.secrets,
-			DrainDuration: cfg.DrainDuration,
+			DrainDuration: cfg.SDS.DrainDuration,
 			Clock:         clk,
 			Logger:        log.With(logkey.Component, "sds"),
 			Registerer:    registry,
 
-			MaxStreams:              cfg.SDSMaxStreams,
-			MaxStreamsPerConnection: cfg.SDSMaxStreamsPerConnection,
+			MaxStreams:              cfg.SDS.MaxStreams,
+			MaxStreamsPerConnection: cfg.SDS.MaxStreamsPerConnection,
 			SocketClock:             cfg.SocketClock,
 			OnSocket:                onSocket(cfg, a.socketPath),
-		})
-		if err != nil {
+		}); err != nil {
 			return err
 		}
 	}
-	if cfg.ProxyXDS {
-		if err := a.newXDSProxy(cfg, clk, log, registry); err != nil {
+	if cfg.XDS.Proxy {
+		var held func() *tls.Certificate
+		if a.secrets != nil {
+			held = a.secrets.TLSCertificate
+		}
+		if a.xds, a.xdsConn, err = newXDSProxy(cfg, a.embedded, held, clk, log, registry); err != nil {
 			return err
 		}
 	}
-	if a.statusLis, err = net.Listen("tcp", cfg.StatusAddr); err != nil {
-		return fmt.Errorf("listen for status on %s: %w", cfg.StatusAddr, err)
+	return a.buildServers(cfg, clk, log, registry)
+}
+
+// buildServers opens the status server, and the debug servers asked for.
+func (a *Agent) buildServers(cfg Config, clk clock.Clock, log *slog.Logger, registry *prometheus.Registry) (err error) {
+	if a.statusLis, err = net.Listen("tcp", cfg.Servers.StatusAddr); err != nil {
+		return fmt.Errorf("listen for status on %s: %w", cfg.Servers.StatusAddr, err)
 	}
 	a.status = &http.Server{Handler: a.statusHandler(registry), ReadHeaderTimeout: 10 * time.Second}
 	debug, err := newDebugBoundary(clk, log.With(logkey.Component, "debug"), registry)
 	if err != nil {
 		return err
 	}
-	if cfg.ProxyXDSDebug && a.xds != nil {
+	if cfg.XDS.ProxyDebug && a.xds != nil {
 		// Whoever may open the XDS socket may read the configuration: the debug socket sits next
 		// to it, with its mode.
 		if a.xdsDebugSocket, err = fsutil.ListenSocket(cfg.xdsDebugSocket(), xdsproxy.DefaultSocketMode, log.With(logkey.Component, "debug")); err != nil {
@@ -148,9 +161,9 @@ func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *p
 		}
 		a.xdsDebug = &http.Server{Handler: a.xdsDebugHandler(), ConnContext: admission.ConnContext, ReadHeaderTimeout: 10 * time.Second}
 	}
-	if cfg.DebugAddr != "" {
-		if a.debugLis, err = net.Listen("tcp", cfg.DebugAddr); err != nil {
-			return fmt.Errorf("listen for debug on %s: %w", cfg.DebugAddr, err)
+	if cfg.Servers.DebugAddr != "" {
+		if a.debugLis, err = net.Listen("tcp", cfg.Servers.DebugAddr); err != nil {
+			return fmt.Errorf("listen for debug on %s: %w", cfg.Servers.DebugAddr, err)
 		}
 		a.debug = &http.Server{
 			Handler:           debug.loopbackOnly(a.debugHandler(clk, cfg)),
@@ -197,18 +210,18 @@ func (c *Config) checkGivenPaths() error {
 		}
 	}
 	const onlyDefault = "only the default may be absent"
-	if c.CredentialsDir != "" {
-		add("--credentials-dir", c.CredentialsDir, checkDir(c.CredentialsDir, onlyDefault))
+	if c.SDS.CredentialsDir != "" {
+		add("--credentials-dir", c.SDS.CredentialsDir, checkDir(c.SDS.CredentialsDir, onlyDefault))
 	}
 	// Istio's VMs use the pair they keep in OUTPUT_CERTS as PROV_CERT: the agent makes that dir.
-	if c.ProvCert != "" && (c.OutputCerts == "" || filepath.Clean(c.ProvCert) != filepath.Clean(c.OutputCerts)) {
-		add("--prov-cert (PROV_CERT)", c.ProvCert, checkDir(c.ProvCert, "it may be absent only when it is --output-certs (OUTPUT_CERTS) too, which the agent creates"))
+	if c.CA.ProvCert != "" && (c.Output.Dir == "" || filepath.Clean(c.CA.ProvCert) != filepath.Clean(c.Output.Dir)) {
+		add("--prov-cert (PROV_CERT)", c.CA.ProvCert, checkDir(c.CA.ProvCert, "it may be absent only when it is --output-certs (OUTPUT_CERTS) too, which the agent creates"))
 	}
-	if c.CARootCert != "" {
-		add("--ca-root-cert (CA_ROOT_CA)", c.CARootCert, checkRoots(c.CARootCert, onlyDefault))
+	if c.CA.RootCert != "" {
+		add("--ca-root-cert (CA_ROOT_CA)", c.CA.RootCert, checkRoots(c.CA.RootCert, onlyDefault))
 	}
-	if c.XDSRootCert != "" {
-		add("--xds-root-cert (XDS_ROOT_CA)", c.XDSRootCert, checkRoots(c.XDSRootCert, onlyDefault))
+	if c.XDS.RootCert != "" {
+		add("--xds-root-cert (XDS_ROOT_CA)", c.XDS.RootCert, checkRoots(c.XDS.RootCert, onlyDefault))
 	}
 	return errors.Join(errs...)
 }
@@ -253,7 +266,7 @@ func decide(cfg *Config, socketPath string) (Source, string, error) {
 	if _, err := os.Lstat(socketPath); err == nil && fsutil.SocketServing(socketPath) {
 		return SourceExternalSDS, "another server answers on " + socketPath, nil
 	}
-	if cfg.FileMountedCerts {
+	if cfg.SDS.FileMountedCerts {
 		return SourceFiles, "FILE_MOUNTED_CERTS is set: serving " + cfg.path(DefaultMountedCerts), nil
 	}
 	dir := cfg.credentialsDir()
@@ -265,12 +278,12 @@ func decide(cfg *Config, socketPath string) (Source, string, error) {
 			dir, strings.Join(present, ", "), strings.Join(missing, ", "))}
 	}
 	if cfg.embedded() {
-		if cfg.Embed == nil {
+		if cfg.CA.Embed == nil {
 			return "", "", fmt.Errorf("no credential files in %s and no --ca-addr (CA_ADDR): %w", dir, ErrNoCA)
 		}
 		return SourceEmbeddedCA, "no CA address given: running the control plane in-process under " + cfg.path(DefaultEmbeddedDir), nil
 	}
-	return SourceCA, "no credential files in " + dir + ": using the CA at " + cfg.CAAddress, nil
+	return SourceCA, "no credential files in " + dir + ": using the CA at " + cfg.CA.Address, nil
 }
 
 // credentialFiles says which of the three credential files dir holds.
@@ -285,14 +298,15 @@ func credentialFiles(dir string) (present, missing []string) {
 	return present, missing
 }
 
-func (a *Agent) newSecretManager(cfg Config, clk clock.Clock, log *slog.Logger, registry *prometheus.Registry) (*secretmanager.Manager, error) {
-	output := secretmanager.Output{Dir: cfg.OutputCerts, GroupRead: cfg.OutputGroupRead, KeyGroupRead: cfg.OutputKeyGroupRead}
+// buildSecrets makes the secret manager: over the credential files, or over a CA through the CA
+// client (the embedded control plane started first when it is the CA). OUTPUT_CERTS is claimed
+// before anything reads it: a second agent on it would overwrite this one's key pair.
+func (a *Agent) buildSecrets(cfg Config, clk clock.Clock, log *slog.Logger, registry *prometheus.Registry) error {
+	output := secretmanager.Output{Dir: cfg.Output.Dir, GroupRead: cfg.Output.GroupRead, KeyGroupRead: cfg.Output.KeyGroupRead}
 	if output.Dir != "" {
-		// Held for the agent's life, before anything reads the directory: a second agent on it
-		// would overwrite this one's key pair.
 		claim, err := secretmanager.ClaimOutput(output)
 		if err != nil {
-			return nil, err
+			return err
 		}
 		a.unlocks = append(a.unlocks, claim.Release)
 		output.Claim = claim
@@ -306,113 +320,149 @@ func (a *Agent) newSecretManager(cfg Config, clk clock.Clock, log *slog.Logger, 
 		OnEvent:          cfg.OnEvent,
 	}
 	if a.source == SourceFiles {
-		dir := cfg.credentialsDir()
-		if cfg.FileMountedCerts {
-			dir = cfg.path(DefaultMountedCerts)
-		}
-		smCfg.Workload = &secretmanager.MountedFiles{
-			CertChain: filepath.Join(dir, secretmanager.CertChainFile),
-			Key:       filepath.Join(dir, secretmanager.KeyFile),
-			Root:      filepath.Join(dir, secretmanager.RootCertFile),
-		}
-		return secretmanager.New(smCfg)
+		smCfg.Workload = mountedFiles(cfg)
+		var err error
+		a.secrets, err = secretmanager.New(smCfg)
+		return err
 	}
 
-	id, err := cfg.Identity()
+	id, err := cfg.SPIFFEID()
 	if err != nil {
-		return nil, err
+		return err
 	}
-	var secrets *secretmanager.Manager // set below; the CA client asks it for the certificate held
-	provisioned := func() *tls.Certificate { return nil }
-	if cfg.ProvCert != "" {
-		provisioned = caclient.ProvisionedCertificate(cfg.ProvCert, clk, log.With(logkey.Component, "caclient"))
-	}
-	caCfg := caclient.Config{
-		Address:      cfg.CAAddress,
-		RootCertFile: cfg.caRootCert(),
-		ServerName:   cfg.CAServerName,
-		TokenPath:    cfg.TokenPath,
-		// The certificate held authenticates renewals, so that they go on after a provisioned
-		// token expires; PROV_CERT, the operator's provisioned pair, until there is one.
-		ClientCertificate: func() *tls.Certificate {
-			if cert := secrets.TLSCertificate(); cert != nil {
-				return cert
-			}
-			return provisioned()
-		},
-		ClusterID:  cfg.ClusterID,
-		Clock:      clk,
-		Logger:     log.With(logkey.Component, "caclient"),
-		Registerer: registry,
-	}
+	up := upstream{address: cfg.CA.Address, rootCertFile: cfg.caRootCert(), tokenPath: cfg.CA.TokenPath}
 	if a.source == SourceEmbeddedCA {
-		if err := a.embed(&caCfg, cfg, id, clk, log); err != nil {
-			return nil, err
+		e, unlock, err := embed(cfg, id, clk, log)
+		if err != nil {
+			return err
 		}
+		a.unlocks = append(a.unlocks, unlock)
+		a.embedded = e
+		up = upstream{address: e.GRPCAddr(), rootCertFile: e.RootCertFile(), token: e.Token}
 	}
-	log.Info("CA source", logkey.CAAddress, caCfg.Address, logkey.CARoot, describePath(caCfg.RootCertFile, "the system roots"), logkey.Identity, id.String())
-	if a.ca, err = caclient.New(caCfg); err != nil {
-		return nil, err
+	// The CA client presents the certificate the secret manager holds, so that renewals go on
+	// after a provisioned token expires; the manager signs through the CA client. The client is
+	// built first, and reaches the manager through held once it exists, before anything runs.
+	held := new(heldCertificate)
+	log.Info("CA source", logkey.CAAddress, up.address, logkey.CARoot, describePath(up.rootCertFile, "the system roots"), logkey.Identity, id.String())
+	if a.ca, err = caclient.New(caclient.Config{
+		Address:           up.address,
+		RootCertFile:      up.rootCertFile,
+		ServerName:        cfg.CA.ServerName,
+		TokenPath:         up.tokenPath,
+		Token:             up.token,
+		ClientCertificate: held.orProvisioned(provisioned(cfg, clk, log)),
+		ClusterID:         cfg.CA.ClusterID,
+		Clock:             clk,
+		Logger:            log.With(logkey.Component, "caclient"),
+		Registerer:        registry,
+	}); err != nil {
+		return err
 	}
 	smCfg.Workload = &secretmanager.Rotation{
 		Signer:           a.ca,
 		Identity:         id,
-		KeyAlgorithm:     cfg.KeyAlgorithm,
-		RSAKeySize:       cfg.RSAKeySize,
-		TTL:              cfg.SecretTTL,
-		GraceRatio:       cfg.GraceRatio,
-		GraceRatioJitter: cfg.GraceRatioJitter,
-		RootCertFile:     caCfg.RootCertFile,
+		KeyAlgorithm:     cfg.Certificate.KeyAlgorithm,
+		RSAKeySize:       cfg.Certificate.RSAKeySize,
+		TTL:              cfg.Certificate.TTL,
+		GraceRatio:       cfg.Certificate.GraceRatio,
+		GraceRatioJitter: cfg.Certificate.GraceRatioJitter,
+		RootCertFile:     up.rootCertFile,
 	}
-	secrets, err = secretmanager.New(smCfg)
-	return secrets, err
+	if a.secrets, err = secretmanager.New(smCfg); err != nil {
+		return err
+	}
+	held.manager.Store(a.secrets)
+	return nil
+}
+
+// upstream is where the CA client finds the CA, how it verifies it, and how it gets its token.
+type upstream struct {
+	address, rootCertFile, tokenPath string
+	token                            func(context.Context) (string, error) // instead of tokenPath
+}
+
+// heldCertificate is the certificate the secret manager holds, as the CA client presents it.
+// The manager and the client each need the other built first; the manager is stored here once
+// both exist, before anything runs, and until then nothing is held.
+type heldCertificate struct {
+	manager atomic.Pointer[secretmanager.Manager]
+}
+
+// orProvisioned returns the certificate held, or else provisioned's (PROV_CERT, the operator's
+// provisioned pair).
+func (h *heldCertificate) orProvisioned(provisioned func() *tls.Certificate) func() *tls.Certificate {
+	return func() *tls.Certificate {
+		if m := h.manager.Load(); m != nil {
+			if cert := m.TLSCertificate(); cert != nil {
+				return cert
+			}
+		}
+		return provisioned()
+	}
+}
+
+// provisioned returns PROV_CERT's key pair, read as the CA client asks for it; nil without one.
+func provisioned(cfg Config, clk clock.Clock, log *slog.Logger) func() *tls.Certificate {
+	if cfg.CA.ProvCert == "" {
+		return func() *tls.Certificate { return nil }
+	}
+	return caclient.ProvisionedCertificate(cfg.CA.ProvCert, clk, log.With(logkey.Component, "caclient"))
+}
+
+// mountedFiles are the credential files served: FILE_MOUNTED_CERTS's, or the credentials dir's.
+func mountedFiles(cfg Config) *secretmanager.MountedFiles {
+	dir := cfg.credentialsDir()
+	if cfg.SDS.FileMountedCerts {
+		dir = cfg.path(DefaultMountedCerts)
+	}
+	return &secretmanager.MountedFiles{
+		CertChain: filepath.Join(dir, secretmanager.CertChainFile),
+		Key:       filepath.Join(dir, secretmanager.KeyFile),
+		Root:      filepath.Join(dir, secretmanager.RootCertFile),
+	}
 }
 
 // embed starts the control plane in-process through the hook cmd/meshid supplies, serving on a
-// private Unix socket in the embedded state dir, which this agent locks for its life; the CA
-// client reaches it with tokens minted from its own key: the embedded pipeline is the
-// production pipeline.
-func (a *Agent) embed(caCfg *caclient.Config, cfg Config, id pki.SPIFFEID, clk clock.Clock, log *slog.Logger) error {
+// private Unix socket in the embedded state dir, which this agent locks for its life (unlock
+// releases it); the CA client reaches it with tokens minted from its own key: the embedded
+// pipeline is the production pipeline.
+func embed(cfg Config, id pki.SPIFFEID, clk clock.Clock, log *slog.Logger) (_ ControlPlane, unlock func(), err error) {
 	stateDir := cfg.path(DefaultEmbeddedDir)
 	socket := filepath.Join(stateDir, embeddedSocket)
 	if err := fsutil.CheckSocketPath(socket); err != nil {
-		return fmt.Errorf("the embedded CA's socket under --root-dir: %w", err)
+		return nil, nil, fmt.Errorf("the embedded CA's socket under --root-dir: %w", err)
 	}
 	// Made private, or found ours alone, before the lock goes in: another user who could write
 	// in it could have put their own CA key and token key there.
 	if err := fsutil.EnsureOwnedDir(stateDir, fsutil.PrivateDirMode); err != nil {
-		return fmt.Errorf("the embedded CA's state dir: %w", err)
+		return nil, nil, fmt.Errorf("the embedded CA's state dir: %w", err)
 	}
 	lock := filepath.Join(stateDir, embeddedLock)
-	unlock, err := fsutil.TryLockPID(lock)
+	unlock, err = fsutil.TryLockPID(lock)
 	if errors.Is(err, fsutil.ErrLocked) {
 		holder := "another agent"
 		if pid, ok := fsutil.LockHolder(lock); ok {
 			holder += " (pid " + strconv.Itoa(pid) + ")"
 		}
-		return fmt.Errorf("%s runs the embedded CA in %s (%w): give each agent its own --root-dir", holder, stateDir, fsutil.ErrLocked)
+		return nil, nil, fmt.Errorf("%s runs the embedded CA in %s (%w): give each agent its own --root-dir", holder, stateDir, fsutil.ErrLocked)
 	}
 	if err != nil {
-		return err
+		return nil, nil, err
 	}
-	a.unlocks = append(a.unlocks, unlock)
-	e, err := cfg.Embed(EmbedConfig{
+	e, err := cfg.CA.Embed(EmbedConfig{
 		StateDir:    stateDir,
 		SocketPath:  socket,
-		TrustDomain: cfg.TrustDomain,
+		TrustDomain: cfg.Identity.TrustDomain,
 		Identity:    id,
 		Clock:       clk,
 		Logger:      log.With(logkey.Component, "embedded-ca"),
 	})
 	if err != nil {
-		return fmt.Errorf("embedded control plane: %w", err)
+		unlock()
+		return nil, nil, fmt.Errorf("embedded control plane: %w", err)
 	}
-	a.embedded = e
-	caCfg.Address = e.GRPCAddr()
-	caCfg.RootCertFile = e.RootCertFile()
-	caCfg.TokenPath = ""
-	caCfg.Token = e.Token
-	return nil
+	return e, unlock, nil
 }
 
 func describePath(p, ifEmpty string) string {
@@ -425,10 +475,10 @@ func describePath(p, ifEmpty string) string {
 // caRootCert finds the CA root in Istio's order: CA_ROOT_CA, PROV_CERT/root-cert.pem, then the
 // mounted istio-ca-root-cert config map; "" (the system roots) when none exists.
 func (c *Config) caRootCert() string {
-	if c.CARootCert != "" {
-		return c.CARootCert
+	if c.CA.RootCert != "" {
+		return c.CA.RootCert
 	}
-	for _, candidate := range []string{provRoot(c.ProvCert), c.path(DefaultCARootCert)} {
+	for _, candidate := range []string{provRoot(c.CA.ProvCert), c.path(DefaultCARootCert)} {
 		if candidate == "" {
 			continue
 		}
@@ -447,50 +497,50 @@ func provRoot(provCert string) string {
 }
 
 // newXDSProxy builds the proxy of Envoy's xDS: to the discovery address, else the CA's (meshid
-// ca serves both), else the embedded control plane; authenticated as the CA client is, with the
-// token read per stream and the workload certificate held, so that a VM whose token expired
-// keeps its configuration.
-func (a *Agent) newXDSProxy(cfg Config, clk clock.Clock, log *slog.Logger, registry *prometheus.Registry) error {
+// ca serves both), else the embedded control plane (nil when there is none); authenticated as
+// the CA client is, with the token read per stream and the workload certificate held (held, nil
+// when the agent holds none), so that a VM whose token expired keeps its configuration. It
+// returns nil, and no connection, when there is nothing to proxy to.
+func newXDSProxy(cfg Config, embedded ControlPlane, held func() *tls.Certificate, clk clock.Clock, log *slog.Logger,
+	registry *prometheus.Registry) (*xdsproxy.Proxy, *grpc.ClientConn, error) {
 	up := caclient.UpstreamConfig{
-		Address: cfg.DiscoveryAddress, ServerName: cfg.CAServerName, TokenPath: cfg.TokenPath, ClusterID: cfg.ClusterID, Clock: clk,
-		RootCertFile: cfg.XDSRootCert,
+		Address: cfg.XDS.DiscoveryAddress, ServerName: cfg.CA.ServerName, TokenPath: cfg.CA.TokenPath, ClusterID: cfg.CA.ClusterID, Clock: clk,
+		RootCertFile: cfg.XDS.RootCert, ClientCertificate: held,
 	}
 	switch {
 	case up.Address != "":
-	case a.embedded != nil:
-		up.Address, up.TokenPath, up.Token = a.embedded.GRPCAddr(), "", a.embedded.Token
+	case embedded != nil:
+		up.Address, up.TokenPath, up.Token = embedded.GRPCAddr(), "", embedded.Token
 		if up.RootCertFile == "" {
-			up.RootCertFile = a.embedded.RootCertFile()
+			up.RootCertFile = embedded.RootCertFile()
 		}
 	default:
-		up.Address = cfg.CAAddress
+		up.Address = cfg.CA.Address
 	}
 	if up.Address == "" {
 		// Credential files and no control plane named: nothing to proxy to.
 		log.Info("no discovery server to proxy Envoy's xDS to (--discovery-addr, --ca-addr): the xDS proxy is off")
-		return nil
+		return nil, nil, nil
 	}
 	if up.RootCertFile == "" {
 		up.RootCertFile = cfg.caRootCert()
 	}
-	if a.secrets != nil {
-		up.ClientCertificate = a.secrets.TLSCertificate
-	}
-	id, err := cfg.Identity()
+	id, err := cfg.SPIFFEID()
 	if err != nil {
-		return err
+		return nil, nil, err
 	}
-	if a.xdsConn, err = caclient.DialUpstream(up); err != nil {
-		return err
+	conn, err := caclient.DialUpstream(up)
+	if err != nil {
+		return nil, nil, err
 	}
-	a.xds, err = xdsproxy.New(xdsproxy.Config{
+	proxy, err := xdsproxy.New(xdsproxy.Config{
 		Socket:   cfg.xdsSocket(),
-		Upstream: a.xdsConn,
+		Upstream: conn,
 		// Istio's form of a sidecar's node ID; the discovery server picks the configuration by
 		// the credential, not by this.
 		Node:                    &corev3.Node{Id: fmt.Sprintf("sidecar~127.0.0.1~%s.%s~%s.svc.cluster.local", id.ServiceAccount, id.Namespace, id.Namespace)},
-		MaxStreams:              cfg.XDSMaxStreams,
-		MaxStreamsPerConnection: cfg.XDSMaxStreamsPerConnection,
+		MaxStreams:              cfg.XDS.MaxStreams,
+		MaxStreamsPerConnection: cfg.XDS.MaxStreamsPerConnection,
 		Clock:                   clk,
 		Logger:                  log.With(logkey.Component, "xds-proxy"),
 		Registerer:              registry,
@@ -498,10 +548,11 @@ func (a *Agent) newXDSProxy(cfg Config, clk clock.Clock, log *slog.Logger, regis
 		OnSocket:                onSocket(cfg, cfg.xdsSocket()),
 	})
 	if err != nil {
-		return err
+		_ = conn.Close()
+		return nil, nil, err
 	}
 	log.Info("xDS proxy", logkey.Socket, cfg.xdsSocket(), logkey.Address, up.Address, logkey.CARoot, describePath(up.RootCertFile, "the system roots"))
-	return nil
+	return proxy, conn, nil
 }
 
 // Source returns where the certificates come from.

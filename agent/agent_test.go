@@ -107,7 +107,7 @@ func TestAgentRenewsOverMTLSWithoutOutputCerts(t *testing.T) {
 	e := newEnv(t)
 	tokenPath := e.tokenFile(t, "default", "demo")
 	cfg := e.config(t, tokenPath, nil)
-	cfg.OutputCerts = ""
+	cfg.Output.Dir = ""
 	a := newAgent(t, cfg)
 	certs := issued(t, a)
 	runAgent(t, a)
@@ -144,7 +144,7 @@ func TestNotReadyWithoutAValidCertificate(t *testing.T) {
 			t.Parallel()
 			ev := newEvents()
 			cfg := e.config(t, tc.token, ev)
-			cfg.OutputCerts = filepath.Join(t.TempDir(), "out")
+			cfg.Output.Dir = filepath.Join(t.TempDir(), "out")
 			a := newAgent(t, cfg)
 			runAgent(t, a)
 			ev.await(t, "the state of default", func(x secretmanager.Event) bool {
@@ -175,13 +175,13 @@ func TestUnwritableOutputCertsKeepTheAgentNotReady(t *testing.T) {
 	if err := os.WriteFile(blocker, nil, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	cfg.OutputCerts = filepath.Join(blocker, "out")
+	cfg.Output.Dir = filepath.Join(blocker, "out")
 	a := newAgent(t, cfg)
 	runAgent(t, a)
 	ev.await(t, "a failed write", func(x secretmanager.Event) bool { return x.Kind == secretmanager.EventOutputFailed })
 
 	code, body := httpGet(t, "http://"+a.StatusAddr()+"/healthz/ready")
-	if code != http.StatusServiceUnavailable || !strings.Contains(body, "OUTPUT_CERTS") || !strings.Contains(body, cfg.OutputCerts) {
+	if code != http.StatusServiceUnavailable || !strings.Contains(body, "OUTPUT_CERTS") || !strings.Contains(body, cfg.Output.Dir) {
 		t.Fatalf("/healthz/ready = %d %q, want 503 naming OUTPUT_CERTS", code, body)
 	}
 	ctx, cancel := context.WithTimeout(t.Context(), wait)
@@ -200,7 +200,7 @@ func TestUnwritableOutputCertsKeepTheAgentNotReady(t *testing.T) {
 	if code, body := httpGet(t, "http://"+a.StatusAddr()+"/healthz/ready"); code != http.StatusOK {
 		t.Fatalf("/healthz/ready after the write = %d %q", code, body)
 	}
-	if uri, _ := readPair(t, cfg.OutputCerts); uri != demoID {
+	if uri, _ := readPair(t, cfg.Output.Dir); uri != demoID {
 		t.Fatalf("OUTPUT_CERTS holds %s", uri)
 	}
 	if got := metric(t, a, "meshid_agent_output_certs_write_failures_total"); got == "0" || got == "" {
@@ -225,15 +225,15 @@ func TestOutputCertsGroupModes(t *testing.T) {
 			e := newEnv(t)
 			ev := newEvents()
 			cfg := e.config(t, e.tokenFile(t, "default", "demo"), ev)
-			cfg.OutputGroupRead, cfg.OutputKeyGroupRead = tc.group, tc.key
+			cfg.Output.GroupRead, cfg.Output.KeyGroupRead = tc.group, tc.key
 			runAgent(t, newAgent(t, cfg))
 			ev.await(t, "OUTPUT_CERTS written", func(x secretmanager.Event) bool { return x.Kind == secretmanager.EventOutputWritten })
-			generation, err := filepath.EvalSymlinks(filepath.Join(cfg.OutputCerts, "..data"))
+			generation, err := filepath.EvalSymlinks(filepath.Join(cfg.Output.Dir, "..data"))
 			if err != nil {
 				t.Fatal(err)
 			}
 			for path, want := range map[string]os.FileMode{
-				cfg.OutputCerts: tc.dir, generation: tc.dir,
+				cfg.Output.Dir: tc.dir, generation: tc.dir,
 				filepath.Join(generation, "cert-chain.pem"): tc.cert,
 				filepath.Join(generation, "root-cert.pem"):  tc.cert,
 				filepath.Join(generation, "key.pem"):        tc.keyMode,
@@ -299,7 +299,7 @@ func TestPartialCredentialsDirIsRefused(t *testing.T) {
 	dir := t.TempDir()
 	testutil.WriteFiles(t, dir, map[string][]byte{"cert-chain.pem": []byte("x")})
 	cfg := testConfig(t, newFakeClock(), nil, nil)
-	cfg.CredentialsDir = dir
+	cfg.SDS.CredentialsDir = dir
 	_, err := agent.New(cfg)
 	if err == nil {
 		t.Fatal("an agent started with a credentials dir missing key.pem and root-cert.pem")
@@ -325,11 +325,11 @@ func TestGivenPathsAreRefused(t *testing.T) {
 		modify func(*agent.Config)
 		want   string
 	}{
-		{"credentials dir", func(c *agent.Config) { c.CredentialsDir = missing }, "--credentials-dir " + missing + " does not exist"},
-		{"provisioned pair", func(c *agent.Config) { c.ProvCert = missing }, "--prov-cert (PROV_CERT) " + missing + " does not exist"},
-		{"CA root", func(c *agent.Config) { c.CARootCert = missing }, "--ca-root-cert (CA_ROOT_CA) " + missing + " does not exist"},
-		{"xDS root", func(c *agent.Config) { c.XDSRootCert = filepath.Join(fix, "notes.txt") }, "--xds-root-cert (XDS_ROOT_CA) " + fix + "/notes.txt holds no PEM certificate"},
-		{"incomplete credentials dir", func(c *agent.Config) { c.CredentialsDir = filepath.Join(fix, "partial") }, "holds key.pem but not cert-chain.pem, root-cert.pem"},
+		{"credentials dir", func(c *agent.Config) { c.SDS.CredentialsDir = missing }, "--credentials-dir " + missing + " does not exist"},
+		{"provisioned pair", func(c *agent.Config) { c.CA.ProvCert = missing }, "--prov-cert (PROV_CERT) " + missing + " does not exist"},
+		{"CA root", func(c *agent.Config) { c.CA.RootCert = missing }, "--ca-root-cert (CA_ROOT_CA) " + missing + " does not exist"},
+		{"xDS root", func(c *agent.Config) { c.XDS.RootCert = filepath.Join(fix, "notes.txt") }, "--xds-root-cert (XDS_ROOT_CA) " + fix + "/notes.txt holds no PEM certificate"},
+		{"incomplete credentials dir", func(c *agent.Config) { c.SDS.CredentialsDir = filepath.Join(fix, "partial") }, "holds key.pem but not cert-chain.pem, root-cert.pem"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -359,8 +359,8 @@ func TestSecondAgentOnOneRootDirIsRefused(t *testing.T) {
 	serial0 := receive(t, certs, "first certificate").Version
 
 	second := cfg
-	second.WorkloadSocketDir = testutil.ShortTempDir(t)
-	second.StatusAddr, second.DebugAddr = "127.0.0.1:0", ""
+	second.SDS.SocketDir = testutil.ShortTempDir(t)
+	second.Servers.StatusAddr, second.Servers.DebugAddr = "127.0.0.1:0", ""
 	if _, err := agent.New(second); err == nil || !strings.Contains(err.Error(), "another agent") || !strings.Contains(err.Error(), "--root-dir") {
 		t.Fatalf("second agent on the same root dir: %v, want a refusal naming --root-dir", err)
 	} else if !errors.Is(err, fsutil.ErrLocked) || !strings.Contains(err.Error(), "pid "+strconv.Itoa(os.Getpid())) {
@@ -399,7 +399,7 @@ func TestCARootIsFoundInIstioOrder(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
 			cfg := agent.DefaultConfig(root)
-			cfg.CARootCert, cfg.ProvCert = tt.explicit, tt.prov
+			cfg.CA.RootCert, cfg.CA.ProvCert = tt.explicit, tt.prov
 			if got := agent.CARootCert(cfg); got != tt.want {
 				t.Fatalf("CA root %q, want %q", got, tt.want)
 			}
@@ -411,11 +411,41 @@ func TestCARootIsFoundInIstioOrder(t *testing.T) {
 	}
 }
 
+// A problem with one field of the Config is a *agent.FieldError keyed by the field's path, which
+// cmd renders with the field's flag and variable.
+func TestConfigValidateKeysErrorsByField(t *testing.T) {
+	t.Parallel()
+	for _, tt := range []struct {
+		field  string
+		modify func(*agent.Config)
+	}{
+		{"Certificate.GraceRatio", func(c *agent.Config) { c.Certificate.GraceRatio = 2 }},
+		{"Certificate.GraceRatioJitter", func(c *agent.Config) { c.Certificate.GraceRatioJitter = 0.6 }},
+		{"Certificate.TTL", func(c *agent.Config) { c.Certificate.TTL = -time.Second }},
+		{"Certificate.KeyAlgorithm", func(c *agent.Config) { c.Certificate.KeyAlgorithm = "DSA" }},
+		{"SDS.MaxStreams", func(c *agent.Config) { c.SDS.MaxStreams = 0 }},
+		{"XDS.MaxStreamsPerConnection", func(c *agent.Config) { c.XDS.MaxStreamsPerConnection = -1 }},
+		{"Servers.StatusAddr", func(c *agent.Config) { c.Servers.StatusAddr = "15020" }},
+		{"CA.Address", func(c *agent.Config) { c.CA.Address = "https://ca:15012" }},
+	} {
+		t.Run(tt.field, func(t *testing.T) {
+			t.Parallel()
+			c := agent.DefaultConfig("")
+			c.Identity.Namespace, c.Identity.ServiceAccount, c.CA.Address = "default", "demo", "127.0.0.1:15012"
+			tt.modify(&c)
+			var fe *agent.FieldError
+			if err := c.Validate(); !errors.As(err, &fe) || fe.Field != tt.field {
+				t.Fatalf("Validate() = %v, want a *agent.FieldError for %s", err, tt.field)
+			}
+		})
+	}
+}
+
 func TestConfigValidate(t *testing.T) {
 	t.Parallel()
 	good := func() agent.Config {
 		c := agent.DefaultConfig("")
-		c.Namespace, c.ServiceAccount, c.CAAddress = "default", "demo", "127.0.0.1:15012"
+		c.Identity.Namespace, c.Identity.ServiceAccount, c.CA.Address = "default", "demo", "127.0.0.1:15012"
 		return c
 	}
 	if c := good(); c.Validate() != nil {
@@ -426,40 +456,42 @@ func TestConfigValidate(t *testing.T) {
 		modify func(*agent.Config)
 		want   string
 	}{
-		{"no namespace", func(c *agent.Config) { c.Namespace = "" }, "--namespace (POD_NAMESPACE) is required"},
-		{"no service account", func(c *agent.Config) { c.ServiceAccount = "" }, "--service-account (SERVICE_ACCOUNT) is required"},
-		{"group-readable key alone", func(c *agent.Config) { c.OutputKeyGroupRead = true }, "group-readable"},
-		{"bad service account", func(c *agent.Config) { c.ServiceAccount = "Bad_Name" }, "SERVICE_ACCOUNT"},
-		{"debug server off loopback", func(c *agent.Config) { c.DebugAddr = "0.0.0.0:15004" }, "loopback only"},
-		{"socket path too long", func(c *agent.Config) { c.WorkloadSocketDir = "/" + strings.Repeat("d", 120) }, "kernel's limit"},
-		{"negative drain", func(c *agent.Config) { c.DrainDuration = -time.Second }, "--drain-duration"},
-		{"RSA too small", func(c *agent.Config) { c.KeyAlgorithm, c.RSAKeySize = pki.RSA, 1024 }, "WORKLOAD_RSA_KEY_SIZE"},
-		{"ratio", func(c *agent.Config) { c.GraceRatio = 1 }, "--grace-period-ratio"},
-		{"jitter", func(c *agent.Config) { c.GraceRatioJitter = 0.6 }, "--grace-period-ratio-jitter"},
-		{"ttl", func(c *agent.Config) { c.SecretTTL = 0 }, "--secret-ttl"},
-		{"status addr", func(c *agent.Config) { c.StatusAddr = "15020" }, "--status-addr"},
-		{"CA address, relative Unix socket", func(c *agent.Config) { c.CAAddress = "unix://ca.sock" }, `--ca-addr "unix://ca.sock" (CA_ADDR): a Unix socket needs an absolute path`},
-		{"discovery address, no host", func(c *agent.Config) { c.DiscoveryAddress = ":15012" }, `--discovery-addr ":15012": no host`},
+		{"no namespace", func(c *agent.Config) { c.Identity.Namespace = "" }, "--namespace (POD_NAMESPACE) is required"},
+		{"no service account", func(c *agent.Config) { c.Identity.ServiceAccount = "" }, "--service-account (SERVICE_ACCOUNT) is required"},
+		{"group-readable key alone", func(c *agent.Config) { c.Output.KeyGroupRead = true }, "group-readable"},
+		{"bad service account", func(c *agent.Config) { c.Identity.ServiceAccount = "Bad_Name" }, "SERVICE_ACCOUNT"},
+		{"debug server off loopback", func(c *agent.Config) { c.Servers.DebugAddr = "0.0.0.0:15004" }, "loopback only"},
+		{"socket path too long", func(c *agent.Config) { c.SDS.SocketDir = "/" + strings.Repeat("d", 120) }, "kernel's limit"},
+		// The agent names a field by its path in Config; cmd renders it with its flag and variable
+		// (cmd/internal/cli's TestAgentConfigErrorsNameFlagsAndVariables has these cases rendered).
+		{"negative drain", func(c *agent.Config) { c.SDS.DrainDuration = -time.Second }, "SDS.DrainDuration -1s must not be negative"},
+		{"RSA too small", func(c *agent.Config) { c.Certificate.KeyAlgorithm, c.Certificate.RSAKeySize = pki.RSA, 1024 }, "Certificate.RSAKeySize: RSA key size 1024"},
+		{"ratio", func(c *agent.Config) { c.Certificate.GraceRatio = 1 }, "Certificate.GraceRatio: grace period ratio 1 must be between 0 and 1"},
+		{"jitter", func(c *agent.Config) { c.Certificate.GraceRatioJitter = 0.6 }, "Certificate.GraceRatioJitter: grace period ratio jitter 0.6"},
+		{"ttl", func(c *agent.Config) { c.Certificate.TTL = 0 }, "Certificate.TTL 0s must be positive"},
+		{"status addr", func(c *agent.Config) { c.Servers.StatusAddr = "15020" }, `Servers.StatusAddr "15020": no port`},
+		{"CA address, relative Unix socket", func(c *agent.Config) { c.CA.Address = "unix://ca.sock" }, `CA.Address "unix://ca.sock": a Unix socket needs an absolute path`},
+		{"discovery address, no host", func(c *agent.Config) { c.XDS.DiscoveryAddress = ":15012" }, `XDS.DiscoveryAddress ":15012": no host`},
 		{"every address at once", func(c *agent.Config) {
-			c.StatusAddr, c.DebugAddr, c.CAAddress, c.DiscoveryAddress = "127.0.0.1:99999", "localhost", "https://ca:15012", "istiod"
-		}, "--status-addr \"127.0.0.1:99999\": port \"99999\": want a number from 0 to 65535\n" +
-			"--debug-addr \"localhost\": no port: give HOST:PORT, as in \"localhost:PORT\"\n" +
-			"--ca-addr \"https://ca:15012\" (CA_ADDR): https:// is not part of an address: give HOST:PORT, as in \"ca:15012\"\n" +
-			"--discovery-addr \"istiod\": no port: give HOST:PORT, as in \"istiod:PORT\""},
+			c.Servers.StatusAddr, c.Servers.DebugAddr, c.CA.Address, c.XDS.DiscoveryAddress = "127.0.0.1:99999", "localhost", "https://ca:15012", "istiod"
+		}, "Servers.StatusAddr \"127.0.0.1:99999\": port \"99999\": want a number from 0 to 65535\n" +
+			"Servers.DebugAddr \"localhost\": no port: give HOST:PORT, as in \"localhost:PORT\"\n" +
+			"CA.Address \"https://ca:15012\": https:// is not part of an address: give HOST:PORT, as in \"ca:15012\"\n" +
+			"XDS.DiscoveryAddress \"istiod\": no port: give HOST:PORT, as in \"istiod:PORT\""},
 		// Attack: a file-root: or file-cert: resource reading the embedded CA's keys.
-		{"file resource dir is the CA state dir", func(c *agent.Config) { c.FileResourceDirs = []string{"/etc/certs", "/var/lib/meshid"} },
+		{"file resource dir is the CA state dir", func(c *agent.Config) { c.SDS.FileResourceDirs = []string{"/etc/certs", "/var/lib/meshid"} },
 			"--file-resource-dirs: /var/lib/meshid overlaps the embedded CA's state dir /var/lib/meshid"},
-		{"file resource dir holds the CA state dir", func(c *agent.Config) { c.FileResourceDirs = []string{"/var/lib/"} },
+		{"file resource dir holds the CA state dir", func(c *agent.Config) { c.SDS.FileResourceDirs = []string{"/var/lib/"} },
 			"--file-resource-dirs: /var/lib/ overlaps the embedded CA's state dir /var/lib/meshid"},
-		{"file resource dir is the root", func(c *agent.Config) { c.FileResourceDirs = []string{"/"} }, "--file-resource-dirs: / overlaps"},
-		{"file resource dir inside the CA state dir", func(c *agent.Config) { c.FileResourceDirs = []string{"/var/lib/meshid/sub"} },
+		{"file resource dir is the root", func(c *agent.Config) { c.SDS.FileResourceDirs = []string{"/"} }, "--file-resource-dirs: / overlaps"},
+		{"file resource dir inside the CA state dir", func(c *agent.Config) { c.SDS.FileResourceDirs = []string{"/var/lib/meshid/sub"} },
 			"--file-resource-dirs: /var/lib/meshid/sub"},
 		{"file resource dir holds the CA state dir under the root dir", func(c *agent.Config) {
-			c.RootDir, c.FileResourceDirs = "/r", []string{"/r/var"}
+			c.RootDir, c.SDS.FileResourceDirs = "/r", []string{"/r/var"}
 		}, "--file-resource-dirs: /r/var overlaps the embedded CA's state dir /r/var/lib/meshid"},
-		{"default file resource dirs hold the CA state dir", func(c *agent.Config) { c.CredentialsDir = "/var" },
+		{"default file resource dirs hold the CA state dir", func(c *agent.Config) { c.SDS.CredentialsDir = "/var" },
 			"--file-resource-dirs (default: the credentials dir and <root-dir>/etc/certs): /var overlaps"},
-		{"embedded, file resource dir holds the CA state dir", func(c *agent.Config) { c.CAAddress, c.FileResourceDirs = "", []string{"/var"} },
+		{"embedded, file resource dir holds the CA state dir", func(c *agent.Config) { c.CA.Address, c.SDS.FileResourceDirs = "", []string{"/var"} },
 			"--file-resource-dirs: /var overlaps"},
 	}
 	for _, tt := range tests {
@@ -473,15 +505,15 @@ func TestConfigValidate(t *testing.T) {
 		})
 	}
 	for name, modify := range map[string]func(*agent.Config){
-		"CA on a Unix socket": func(c *agent.Config) { c.CAAddress = "unix:///run/meshid/ca.sock" },
+		"CA on a Unix socket": func(c *agent.Config) { c.CA.Address = "unix:///run/meshid/ca.sock" },
 		"discovery address, CA's too": func(c *agent.Config) {
-			c.CAAddress, c.DiscoveryAddress = "istiod.example:15012", "istiod.example:15012"
+			c.CA.Address, c.XDS.DiscoveryAddress = "istiod.example:15012", "istiod.example:15012"
 		},
-		"status on every interface":      func(c *agent.Config) { c.StatusAddr = ":15020" },
-		"ports picked by the kernel":     func(c *agent.Config) { c.StatusAddr, c.DebugAddr = "127.0.0.1:0", "[::1]:0" },
-		"debug server on localhost":      func(c *agent.Config) { c.DebugAddr = "localhost:15004" },
-		"debug server off":               func(c *agent.Config) { c.DebugAddr = "" },
-		"discovery server at an IPv6 IP": func(c *agent.Config) { c.DiscoveryAddress = "[fd00::1]:15012" },
+		"status on every interface":      func(c *agent.Config) { c.Servers.StatusAddr = ":15020" },
+		"ports picked by the kernel":     func(c *agent.Config) { c.Servers.StatusAddr, c.Servers.DebugAddr = "127.0.0.1:0", "[::1]:0" },
+		"debug server on localhost":      func(c *agent.Config) { c.Servers.DebugAddr = "localhost:15004" },
+		"debug server off":               func(c *agent.Config) { c.Servers.DebugAddr = "" },
+		"discovery server at an IPv6 IP": func(c *agent.Config) { c.XDS.DiscoveryAddress = "[fd00::1]:15012" },
 	} {
 		t.Run("accepted/"+name, func(t *testing.T) {
 			t.Parallel()
@@ -499,7 +531,7 @@ func TestConfigValidate(t *testing.T) {
 		t.Run("accepted/"+name, func(t *testing.T) {
 			t.Parallel()
 			c := good()
-			c.FileResourceDirs = dirs
+			c.SDS.FileResourceDirs = dirs
 			if err := c.Validate(); err != nil {
 				t.Fatalf("file resource dirs %q refused: %v", dirs, err)
 			}
@@ -519,7 +551,7 @@ func TestConfigRefusesFileResourceDirLinkedToCAState(t *testing.T) {
 		t.Fatal(err)
 	}
 	c := agent.DefaultConfig(root)
-	c.FileResourceDirs = []string{link}
+	c.SDS.FileResourceDirs = []string{link}
 	err := c.Validate()
 	if err == nil || !strings.Contains(err.Error(), "--file-resource-dirs: "+link) || !strings.Contains(err.Error(), filepath.Join(root, "var/lib/meshid")) {
 		t.Fatalf("a file resource dir linked to the CA state dir's parent: %v, want a refusal naming --file-resource-dirs, %s and the state dir", err, link)

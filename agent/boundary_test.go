@@ -30,8 +30,8 @@ func TestXDSDebugIsServedToWhoMayOpenTheXDSSocket(t *testing.T) {
 		t.Run("xds-debug-tcp="+strconv.FormatBool(tcp), func(t *testing.T) {
 			t.Parallel()
 			cfg := e.config(t, e.tokenFile(t, "default", "demo"), nil)
-			cfg.OutputCerts = filepath.Join(t.TempDir(), "out") // one agent's: the subtests run at once
-			cfg.XDSDebugTCP = tcp
+			cfg.Output.Dir = filepath.Join(t.TempDir(), "out") // one agent's: the subtests run at once
+			cfg.XDS.DebugTCP = tcp
 			a := newAgent(t, cfg)
 			runAgent(t, a)
 

@@ -63,7 +63,7 @@ func TestSDSConnectChurnLeaksNothing(t *testing.T) {
 	const tolerance = 0
 	ca := testutil.NewRootCA(t, testutil.CAOptions{})
 	cfg := testConfig(t, newFakeClock(), nil, nil)
-	cfg.CredentialsDir = credentialsDir(t, newCredentials(t, ca, "spiffe://cluster.local/ns/shop/sa/cart"))
+	cfg.SDS.CredentialsDir = credentialsDir(t, newCredentials(t, ca, "spiffe://cluster.local/ns/shop/sa/cart"))
 	a := newAgent(t, cfg)
 	runAgent(t, a)
 	ctx, cancel := context.WithTimeout(context.Background(), wait)

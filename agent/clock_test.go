@@ -162,7 +162,7 @@ func TestAgentAheadOfTheCARenewsInTime(t *testing.T) {
 	e, caClock := newSkewedEnv(t, skew)
 	ev := newEvents()
 	cfg := e.config(t, e.tokenFileAt(t, caClock.Now()), ev)
-	cfg.SecretTTL = time.Hour
+	cfg.Certificate.TTL = time.Hour
 	a := newAgent(t, cfg)
 	certs := issued(t, a)
 	runAgent(t, a)

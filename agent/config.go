@@ -1,5 +1,8 @@
 // Package agent is the composition root of one meshid agent: it builds the CA client, the secret
 // manager and the status server from its Config, runs them under one context, and stops them.
+//
+// Config is grouped by component. Validate names a bad field by its path in Config
+// (*FieldError); cmd, which alone knows the flags and variables, renders it with them.
 package agent
 
 import (
@@ -46,75 +49,19 @@ const (
 	DefaultCAServerName           = istio.IstiodSAN
 )
 
-// Config is everything an agent needs; cmd builds it from flags and environment and validates it.
+// Config is everything an agent needs; cmd builds it from flags and environment and validates
+// it. Its fields are grouped by the component they configure; Validate's errors name them by
+// their path here (FieldError), and cmd renders each with its flag and variable.
 type Config struct {
-	// Identity of the workload: spiffe://TrustDomain/ns/Namespace/sa/ServiceAccount.
-	TrustDomain    string
-	Namespace      string
-	ServiceAccount string
-
-	// CAAddress is the CA (CA_ADDR); empty runs the control plane in-process (embedded mode).
-	// CARootCert is the file that verifies it (CA_ROOT_CA); when
-	// empty, PROV_CERT/root-cert.pem and then RootDir/var/run/secrets/istio/root-cert.pem are used,
-	// whichever exists first, as Istio does.
-	CAAddress    string
-	CARootCert   string
-	CAServerName string // ISTIOD_SAN
-	ClusterID    string // ISTIO_META_CLUSTER_ID
-	TokenPath    string
-	ProvCert     string // PROV_CERT: a key pair for mTLS to the CA
-
-	// DiscoveryAddress is the discovery server Envoy's xDS is proxied to (Istio's
-	// discoveryAddress); empty: the CA's address (meshid ca serves both), or the embedded
-	// control plane. XDSRootCert verifies it (XDS_ROOT_CA); empty: the CA's root.
-	DiscoveryAddress string
-	XDSRootCert      string
-	// ProxyXDS serves Envoy's ADS on XDSSocket (default <root>/etc/istio/proxy/XDS) and proxies
-	// it upstream (PROXY_XDS_VIA_AGENT); ProxyXDSDebug answers /debug/<type> from the
-	// upstream's istio.io/debug (PROXY_XDS_DEBUG_VIA_AGENT) on XDSDebugSocket (default: debug.sock
-	// next to the XDS socket, with its mode: whoever may open the XDS socket may read what it
-	// shows) and, with XDSDebugTCP, on the debug server too.
-	ProxyXDS, ProxyXDSDebug bool
-	XDSSocket               string
-	XDSDebugSocket          string
-	XDSDebugTCP             bool
-	// XDSMaxStreams bounds Envoy's ADS streams open at once, and the connections;
-	// XDSMaxStreamsPerConnection bounds one connection's streams.
-	XDSMaxStreams              int
-	XDSMaxStreamsPerConnection int
-
-	// Embed starts a CA in-process when no CA address is given; cmd/meshid supplies it, and
-	// meshid-agent, which links no CA, does not.
-	Embed EmbedFunc
-
-	KeyAlgorithm     pki.KeyAlgorithm
-	RSAKeySize       int
-	SecretTTL        time.Duration
-	GraceRatio       float64
-	GraceRatioJitter float64
-	OutputCerts      string // OUTPUT_CERTS
-	// OutputGroupRead makes OUTPUT_CERTS' directories and certificate files readable by the
-	// agent's group; OutputKeyGroupRead the key too.
-	OutputGroupRead, OutputKeyGroupRead bool
-
-	// WorkloadSocketDir holds the SDS socket; CredentialsDir may hold cert-chain.pem, key.pem and
-	// root-cert.pem to serve instead of a CA's; FileMountedCerts serves <root>/etc/certs/ instead.
-	WorkloadSocketDir string
-	CredentialsDir    string
-	FileMountedCerts  bool
-	SocketMode        os.FileMode
-	// FileResourceDirs are the directories file-cert: and file-root: secrets may read; default: the
-	// credentials dir and <root>/etc/certs.
-	FileResourceDirs []string
-	DrainDuration    time.Duration
-	// SDSMaxStreams bounds the SDS streams and FetchSecrets calls open at once, and the
-	// connections; SDSMaxStreamsPerConnection bounds one connection's streams.
-	SDSMaxStreams              int
-	SDSMaxStreamsPerConnection int
-
-	StatusAddr string
-	DebugAddr  string // loopback only; empty disables it
-	RootDir    string
+	Identity    IdentityConfig
+	CA          CAConfig
+	Certificate CertificateConfig
+	SDS         SDSConfig
+	XDS         XDSConfig
+	Output      OutputConfig
+	Servers     ServersConfig
+	// RootDir prefixes every default path, so that a non-root user can run the agent anywhere.
+	RootDir string
 
 	Logger *slog.Logger
 	Clock  clock.Clock
@@ -127,6 +74,94 @@ type Config struct {
 	// OnSocket, when set, is told after the fact when the path of the SDS or the XDS socket stops
 	// leading to the agent (why) and when it leads there again (nil).
 	OnSocket func(socket string, err error)
+}
+
+// IdentityConfig is the workload's identity: spiffe://TrustDomain/ns/Namespace/sa/ServiceAccount.
+type IdentityConfig struct {
+	TrustDomain    string
+	Namespace      string
+	ServiceAccount string
+}
+
+// CAConfig is the CA the agent asks for its certificate.
+type CAConfig struct {
+	// Address is the CA (CA_ADDR); empty runs the control plane in-process (embedded mode).
+	// RootCert is the file that verifies it (CA_ROOT_CA); when empty, PROV_CERT/root-cert.pem and
+	// then RootDir/var/run/secrets/istio/root-cert.pem are used, whichever exists first, as Istio
+	// does.
+	Address    string
+	RootCert   string
+	ServerName string // ISTIOD_SAN
+	ClusterID  string // ISTIO_META_CLUSTER_ID
+	TokenPath  string
+	ProvCert   string // PROV_CERT: a key pair for mTLS to the CA
+	// Embed starts a CA in-process when no CA address is given; cmd/meshid supplies it, and
+	// meshid-agent, which links no CA, does not.
+	Embed EmbedFunc
+}
+
+// CertificateConfig is the workload certificate asked of the CA: its key, its lifetime, and when
+// it is renewed.
+type CertificateConfig struct {
+	KeyAlgorithm     pki.KeyAlgorithm
+	RSAKeySize       int
+	TTL              time.Duration // SECRET_TTL
+	GraceRatio       float64       // SECRET_GRACE_PERIOD_RATIO
+	GraceRatioJitter float64       // SECRET_GRACE_PERIOD_RATIO_JITTER
+}
+
+// SDSConfig is the SDS server and where its secrets come from when no CA is used.
+type SDSConfig struct {
+	// SocketDir holds the SDS socket; CredentialsDir may hold cert-chain.pem, key.pem and
+	// root-cert.pem to serve instead of a CA's; FileMountedCerts serves <root>/etc/certs/ instead.
+	SocketDir        string
+	CredentialsDir   string
+	FileMountedCerts bool
+	SocketMode       os.FileMode
+	// FileResourceDirs are the directories file-cert: and file-root: secrets may read; default: the
+	// credentials dir and <root>/etc/certs.
+	FileResourceDirs []string
+	DrainDuration    time.Duration
+	// MaxStreams bounds the SDS streams and FetchSecrets calls open at once, and the
+	// connections; MaxStreamsPerConnection bounds one connection's streams.
+	MaxStreams              int
+	MaxStreamsPerConnection int
+}
+
+// XDSConfig is the proxy of Envoy's xDS to the discovery server.
+type XDSConfig struct {
+	// DiscoveryAddress is the discovery server Envoy's xDS is proxied to (Istio's
+	// discoveryAddress); empty: the CA's address (meshid ca serves both), or the embedded
+	// control plane. RootCert verifies it (XDS_ROOT_CA); empty: the CA's root.
+	DiscoveryAddress string
+	RootCert         string
+	// Proxy serves Envoy's ADS on Socket (default <root>/etc/istio/proxy/XDS) and proxies it
+	// upstream (PROXY_XDS_VIA_AGENT); ProxyDebug answers /debug/<type> from the upstream's
+	// istio.io/debug (PROXY_XDS_DEBUG_VIA_AGENT) on DebugSocket (default: debug.sock next to the
+	// XDS socket, with its mode: whoever may open the XDS socket may read what it shows) and,
+	// with DebugTCP, on the debug server too.
+	Proxy, ProxyDebug bool
+	Socket            string
+	DebugSocket       string
+	DebugTCP          bool
+	// MaxStreams bounds Envoy's ADS streams open at once, and the connections;
+	// MaxStreamsPerConnection bounds one connection's streams.
+	MaxStreams              int
+	MaxStreamsPerConnection int
+}
+
+// OutputConfig is OUTPUT_CERTS: a directory that receives the workload key pair and roots.
+type OutputConfig struct {
+	Dir string // OUTPUT_CERTS
+	// GroupRead makes Dir's directories and certificate files readable by the agent's group;
+	// KeyGroupRead the key too.
+	GroupRead, KeyGroupRead bool
+}
+
+// ServersConfig are the agent's own HTTP servers.
+type ServersConfig struct {
+	StatusAddr string
+	DebugAddr  string // loopback only; empty disables it
 }
 
 // EmbedFunc starts a control plane in-process for an agent given no CA address.
@@ -158,24 +193,30 @@ type ControlPlane interface {
 // DefaultConfig returns the configuration `meshid agent` starts from (paths under rootDir).
 func DefaultConfig(rootDir string) Config {
 	return Config{
-		TrustDomain:      DefaultTrustDomain,
-		CAServerName:     DefaultCAServerName,
-		TokenPath:        filepath.Join(rootDirOrSlash(rootDir), DefaultTokenPath),
-		KeyAlgorithm:     pki.ECDSA,
-		RSAKeySize:       pki.DefaultRSAKeySize,
-		SecretTTL:        DefaultSecretTTL,
-		GraceRatio:       DefaultGraceRatio,
-		GraceRatioJitter: DefaultGraceJitter,
-		StatusAddr:       DefaultStatusAddr,
-		DebugAddr:        DefaultDebugAddr,
-		RootDir:          rootDir,
-		ProxyXDS:         true,
-		ProxyXDSDebug:    true,
-
-		SDSMaxStreams:              sds.DefaultMaxStreams,
-		SDSMaxStreamsPerConnection: sds.DefaultMaxStreamsPerConnection,
-		XDSMaxStreams:              xdsproxy.DefaultMaxStreams,
-		XDSMaxStreamsPerConnection: xdsproxy.DefaultMaxStreamsPerConnection,
+		Identity: IdentityConfig{TrustDomain: DefaultTrustDomain},
+		CA: CAConfig{
+			ServerName: DefaultCAServerName,
+			TokenPath:  filepath.Join(rootDirOrSlash(rootDir), DefaultTokenPath),
+		},
+		Certificate: CertificateConfig{
+			KeyAlgorithm:     pki.ECDSA,
+			RSAKeySize:       pki.DefaultRSAKeySize,
+			TTL:              DefaultSecretTTL,
+			GraceRatio:       DefaultGraceRatio,
+			GraceRatioJitter: DefaultGraceJitter,
+		},
+		SDS: SDSConfig{
+			MaxStreams:              sds.DefaultMaxStreams,
+			MaxStreamsPerConnection: sds.DefaultMaxStreamsPerConnection,
+		},
+		XDS: XDSConfig{
+			Proxy:                   true,
+			ProxyDebug:              true,
+			MaxStreams:              xdsproxy.DefaultMaxStreams,
+			MaxStreamsPerConnection: xdsproxy.DefaultMaxStreamsPerConnection,
+		},
+		Servers: ServersConfig{StatusAddr: DefaultStatusAddr, DebugAddr: DefaultDebugAddr},
+		RootDir: rootDir,
 	}
 }
 
@@ -183,42 +224,42 @@ func DefaultConfig(rootDir string) Config {
 func (c *Config) path(rel string) string { return filepath.Join(rootDirOrSlash(c.RootDir), rel) }
 
 func (c *Config) socketDir() string {
-	if c.WorkloadSocketDir != "" {
-		return c.WorkloadSocketDir
+	if c.SDS.SocketDir != "" {
+		return c.SDS.SocketDir
 	}
 	return c.path(DefaultSocketDir)
 }
 
 func (c *Config) xdsSocket() string {
-	if c.XDSSocket != "" {
-		return c.XDSSocket
+	if c.XDS.Socket != "" {
+		return c.XDS.Socket
 	}
 	return c.path(DefaultXDSSocket)
 }
 
 func (c *Config) xdsDebugSocket() string {
-	if c.XDSDebugSocket != "" {
-		return c.XDSDebugSocket
+	if c.XDS.DebugSocket != "" {
+		return c.XDS.DebugSocket
 	}
 	return filepath.Join(filepath.Dir(c.xdsSocket()), XDSDebugSocketName)
 }
 
 func (c *Config) credentialsDir() string {
-	if c.CredentialsDir != "" {
-		return c.CredentialsDir
+	if c.SDS.CredentialsDir != "" {
+		return c.SDS.CredentialsDir
 	}
 	return c.path(DefaultCredentials)
 }
 
 func (c *Config) fileResourceDirs() []string {
-	if len(c.FileResourceDirs) > 0 {
-		return c.FileResourceDirs
+	if len(c.SDS.FileResourceDirs) > 0 {
+		return c.SDS.FileResourceDirs
 	}
 	return []string{c.credentialsDir(), c.path(DefaultMountedCerts)}
 }
 
 // embedded reports whether the agent runs its own control plane: no CA is given.
-func (c *Config) embedded() bool { return c.CAAddress == "" }
+func (c *Config) embedded() bool { return c.CA.Address == "" }
 
 func rootDirOrSlash(rootDir string) string {
 	if rootDir == "" {
@@ -227,10 +268,10 @@ func rootDirOrSlash(rootDir string) string {
 	return rootDir
 }
 
-// Identity returns the workload's SPIFFE ID; with an embedded CA, an unset namespace or service
+// SPIFFEID returns the workload's SPIFFE ID; with an embedded CA, an unset namespace or service
 // account is "default".
-func (c *Config) Identity() (pki.SPIFFEID, error) {
-	ns, sa := c.Namespace, c.ServiceAccount
+func (c *Config) SPIFFEID() (pki.SPIFFEID, error) {
+	ns, sa := c.Identity.Namespace, c.Identity.ServiceAccount
 	if c.embedded() {
 		if ns == "" {
 			ns = DefaultEmbeddedNamespace
@@ -239,56 +280,90 @@ func (c *Config) Identity() (pki.SPIFFEID, error) {
 			sa = DefaultEmbeddedServiceAccount
 		}
 	}
-	return pki.NewSPIFFEID(c.TrustDomain, ns, sa)
+	return pki.NewSPIFFEID(c.Identity.TrustDomain, ns, sa)
 }
 
-// Validate reports every problem with the configuration at once.
+// FieldError is a problem with one field of Config, named by its path in Config
+// ("Certificate.GraceRatio"). cmd, which alone knows the flag and the variable that set each
+// field, renders it with them; its own text names the field by its path. Value, when not nil, is
+// the value refused: text (an address) is shown quoted and followed by the cause, Err; a number or
+// a duration is shown as it is and followed by what it must be, Err ("must be positive").
+type FieldError struct {
+	Field string
+	Value any
+	Err   error
+}
+
+func (e *FieldError) Error() string { return e.Field + e.Detail() }
+
+// Detail is what follows the field's name in the message: the value refused, and why.
+func (e *FieldError) Detail() string {
+	switch v := e.Value.(type) {
+	case nil:
+		return ": " + e.Err.Error()
+	case string:
+		return fmt.Sprintf(" %q: %v", v, e.Err)
+	default:
+		return fmt.Sprintf(" %v %v", v, e.Err)
+	}
+}
+
+func (e *FieldError) Unwrap() error { return e.Err }
+
+var errMustBePositive = errors.New("must be positive")
+
+// Validate reports every problem with the configuration at once, joined (errors.Join); a problem
+// with one field is a *FieldError.
 func (c *Config) Validate() error {
 	var errs []error
 	switch {
-	case !c.embedded() && (c.Namespace == "" || c.ServiceAccount == ""):
-		if c.Namespace == "" {
+	case !c.embedded() && (c.Identity.Namespace == "" || c.Identity.ServiceAccount == ""):
+		if c.Identity.Namespace == "" {
 			errs = append(errs, errors.New("--namespace (POD_NAMESPACE) is required with --ca-addr: the CA signs for the workload's own namespace"))
 		}
-		if c.ServiceAccount == "" {
+		if c.Identity.ServiceAccount == "" {
 			errs = append(errs, errors.New("--service-account (SERVICE_ACCOUNT) is required with --ca-addr: the CA signs for the workload's own service account"))
 		}
 	default:
-		if _, err := c.Identity(); err != nil {
+		if _, err := c.SPIFFEID(); err != nil {
 			errs = append(errs, fmt.Errorf("workload identity (--trust-domain/TRUST_DOMAIN, --namespace/POD_NAMESPACE, --service-account/SERVICE_ACCOUNT): %w", err))
 		}
 	}
-	if c.OutputKeyGroupRead && !c.OutputGroupRead {
+	if c.Output.KeyGroupRead && !c.Output.GroupRead {
 		errs = append(errs, errors.New("a group-readable OUTPUT_CERTS key needs group-readable directories too"))
 	}
 	if err := fsutil.CheckSocketPath(filepath.Join(c.socketDir(), sds.SocketName)); err != nil {
-		errs = append(errs, fmt.Errorf("--workload-socket-dir: %w", err))
+		errs = append(errs, &FieldError{Field: "SDS.SocketDir", Err: err})
 	}
 	errs = append(errs, c.checkAddresses()...)
-	if c.DrainDuration < 0 {
-		errs = append(errs, fmt.Errorf("--drain-duration %s must not be negative", c.DrainDuration))
+	if c.SDS.DrainDuration < 0 {
+		errs = append(errs, &FieldError{Field: "SDS.DrainDuration", Value: c.SDS.DrainDuration, Err: errors.New("must not be negative")})
 	}
-	if c.SDSMaxStreams <= 0 {
-		errs = append(errs, fmt.Errorf("--sds-max-streams %d must be positive", c.SDSMaxStreams))
+	if c.SDS.MaxStreams <= 0 {
+		errs = append(errs, &FieldError{Field: "SDS.MaxStreams", Value: c.SDS.MaxStreams, Err: errMustBePositive})
 	}
-	if c.SDSMaxStreamsPerConnection <= 0 {
-		errs = append(errs, fmt.Errorf("--sds-max-streams-per-connection %d must be positive", c.SDSMaxStreamsPerConnection))
+	if c.SDS.MaxStreamsPerConnection <= 0 {
+		errs = append(errs, &FieldError{Field: "SDS.MaxStreamsPerConnection", Value: c.SDS.MaxStreamsPerConnection, Err: errMustBePositive})
 	}
 	errs = append(errs, c.validateXDS()...)
-	switch c.KeyAlgorithm {
+	switch c.Certificate.KeyAlgorithm {
 	case pki.ECDSA:
 	case pki.RSA:
-		if err := pki.ValidateRSAKeySize(c.RSAKeySize); err != nil {
-			errs = append(errs, fmt.Errorf("--workload-rsa-key-size (WORKLOAD_RSA_KEY_SIZE): %w", err))
+		if err := pki.ValidateRSAKeySize(c.Certificate.RSAKeySize); err != nil {
+			errs = append(errs, &FieldError{Field: "Certificate.RSAKeySize", Err: err})
 		}
 	default:
-		errs = append(errs, fmt.Errorf("--key-algorithm %q: want ECDSA or RSA", c.KeyAlgorithm))
+		errs = append(errs, &FieldError{Field: "Certificate.KeyAlgorithm", Value: string(c.Certificate.KeyAlgorithm), Err: errors.New("want ECDSA or RSA")})
 	}
-	if c.SecretTTL <= 0 {
-		errs = append(errs, fmt.Errorf("--secret-ttl %s must be positive", c.SecretTTL))
+	if c.Certificate.TTL <= 0 {
+		errs = append(errs, &FieldError{Field: "Certificate.TTL", Value: c.Certificate.TTL, Err: errMustBePositive})
 	}
-	if err := secretmanager.ValidateGrace(c.GraceRatio, c.GraceRatioJitter); err != nil {
-		errs = append(errs, fmt.Errorf("--grace-period-ratio (SECRET_GRACE_PERIOD_RATIO), --grace-period-ratio-jitter: %w", err))
+	if err := secretmanager.ValidateGrace(c.Certificate.GraceRatio, c.Certificate.GraceRatioJitter); err != nil {
+		field := "Certificate.GraceRatioJitter"
+		if secretmanager.ValidateGrace(c.Certificate.GraceRatio, 0) != nil {
+			field = "Certificate.GraceRatio"
+		}
+		errs = append(errs, &FieldError{Field: field, Err: err})
 	}
 	errs = append(errs, c.checkFileResourceDirs()...)
 	return errors.Join(errs...)
@@ -297,21 +372,21 @@ func (c *Config) Validate() error {
 // validateXDS checks the xDS proxy's settings.
 func (c *Config) validateXDS() []error {
 	var errs []error
-	if c.XDSMaxStreams <= 0 {
-		errs = append(errs, fmt.Errorf("--xds-proxy-max-streams %d must be positive", c.XDSMaxStreams))
+	if c.XDS.MaxStreams <= 0 {
+		errs = append(errs, &FieldError{Field: "XDS.MaxStreams", Value: c.XDS.MaxStreams, Err: errMustBePositive})
 	}
-	if c.XDSMaxStreamsPerConnection <= 0 {
-		errs = append(errs, fmt.Errorf("--xds-proxy-max-streams-per-connection %d must be positive", c.XDSMaxStreamsPerConnection))
+	if c.XDS.MaxStreamsPerConnection <= 0 {
+		errs = append(errs, &FieldError{Field: "XDS.MaxStreamsPerConnection", Value: c.XDS.MaxStreamsPerConnection, Err: errMustBePositive})
 	}
-	if c.XDSDebugTCP && !c.ProxyXDSDebug {
+	if c.XDS.DebugTCP && !c.XDS.ProxyDebug {
 		errs = append(errs, errors.New("--xds-debug-tcp serves the xDS debug endpoint, which --proxy-xds-debug-via-agent=false (PROXY_XDS_DEBUG_VIA_AGENT) turns off"))
 	}
-	if c.XDSDebugTCP && c.DebugAddr == "" {
+	if c.XDS.DebugTCP && c.Servers.DebugAddr == "" {
 		errs = append(errs, errors.New("--xds-debug-tcp serves /debug/<type> on --debug-addr, which is empty"))
 	}
-	if c.ProxyXDSDebug {
+	if c.XDS.ProxyDebug {
 		if err := fsutil.CheckSocketPath(c.xdsDebugSocket()); err != nil {
-			errs = append(errs, fmt.Errorf("--xds-debug-socket: %w", err))
+			errs = append(errs, &FieldError{Field: "XDS.DebugSocket", Err: err})
 		}
 	}
 	return errs
@@ -322,25 +397,27 @@ func (c *Config) validateXDS() []error {
 // fail only when the agent listens.
 func (c *Config) checkAddresses() []error {
 	var errs []error
-	if err := hostport.CheckListen(c.StatusAddr); err != nil {
-		errs = append(errs, fmt.Errorf("--status-addr %q: %w", c.StatusAddr, err))
+	if err := hostport.CheckListen(c.Servers.StatusAddr); err != nil {
+		errs = append(errs, &FieldError{Field: "Servers.StatusAddr", Value: c.Servers.StatusAddr, Err: err})
 	}
-	if c.DebugAddr != "" {
-		if err := hostport.CheckListen(c.DebugAddr); err != nil {
-			errs = append(errs, fmt.Errorf("--debug-addr %q: %w", c.DebugAddr, err))
-		} else if host, _, _ := net.SplitHostPort(c.DebugAddr); host != "localhost" && !isLoopback(host) {
-			errs = append(errs, fmt.Errorf("--debug-addr %q: the debug server shows secrets' metadata and listens on loopback only", c.DebugAddr))
+	if c.Servers.DebugAddr != "" {
+		if err := hostport.CheckListen(c.Servers.DebugAddr); err != nil {
+			errs = append(errs, &FieldError{Field: "Servers.DebugAddr", Value: c.Servers.DebugAddr, Err: err})
+		} else if host, _, _ := net.SplitHostPort(c.Servers.DebugAddr); host != "localhost" && !isLoopback(host) {
+			errs = append(errs, &FieldError{Field: "Servers.DebugAddr", Value: c.Servers.DebugAddr,
+				Err: errors.New("the debug server shows secrets' metadata and listens on loopback only")})
 		}
 	}
-	// CA_ADDR defaults to the discovery address: its mistake is reported once, as the flag given.
-	if c.CAAddress != "" && c.CAAddress != c.DiscoveryAddress {
-		if err := checkDialAddr(c.CAAddress); err != nil {
-			errs = append(errs, fmt.Errorf("--ca-addr %q (CA_ADDR): %w", c.CAAddress, err))
+	// The CA address defaults to the discovery address: its mistake is reported once, as the
+	// field given.
+	if c.CA.Address != "" && c.CA.Address != c.XDS.DiscoveryAddress {
+		if err := checkDialAddr(c.CA.Address); err != nil {
+			errs = append(errs, &FieldError{Field: "CA.Address", Value: c.CA.Address, Err: err})
 		}
 	}
-	if c.DiscoveryAddress != "" {
-		if err := checkDialAddr(c.DiscoveryAddress); err != nil {
-			errs = append(errs, fmt.Errorf("--discovery-addr %q: %w", c.DiscoveryAddress, err))
+	if c.XDS.DiscoveryAddress != "" {
+		if err := checkDialAddr(c.XDS.DiscoveryAddress); err != nil {
+			errs = append(errs, &FieldError{Field: "XDS.DiscoveryAddress", Value: c.XDS.DiscoveryAddress, Err: err})
 		}
 	}
 	return errs
@@ -371,7 +448,7 @@ func checkDialAddr(addr string) error {
 // the CA's key. In every mode, since the state dir keeps the keys of an earlier embedded run.
 func (c *Config) checkFileResourceDirs() []error {
 	flag := "--file-resource-dirs"
-	if len(c.FileResourceDirs) == 0 {
+	if len(c.SDS.FileResourceDirs) == 0 {
 		flag += " (default: the credentials dir and <root-dir>/etc/certs)"
 	}
 	state := c.path(DefaultEmbeddedDir)

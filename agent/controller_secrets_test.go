@@ -44,9 +44,9 @@ func TestAgentServesAControllerSecret(t *testing.T) {
 	}
 
 	cfg := testConfig(t, newFakeClock(), nil, nil)
-	cfg.CredentialsDir = dir
-	cfg.CAAddress = closedAddress(t) // never contacted: the files are served
-	cfg.Namespace, cfg.ServiceAccount = "shop", "cart"
+	cfg.SDS.CredentialsDir = dir
+	cfg.CA.Address = closedAddress(t) // never contacted: the files are served
+	cfg.Identity.Namespace, cfg.Identity.ServiceAccount = "shop", "cart"
 	a := newAgent(t, cfg)
 	runAgent(t, a)
 	got := sdsGet(t, a.SocketPath(), "default", "ROOTCA")

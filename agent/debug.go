@@ -104,8 +104,8 @@ func (a *Agent) xdsDebugHandler() http.Handler {
 func (a *Agent) debugHandler(clk clock.Clock, cfg Config) http.Handler {
 	mux := http.NewServeMux()
 	switch {
-	case a.xds == nil || !cfg.ProxyXDSDebug:
-	case cfg.XDSDebugTCP:
+	case a.xds == nil || !cfg.XDS.ProxyDebug:
+	case cfg.XDS.DebugTCP:
 		mux.Handle("/debug/", a.xds.DebugHandler())
 	default:
 		socket := a.XDSDebugSocket()

@@ -69,20 +69,20 @@ func TestOutputCertsNotOursIsRefused(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
 			cfg := testConfig(t, newFakeClock(), nil, nil)
-			cfg.OutputCerts = filepath.Join(t.TempDir(), "out")
-			if err := os.Mkdir(cfg.OutputCerts, 0o700); err != nil {
+			cfg.Output.Dir = filepath.Join(t.TempDir(), "out")
+			if err := os.Mkdir(cfg.Output.Dir, 0o700); err != nil {
 				t.Fatal(err)
 			}
-			tt.prepare(t, cfg.OutputCerts)
-			before := dirEntries(t, cfg.OutputCerts)
+			tt.prepare(t, cfg.Output.Dir)
+			before := dirEntries(t, cfg.Output.Dir)
 			a, err := agent.New(cfg)
 			if err == nil {
 				t.Fatalf("the agent started (its Run: %v)", runAgent(t, a)())
 			}
-			if !errors.Is(err, fsutil.ErrNotOwned) || !strings.Contains(err.Error(), cfg.OutputCerts) || !strings.Contains(err.Error(), tt.names) {
-				t.Fatalf("%v, want ErrNotOwned naming %s and %q", err, cfg.OutputCerts, tt.names)
+			if !errors.Is(err, fsutil.ErrNotOwned) || !strings.Contains(err.Error(), cfg.Output.Dir) || !strings.Contains(err.Error(), tt.names) {
+				t.Fatalf("%v, want ErrNotOwned naming %s and %q", err, cfg.Output.Dir, tt.names)
 			}
-			if after := dirEntries(t, cfg.OutputCerts); after != before {
+			if after := dirEntries(t, cfg.Output.Dir); after != before {
 				t.Errorf("OUTPUT_CERTS changed from %q to %q", before, after)
 			}
 		})
@@ -98,12 +98,12 @@ func TestSecondAgentOnOutputCertsIsRefused(t *testing.T) {
 	first := newAgent(t, cfg)
 	stop := runAgent(t, first)
 
-	second := e.config(t, cfg.TokenPath, nil) // its own sockets and root dir, the same OUTPUT_CERTS
+	second := e.config(t, cfg.CA.TokenPath, nil) // its own sockets and root dir, the same OUTPUT_CERTS
 	_, err := agent.New(second)
 	if !errors.Is(err, fsutil.ErrLocked) {
-		t.Fatalf("second agent on %s: %v, want ErrLocked", cfg.OutputCerts, err)
+		t.Fatalf("second agent on %s: %v, want ErrLocked", cfg.Output.Dir, err)
 	}
-	for _, want := range []string{"OUTPUT_CERTS " + cfg.OutputCerts + " is held by another process, the agent with pid " + strconv.Itoa(os.Getpid()), "--output-certs"} {
+	for _, want := range []string{"OUTPUT_CERTS " + cfg.Output.Dir + " is held by another process, the agent with pid " + strconv.Itoa(os.Getpid()), "--output-certs"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("%q does not say %q", err, want)
 		}

@@ -77,12 +77,12 @@ func (e *env) tokenFile(t *testing.T, ns, sa string) string {
 func (e *env) config(t *testing.T, tokenPath string, ev *events) agent.Config {
 	t.Helper()
 	cfg := testConfig(t, e.clock, nil, ev)
-	cfg.Namespace, cfg.ServiceAccount = "default", "demo"
-	cfg.CAAddress = e.ca.GRPCAddr()
-	cfg.CARootCert = filepath.Join(e.stateDir, "root-cert.pem")
-	cfg.TokenPath = tokenPath
-	cfg.OutputCerts = filepath.Join(e.dir, "out")
-	cfg.SecretTTL = 30 * time.Minute
+	cfg.Identity.Namespace, cfg.Identity.ServiceAccount = "default", "demo"
+	cfg.CA.Address = e.ca.GRPCAddr()
+	cfg.CA.RootCert = filepath.Join(e.stateDir, "root-cert.pem")
+	cfg.CA.TokenPath = tokenPath
+	cfg.Output.Dir = filepath.Join(e.dir, "out")
+	cfg.Certificate.TTL = 30 * time.Minute
 	return cfg
 }
 
@@ -92,10 +92,10 @@ func (e *env) config(t *testing.T, tokenPath string, ev *events) agent.Config {
 func testConfig(t *testing.T, clk *testutil.FakeClock, logs *logSink, ev *events) agent.Config {
 	t.Helper()
 	cfg := agent.DefaultConfig(testutil.ShortTempDir(t))
-	cfg.Embed = controlplanetest.Embed
-	cfg.WorkloadSocketDir = testutil.ShortTempDir(t)
-	cfg.StatusAddr, cfg.DebugAddr = "127.0.0.1:0", "127.0.0.1:0"
-	cfg.GraceRatioJitter = 0
+	cfg.CA.Embed = controlplanetest.Embed
+	cfg.SDS.SocketDir = testutil.ShortTempDir(t)
+	cfg.Servers.StatusAddr, cfg.Servers.DebugAddr = "127.0.0.1:0", "127.0.0.1:0"
+	cfg.Certificate.GraceRatioJitter = 0
 	cfg.Clock = clk
 	if logs != nil {
 		cfg.Logger = logs.logger()

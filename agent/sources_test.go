@@ -55,11 +55,11 @@ func TestAgentSourceDecisionFlow(t *testing.T) {
 				// The external server is another agent, serving its files on the same socket.
 				theirs := newCredentials(t, filesCA, "spiffe://cluster.local/ns/default/sa/theirs")
 				extCfg := testConfig(t, newFakeClock(), nil, nil)
-				extCfg.WorkloadSocketDir = cfg.WorkloadSocketDir
-				extCfg.CredentialsDir = credentialsDir(t, theirs)
+				extCfg.SDS.SocketDir = cfg.SDS.SocketDir
+				extCfg.SDS.CredentialsDir = credentialsDir(t, theirs)
 				stopExternal := runAgent(t, newAgent(t, extCfg))
 				// Ours would serve other files, were it to serve at all.
-				cfg.CredentialsDir = credentialsDir(t, newCredentials(t, filesCA, "spiffe://cluster.local/ns/default/sa/ours"))
+				cfg.SDS.CredentialsDir = credentialsDir(t, newCredentials(t, filesCA, "spiffe://cluster.local/ns/default/sa/ours"))
 				return func(t *testing.T, a *agent.Agent, _ *logSink) {
 					if a.Secrets() != nil {
 						t.Fatal("the agent built a secret manager although another server serves SDS")
@@ -85,7 +85,7 @@ func TestAgentSourceDecisionFlow(t *testing.T) {
 			source: agent.SourceFiles,
 			reason: "credential files found in ",
 			setup: func(t *testing.T, cfg *agent.Config) func(*testing.T, *agent.Agent, *logSink) {
-				path := filepath.Join(cfg.WorkloadSocketDir, "socket")
+				path := filepath.Join(cfg.SDS.SocketDir, "socket")
 				lis, err := net.Listen("unix", path)
 				if err != nil {
 					t.Fatal(err)
@@ -98,7 +98,7 @@ func TestAgentSourceDecisionFlow(t *testing.T) {
 					t.Fatalf("no stale socket left: %v", err)
 				}
 				creds := newCredentials(t, filesCA, embeddedID)
-				cfg.CredentialsDir = credentialsDir(t, creds)
+				cfg.SDS.CredentialsDir = credentialsDir(t, creds)
 				return func(t *testing.T, a *agent.Agent, logs *logSink) {
 					if n := len(logs.records(t, "removed a stale socket")); n != 1 {
 						t.Fatalf("stale socket removal logged %d times, want 1", n)
@@ -115,9 +115,9 @@ func TestAgentSourceDecisionFlow(t *testing.T) {
 			reason: "credential files found in ",
 			setup: func(t *testing.T, cfg *agent.Config) func(*testing.T, *agent.Agent, *logSink) {
 				creds := newCredentials(t, filesCA, "spiffe://cluster.local/ns/shop/sa/cart")
-				cfg.CredentialsDir = credentialsDir(t, creds)
-				cfg.CAAddress = closedAddress(t) // never contacted: a CA request would never succeed
-				cfg.Namespace, cfg.ServiceAccount = "shop", "cart"
+				cfg.SDS.CredentialsDir = credentialsDir(t, creds)
+				cfg.CA.Address = closedAddress(t) // never contacted: a CA request would never succeed
+				cfg.Identity.Namespace, cfg.Identity.ServiceAccount = "shop", "cart"
 				return func(t *testing.T, a *agent.Agent, logs *logSink) {
 					got := sdsGet(t, a.SocketPath(), secretNames...)
 					if serial := serialOf(workloadChain(t, got["default"])); serial != creds.serial {
@@ -139,8 +139,8 @@ func TestAgentSourceDecisionFlow(t *testing.T) {
 			setup: func(t *testing.T, cfg *agent.Config) func(*testing.T, *agent.Agent, *logSink) {
 				mounted := newCredentials(t, filesCA, "spiffe://cluster.local/ns/shop/sa/mounted")
 				testutil.WriteFiles(t, filepath.Join(cfg.RootDir, "etc/certs"), mounted.files)
-				cfg.CredentialsDir = credentialsDir(t, newCredentials(t, filesCA, "spiffe://cluster.local/ns/shop/sa/other"))
-				cfg.FileMountedCerts = true
+				cfg.SDS.CredentialsDir = credentialsDir(t, newCredentials(t, filesCA, "spiffe://cluster.local/ns/shop/sa/other"))
+				cfg.SDS.FileMountedCerts = true
 				return func(t *testing.T, a *agent.Agent, _ *logSink) {
 					if got := serialOf(workloadChain(t, sdsGet(t, a.SocketPath(), "default")["default"])); got != mounted.serial {
 						t.Fatalf("serves %s, want etc/certs' %s", got, mounted.serial)
@@ -155,17 +155,17 @@ func TestAgentSourceDecisionFlow(t *testing.T) {
 			setup: func(t *testing.T, cfg *agent.Config) func(*testing.T, *agent.Agent, *logSink) {
 				e := newEnv(t)
 				cfg.Clock = e.clock
-				cfg.Namespace, cfg.ServiceAccount = "default", "demo"
-				cfg.CAAddress = e.ca.GRPCAddr()
-				cfg.CARootCert = filepath.Join(e.stateDir, "root-cert.pem")
-				cfg.TokenPath = e.tokenFile(t, "default", "demo")
+				cfg.Identity.Namespace, cfg.Identity.ServiceAccount = "default", "demo"
+				cfg.CA.Address = e.ca.GRPCAddr()
+				cfg.CA.RootCert = filepath.Join(e.stateDir, "root-cert.pem")
+				cfg.CA.TokenPath = e.tokenFile(t, "default", "demo")
 				return func(t *testing.T, a *agent.Agent, logs *logSink) {
 					if r := logs.records(t, sourceChosen); !strings.Contains(fmt.Sprint(r[0]["reason"]), e.ca.GRPCAddr()) {
 						t.Fatalf("the reason %q does not name the CA", r[0]["reason"])
 					}
 					got := sdsGet(t, a.SocketPath(), secretNames...)
 					chain := workloadChain(t, got["default"])
-					checkVerifies(t, chain, readRoots(t, cfg.CARootCert), demoID, e.clock.Now())
+					checkVerifies(t, chain, readRoots(t, cfg.CA.RootCert), demoID, e.clock.Now())
 					checkVerifies(t, chain, sdstest.Roots(t, got["ROOTCA"]), demoID, e.clock.Now())
 				}
 			},
@@ -241,7 +241,7 @@ func TestEnvoyStyleClientAgainstEmbeddedAgent(t *testing.T) {
 	t.Parallel()
 	clk := newFakeClock() // shared by the agent and its embedded CA
 	cfg := testConfig(t, clk, newLogSink(t), nil)
-	cfg.SecretTTL = time.Minute
+	cfg.Certificate.TTL = time.Minute
 	a := newAgent(t, cfg)
 	runAgent(t, a)
 	envoy := sdstest.Dial(t, a.SocketPath())
@@ -367,7 +367,7 @@ func TestFileModeSwapsArePushed(t *testing.T) {
 	mount := testutil.NewSecretVolume(t, filepath.Join(t.TempDir(), "credentials"))
 	first := newCredentials(t, ca, id)
 	mount.Update(first.files)
-	cfg.CredentialsDir = mount.Dir
+	cfg.SDS.CredentialsDir = mount.Dir
 	a := newAgent(t, cfg)
 	if a.Source() != agent.SourceFiles {
 		t.Fatalf("source %s, want files", a.Source())
@@ -492,7 +492,7 @@ func TestMetricsCountStreamsAndPushes(t *testing.T) {
 func TestShutdownEndsOpenStreams(t *testing.T) {
 	t.Parallel()
 	cfg := testConfig(t, newFakeClock(), newLogSink(t), nil)
-	cfg.DrainDuration = 0
+	cfg.SDS.DrainDuration = 0
 	a := newAgent(t, cfg)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()

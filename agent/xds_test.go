@@ -172,7 +172,7 @@ func TestXDSOfAnotherNamespace(t *testing.T) {
 	}
 	e := newEnv(t, func(c *controlplane.Config) { c.XDSConfig = xdsConfig })
 	cfg := e.config(t, e.tokenFile(t, "prod", "demo"), nil)
-	cfg.Namespace = "prod"
+	cfg.Identity.Namespace = "prod"
 	runAgent(t, newAgent(t, cfg))
 	stream, err := xdsClient(t, cfg).StreamAggregatedResources(t.Context())
 	if err != nil {
@@ -194,7 +194,7 @@ func TestXDSAfterTheTokenIsGone(t *testing.T) {
 	e := newEnv(t, func(c *controlplane.Config) { c.XDSConfig = xdsConfig })
 	tokenPath := e.tokenFile(t, "prod", "demo")
 	cfg := e.config(t, tokenPath, nil)
-	cfg.Namespace = "prod"
+	cfg.Identity.Namespace = "prod"
 	a := newAgent(t, cfg)
 	certs := issued(t, a)
 	runAgent(t, a)

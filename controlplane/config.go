@@ -1,5 +1,9 @@
 // Package controlplane is the composition root of `meshid ca`: it wires the CA core, its gRPC
 // server, namespace targeting and the monitoring server, and runs them until its context ends.
+//
+// New builds in stages, each a function returning finished parts to the next: the listeners,
+// the stores (nothing is written before they are checked), the key material and its authority,
+// the authenticators, the controllers, the servers. No part is filled in after it is made.
 package controlplane
 
 import (

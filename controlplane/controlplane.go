@@ -71,111 +71,199 @@ func grpcTransport(cfg Config) admission.Transport {
 	}
 }
 
-// ControlPlane is a running `meshid ca`.
+// ControlPlane is a running `meshid ca`. New builds it in stages, each from the finished parts
+// of the ones before: the listeners, the stores, the key material and its authority, the
+// authenticators, the controllers, the servers. No part is filled in after it is made.
 type ControlPlane struct {
 	log       *slog.Logger
+	clock     clock.Clock
+	lis       listeners
+	stores    stores
 	authority *ca.Authority
 	keys      *ca.KeyManager
-	grpc      *grpc.Server
+	work      controllers
+	discovery *discovery.Server   // nil without --xds-config
 	newGRPC   func() *grpc.Server // builds grpc in Run: its stream workers are goroutines
-	grpcLis   net.Listener
-	// grpcSocket is the socket of a unix:// address, removed once the server has stopped.
-	grpcSocket *fsutil.Socket
-	monitor    *http.Server
-	monLis     net.Listener
-	manifests  *controller.Manifests // nil without --manifests
-	kube       *onKubernetes         // nil off Kubernetes
-	discovery  *discovery.Server     // nil without --xds-config
-	secrets    *controller.Secrets   // nil without a store of service accounts
-	probe      *livenessProbe        // nil without a liveness probe path
-	ready      atomic.Bool
-	readyCh    chan struct{} // closed once Run serves
+	grpc      *grpc.Server
+	monitor   *http.Server // nil without a monitoring address
+	ready     *atomic.Bool
+	readyCh   chan struct{} // closed once Run serves
 }
 
 // New opens the listeners, so that the bound addresses are known before Run, then loads or
 // creates the CA's key material and builds the servers. It starts no goroutines; call Run, or
 // Close if Run will not be called.
 func New(cfg Config) (_ *ControlPlane, err error) {
-	if err := cfg.Validate(); err != nil {
+	if err := cfg.check(); err != nil {
 		return nil, err
 	}
-	if err := cfg.checkGivenPaths(); err != nil {
-		return nil, err
-	}
-	// Before anything is read from the state dir or written to it, the embedded CA's socket
-	// included: keys another user could have put there are never used.
-	if err := CheckStateDir(cfg.StateDir); err != nil {
-		return nil, fmt.Errorf("the CA's state dir: %w", err)
-	}
-	log := cfg.Logger
-	if log == nil {
-		log = slog.New(slog.DiscardHandler)
-	}
-	clk := clock.OrReal(cfg.Clock)
-	if cfg.SelfSigned.Org == "" {
-		cfg.SelfSigned.Org = cfg.TrustDomain
-	}
-
+	cfg = cfg.withDefaults()
 	// Bind first: a port in use fails the start before anything is written to the state dir.
-	cp := &ControlPlane{log: log, readyCh: make(chan struct{})}
-	if cp.grpcLis, cp.grpcSocket, err = listen(cfg.GRPCAddr, log); err != nil {
-		return nil, fmt.Errorf("listen for gRPC on %s: %w", cfg.GRPCAddr, err)
+	lis, err := listenAll(cfg)
+	if err != nil {
+		return nil, err
 	}
 	defer func() {
 		if err != nil {
-			cp.Close()
+			lis.close()
 		}
 	}()
-	if cfg.MonitoringAddr != "" {
-		if cp.monLis, err = net.Listen("tcp", cfg.MonitoringAddr); err != nil {
-			return nil, fmt.Errorf("listen for monitoring on %s: %w", cfg.MonitoringAddr, err)
-		}
-	}
-
 	registry := prometheus.NewRegistry()
 	registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	st, err := newStores(cfg, registry)
+	if err != nil {
+		return nil, err
+	}
+	authority, keys, err := newAuthority(cfg, st, registry)
+	if err != nil {
+		return nil, err
+	}
+	authenticators, err := newAuthenticators(cfg, st.kube, authority, registry)
+	if err != nil {
+		return nil, err
+	}
+	work, err := newControllers(cfg, st, authority, registry)
+	if err != nil {
+		return nil, err
+	}
+	newGRPC, disco, err := newServers(cfg, st, authority, authenticators, work.targeting, registry)
+	if err != nil {
+		return nil, err
+	}
+	ready := new(atomic.Bool)
+	return &ControlPlane{
+		log: cfg.Logger, clock: cfg.Clock, lis: lis, stores: st, authority: authority, keys: keys, work: work,
+		discovery: disco, newGRPC: newGRPC, monitor: newMonitor(lis.monitoring, registry, authority, ready),
+		ready: ready, readyCh: make(chan struct{}),
+	}, nil
+}
 
-	// Before the key material: a wrong --manifests fails the start before the state dir is written.
-	var store controller.Store // nil, not a nil *Manifests: no store knows no namespace
+// check refuses a configuration that cannot work: its values (Validate), the directories it
+// names, and a state dir that is not ours alone. The last comes before anything is read from the
+// state dir or written to it, the embedded CA's socket included: keys another user could have
+// put there are never used.
+func (c *Config) check() error {
+	if err := c.Validate(); err != nil {
+		return err
+	}
+	if err := c.checkGivenPaths(); err != nil {
+		return err
+	}
+	if err := CheckStateDir(c.StateDir); err != nil {
+		return fmt.Errorf("the CA's state dir: %w", err)
+	}
+	return nil
+}
+
+// withDefaults fills in what New takes from the rest of the configuration: a logger that
+// discards, the real clock, the self-signed CA's organisation.
+func (c Config) withDefaults() Config {
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	c.Clock = clock.OrReal(c.Clock)
+	if c.SelfSigned.Org == "" {
+		c.SelfSigned.Org = c.TrustDomain
+	}
+	return c
+}
+
+// listeners are the control plane's open listeners.
+type listeners struct {
+	grpc net.Listener
+	// grpcSocket is the socket of a unix:// address, removed once the server has stopped.
+	grpcSocket *fsutil.Socket
+	monitoring net.Listener // nil without a monitoring address
+}
+
+// listenAll opens the gRPC and monitoring listeners.
+func listenAll(cfg Config) (listeners, error) {
+	var l listeners
+	var err error
+	if l.grpc, l.grpcSocket, err = listen(cfg.GRPCAddr, cfg.Logger); err != nil {
+		return listeners{}, fmt.Errorf("listen for gRPC on %s: %w", cfg.GRPCAddr, err)
+	}
+	if cfg.MonitoringAddr != "" {
+		if l.monitoring, err = net.Listen("tcp", cfg.MonitoringAddr); err != nil {
+			l.close()
+			return listeners{}, fmt.Errorf("listen for monitoring on %s: %w", cfg.MonitoringAddr, err)
+		}
+	}
+	return l, nil
+}
+
+func (l listeners) close() {
+	if l.grpcSocket != nil {
+		l.grpcSocket.Close()
+	} else {
+		_ = l.grpc.Close()
+	}
+	if l.monitoring != nil {
+		_ = l.monitoring.Close()
+	}
+}
+
+// stores are what the control plane reads: the namespaces and service accounts (local
+// manifests, or the Kubernetes API), and the discovery configuration. They are built before the
+// key material, so that a wrong --manifests or --xds-config fails the start with nothing written
+// to the state dir.
+type stores struct {
+	manifests *controller.Manifests // nil without --manifests
+	kube      *onKubernetes         // nil off Kubernetes
+	xds       *discovery.Config     // nil without --xds-config
+}
+
+func newStores(cfg Config, reg prometheus.Registerer) (stores, error) {
+	var st stores
+	var err error
 	if cfg.Manifests != "" {
-		if cp.manifests, err = controller.NewManifests(controller.ManifestsConfig{
-			Dir: cfg.Manifests, Clock: clk, Logger: log.With(logkey.Component, "manifests"),
+		if st.manifests, err = controller.NewManifests(controller.ManifestsConfig{
+			Dir: cfg.Manifests, Clock: cfg.Clock, Logger: cfg.Logger.With(logkey.Component, "manifests"),
 		}); err != nil {
-			return nil, fmt.Errorf("--manifests: %w", err)
+			return stores{}, fmt.Errorf("--manifests: %w", err)
 		}
-		store = cp.manifests
-		registerManifestProblems(registry, cp.manifests)
+		registerManifestProblems(reg, st.manifests)
 	}
-	// Before the key material too: a bad --xds-config fails the start with nothing written.
-	discoveryAuth := &credentialNamespace{}
 	if cfg.XDSConfig != "" {
-		if cp.discovery, err = discovery.NewServer(discovery.ServerConfig{
-			ConfigPath:              cfg.XDSConfig,
-			Authorizer:              discoveryAuth,
-			MaxStreams:              cfg.XDSMaxStreams,
-			MaxStreamsPerCredential: cfg.XDSMaxStreamsPerCredential,
-			Clock:                   clk,
-			Logger:                  log.With(logkey.Component, "discovery"),
-			Registerer:              registry,
-		}); err != nil {
-			return nil, err
+		if st.xds, err = discovery.LoadConfig(cfg.XDSConfig); err != nil {
+			return stores{}, err
 		}
 	}
+	if cfg.Kubernetes.Enabled() {
+		if st.kube, err = newOnKubernetes(cfg, reg); err != nil {
+			return stores{}, err
+		}
+	}
+	return st, nil
+}
+
+// namespaces is the store of namespaces and service accounts, or nil without one: a nil
+// interface, not a nil *Manifests, since no store knows no namespace.
+func (s stores) namespaces() controller.Store {
+	switch {
+	case s.manifests != nil:
+		return s.manifests
+	case s.kube != nil:
+		return s.kube.store
+	}
+	return nil
+}
+
+// newAuthority loads or creates the CA's key material (on Kubernetes, from the cacerts Secret
+// unless the mounted files hold a complete bundle) and returns the authority that signs with it
+// and the key manager that keeps it current.
+func newAuthority(cfg Config, st stores, reg prometheus.Registerer) (*ca.Authority, *ca.KeyManager, error) {
 	var (
 		initial       *ca.Bundle
 		initialOrigin ca.Origin
+		err           error
 	)
-	if cfg.Kubernetes.Enabled() {
-		if cp.kube, err = newOnKubernetes(cfg, clk, log, registry); err != nil {
-			return nil, err
-		}
-		store = cp.kube.store
-		if initial, initialOrigin, err = cp.kube.initialBundle(cfg.CACertsDir, clk.Now()); err != nil {
-			return nil, fmt.Errorf("load CA key material: %w", err)
+	if st.kube != nil {
+		if initial, initialOrigin, err = st.kube.initialBundle(cfg.CACertsDir, cfg.Clock.Now()); err != nil {
+			return nil, nil, fmt.Errorf("load CA key material: %w", err)
 		}
 	}
-
-	authority := ca.New(ca.Config{Clock: clk, DefaultTTL: cfg.WorkloadCertTTL, MaxTTL: cfg.MaxWorkloadCertTTL}, nil)
+	authority := ca.New(ca.Config{Clock: cfg.Clock, DefaultTTL: cfg.WorkloadCertTTL, MaxTTL: cfg.MaxWorkloadCertTTL}, nil)
 	keys, err := ca.NewKeyManager(ca.KeyManagerConfig{
 		Authority:             authority,
 		CACertsDir:            cfg.CACertsDir,
@@ -185,80 +273,114 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 		RootRotationThreshold: cfg.RootRotationThreshold,
 		TrustBundleOverlap:    cfg.TrustBundleOverlap,
 		Debounce:              cfg.CACertsDebounce,
-		Clock:                 clk,
-		Logger:                log.With(logkey.Component, "ca"),
-		Registerer:            registry,
+		Clock:                 cfg.Clock,
+		Logger:                cfg.Logger.With(logkey.Component, "ca"),
+		Registerer:            reg,
 		OnEvent:               cfg.OnKeyEvent,
 		Initial:               initial,
 		InitialOrigin:         initialOrigin,
 	})
 	if err != nil {
-		return nil, fmt.Errorf("load CA key material: %w", err)
+		return nil, nil, fmt.Errorf("load CA key material: %w", err)
 	}
 	bundle := authority.Bundle()
-	log.Info("CA key material loaded",
+	cfg.Logger.Info("CA key material loaded",
 		logkey.Source, string(keys.Origin()),
 		logkey.Subject, bundle.SigningCert().Subject.String(),
 		logkey.NotAfter, bundle.NotAfter(),
 		logkey.Root, bundle.Root().Subject.String(),
 		logkey.TrustedRoots, len(bundle.Roots()),
 		logkey.Path, RootCertPath(cfg.StateDir))
-
-	authenticators, err := newAuthenticators(cfg, cp.kube, authority, clk, log, registry)
-	if err != nil {
-		return nil, err
+	if err := ca.RegisterMetrics(reg, authority); err != nil {
+		return nil, nil, err
 	}
+	return authority, keys, nil
+}
 
-	if err := ca.RegisterMetrics(registry, authority); err != nil {
-		return nil, err
-	}
-	metrics, err := caserver.NewMetrics(registry)
-	if err != nil {
-		return nil, err
-	}
+// controllers are what works over the stores: namespace targeting, the service-account secret
+// controller, and on Kubernetes what the elected replica runs besides it.
+type controllers struct {
+	targeting *controller.Targeting
+	leader    *leaderWork         // nil off Kubernetes
+	secrets   *controller.Secrets // nil without a store of service accounts
+	probe     *livenessProbe      // nil without a liveness probe path
+}
 
+func newControllers(cfg Config, st stores, authority *ca.Authority, reg prometheus.Registerer) (controllers, error) {
+	store := st.namespaces()
 	var namespaces controller.NamespaceStore // a nil Store must stay a nil interface
 	if store != nil {
 		namespaces = store
 	}
-	targeting := controller.NewTargeting(controller.TargetingConfig{
+	c := controllers{targeting: controller.NewTargeting(controller.TargetingConfig{
 		Store:            namespaces,
 		CANamespace:      cfg.CANamespace,
 		EnabledByDefault: cfg.EnableNamespacesByDefault,
-		Logger:           log.With(logkey.Component, "targeting"),
-	})
-	if cp.kube != nil {
-		if err := cp.kube.newLeaderWork(cfg, targeting, authority, log, registry); err != nil {
-			return nil, err
+		Logger:           cfg.Logger.With(logkey.Component, "targeting"),
+	})}
+	var err error
+	if st.kube != nil {
+		if c.leader, err = st.kube.newLeaderWork(cfg, c.targeting, authority, reg); err != nil {
+			return controllers{}, err
 		}
 	}
-	if store != nil {
-		if cp.secrets, err = newSecrets(cfg, store, cp.secretStore(cfg), targeting, authority, clk, log, registry); err != nil {
-			return nil, err
-		}
-		if cp.kube != nil {
-			cp.kube.secrets = cp.secrets
-		}
-		if cfg.Secrets.LivenessProbePath != "" {
-			cp.probe = &livenessProbe{path: cfg.Secrets.LivenessProbePath, interval: cfg.Secrets.LivenessProbeInterval,
-				healthy: cp.secrets.Healthy, clock: clk, log: log.With(logkey.Component, "liveness-probe")}
-		}
+	if store == nil {
+		return c, nil
 	}
+	// The secret controller keeps its secrets as Kubernetes Secrets, or in directories under the
+	// state dir.
+	var secretStore controller.SecretStore
+	if c.leader != nil {
+		secretStore = c.leader.secretStore
+	} else {
+		secretStore = controller.NewFileSecrets(SecretsDir(cfg.StateDir))
+	}
+	if c.secrets, err = newSecrets(cfg, store, secretStore, c.targeting, authority, reg); err != nil {
+		return controllers{}, err
+	}
+	if cfg.Secrets.LivenessProbePath != "" {
+		c.probe = &livenessProbe{path: cfg.Secrets.LivenessProbePath, interval: cfg.Secrets.LivenessProbeInterval,
+			healthy: c.secrets.Healthy, clock: cfg.Clock, log: cfg.Logger.With(logkey.Component, "liveness-probe")}
+	}
+	return c, nil
+}
 
-	serving := caserver.NewServingCertificate(authority, cfg.GRPCHostIdentities, clk)
+// newServers builds what answers on the gRPC port: the CA protocol and, with --xds-config, the
+// discovery server, which authorizes its callers as the CA does. The gRPC server itself is made
+// by the returned function, in Run.
+func newServers(cfg Config, st stores, authority *ca.Authority, authenticators []caserver.Authenticator,
+	targeting *controller.Targeting, reg prometheus.Registerer) (func() *grpc.Server, *discovery.Server, error) {
+	metrics, err := caserver.NewMetrics(reg)
+	if err != nil {
+		return nil, nil, err
+	}
+	serving := caserver.NewServingCertificate(authority, cfg.GRPCHostIdentities, cfg.Clock)
 	caServer := caserver.New(caserver.Config{
 		Signer:         authority,
 		Authenticators: authenticators,
 		Targeting:      targeting,
 		Metrics:        metrics,
-		Logger:         log.With(logkey.Component, "ca-server"),
-		Clock:          clk,
+		Logger:         cfg.Logger.With(logkey.Component, "ca-server"),
+		Clock:          cfg.Clock,
 	})
-	if cp.discovery != nil {
-		discoveryAuth.ca = caServer
+	var disco *discovery.Server
+	if st.xds != nil {
+		if disco, err = discovery.NewServer(discovery.ServerConfig{
+			ConfigPath:              cfg.XDSConfig,
+			Initial:                 st.xds,
+			Authorizer:              credentialNamespace{caServer},
+			MaxStreams:              cfg.XDSMaxStreams,
+			MaxStreamsPerCredential: cfg.XDSMaxStreamsPerCredential,
+			Clock:                   cfg.Clock,
+			Logger:                  cfg.Logger.With(logkey.Component, "discovery"),
+			Registerer:              reg,
+		}); err != nil {
+			return nil, nil, err
+		}
 	}
+	cfg.Logger.Info("CA serving certificate hosts", logkey.Hosts, serving.Hosts(), logkey.TrustDomain, cfg.TrustDomain)
 	transport := grpcTransport(cfg)
-	cp.newGRPC = func() *grpc.Server {
+	return func() *grpc.Server {
 		opts := append(caserver.GRPCServerOptions(), transport.ServerOptions()...)
 		grpcServer := grpc.NewServer(append(opts, grpc.Creds(credentials.NewTLS(&tls.Config{
 			MinVersion:     tls.VersionTLS12,
@@ -268,22 +390,23 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 			ClientAuth: tls.RequestClientCert,
 		})))...)
 		pb.RegisterIstioCertificateServiceServer(grpcServer, caServer)
-		if cp.discovery != nil {
-			cp.discovery.Register(grpcServer)
+		if disco != nil {
+			disco.Register(grpcServer)
 		}
 		return grpcServer
-	}
+	}, disco, nil
+}
 
-	cp.authority, cp.keys = authority, keys
-	if cp.monLis != nil {
-		cp.monitor = &http.Server{Handler: cp.monitoringHandler(registry), ReadHeaderTimeout: 10 * time.Second}
+// newMonitor returns the monitoring server, or nil without its listener.
+func newMonitor(lis net.Listener, registry *prometheus.Registry, authority *ca.Authority, ready *atomic.Bool) *http.Server {
+	if lis == nil {
+		return nil
 	}
-	log.Info("CA serving certificate hosts", logkey.Hosts, serving.Hosts(), logkey.TrustDomain, cfg.TrustDomain)
-	return cp, nil
+	return &http.Server{Handler: monitoringHandler(registry, authority, ready), ReadHeaderTimeout: 10 * time.Second}
 }
 
 func newSecrets(cfg Config, store controller.Store, secrets controller.SecretStore, targeting *controller.Targeting, authority *ca.Authority,
-	clk clock.Clock, log *slog.Logger, reg prometheus.Registerer) (*controller.Secrets, error) {
+	reg prometheus.Registerer) (*controller.Secrets, error) {
 	var dns map[string][]string
 	if cfg.Secrets.AppendDNSNames {
 		var err error
@@ -303,8 +426,8 @@ func newSecrets(cfg Config, store controller.Store, secrets controller.SecretSto
 		MinGracePeriod:   cfg.Secrets.MinGracePeriod,
 		DNSNames:         dns,
 		ResyncInterval:   cfg.Secrets.ResyncInterval,
-		Clock:            clk,
-		Logger:           log.With(logkey.Component, "secrets"),
+		Clock:            cfg.Clock,
+		Logger:           cfg.Logger.With(logkey.Component, "secrets"),
 		Registerer:       reg,
 		OnEvent:          cfg.Secrets.OnEvent,
 	})
@@ -313,27 +436,27 @@ func newSecrets(cfg Config, store controller.Store, secrets controller.SecretSto
 // newAuthenticators returns how callers prove who they are, in the order tried: a JWT checked
 // offline (with --jwt-keys, or off Kubernetes the state dir's own token key), a JWT checked by the
 // API server's TokenReview (on Kubernetes), a client certificate this CA issued.
-func newAuthenticators(cfg Config, k *onKubernetes, authority *ca.Authority, clk clock.Clock, log *slog.Logger,
-	reg prometheus.Registerer) ([]caserver.Authenticator, error) {
+func newAuthenticators(cfg Config, k *onKubernetes, authority *ca.Authority, reg prometheus.Registerer) ([]caserver.Authenticator, error) {
 	var authenticators []caserver.Authenticator
 	if cfg.JWTKeysFile != "" || k == nil {
-		verifier, err := newTokenVerifier(cfg, clk, log)
+		verifier, err := newTokenVerifier(cfg)
 		if err != nil {
 			return nil, err
 		}
 		authenticators = append(authenticators, caserver.NewJWTAuthenticator(verifier, cfg.TrustDomain))
 	}
 	if k != nil {
-		reviews, err := k.tokenReviews(cfg, clk, reg)
+		reviews, err := k.tokenReviews(cfg, reg)
 		if err != nil {
 			return nil, err
 		}
 		authenticators = append(authenticators, reviews)
 	}
-	return append(authenticators, caserver.NewMTLSAuthenticator(authority, cfg.TrustDomain, clk)), nil
+	return append(authenticators, caserver.NewMTLSAuthenticator(authority, cfg.TrustDomain, cfg.Clock)), nil
 }
 
-func newTokenVerifier(cfg Config, clk clock.Clock, log *slog.Logger) (*token.Verifier, error) {
+func newTokenVerifier(cfg Config) (*token.Verifier, error) {
+	log := cfg.Logger
 	var keys *token.KeySet
 	if cfg.JWTKeysFile != "" {
 		ks, err := token.LoadKeySet(cfg.JWTKeysFile)
@@ -361,7 +484,7 @@ func newTokenVerifier(cfg Config, clk clock.Clock, log *slog.Logger) (*token.Ver
 		Keys:     keys,
 		Audience: cfg.JWTAudience,
 		Issuer:   cfg.JWTIssuer,
-		Now:      clk.Now,
+		Now:      cfg.Clock.Now,
 	})
 }
 
@@ -392,31 +515,22 @@ func listen(addr string, log *slog.Logger) (net.Listener, *fsutil.Socket, error)
 
 // GRPCAddr returns the address the CA protocol is served on: HOST:PORT, or unix:///path.
 func (c *ControlPlane) GRPCAddr() string {
-	if c.grpcLis.Addr().Network() == "unix" {
-		return unixScheme + c.grpcLis.Addr().String()
+	if c.lis.grpc.Addr().Network() == "unix" {
+		return unixScheme + c.lis.grpc.Addr().String()
 	}
-	return c.grpcLis.Addr().String()
+	return c.lis.grpc.Addr().String()
 }
 
 // MonitoringAddr returns the monitoring server's address, or "" when it is disabled.
 func (c *ControlPlane) MonitoringAddr() string {
-	if c.monLis == nil {
+	if c.lis.monitoring == nil {
 		return ""
 	}
-	return c.monLis.Addr().String()
+	return c.lis.monitoring.Addr().String()
 }
 
 // Close releases the listeners of a control plane that will not Run.
-func (c *ControlPlane) Close() {
-	if c.grpcSocket != nil {
-		c.grpcSocket.Close()
-	} else {
-		_ = c.grpcLis.Close()
-	}
-	if c.monLis != nil {
-		_ = c.monLis.Close()
-	}
-}
+func (c *ControlPlane) Close() { c.lis.close() }
 
 // Ready is closed once Run serves and watches the plugged-in CA files.
 func (c *ControlPlane) Ready() <-chan struct{} { return c.readyCh }
@@ -425,22 +539,14 @@ func (c *ControlPlane) Ready() <-chan struct{} { return c.readyCh }
 func (c *ControlPlane) Authority() *ca.Authority { return c.authority }
 
 // Namespaces returns the store namespace targeting reads, or nil without one.
-func (c *ControlPlane) Namespaces() controller.Store {
-	switch {
-	case c.manifests != nil:
-		return c.manifests
-	case c.kube != nil:
-		return c.kube.store
-	}
-	return nil
-}
+func (c *ControlPlane) Namespaces() controller.Store { return c.stores.namespaces() }
 
 // credentialNamespace gives the discovery server the namespace of a caller's credential, as
 // the CA authorizes it for a certificate: authenticated, and its namespace served by this
-// instance. ca is set once the CA server exists, before anything is served.
+// instance.
 type credentialNamespace struct{ ca *caserver.Server }
 
-func (c *credentialNamespace) Authorize(ctx context.Context) (discovery.Caller, error) {
+func (c credentialNamespace) Authorize(ctx context.Context) (discovery.Caller, error) {
 	caller, err := c.ca.Authorize(ctx)
 	if err != nil {
 		return discovery.Caller{}, err
@@ -448,40 +554,31 @@ func (c *credentialNamespace) Authorize(ctx context.Context) (discovery.Caller, 
 	return discovery.Caller{Identity: caller.Identity, Method: caller.Method, Credential: caller.Credential}, nil
 }
 
-func (c *credentialNamespace) Serves(ctx context.Context, caller discovery.Caller) error {
+func (c credentialNamespace) Serves(ctx context.Context, caller discovery.Caller) error {
 	return c.ca.Serves(ctx, caserver.Caller{Identity: caller.Identity, Method: caller.Method, Credential: caller.Credential})
-}
-
-// secretStore is where the secret controller keeps its secrets: Kubernetes Secrets, or
-// directories under the state dir.
-func (c *ControlPlane) secretStore(cfg Config) controller.SecretStore {
-	if c.kube != nil {
-		return c.kube.secretStore
-	}
-	return controller.NewFileSecrets(SecretsDir(cfg.StateDir))
 }
 
 // Run serves until ctx ends, then stops the servers, giving in-flight requests a short grace.
 func (c *ControlPlane) Run(ctx context.Context) error {
 	c.grpc = c.newGRPC()
 	g, ctx := errgroup.WithContext(ctx)
-	if c.manifests != nil {
-		g.Go(func() error { return c.manifests.Run(ctx) })
+	if c.stores.manifests != nil {
+		g.Go(func() error { return c.stores.manifests.Run(ctx) })
 	}
 	g.Go(func() error { return c.keys.Run(ctx) })
 	if c.discovery != nil {
 		g.Go(func() error { return c.discovery.Run(ctx) })
 	}
-	if c.kube != nil {
-		c.kube.run(ctx, g, c.keys, c.secrets)
-	} else if c.secrets != nil {
-		g.Go(func() error { return c.secrets.Run(ctx) })
+	if c.stores.kube != nil {
+		c.stores.kube.run(ctx, g, c.keys, c.work.leader, c.work.secrets)
+	} else if c.work.secrets != nil {
+		g.Go(func() error { return c.work.secrets.Run(ctx) })
 	}
-	if c.probe != nil {
-		g.Go(func() error { return c.probe.run(ctx) })
+	if c.work.probe != nil {
+		g.Go(func() error { return c.work.probe.run(ctx) })
 	}
 	g.Go(func() error {
-		err := c.grpc.Serve(c.grpcLis)
+		err := c.grpc.Serve(c.lis.grpc)
 		// The stop below may run before Serve begins (a stop as soon as Ready, say, since Ready
 		// does not wait for Serve): Serve then returns ErrServerStopped at once. Only our stop
 		// stops the server, and only once ctx has ended; that is a clean stop.
@@ -492,7 +589,7 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 	})
 	if c.monitor != nil {
 		g.Go(func() error {
-			if err := c.monitor.Serve(c.monLis); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			if err := c.monitor.Serve(c.lis.monitoring); err != nil && !errors.Is(err, http.ErrServerClosed) {
 				return fmt.Errorf("serve monitoring: %w", err)
 			}
 			return nil
@@ -513,10 +610,10 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 		case <-ctx.Done():
 			return nil
 		}
-		if c.kube != nil {
+		if c.stores.kube != nil {
 			// Targeting answers only from a complete view of the namespaces.
 			select {
-			case <-c.kube.store.Synced():
+			case <-c.stores.kube.store.Synced():
 			case <-ctx.Done():
 				return nil
 			}
@@ -530,36 +627,53 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 	})
 	c.log.Info("CA started", logkey.Address, c.GRPCAddr(), logkey.MonitoringAddress, c.MonitoringAddr(), logkey.Version, version.Version())
 	err := g.Wait()
-	if c.grpcSocket != nil {
-		c.grpcSocket.Remove() // the server has closed its listener
+	if c.lis.grpcSocket != nil {
+		c.lis.grpcSocket.Remove() // the server has closed its listener
 	}
 	c.log.Info("CA stopped")
 	return err
 }
 
-// stop stops the servers once ctx has ended, giving in-flight requests shutdownGrace.
+// stop stops the servers once ctx has ended, giving in-flight requests shutdownGrace on the
+// injected clock.
 func (c *ControlPlane) stop(ctx context.Context) {
 	stopped := make(chan struct{})
 	go func() {
 		c.grpc.GracefulStop()
 		close(stopped)
 	}()
-	timer := time.NewTimer(shutdownGrace)
+	timer := c.clock.NewTimer(shutdownGrace)
 	defer timer.Stop()
 	select {
 	case <-stopped:
-	case <-timer.C:
+	case <-timer.C():
 		c.grpc.Stop()
 		<-stopped
 	}
 	if c.monitor != nil {
-		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), shutdownGrace)
+		ctx, cancel := c.graceContext(ctx)
 		defer cancel()
 		_ = c.monitor.Shutdown(ctx)
 	}
 }
 
-func (c *ControlPlane) monitoringHandler(registry *prometheus.Registry) http.Handler {
+// graceContext returns a context, not done with ctx, that ends shutdownGrace from now on the
+// control plane's clock.
+func (c *ControlPlane) graceContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	ctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	timer := c.clock.NewTimer(shutdownGrace)
+	go func() {
+		defer timer.Stop()
+		select {
+		case <-timer.C():
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	return ctx, cancel
+}
+
+func monitoringHandler(registry *prometheus.Registry, authority *ca.Authority, ready *atomic.Bool) http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", promhttp.HandlerFor(registry, promhttp.HandlerOpts{Registry: registry}))
 	mux.HandleFunc("GET /version", func(w http.ResponseWriter, _ *http.Request) {
@@ -569,7 +683,7 @@ func (c *ControlPlane) monitoringHandler(registry *prometheus.Registry) http.Han
 		_, _ = fmt.Fprintln(w, "ok")
 	})
 	mux.HandleFunc("GET /healthz/ready", func(w http.ResponseWriter, _ *http.Request) {
-		if !c.ready.Load() || c.authority.Bundle() == nil {
+		if !ready.Load() || authority.Bundle() == nil {
 			http.Error(w, "not ready: the CA is not serving", http.StatusServiceUnavailable)
 			return
 		}

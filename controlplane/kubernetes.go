@@ -15,7 +15,6 @@ import (
 	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/ca/controller"
 	"github.com/meshid/meshid/ca/controller/kube"
-	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/logkey"
 )
 
@@ -68,21 +67,28 @@ func (k KubernetesConfig) validate(cfg *Config) []error {
 	return errs
 }
 
-// onKubernetes is what the control plane runs on Kubernetes.
+// onKubernetes is the control plane's stores on Kubernetes: the API server's namespaces and
+// service accounts, and the cacerts Secret.
 type onKubernetes struct {
 	cfg         KubernetesConfig
 	caNamespace string
 	clients     *kube.Clients
 	store       *kube.Store
-	secretStore *kube.SecretStore
 	cacerts     *kube.CACerts
-	rootCMs     *kube.RootConfigMaps // set once the targeting exists
-	secrets     *controller.Secrets  // what the secret store's events requeue
 	reg         prometheus.Registerer
 	log         *slog.Logger
 }
 
-func newOnKubernetes(cfg Config, clk clock.Clock, log *slog.Logger, reg prometheus.Registerer) (*onKubernetes, error) {
+// leaderWork is what the elected replica runs besides the secret controller, built once
+// namespace targeting exists: the istio-ca-root-cert ConfigMaps; and the store of Secrets the
+// secret controller keeps, which every replica watches.
+type leaderWork struct {
+	rootCMs     *kube.RootConfigMaps
+	secretStore *kube.SecretStore
+}
+
+func newOnKubernetes(cfg Config, reg prometheus.Registerer) (*onKubernetes, error) {
+	clk, log := cfg.Clock, cfg.Logger
 	restCfg, err := kube.LoadConfig(cfg.Kubernetes.Kubeconfig)
 	if err != nil {
 		return nil, err
@@ -145,12 +151,12 @@ func (k *onKubernetes) initialBundle(cacertsDir string, now time.Time) (*ca.Bund
 	return k.cacerts.Load(ctx)
 }
 
-// newLeaderWork builds what the elected replica runs besides the secret controller: the
-// istio-ca-root-cert ConfigMaps. The secret store is built here too, for the secret controller.
+// newLeaderWork builds what the elected replica runs besides the secret controller, and the
+// secret controller's store.
 func (k *onKubernetes) newLeaderWork(cfg Config, targeting *controller.Targeting, authority *ca.Authority,
-	log *slog.Logger, reg prometheus.Registerer) error {
-	var err error
-	k.rootCMs, err = kube.NewRootConfigMaps(kube.RootConfigMapsConfig{
+	reg prometheus.Registerer) (*leaderWork, error) {
+	log := cfg.Logger
+	rootCMs, err := kube.NewRootConfigMaps(kube.RootConfigMapsConfig{
 		Clients:    k.clients,
 		Store:      k.store,
 		Targeting:  targeting,
@@ -159,42 +165,41 @@ func (k *onKubernetes) newLeaderWork(cfg Config, targeting *controller.Targeting
 		Registerer: reg,
 	})
 	if err != nil {
-		return err
+		return nil, err
 	}
-	k.secretStore = kube.NewSecretStore(kube.SecretStoreConfig{
+	return &leaderWork{rootCMs: rootCMs, secretStore: kube.NewSecretStore(kube.SecretStoreConfig{
 		Clients:    k.clients,
 		Namespace:  cfg.Secrets.ListenedNamespace,
 		Logger:     log.With(logkey.Component, "kube-secrets"),
 		Registerer: reg,
-		OnChange: func(key controller.SecretKey) {
-			if k.secrets != nil {
-				k.secrets.Requeue(key)
-			}
-		},
-	})
-	return nil
+	})}, nil
 }
 
-func (k *onKubernetes) tokenReviews(cfg Config, clk clock.Clock, reg prometheus.Registerer) (*kube.TokenReviewAuthenticator, error) {
+func (k *onKubernetes) tokenReviews(cfg Config, reg prometheus.Registerer) (*kube.TokenReviewAuthenticator, error) {
 	return kube.NewTokenReviewAuthenticator(kube.TokenReviewConfig{
 		Reviews:     k.clients.Authentication.TokenReviews(),
 		Audience:    cfg.JWTAudience,
 		TrustDomain: cfg.TrustDomain,
-		Clock:       clk,
+		Clock:       cfg.Clock,
 		Logger:      k.log,
 		Registerer:  reg,
 	})
 }
 
 // run runs the informers and the cacerts watch on every replica, and the secret controller and
-// the root ConfigMaps on the one holding the Lease.
-func (k *onKubernetes) run(ctx context.Context, g *errgroup.Group, keys *ca.KeyManager, secrets *controller.Secrets) {
+// the root ConfigMaps on the one holding the Lease. A change the secret store sees requeues the
+// secret controller, where it runs.
+func (k *onKubernetes) run(ctx context.Context, g *errgroup.Group, keys *ca.KeyManager, leader *leaderWork, secrets *controller.Secrets) {
+	var requeue func(controller.SecretKey)
+	if secrets != nil {
+		requeue = secrets.Requeue
+	}
 	g.Go(func() error { return k.store.Run(ctx) })
 	g.Go(func() error { return k.cacerts.Run(ctx, keys) })
-	g.Go(func() error { return k.secretStore.Run(ctx) })
+	g.Go(func() error { return leader.secretStore.Run(ctx, requeue) })
 	g.Go(func() error {
 		// The elected replica's work reads both views: it starts once they are complete.
-		for _, synced := range []<-chan struct{}{k.store.Synced(), k.secretStore.Synced()} {
+		for _, synced := range []<-chan struct{}{k.store.Synced(), leader.secretStore.Synced()} {
 			select {
 			case <-synced:
 			case <-ctx.Done():
@@ -213,7 +218,7 @@ func (k *onKubernetes) run(ctx context.Context, g *errgroup.Group, keys *ca.KeyM
 			Registerer:    k.reg,
 		}, func(ctx context.Context) error {
 			lg, ctx := errgroup.WithContext(ctx)
-			lg.Go(func() error { return k.rootCMs.Run(ctx) })
+			lg.Go(func() error { return leader.rootCMs.Run(ctx) })
 			if secrets != nil {
 				lg.Go(func() error { return secrets.Run(ctx) })
 			}

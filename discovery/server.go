@@ -62,6 +62,9 @@ type Authorizer interface {
 type ServerConfig struct {
 	// ConfigPath is the --xds-config file, watched and reloaded.
 	ConfigPath string
+	// Initial is the configuration LoadConfig read from ConfigPath, for a caller that checks
+	// the file before it builds the server; nil: NewServer loads it.
+	Initial    *Config
 	Authorizer Authorizer
 	// MaxStreams bounds the streams open at once (default DefaultMaxStreams), and
 	// MaxStreamsPerCredential those of one credential (default DefaultMaxStreamsPerCredential);
@@ -123,9 +126,12 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	current, err := loadConfig(cfg.ConfigPath)
-	if err != nil {
-		return nil, err
+	current := cfg.Initial
+	if current == nil {
+		var err error
+		if current, err = LoadConfig(cfg.ConfigPath); err != nil {
+			return nil, err
+		}
 	}
 	gate, err := admission.NewGate(admission.Limits{Streams: cfg.MaxStreams, StreamsPerKey: cfg.MaxStreamsPerCredential})
 	if err != nil {
@@ -202,7 +208,8 @@ func (s *Server) Run(ctx context.Context) error {
 	return s.watcher.Run(ctx, func([]string) { s.reload() })
 }
 
-func loadConfig(path string) (*Config, error) {
+// LoadConfig reads and checks the --xds-config file at path.
+func LoadConfig(path string) (*Config, error) {
 	data, err := os.ReadFile(path)
 	if err != nil {
 		return nil, fmt.Errorf("--xds-config: %w", err)
@@ -224,7 +231,7 @@ func (s *Server) reload() {
 }
 
 func (s *Server) reloadOnce() error {
-	next, err := loadConfig(s.cfg.ConfigPath)
+	next, err := LoadConfig(s.cfg.ConfigPath)
 	if err != nil {
 		s.reloads.WithLabelValues("invalid").Inc()
 		s.log.Error("the discovery configuration is not valid; the last good one keeps serving", logkey.Error, err.Error())

@@ -163,8 +163,8 @@ func TestSidecarManifestConfiguresTheAgent(t *testing.T) {
 	if err := root.ExecuteContext(t.Context()); err != nil {
 		t.Fatalf("meshid-agent refuses the manifest's container: %v\n%s", err, stderr.String())
 	}
-	if got.CAAddress != "meshid-ca.istio-system.svc:15012" || got.Namespace != "demo" || got.ServiceAccount != "demo" {
-		t.Errorf("CA %q, identity %s/%s; want the meshid-ca Service and demo/demo", got.CAAddress, got.Namespace, got.ServiceAccount)
+	if got.CA.Address != "meshid-ca.istio-system.svc:15012" || got.Identity.Namespace != "demo" || got.Identity.ServiceAccount != "demo" {
+		t.Errorf("CA %q, identity %s/%s; want the meshid-ca Service and demo/demo", got.CA.Address, got.Identity.Namespace, got.Identity.ServiceAccount)
 	}
 	mounted := func(path string) bool {
 		for _, m := range found.VolumeMounts {
@@ -174,15 +174,15 @@ func TestSidecarManifestConfiguresTheAgent(t *testing.T) {
 		}
 		return false
 	}
-	for _, path := range []string{got.TokenPath, "/" + agent.DefaultCARootCert, filepath.Join("/", agent.DefaultSocketDir, "socket"), "/" + agent.DefaultXDSSocket} {
+	for _, path := range []string{got.CA.TokenPath, "/" + agent.DefaultCARootCert, filepath.Join("/", agent.DefaultSocketDir, "socket"), "/" + agent.DefaultXDSSocket} {
 		if !mounted(path) {
 			t.Errorf("the agent uses %s, which no volume of its container holds", path)
 		}
 	}
-	if got.CARootCert != "" {
-		t.Errorf("CA root %q set: the manifest relies on the default %s", got.CARootCert, agent.DefaultCARootCert)
+	if got.CA.RootCert != "" {
+		t.Errorf("CA root %q set: the manifest relies on the default %s", got.CA.RootCert, agent.DefaultCARootCert)
 	}
-	if _, port, _ := strings.Cut(got.StatusAddr, ":"); len(found.Ports) != 1 || port != strconv.Itoa(found.Ports[0].ContainerPort) {
-		t.Errorf("status address %s, container ports %+v: the readiness probe would miss it", got.StatusAddr, found.Ports)
+	if _, port, _ := strings.Cut(got.Servers.StatusAddr, ":"); len(found.Ports) != 1 || port != strconv.Itoa(found.Ports[0].ContainerPort) {
+		t.Errorf("status address %s, container ports %+v: the readiness probe would miss it", got.Servers.StatusAddr, found.Ports)
 	}
 }

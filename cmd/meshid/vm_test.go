@@ -103,16 +103,16 @@ func TestVMUnitAndBundleConfigureTheAgent(t *testing.T) {
 		t.Fatalf("meshid-agent refuses the unit's command line with the bundle's environment: %v\n%s", err, stderr.String())
 	}
 	for what, pair := range map[string][2]string{
-		"CA address":      {got.CAAddress, "ca.example.com:15012"},
-		"CA root":         {got.CARootCert, "/etc/meshid/root-cert.pem"},
-		"token":           {got.TokenPath, "/etc/meshid/istio-token"},
-		"namespace":       {got.Namespace, "vm"},
-		"service account": {got.ServiceAccount, "billing"},
-		"trust domain":    {got.TrustDomain, "cluster.local"},
-		"OUTPUT_CERTS":    {got.OutputCerts, "/var/lib/meshid/certs"},
-		"SDS socket dir":  {got.WorkloadSocketDir, "/run/meshid"},
-		"XDS socket":      {got.XDSSocket, "/run/meshid/XDS"},
-		"status address":  {got.StatusAddr, "127.0.0.1:15020"},
+		"CA address":      {got.CA.Address, "ca.example.com:15012"},
+		"CA root":         {got.CA.RootCert, "/etc/meshid/root-cert.pem"},
+		"token":           {got.CA.TokenPath, "/etc/meshid/istio-token"},
+		"namespace":       {got.Identity.Namespace, "vm"},
+		"service account": {got.Identity.ServiceAccount, "billing"},
+		"trust domain":    {got.Identity.TrustDomain, "cluster.local"},
+		"OUTPUT_CERTS":    {got.Output.Dir, "/var/lib/meshid/certs"},
+		"SDS socket dir":  {got.SDS.SocketDir, "/run/meshid"},
+		"XDS socket":      {got.XDS.Socket, "/run/meshid/XDS"},
+		"status address":  {got.Servers.StatusAddr, "127.0.0.1:15020"},
 	} {
 		if pair[0] != pair[1] {
 			t.Errorf("%s: %q, want %q", what, pair[0], pair[1])

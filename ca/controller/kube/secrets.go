@@ -31,9 +31,6 @@ type SecretStoreConfig struct {
 	Namespace  string
 	Logger     *slog.Logger
 	Registerer prometheus.Registerer // optional
-	// OnChange, when set, is told of every change the watch sees to a secret (the controller's
-	// Requeue), so that one a user deleted or edited is reconciled at once.
-	OnChange func(controller.SecretKey)
 }
 
 // SecretStore is the controller.SecretStore of a cluster: Secrets istio.<sa> of type
@@ -47,6 +44,8 @@ type SecretStore struct {
 	view   cache.MutationCache
 	synced chan struct{}
 	once   sync.Once
+	// onChange is what Run was given, set before the informer starts.
+	onChange func(controller.SecretKey)
 }
 
 var _ controller.SecretStore = (*SecretStore)(nil)
@@ -72,8 +71,8 @@ func NewSecretStore(cfg SecretStoreConfig) *SecretStore {
 		if !ok {
 			return
 		}
-		if sa, ok := strings.CutPrefix(secret.Name, controller.SecretPrefix); ok && cfg.OnChange != nil {
-			cfg.OnChange(controller.SecretKey{Namespace: secret.Namespace, ServiceAccount: sa})
+		if sa, ok := strings.CutPrefix(secret.Name, controller.SecretPrefix); ok && s.onChange != nil {
+			s.onChange(controller.SecretKey{Namespace: secret.Namespace, ServiceAccount: sa})
 		}
 	}
 	_, _ = s.informer.AddEventHandler(cache.ResourceEventHandlerFuncs{
@@ -103,8 +102,12 @@ func NewSecretStore(cfg SecretStoreConfig) *SecretStore {
 	return s
 }
 
-// Run runs the informer until ctx ends.
-func (s *SecretStore) Run(ctx context.Context) error {
+// Run runs the informer until ctx ends. onChange, when not nil, is told of every change the
+// watch sees to a secret (the secret controller's Requeue), so that one a user deleted or edited
+// is reconciled at once: the controller is built with this store, so it is given here, once both
+// exist.
+func (s *SecretStore) Run(ctx context.Context, onChange func(controller.SecretKey)) error {
+	s.onChange = onChange
 	var wg sync.WaitGroup
 	wg.Go(func() { s.informer.RunWithContext(ctx) })
 	if cache.WaitForCacheSync(ctx.Done(), s.informer.HasSynced) {

@@ -53,11 +53,8 @@ func runSecretsOnKube(t *testing.T, cfg *rest.Config, ns string) *secretsOnKube 
 	h := &secretsOnKube{t: t, ns: ns, authority: ca.New(ca.Config{DefaultTTL: time.Hour}, bundle), events: make(chan controller.SecretEvent, 1024)}
 	clients, log := clientsFor(t, cfg), testLogger(t)
 	store := kube.NewStore(kube.StoreConfig{Clients: clients, Logger: log})
-	var secrets *controller.Secrets
-	secretStore := kube.NewSecretStore(kube.SecretStoreConfig{Clients: clients, Logger: log, OnChange: func(k controller.SecretKey) {
-		secrets.Requeue(k)
-	}})
-	secrets, err = controller.NewSecrets(controller.SecretsConfig{
+	secretStore := kube.NewSecretStore(kube.SecretStoreConfig{Clients: clients, Logger: log})
+	secrets, err := controller.NewSecrets(controller.SecretsConfig{
 		Store:     store,
 		Targeting: controller.NewTargeting(controller.TargetingConfig{Store: store, CANamespace: "istio-system", EnabledByDefault: true}),
 		Signer:    h.authority, Secrets: secretStore, TrustDomain: "cluster.local", Namespace: ns,
@@ -67,7 +64,7 @@ func runSecretsOnKube(t *testing.T, cfg *rest.Config, ns string) *secretsOnKube 
 		t.Fatal(err)
 	}
 	start(t, store.Run)
-	start(t, secretStore.Run)
+	start(t, func(ctx context.Context) error { return secretStore.Run(ctx, secrets.Requeue) })
 	waitClosed(t, store.Synced(), "store synced")
 	waitClosed(t, secretStore.Synced(), "secret store synced")
 	start(t, secrets.Run)

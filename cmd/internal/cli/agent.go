@@ -135,7 +135,7 @@ func checkIstioProviders(fetcher, identityProvider, pilotCertProvider string) []
 // embed starts the control plane in-process when no CA is given (nil in a binary without a CA).
 func NewAgentCommand(g *Globals, run AgentRunner, lookupEnv func(string) (string, bool), embed agent.EmbedFunc) *cobra.Command {
 	cfg := agent.DefaultConfig("")
-	cfg.Embed = embed
+	cfg.CA.Embed = embed
 	var keyAlgorithm, caProvider, socketMode, outputGroupRead string
 	var credentialFetcherType, credentialIdentityProvider, pilotCertProvider string
 	caSource := `  3. else a CA: the one at --ca-addr or, when none is given, a control plane run in-process
@@ -201,7 +201,7 @@ root is needed.`,
 			if err != nil {
 				errs = append(errs, fmt.Errorf("--key-algorithm (ECC_SIGNATURE_ALGORITHM): %w", err))
 			} else {
-				cfg.KeyAlgorithm = alg
+				cfg.Certificate.KeyAlgorithm = alg
 			}
 			if strings.EqualFold(caProvider, "GoogleCA") {
 				errs = append(errs, fmt.Errorf("CA_PROVIDER=%s is not supported yet: meshid speaks Istio's CA protocol (Citadel)", caProvider))
@@ -215,30 +215,30 @@ root is needed.`,
 				}
 			}
 			if !flags.Changed("token-path") {
-				cfg.TokenPath = filepath.Join(rootOrSlash(cfg.RootDir), agent.DefaultTokenPath)
+				cfg.CA.TokenPath = filepath.Join(rootOrSlash(cfg.RootDir), agent.DefaultTokenPath)
 			}
 			if mode, err := strconv.ParseUint(socketMode, 8, 32); err != nil || mode > 0o777 {
 				errs = append(errs, fmt.Errorf("--socket-mode %q: want an octal file mode such as 0660", socketMode))
 			} else {
-				cfg.SocketMode = os.FileMode(mode)
+				cfg.SDS.SocketMode = os.FileMode(mode)
 			}
 			switch outputGroupRead {
 			case "none":
 			case "certs":
-				cfg.OutputGroupRead = true
+				cfg.Output.GroupRead = true
 			case "all":
-				cfg.OutputGroupRead, cfg.OutputKeyGroupRead = true, true
+				cfg.Output.GroupRead, cfg.Output.KeyGroupRead = true, true
 			default:
 				errs = append(errs, fmt.Errorf("--output-certs-group-read %q: want none, certs or all", outputGroupRead))
 			}
-			if outputGroupRead != "none" && cfg.OutputCerts == "" {
+			if outputGroupRead != "none" && cfg.Output.Dir == "" {
 				errs = append(errs, errors.New("--output-certs-group-read needs --output-certs (OUTPUT_CERTS)"))
 			}
-			if cfg.CAAddress == "" && cfg.DiscoveryAddress != "" {
-				cfg.CAAddress = cfg.DiscoveryAddress // CA_ADDR defaults to the discovery address, as in Istio
+			if cfg.CA.Address == "" && cfg.XDS.DiscoveryAddress != "" {
+				cfg.CA.Address = cfg.XDS.DiscoveryAddress // CA_ADDR defaults to the discovery address, as in Istio
 			}
-			if !cfg.ProxyXDS {
-				if flags.Changed("proxy-xds-debug-via-agent") && cfg.ProxyXDSDebug {
+			if !cfg.XDS.Proxy {
+				if flags.Changed("proxy-xds-debug-via-agent") && cfg.XDS.ProxyDebug {
 					errs = append(errs, errors.New("--proxy-xds-debug-via-agent (PROXY_XDS_DEBUG_VIA_AGENT) needs the xDS proxy: --proxy-xds-via-agent (PROXY_XDS_VIA_AGENT) is false"))
 				}
 				for _, name := range []string{"discovery-addr", "xds-socket", "xds-root-cert", "xds-debug-socket", "xds-debug-tcp",
@@ -247,12 +247,12 @@ root is needed.`,
 						errs = append(errs, fmt.Errorf("--%s configures the xDS proxy, which --proxy-xds-via-agent=false (PROXY_XDS_VIA_AGENT) turns off", name))
 					}
 				}
-				cfg.ProxyXDSDebug = false
-			} else if !cfg.ProxyXDSDebug && flags.Changed("xds-debug-socket") {
+				cfg.XDS.ProxyDebug = false
+			} else if !cfg.XDS.ProxyDebug && flags.Changed("xds-debug-socket") {
 				errs = append(errs, errors.New("--xds-debug-socket serves /debug/<type>, which --proxy-xds-debug-via-agent=false (PROXY_XDS_DEBUG_VIA_AGENT) turns off"))
 			}
 			cfg.Logger = log
-			return errors.Join(append(errs, cfg.Validate())...)
+			return errors.Join(append(errs, renderConfigErrors(cfg.Validate()))...)
 		},
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			return RefusedAsCalled(run(cmd.Context(), cfg))
@@ -264,47 +264,142 @@ root is needed.`,
 	if embed == nil {
 		caAddrHelp = "address of the CA, HOST:PORT (CA_ADDR); required"
 	}
-	f.StringVar(&cfg.CAAddress, "ca-addr", "", caAddrHelp)
+	f.StringVar(&cfg.CA.Address, "ca-addr", "", caAddrHelp)
 	f.StringVar(&caProvider, "ca-provider", "Citadel", "CA protocol: Citadel (anything but GoogleCA means Citadel, as in Istio) (CA_PROVIDER); GoogleCA is refused")
 	f.StringVar(&credentialFetcherType, "credential-fetcher-type", "", "where the token comes from (CREDENTIAL_FETCHER_TYPE): JWT, Istio's name for the token file at --token-path, is all meshid does; GoogleComputeEngine is refused")
 	f.StringVar(&credentialIdentityProvider, "credential-identity-provider", "", "identity provider of a credential fetcher meshid does not support yet (CREDENTIAL_IDENTITY_PROVIDER); any value is refused")
 	f.StringVar(&pilotCertProvider, "pilot-cert-provider", "", "which roots verify the CA and the discovery server (PILOT_CERT_PROVIDER): istiod, what meshid does (--ca-root-cert, --xds-root-cert); kubernetes, custom and none are refused")
-	f.StringVar(&cfg.CARootCert, "ca-root-cert", "", "PEM roots that verify the CA (CA_ROOT_CA); default: <prov-cert>/root-cert.pem, else <root-dir>/var/run/secrets/istio/root-cert.pem")
-	f.StringVar(&cfg.CAServerName, "istiod-san", cfg.CAServerName, "name verified in the CA's certificate (ISTIOD_SAN)")
-	f.StringVar(&cfg.TokenPath, "token-path", "", "service-account token presented to the CA, re-read at every request (default <root-dir>/var/run/secrets/tokens/istio-token)")
-	f.StringVar(&cfg.ProvCert, "prov-cert", "", "directory of a provisioned key pair (cert-chain.pem, key.pem) for mTLS to the CA (PROV_CERT)")
-	f.StringVar(&cfg.OutputCerts, "output-certs", "", "directory that receives key.pem, cert-chain.pem and root-cert.pem on every renewal (OUTPUT_CERTS); made 0700 when missing, refused when another user owns it or can write in it, and locked by this agent while it runs")
+	f.StringVar(&cfg.CA.RootCert, "ca-root-cert", "", "PEM roots that verify the CA (CA_ROOT_CA); default: <prov-cert>/root-cert.pem, else <root-dir>/var/run/secrets/istio/root-cert.pem")
+	f.StringVar(&cfg.CA.ServerName, "istiod-san", cfg.CA.ServerName, "name verified in the CA's certificate (ISTIOD_SAN)")
+	f.StringVar(&cfg.CA.TokenPath, "token-path", "", "service-account token presented to the CA, re-read at every request (default <root-dir>/var/run/secrets/tokens/istio-token)")
+	f.StringVar(&cfg.CA.ProvCert, "prov-cert", "", "directory of a provisioned key pair (cert-chain.pem, key.pem) for mTLS to the CA (PROV_CERT)")
+	f.StringVar(&cfg.Output.Dir, "output-certs", "", "directory that receives key.pem, cert-chain.pem and root-cert.pem on every renewal (OUTPUT_CERTS); made 0700 when missing, refused when another user owns it or can write in it, and locked by this agent while it runs")
 	f.StringVar(&outputGroupRead, "output-certs-group-read", "none", "what the agent's group may read in --output-certs: none, certs (directories 0750, cert-chain.pem and root-cert.pem 0640) or all (key.pem 0640 too)")
-	f.StringVar(&cfg.TrustDomain, "trust-domain", cfg.TrustDomain, "trust domain of the workload's SPIFFE ID (TRUST_DOMAIN)")
-	f.StringVar(&cfg.Namespace, "namespace", "", "namespace of the workload (POD_NAMESPACE)")
-	f.StringVar(&cfg.ServiceAccount, "service-account", "", "service account of the workload (SERVICE_ACCOUNT)")
-	f.StringVar(&cfg.ClusterID, "cluster-id", "", "cluster ID sent to the CA (ISTIO_META_CLUSTER_ID)")
+	f.StringVar(&cfg.Identity.TrustDomain, "trust-domain", cfg.Identity.TrustDomain, "trust domain of the workload's SPIFFE ID (TRUST_DOMAIN)")
+	f.StringVar(&cfg.Identity.Namespace, "namespace", "", "namespace of the workload (POD_NAMESPACE)")
+	f.StringVar(&cfg.Identity.ServiceAccount, "service-account", "", "service account of the workload (SERVICE_ACCOUNT)")
+	f.StringVar(&cfg.CA.ClusterID, "cluster-id", "", "cluster ID sent to the CA (ISTIO_META_CLUSTER_ID)")
 	f.StringVar(&keyAlgorithm, "key-algorithm", string(pki.ECDSA), "workload key: ECDSA (P-256) or RSA (ECC_SIGNATURE_ALGORITHM)")
-	f.IntVar(&cfg.RSAKeySize, "workload-rsa-key-size", cfg.RSAKeySize, "RSA key size when --key-algorithm is RSA (WORKLOAD_RSA_KEY_SIZE)")
-	f.DurationVar(&cfg.SecretTTL, "secret-ttl", cfg.SecretTTL, "certificate lifetime asked of the CA (SECRET_TTL)")
-	f.Float64Var(&cfg.GraceRatio, "grace-period-ratio", cfg.GraceRatio, "renew when this share of the certificate's lifetime is left (SECRET_GRACE_PERIOD_RATIO)")
-	f.Float64Var(&cfg.GraceRatioJitter, "grace-period-ratio-jitter", cfg.GraceRatioJitter, "random ± spread of the ratio, so that workloads do not renew in step (SECRET_GRACE_PERIOD_RATIO_JITTER)")
-	f.StringVar(&cfg.WorkloadSocketDir, "workload-socket-dir", "", "directory of the SDS socket (default <root-dir>/var/run/secrets/workload-spiffe-uds)")
+	f.IntVar(&cfg.Certificate.RSAKeySize, "workload-rsa-key-size", cfg.Certificate.RSAKeySize, "RSA key size when --key-algorithm is RSA (WORKLOAD_RSA_KEY_SIZE)")
+	f.DurationVar(&cfg.Certificate.TTL, "secret-ttl", cfg.Certificate.TTL, "certificate lifetime asked of the CA (SECRET_TTL)")
+	f.Float64Var(&cfg.Certificate.GraceRatio, "grace-period-ratio", cfg.Certificate.GraceRatio, "renew when this share of the certificate's lifetime is left (SECRET_GRACE_PERIOD_RATIO)")
+	f.Float64Var(&cfg.Certificate.GraceRatioJitter, "grace-period-ratio-jitter", cfg.Certificate.GraceRatioJitter, "random ± spread of the ratio, so that workloads do not renew in step (SECRET_GRACE_PERIOD_RATIO_JITTER)")
+	f.StringVar(&cfg.SDS.SocketDir, "workload-socket-dir", "", "directory of the SDS socket (default <root-dir>/var/run/secrets/workload-spiffe-uds)")
 	f.StringVar(&socketMode, "socket-mode", "0660", "file mode of the SDS socket")
-	f.StringVar(&cfg.CredentialsDir, "credentials-dir", "", "directory whose cert-chain.pem, key.pem and root-cert.pem are served instead of a CA's (default <root-dir>/var/run/secrets/workload-spiffe-credentials)")
-	f.BoolVar(&cfg.FileMountedCerts, "file-mounted-certs", false, "serve <root-dir>/etc/certs/{cert-chain,key,root-cert}.pem and use no CA (FILE_MOUNTED_CERTS)")
-	f.StringSliceVar(&cfg.FileResourceDirs, "file-resource-dirs", nil, "directories that file-cert: and file-root: secrets may read (default: the credentials dir and <root-dir>/etc/certs)")
-	f.DurationVar(&cfg.DrainDuration, "drain-duration", 0, "how long SDS streams may go on after SIGTERM")
-	f.IntVar(&cfg.SDSMaxStreams, "sds-max-streams", cfg.SDSMaxStreams, "SDS streams and FetchSecrets calls open at once, over all connections, and open connections; past it a stream is refused (ResourceExhausted) and a connection closed. Envoy opens one stream per secret name: a sidecar a handful, a gateway one more per file-mounted certificate; each costs about 17 kB")
-	f.IntVar(&cfg.SDSMaxStreamsPerConnection, "sds-max-streams-per-connection", cfg.SDSMaxStreamsPerConnection, "SDS streams one connection may carry at once, told to the client (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS), which holds further ones back until one ends")
-	f.StringVar(&cfg.DiscoveryAddress, "discovery-addr", "", "discovery server Envoy's xDS is proxied to, HOST:PORT (Istio's discoveryAddress; CA_ADDR defaults to it); default: the CA's address, or the in-process control plane")
-	f.StringVar(&cfg.XDSSocket, "xds-socket", "", "Unix socket Envoy's ADS connects to (default <root-dir>/etc/istio/proxy/XDS)")
-	f.StringVar(&cfg.XDSRootCert, "xds-root-cert", "", "PEM roots that verify the discovery server (XDS_ROOT_CA); default: the CA's roots")
-	f.IntVar(&cfg.XDSMaxStreams, "xds-proxy-max-streams", cfg.XDSMaxStreams, "Envoy's ADS streams open at once through the xDS proxy, and open connections; past it a stream is refused (ResourceExhausted) and a connection closed. Envoy opens one ADS stream; each costs about 41 kB here and one stream upstream")
-	f.IntVar(&cfg.XDSMaxStreamsPerConnection, "xds-proxy-max-streams-per-connection", cfg.XDSMaxStreamsPerConnection, "ADS streams one connection to the xDS proxy may carry at once, told to the client (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS)")
-	f.StringVar(&cfg.XDSDebugSocket, "xds-debug-socket", "", "Unix socket of /debug/<type>, with the XDS socket's mode (default: "+agent.XDSDebugSocketName+" next to --xds-socket)")
-	f.BoolVar(&cfg.XDSDebugTCP, "xds-debug-tcp", false, "also answer /debug/<type> on --debug-addr: any local user, not only who may open the XDS socket, can then read this namespace's configuration and its other proxies")
-	f.BoolVar(&cfg.ProxyXDS, "proxy-xds-via-agent", cfg.ProxyXDS, "serve Envoy's ADS on --xds-socket and proxy it to the discovery server (PROXY_XDS_VIA_AGENT)")
-	f.BoolVar(&cfg.ProxyXDSDebug, "proxy-xds-debug-via-agent", cfg.ProxyXDSDebug, "answer /debug/<type> on --xds-debug-socket with the discovery server's istio.io/debug/<type> for this proxy (PROXY_XDS_DEBUG_VIA_AGENT)")
-	f.StringVar(&cfg.StatusAddr, "status-addr", cfg.StatusAddr, "listen address of /healthz/ready and /metrics")
-	f.StringVar(&cfg.DebugAddr, "debug-addr", cfg.DebugAddr, "loopback listen address of /debug/secrets (and /debug/<type> with --xds-debug-tcp); answers only a Host naming loopback; empty disables it")
+	f.StringVar(&cfg.SDS.CredentialsDir, "credentials-dir", "", "directory whose cert-chain.pem, key.pem and root-cert.pem are served instead of a CA's (default <root-dir>/var/run/secrets/workload-spiffe-credentials)")
+	f.BoolVar(&cfg.SDS.FileMountedCerts, "file-mounted-certs", false, "serve <root-dir>/etc/certs/{cert-chain,key,root-cert}.pem and use no CA (FILE_MOUNTED_CERTS)")
+	f.StringSliceVar(&cfg.SDS.FileResourceDirs, "file-resource-dirs", nil, "directories that file-cert: and file-root: secrets may read (default: the credentials dir and <root-dir>/etc/certs)")
+	f.DurationVar(&cfg.SDS.DrainDuration, "drain-duration", 0, "how long SDS streams may go on after SIGTERM")
+	f.IntVar(&cfg.SDS.MaxStreams, "sds-max-streams", cfg.SDS.MaxStreams, "SDS streams and FetchSecrets calls open at once, over all connections, and open connections; past it a stream is refused (ResourceExhausted) and a connection closed. Envoy opens one stream per secret name: a sidecar a handful, a gateway one more per file-mounted certificate; each costs about 17 kB")
+	f.IntVar(&cfg.SDS.MaxStreamsPerConnection, "sds-max-streams-per-connection", cfg.SDS.MaxStreamsPerConnection, "SDS streams one connection may carry at once, told to the client (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS), which holds further ones back until one ends")
+	f.StringVar(&cfg.XDS.DiscoveryAddress, "discovery-addr", "", "discovery server Envoy's xDS is proxied to, HOST:PORT (Istio's discoveryAddress; CA_ADDR defaults to it); default: the CA's address, or the in-process control plane")
+	f.StringVar(&cfg.XDS.Socket, "xds-socket", "", "Unix socket Envoy's ADS connects to (default <root-dir>/etc/istio/proxy/XDS)")
+	f.StringVar(&cfg.XDS.RootCert, "xds-root-cert", "", "PEM roots that verify the discovery server (XDS_ROOT_CA); default: the CA's roots")
+	f.IntVar(&cfg.XDS.MaxStreams, "xds-proxy-max-streams", cfg.XDS.MaxStreams, "Envoy's ADS streams open at once through the xDS proxy, and open connections; past it a stream is refused (ResourceExhausted) and a connection closed. Envoy opens one ADS stream; each costs about 41 kB here and one stream upstream")
+	f.IntVar(&cfg.XDS.MaxStreamsPerConnection, "xds-proxy-max-streams-per-connection", cfg.XDS.MaxStreamsPerConnection, "ADS streams one connection to the xDS proxy may carry at once, told to the client (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS)")
+	f.StringVar(&cfg.XDS.DebugSocket, "xds-debug-socket", "", "Unix socket of /debug/<type>, with the XDS socket's mode (default: "+agent.XDSDebugSocketName+" next to --xds-socket)")
+	f.BoolVar(&cfg.XDS.DebugTCP, "xds-debug-tcp", false, "also answer /debug/<type> on --debug-addr: any local user, not only who may open the XDS socket, can then read this namespace's configuration and its other proxies")
+	f.BoolVar(&cfg.XDS.Proxy, "proxy-xds-via-agent", cfg.XDS.Proxy, "serve Envoy's ADS on --xds-socket and proxy it to the discovery server (PROXY_XDS_VIA_AGENT)")
+	f.BoolVar(&cfg.XDS.ProxyDebug, "proxy-xds-debug-via-agent", cfg.XDS.ProxyDebug, "answer /debug/<type> on --xds-debug-socket with the discovery server's istio.io/debug/<type> for this proxy (PROXY_XDS_DEBUG_VIA_AGENT)")
+	f.StringVar(&cfg.Servers.StatusAddr, "status-addr", cfg.Servers.StatusAddr, "listen address of /healthz/ready and /metrics")
+	f.StringVar(&cfg.Servers.DebugAddr, "debug-addr", cfg.Servers.DebugAddr, "loopback listen address of /debug/secrets (and /debug/<type> with --xds-debug-tcp); answers only a Host naming loopback; empty disables it")
 	return cmd
 }
+
+// agentFieldFlags maps each field of agent.Config, by its path, to the flag that sets it; the
+// variable, when there is one, is agentEnv's.
+func agentFieldFlags() map[string]string {
+	return map[string]string{
+		"Identity.TrustDomain":         "trust-domain",
+		"Identity.Namespace":           "namespace",
+		"Identity.ServiceAccount":      "service-account",
+		"CA.Address":                   "ca-addr",
+		"CA.RootCert":                  "ca-root-cert",
+		"CA.ServerName":                "istiod-san",
+		"CA.ClusterID":                 "cluster-id",
+		"CA.TokenPath":                 "token-path",
+		"CA.ProvCert":                  "prov-cert",
+		"Certificate.KeyAlgorithm":     "key-algorithm",
+		"Certificate.RSAKeySize":       "workload-rsa-key-size",
+		"Certificate.TTL":              "secret-ttl",
+		"Certificate.GraceRatio":       "grace-period-ratio",
+		"Certificate.GraceRatioJitter": "grace-period-ratio-jitter",
+		"SDS.SocketDir":                "workload-socket-dir",
+		"SDS.CredentialsDir":           "credentials-dir",
+		"SDS.FileMountedCerts":         "file-mounted-certs",
+		"SDS.SocketMode":               "socket-mode",
+		"SDS.FileResourceDirs":         "file-resource-dirs",
+		"SDS.DrainDuration":            "drain-duration",
+		"SDS.MaxStreams":               "sds-max-streams",
+		"SDS.MaxStreamsPerConnection":  "sds-max-streams-per-connection",
+		"XDS.DiscoveryAddress":         "discovery-addr",
+		"XDS.RootCert":                 "xds-root-cert",
+		"XDS.Proxy":                    "proxy-xds-via-agent",
+		"XDS.ProxyDebug":               "proxy-xds-debug-via-agent",
+		"XDS.Socket":                   "xds-socket",
+		"XDS.DebugSocket":              "xds-debug-socket",
+		"XDS.DebugTCP":                 "xds-debug-tcp",
+		"XDS.MaxStreams":               "xds-proxy-max-streams",
+		"XDS.MaxStreamsPerConnection":  "xds-proxy-max-streams-per-connection",
+		"Output.Dir":                   "output-certs",
+		"Output.GroupRead":             "output-certs-group-read",
+		"Output.KeyGroupRead":          "output-certs-group-read",
+		"Servers.StatusAddr":           "status-addr",
+		"Servers.DebugAddr":            "debug-addr",
+		"RootDir":                      "root-dir",
+	}
+}
+
+// fieldName names a field of agent.Config as a user sets it: "--ca-addr (CA_ADDR)", the
+// variable after the flag when there is one; a field with no flag keeps the agent's name.
+func fieldName(field string) (flag, env string) {
+	flag, ok := agentFieldFlags()[field]
+	if !ok {
+		return field, ""
+	}
+	for _, b := range agentEnv() {
+		if b.flag == flag {
+			return "--" + flag, " (" + b.env + ")"
+		}
+	}
+	return "--" + flag, ""
+}
+
+// renderConfigErrors renders what agent.Config.Validate returns, each *agent.FieldError with
+// the flag and the variable of its field; the agent names fields by their path in the Config,
+// and only cmd knows how a user sets them.
+func renderConfigErrors(err error) error {
+	if err == nil {
+		return nil
+	}
+	if joined, ok := err.(interface{ Unwrap() []error }); ok {
+		var out []error
+		for _, e := range joined.Unwrap() {
+			out = append(out, renderConfigErrors(e))
+		}
+		return errors.Join(out...)
+	}
+	var fe *agent.FieldError
+	if !errors.As(err, &fe) {
+		return err
+	}
+	// The variable after the value, when it is shown with a cause: --ca-addr "x" (CA_ADDR): why.
+	flag, env := fieldName(fe.Field)
+	detail := fe.Detail()
+	if value, ok := fe.Value.(string); ok {
+		return renderedError{msg: fmt.Sprintf("%s %q%s: %v", flag, value, env, fe.Err), err: err}
+	}
+	return renderedError{msg: flag + env + detail, err: err}
+}
+
+// renderedError is an error shown as msg, still wrapping what it renders.
+type renderedError struct {
+	msg string
+	err error
+}
+
+func (e renderedError) Error() string { return e.msg }
+func (e renderedError) Unwrap() error { return e.err }
 
 func envHelp(bindings []envBinding) string {
 	var b strings.Builder

@@ -63,15 +63,15 @@ func TestAgentEnvironmentAndFlags(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if cfg.CAAddress != "ca.example:15012" || cfg.CARootCert != "/env/root.pem" || cfg.CAServerName != "ca.example" ||
-		cfg.ProvCert != "/env/prov" || cfg.OutputCerts != "/env/out" || cfg.SecretTTL != 2*time.Hour ||
-		cfg.GraceRatio != 0.4 || cfg.GraceRatioJitter != 0.05 || cfg.TrustDomain != "example.org" ||
-		cfg.Namespace != "shop" || cfg.ServiceAccount != "cart" || cfg.ClusterID != "east" ||
-		cfg.KeyAlgorithm != pki.RSA || cfg.RSAKeySize != 3072 {
+	if cfg.CA.Address != "ca.example:15012" || cfg.CA.RootCert != "/env/root.pem" || cfg.CA.ServerName != "ca.example" ||
+		cfg.CA.ProvCert != "/env/prov" || cfg.Output.Dir != "/env/out" || cfg.Certificate.TTL != 2*time.Hour ||
+		cfg.Certificate.GraceRatio != 0.4 || cfg.Certificate.GraceRatioJitter != 0.05 || cfg.Identity.TrustDomain != "example.org" ||
+		cfg.Identity.Namespace != "shop" || cfg.Identity.ServiceAccount != "cart" || cfg.CA.ClusterID != "east" ||
+		cfg.Certificate.KeyAlgorithm != pki.RSA || cfg.Certificate.RSAKeySize != 3072 {
 		t.Fatalf("environment not applied: %+v", cfg)
 	}
-	if cfg.TokenPath != "/var/run/secrets/tokens/istio-token" {
-		t.Fatalf("token path %q, want Istio's default", cfg.TokenPath)
+	if cfg.CA.TokenPath != "/var/run/secrets/tokens/istio-token" {
+		t.Fatalf("token path %q, want Istio's default", cfg.CA.TokenPath)
 	}
 
 	// A flag wins over its variable.
@@ -80,14 +80,14 @@ func TestAgentEnvironmentAndFlags(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if cfg.CAAddress != "127.0.0.1:1" || cfg.Namespace != "flagged" || cfg.KeyAlgorithm != pki.ECDSA || cfg.SecretTTL != 30*time.Second {
+	if cfg.CA.Address != "127.0.0.1:1" || cfg.Identity.Namespace != "flagged" || cfg.Certificate.KeyAlgorithm != pki.ECDSA || cfg.Certificate.TTL != 30*time.Second {
 		t.Fatalf("flags did not win: %+v", cfg)
 	}
-	if cfg.ServiceAccount != "cart" {
+	if cfg.Identity.ServiceAccount != "cart" {
 		t.Fatal("a variable without a flag was dropped")
 	}
-	if cfg.TokenPath != "/r/var/run/secrets/tokens/istio-token" || cfg.RootDir != "/r" {
-		t.Fatalf("token path %q under root dir %q", cfg.TokenPath, cfg.RootDir)
+	if cfg.CA.TokenPath != "/r/var/run/secrets/tokens/istio-token" || cfg.RootDir != "/r" {
+		t.Fatalf("token path %q under root dir %q", cfg.CA.TokenPath, cfg.RootDir)
 	}
 }
 
@@ -134,7 +134,7 @@ func TestAgentRefusesBadInput(t *testing.T) {
 	if err != nil {
 		t.Fatalf("no CA address (embedded mode) refused: %v", err)
 	}
-	if id, err := cfg.Identity(); err != nil || id.String() != "spiffe://cluster.local/ns/default/sa/default" {
+	if id, err := cfg.SPIFFEID(); err != nil || id.String() != "spiffe://cluster.local/ns/default/sa/default" {
 		t.Fatalf("embedded identity %v (%v)", id, err)
 	}
 	// OUTPUT_CERTS for a group.
@@ -143,7 +143,7 @@ func TestAgentRefusesBadInput(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if got := [2]bool{cfg.OutputGroupRead, cfg.OutputKeyGroupRead}; got != want {
+		if got := [2]bool{cfg.Output.GroupRead, cfg.Output.KeyGroupRead}; got != want {
 			t.Errorf("--output-certs-group-read %s: group read %v, want %v", flag, got, want)
 		}
 	}
@@ -161,15 +161,15 @@ func TestAgentSDSLimits(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if cfg.SDSMaxStreams != sds.DefaultMaxStreams || cfg.SDSMaxStreamsPerConnection != sds.DefaultMaxStreamsPerConnection {
-		t.Fatalf("SDS limits %d, %d per connection; want the defaults", cfg.SDSMaxStreams, cfg.SDSMaxStreamsPerConnection)
+	if cfg.SDS.MaxStreams != sds.DefaultMaxStreams || cfg.SDS.MaxStreamsPerConnection != sds.DefaultMaxStreamsPerConnection {
+		t.Fatalf("SDS limits %d, %d per connection; want the defaults", cfg.SDS.MaxStreams, cfg.SDS.MaxStreamsPerConnection)
 	}
 	cfg, err = runAgentCommand(t, env, "--sds-max-streams", "50", "--sds-max-streams-per-connection", "10")
 	if err != nil {
 		t.Fatal(err)
 	}
-	if cfg.SDSMaxStreams != 50 || cfg.SDSMaxStreamsPerConnection != 10 {
-		t.Fatalf("SDS limits %d, %d per connection; want 50, 10", cfg.SDSMaxStreams, cfg.SDSMaxStreamsPerConnection)
+	if cfg.SDS.MaxStreams != 50 || cfg.SDS.MaxStreamsPerConnection != 10 {
+		t.Fatalf("SDS limits %d, %d per connection; want 50, 10", cfg.SDS.MaxStreams, cfg.SDS.MaxStreamsPerConnection)
 	}
 }
 
@@ -182,16 +182,16 @@ func TestAgentXDSProxyLimitsAndDebug(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if cfg.XDSMaxStreams != xdsproxy.DefaultMaxStreams || cfg.XDSMaxStreamsPerConnection != xdsproxy.DefaultMaxStreamsPerConnection || cfg.XDSDebugTCP {
-		t.Fatalf("xDS proxy limits %d, %d per connection, debug over TCP %v; want the defaults", cfg.XDSMaxStreams, cfg.XDSMaxStreamsPerConnection, cfg.XDSDebugTCP)
+	if cfg.XDS.MaxStreams != xdsproxy.DefaultMaxStreams || cfg.XDS.MaxStreamsPerConnection != xdsproxy.DefaultMaxStreamsPerConnection || cfg.XDS.DebugTCP {
+		t.Fatalf("xDS proxy limits %d, %d per connection, debug over TCP %v; want the defaults", cfg.XDS.MaxStreams, cfg.XDS.MaxStreamsPerConnection, cfg.XDS.DebugTCP)
 	}
 	cfg, err = runAgentCommand(t, env, "--xds-proxy-max-streams", "7", "--xds-proxy-max-streams-per-connection", "2",
 		"--xds-debug-socket", "/tmp/dbg.sock", "--xds-debug-tcp")
 	if err != nil {
 		t.Fatal(err)
 	}
-	if cfg.XDSMaxStreams != 7 || cfg.XDSMaxStreamsPerConnection != 2 || cfg.XDSDebugSocket != "/tmp/dbg.sock" || !cfg.XDSDebugTCP {
-		t.Fatalf("flags not taken: %d, %d, %q, %v", cfg.XDSMaxStreams, cfg.XDSMaxStreamsPerConnection, cfg.XDSDebugSocket, cfg.XDSDebugTCP)
+	if cfg.XDS.MaxStreams != 7 || cfg.XDS.MaxStreamsPerConnection != 2 || cfg.XDS.DebugSocket != "/tmp/dbg.sock" || !cfg.XDS.DebugTCP {
+		t.Fatalf("flags not taken: %d, %d, %q, %v", cfg.XDS.MaxStreams, cfg.XDS.MaxStreamsPerConnection, cfg.XDS.DebugSocket, cfg.XDS.DebugTCP)
 	}
 	for _, tc := range []struct {
 		args []string
@@ -219,12 +219,12 @@ func TestAgentXDSProxyFlags(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if cfg.CAAddress != "istiod.example:15012" || !cfg.ProxyXDS || !cfg.ProxyXDSDebug {
-		t.Errorf("CA address %q, proxy %v, debug %v", cfg.CAAddress, cfg.ProxyXDS, cfg.ProxyXDSDebug)
+	if cfg.CA.Address != "istiod.example:15012" || !cfg.XDS.Proxy || !cfg.XDS.ProxyDebug {
+		t.Errorf("CA address %q, proxy %v, debug %v", cfg.CA.Address, cfg.XDS.Proxy, cfg.XDS.ProxyDebug)
 	}
 	env := map[string]string{"PROXY_XDS_VIA_AGENT": "false", "CA_ADDR": "ca.example:15012", "XDS_ROOT_CA": "", "POD_NAMESPACE": "default", "SERVICE_ACCOUNT": "demo"}
-	if cfg, err = runAgentCommand(t, env); err != nil || cfg.ProxyXDS || cfg.ProxyXDSDebug {
-		t.Errorf("PROXY_XDS_VIA_AGENT=false: proxy %v, debug %v, %v", cfg.ProxyXDS, cfg.ProxyXDSDebug, err)
+	if cfg, err = runAgentCommand(t, env); err != nil || cfg.XDS.Proxy || cfg.XDS.ProxyDebug {
+		t.Errorf("PROXY_XDS_VIA_AGENT=false: proxy %v, debug %v, %v", cfg.XDS.Proxy, cfg.XDS.ProxyDebug, err)
 	}
 	for _, args := range [][]string{
 		{"--proxy-xds-debug-via-agent=true"},

@@ -23,14 +23,14 @@ func runTestAgent(t *testing.T, credentials map[string][]byte, adjust ...func(*a
 	t.Helper()
 	root := testutil.ShortTempDir(t)
 	cfg := agent.DefaultConfig(root)
-	cfg.StatusAddr, cfg.DebugAddr = "127.0.0.1:0", "127.0.0.1:0"
-	cfg.Embed = controlplanetest.Embed
+	cfg.Servers.StatusAddr, cfg.Servers.DebugAddr = "127.0.0.1:0", "127.0.0.1:0"
+	cfg.CA.Embed = controlplanetest.Embed
 	// The certificates' validity is checked by `certs` on the real clock; this one stands still at
 	// the real time of the start, so that no renewal or debounce happens behind the test's back.
 	cfg.Clock = testutil.NewFakeClock(time.Now())
 	if credentials != nil {
-		cfg.CredentialsDir = filepath.Join(t.TempDir(), "credentials")
-		testutil.WriteFiles(t, cfg.CredentialsDir, credentials)
+		cfg.SDS.CredentialsDir = filepath.Join(t.TempDir(), "credentials")
+		testutil.WriteFiles(t, cfg.SDS.CredentialsDir, credentials)
 	}
 	for _, fn := range adjust {
 		fn(&cfg)
@@ -167,10 +167,10 @@ func TestCertsCommandAgentWithoutCertificate(t *testing.T) {
 	t.Parallel()
 	var tokenPath string
 	socket := runTestAgent(t, nil, func(cfg *agent.Config) {
-		cfg.CAAddress = "127.0.0.1:1"
-		cfg.Namespace, cfg.ServiceAccount = "shop", "cart"
+		cfg.CA.Address = "127.0.0.1:1"
+		cfg.Identity.Namespace, cfg.Identity.ServiceAccount = "shop", "cart"
 		tokenPath = filepath.Join(cfg.RootDir, "no-token")
-		cfg.TokenPath = tokenPath
+		cfg.CA.TokenPath = tokenPath
 	})
 	// The deadline is far off: only the agent's answer can end the command in time.
 	out, err := certsCommand(t, "--socket", socket)

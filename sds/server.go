@@ -12,7 +12,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 	"os"
 	"sync"
 	"sync/atomic"
@@ -159,30 +158,15 @@ func (s *Server) Run(ctx context.Context) error {
 	grpcServer := grpc.NewServer(s.grpcOptions()...)
 	secretservice.RegisterSecretDiscoveryServiceServer(grpcServer, service{s: s})
 
-	served := make(chan error, 1)
-	go func() { served <- grpcServer.Serve(s.socket.Listener()) }()
-	// The listeners the guard makes when it takes the path back are served until the stop.
-	var reserved sync.WaitGroup
-	defer reserved.Wait()
-	guard := s.socket.Guard(func(lis net.Listener) { reserved.Go(func() { _ = grpcServer.Serve(lis) }) }, s.socketChanged)
 	s.log.Info("SDS serving", logkey.Socket, s.cfg.SocketPath)
-	for {
-		timer := s.socketClock.NewTimer(SocketCheckInterval)
-		select {
-		case err := <-served:
-			timer.Stop()
-			grpcServer.Stop() // returns once the handlers have (grpc.WaitForHandlers)
-			return fmt.Errorf("serve SDS: %w", err)
-		case <-timer.C():
-			guard.Look()
-			continue
-		case <-ctx.Done():
-			timer.Stop()
-		}
-		break
+	wait, err := s.socket.Serve(ctx, s.socketClock, SocketCheckInterval, grpcServer.Serve, s.socketChanged)
+	if err != nil {
+		grpcServer.Stop() // returns once the handlers have (grpc.WaitForHandlers)
+		_ = wait()
+		return fmt.Errorf("serve SDS: %w", err)
 	}
 	s.drain(grpcServer)
-	if err := <-served; err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+	if err := wait(); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
 		return fmt.Errorf("serve SDS: %w", err)
 	}
 	s.log.Info("SDS stopped")

@@ -11,7 +11,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
 	"os"
 	"slices"
 	"sync"
@@ -182,31 +181,14 @@ func (p *Proxy) Run(ctx context.Context) error {
 	// WaitForHandlers: Stop returns only once every stream handler has, so that none outlives Run.
 	grpcServer := grpc.NewServer(append(p.grpcOptions(), grpc.WaitForHandlers(true))...)
 	discovery.RegisterAggregatedDiscoveryServiceServer(grpcServer, adsServer{p: p})
-	served := make(chan error, 1)
-	go func() { served <- grpcServer.Serve(p.socket.Listener()) }()
-	// The listeners the guard makes when it takes the path back are served until the stop.
-	guard := p.socket.Guard(func(lis net.Listener) { p.wg.Go(func() { _ = grpcServer.Serve(lis) }) }, p.socketChanged)
 	p.log.Info("xDS proxy serving", logkey.Socket, p.cfg.Socket)
-
-	var serveErr error
-	for {
-		timer := p.socketClock.NewTimer(SocketCheckInterval)
-		select {
-		case serveErr = <-served:
-		case <-timer.C():
-			guard.Look()
-			continue
-		case <-ctx.Done():
-		}
-		timer.Stop()
-		break
-	}
+	wait, serveErr := p.socket.Serve(ctx, p.socketClock, SocketCheckInterval, grpcServer.Serve, p.socketChanged)
 	// Envoy's streams never end by themselves, so there is nothing to drain: Stop cancels them,
 	// which cancels their upstream streams.
 	p.stopping.Store(true)
 	grpcServer.Stop()
-	if serveErr == nil {
-		serveErr = <-served
+	if err := wait(); serveErr == nil {
+		serveErr = err
 	}
 	stopDebug()
 	p.wg.Wait()

@@ -3,6 +3,7 @@
 package fsutil
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -14,6 +15,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/logkey"
 )
 
@@ -237,6 +239,40 @@ func (g *SocketGuard) tell(err error) {
 			logkey.Socket, s.path, logkey.Error, err.Error())
 	}
 	g.report(err)
+}
+
+// Serve serves the socket's listener with serve on a goroutine and, until ctx ends or that serve
+// returns, looks every interval on clk whether the path still leads to the socket (a Guard that
+// reports to report and serves each listener it takes back the same way). It returns serve's
+// error when serve returned first, nil when ctx ended; the server is still serving then. Stop the
+// server, then call wait: it returns once every serve has, with the first one's error.
+func (s *Socket) Serve(ctx context.Context, clk clock.Clock, interval time.Duration, serve func(net.Listener) error,
+	report func(error)) (wait func() error, err error) {
+	var serving sync.WaitGroup
+	var firstErr error
+	firstDone := make(chan struct{})
+	serving.Go(func() {
+		firstErr = serve(s.Listener())
+		close(firstDone)
+	})
+	wait = func() error {
+		serving.Wait()
+		return firstErr
+	}
+	guard := s.Guard(func(lis net.Listener) { serving.Go(func() { _ = serve(lis) }) }, report)
+	for {
+		timer := clk.NewTimer(interval)
+		select {
+		case <-firstDone:
+			timer.Stop()
+			return wait, firstErr
+		case <-timer.C():
+			guard.Look()
+		case <-ctx.Done():
+			timer.Stop()
+			return wait, nil
+		}
+	}
 }
 
 // Problem says why the path no longer leads to the socket (it was removed, or another server

@@ -1,13 +1,18 @@
 package fsutil
 
 import (
+	"context"
 	"errors"
+	"io"
 	"net"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/meshid/meshid/internal/testutil"
 )
 
 func TestListenSocketRefusesALiveServerAndRemovesAStaleSocket(t *testing.T) {
@@ -152,5 +157,107 @@ func TestSocketGuardReportsATakeoverAndTakesThePathBack(t *testing.T) {
 				t.Fatalf("the served listener did not take the connection: %v", err)
 			}
 		})
+	}
+}
+
+// Serve serves the socket, looks at the path on its clock, serves what it takes back, and hands
+// its caller what each serve ended with.
+func TestServeGuardsThePathUntilTheContextEnds(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(shortDir(t), "socket")
+	s, err := ListenSocket(path, 0o660, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	listeners := make(chan net.Listener, 2)
+	serve := func(l net.Listener) error {
+		listeners <- l
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return err
+			}
+			_, _ = c.Write([]byte("ours"))
+			_ = c.Close()
+		}
+	}
+	reports := make(chan error, 4)
+	clk := testutil.NewFakeClock(time.Now())
+	ctx, cancel := context.WithCancel(context.Background())
+	type result struct {
+		wait func() error
+		err  error
+	}
+	done := make(chan result, 1)
+	go func() {
+		wait, err := s.Serve(ctx, clk, time.Second, serve, func(err error) { reports <- err })
+		done <- result{wait, err}
+	}()
+	first := <-listeners
+	// look lets Serve look once, and returns when it has: its next timer is armed after the look.
+	waitForLook := func() {
+		t.Helper()
+		if err := clk.WaitForTimers(ctx, 1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	look := func() {
+		t.Helper()
+		clk.Advance(time.Second)
+		waitForLook()
+	}
+	waitForLook()
+
+	intruder := takeOver(t, path)
+	look()
+	if err := <-reports; !errors.Is(err, ErrSocketTaken) {
+		t.Fatalf("takeover reported as %v", err)
+	}
+	_ = intruder.Close()
+	_ = os.Remove(path)
+	look()
+	if err := <-reports; err == nil || !strings.Contains(err.Error(), "removed") {
+		t.Fatalf("the path's removal reported as %v", err)
+	}
+	if err := <-reports; err != nil {
+		t.Fatalf("the path taken back reported as %v, want nil", err)
+	}
+	second := <-listeners
+	c, err := net.Dial("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := io.ReadAll(c)
+	_ = c.Close()
+	if err != nil || string(got) != "ours" {
+		t.Fatalf("a client of the path taken back read %q, %v", got, err)
+	}
+
+	cancel()
+	r := <-done
+	if r.err != nil {
+		t.Fatalf("Serve after ctx ended: %v, want nil", r.err)
+	}
+	_ = first.Close()
+	_ = second.Close()
+	if err := r.wait(); !errors.Is(err, net.ErrClosed) {
+		t.Fatalf("wait: %v, want the first serve's error", err)
+	}
+}
+
+// A serve that fails ends Serve at once, with its error.
+func TestServeReturnsWhenServeFails(t *testing.T) {
+	t.Parallel()
+	s, err := ListenSocket(filepath.Join(shortDir(t), "socket"), 0o660, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	failed := errors.New("cannot serve")
+	wait, err := s.Serve(context.Background(), testutil.NewFakeClock(time.Now()), time.Second,
+		func(net.Listener) error { return failed }, func(error) {})
+	if !errors.Is(err, failed) || !errors.Is(wait(), failed) {
+		t.Fatalf("Serve %v, wait %v; want the serve's error from both", err, wait())
 	}
 }

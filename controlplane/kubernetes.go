@@ -78,6 +78,7 @@ type onKubernetes struct {
 	cacerts     *kube.CACerts
 	rootCMs     *kube.RootConfigMaps // set once the targeting exists
 	secrets     *controller.Secrets  // what the secret store's events requeue
+	clock       clock.Clock
 	reg         prometheus.Registerer
 	log         *slog.Logger
 }
@@ -91,7 +92,7 @@ func newOnKubernetes(cfg Config, clk clock.Clock, log *slog.Logger, reg promethe
 	if err != nil {
 		return nil, err
 	}
-	k := &onKubernetes{cfg: cfg.Kubernetes, caNamespace: cfg.CANamespace, clients: clients, reg: reg, log: log.With(logkey.Component, "kubernetes")}
+	k := &onKubernetes{cfg: cfg.Kubernetes, caNamespace: cfg.CANamespace, clients: clients, clock: clk, reg: reg, log: log.With(logkey.Component, "kubernetes")}
 	if k.cfg.Identity == "" {
 		if k.cfg.Identity, err = replicaIdentity(); err != nil {
 			return nil, err
@@ -209,6 +210,7 @@ func (k *onKubernetes) run(ctx context.Context, g *errgroup.Group, keys *ca.KeyM
 			LeaseDuration: k.cfg.LeaseDuration,
 			RenewDeadline: k.cfg.RenewDeadline,
 			RetryPeriod:   k.cfg.RetryPeriod,
+			Clock:         k.clock,
 			Logger:        k.log,
 			Registerer:    k.reg,
 		}, func(ctx context.Context) error {

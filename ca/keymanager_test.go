@@ -18,70 +18,16 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/meshid/meshid/ca"
-	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/filewatch"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
 )
 
-// checkClock is the fake clock as a key manager sees it. It also counts the root checks done:
-// the manager arms the timer for its next check (the only timer longer than the debounce) once
-// the previous check, events included, is over. So a test that has seen the count rise knows the
-// check's events are in the channel and that the next check is pending, even while the tail of a
-// burst of file events keeps debounce timers coming and going.
-type checkClock struct {
-	*testutil.FakeClock
-
-	mu      sync.Mutex
-	checks  int
-	changed chan struct{} // closed and replaced when checks changes
-}
-
-func newCheckClock(now time.Time) *checkClock {
-	return &checkClock{FakeClock: testutil.NewFakeClock(now), changed: make(chan struct{})}
-}
-
-func (c *checkClock) NewTimer(d time.Duration) clock.Timer {
-	timer := c.FakeClock.NewTimer(d) // registered before the count moves: Advance will fire it
-	if d > filewatch.DefaultDebounce {
-		c.mu.Lock()
-		c.checks++
-		close(c.changed)
-		c.changed = make(chan struct{})
-		c.mu.Unlock()
-	}
-	return timer
-}
-
-func (c *checkClock) count() int {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.checks
-}
-
-// waitChecks blocks until n root checks are done.
-func (c *checkClock) waitChecks(t *testing.T, n int) {
-	t.Helper()
-	for {
-		c.mu.Lock()
-		done, changed := c.checks >= n, c.changed
-		c.mu.Unlock()
-		if done {
-			return
-		}
-		select {
-		case <-changed:
-		case <-t.Context().Done():
-			t.Fatalf("gave up waiting for root check %d", n)
-		}
-	}
-}
-
 // keyManager is a KeyManager under test with its authority, fake clock and event stream.
 type keyManager struct {
 	*ca.KeyManager
 	authority *ca.Authority
-	clock     *checkClock
+	clock     *testutil.FakeClock
 	events    chan ca.Event
 	cfg       ca.KeyManagerConfig
 	nextCheck time.Time // when the pending root check is due
@@ -104,7 +50,7 @@ func keyManagerConfig(t *testing.T) ca.KeyManagerConfig {
 // cfg.RootCheckInterval exactly) and its events sent to a channel. It does not run it.
 func newKeyManager(t *testing.T, cfg ca.KeyManagerConfig, now time.Time) *keyManager {
 	t.Helper()
-	clk := newCheckClock(now)
+	clk := testutil.NewFakeClock(now)
 	h := &keyManager{
 		authority: ca.New(ca.Config{Clock: clk}, nil),
 		clock:     clk,
@@ -141,8 +87,19 @@ func (h *keyManager) run(t *testing.T) {
 	case err := <-done:
 		t.Fatalf("Run ended before it was ready: %v", err)
 	}
-	h.clock.waitChecks(t, 1)
 	h.nextCheck = h.clock.Now().Add(h.cfg.RootCheckInterval)
+	h.waitCheck(t)
+}
+
+// waitCheck blocks until the root check that arms the timer for h.nextCheck is done. The manager
+// arms the timer for its next check (the only timer due that late) once the previous check, events
+// included, is over. So once that timer is pending the check's events are in the channel, even
+// while the tail of a burst of file events keeps debounce timers coming and going.
+func (h *keyManager) waitCheck(t *testing.T) {
+	t.Helper()
+	if err := h.clock.WaitForDeadline(t.Context(), h.nextCheck); err != nil {
+		t.Fatalf("gave up waiting for the root check that arms the next one at %s: %v", h.nextCheck, err)
+	}
 }
 
 // until lets debounce intervals pass until the manager reports want. Unchanged reloads (the tail
@@ -150,7 +107,7 @@ func (h *keyManager) run(t *testing.T) {
 func (h *keyManager) until(t *testing.T, want ca.EventKind, tolerate ...ca.EventKind) ca.Event {
 	t.Helper()
 	for {
-		ev := testutil.Drive(t, h.clock.FakeClock, filewatch.DefaultDebounce, 1, h.events)
+		ev := testutil.Drive(t, h.clock, filewatch.DefaultDebounce, 1, h.events)
 		switch {
 		case ev.Kind == want:
 			return ev
@@ -166,22 +123,19 @@ func (h *keyManager) until(t *testing.T, want ca.EventKind, tolerate ...ca.Event
 // waits until that check is done. It returns the check's events (without unchanged reloads).
 func (h *keyManager) checkAt(t *testing.T, at time.Time) []ca.Event {
 	t.Helper()
-	n := h.startCheck(t, at)
-	h.clock.waitChecks(t, n)
+	h.startCheck(t, at)
+	h.waitCheck(t)
 	return h.drain()
 }
 
-// startCheck moves the clock to at to trigger the pending root check, and returns the check count
-// to wait for.
-func (h *keyManager) startCheck(t *testing.T, at time.Time) int {
+// startCheck moves the clock to at to trigger the pending root check; waitCheck waits for it.
+func (h *keyManager) startCheck(t *testing.T, at time.Time) {
 	t.Helper()
 	if at.Before(h.nextCheck) {
 		t.Fatalf("check at %s: the next root check is due at %s", at, h.nextCheck)
 	}
-	n := h.clock.count() + 1
 	h.clock.Set(at)
 	h.nextCheck = at.Add(h.cfg.RootCheckInterval)
-	return n
 }
 
 // drain returns the events already reported, unchanged reloads left out.
@@ -891,9 +845,10 @@ func TestReplicasOnOneStateDirRotateOnce(t *testing.T) {
 
 	// Both reach the rotation point (2h left) together: their checks race for the state dir.
 	at := now.Add(8 * time.Hour)
-	na, nb := a.startCheck(t, at), b.startCheck(t, at)
-	a.clock.waitChecks(t, na)
-	b.clock.waitChecks(t, nb)
+	a.startCheck(t, at)
+	b.startCheck(t, at)
+	a.waitCheck(t)
+	b.waitCheck(t)
 	evA, evB := a.drain(), b.drain()
 	rotated, adopted := 0, 0
 	for _, ev := range append(evA, evB...) {
@@ -930,9 +885,10 @@ func TestReplicasOnOneStateDirRotateOnce(t *testing.T) {
 
 	// The next checks, one interval later, find nothing to do on either replica.
 	at = at.Add(checkInterval)
-	na, nb = a.startCheck(t, at), b.startCheck(t, at)
-	a.clock.waitChecks(t, na)
-	b.clock.waitChecks(t, nb)
+	a.startCheck(t, at)
+	b.startCheck(t, at)
+	a.waitCheck(t)
+	b.waitCheck(t)
 	if evA, evB := a.drain(), b.drain(); len(evA)+len(evB) != 0 {
 		t.Fatalf("the check after the rotation reported %v and %v, want nothing", kinds(evA), kinds(evB))
 	}

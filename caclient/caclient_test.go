@@ -12,7 +12,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -23,7 +22,6 @@ import (
 	"github.com/meshid/meshid/caclient"
 	"github.com/meshid/meshid/controlplane"
 	"github.com/meshid/meshid/controlplane/controlplanetest"
-	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/istio"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
@@ -167,29 +165,18 @@ func closedAddr(t *testing.T) string {
 	return addr
 }
 
-// countingClock is a fake clock that counts the timers made on it: the client makes one per
-// backoff wait, so the count is the number of retries.
-type countingClock struct {
-	*testutil.FakeClock
-	timers atomic.Int64
-}
-
-func (c *countingClock) NewTimer(d time.Duration) clock.Timer {
-	c.timers.Add(1)
-	return c.FakeClock.NewTimer(d)
-}
-
-// testClient is a Client on a counting fake clock.
+// testClient is a Client on a fake clock. The client arms one timer on it per backoff wait, so
+// the clock's Armed count is the number of retries.
 type testClient struct {
 	*caclient.Client
-	clock *countingClock
+	clock *testutil.FakeClock
 }
 
-// newClient returns a client for cfg on a counting fake clock, closed when the test ends. A
+// newClient returns a client for cfg on a fake clock, closed when the test ends. A
 // configuration without credentials gets a fixed token, for the CAs that do not check it.
 func newClient(t *testing.T, cfg caclient.Config) *testClient {
 	t.Helper()
-	clk := &countingClock{FakeClock: testutil.NewFakeClock(time.Now())}
+	clk := testutil.NewFakeClock(time.Now())
 	cfg.Clock = clk
 	if cfg.Token == nil && cfg.TokenPath == "" && cfg.ClientCertificate == nil {
 		cfg.Token = func(context.Context) (string, error) { return "unchecked-token", nil }
@@ -205,7 +192,7 @@ func newClient(t *testing.T, cfg caclient.Config) *testClient {
 type signed struct {
 	chain    []*x509.Certificate
 	err      error
-	backoffs int64 // backoff waits during the call: attempts - 1
+	backoffs int // backoff waits during the call: attempts - 1
 }
 
 func (s signed) String() string {
@@ -216,14 +203,14 @@ func (s signed) String() string {
 // waits and the test does not sleep.
 func (c *testClient) sign(t *testing.T, csr []byte, ttl time.Duration) signed {
 	t.Helper()
-	before := c.clock.timers.Load()
+	before := c.clock.Armed()
 	done := make(chan signed, 1)
 	go func() {
 		chain, err := c.Sign(t.Context(), csr, ttl)
 		done <- signed{chain: chain, err: err}
 	}()
-	res := testutil.Drive(t, c.clock.FakeClock, backoffStep, 0, done)
-	res.backoffs = c.clock.timers.Load() - before
+	res := testutil.Drive(t, c.clock, backoffStep, 0, done)
+	res.backoffs = c.clock.Armed() - before
 	return res
 }
 
@@ -242,7 +229,7 @@ func (c *testClient) mustSign(t *testing.T, csr []byte, ttl time.Duration) *x509
 
 // waitForBackoff returns once the client waits on a backoff timer; it fails the test if the call
 // ends (on done) first.
-func waitForBackoff[T any](t *testing.T, clk *countingClock, done <-chan T) {
+func waitForBackoff[T any](t *testing.T, clk *testutil.FakeClock, done <-chan T) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(t.Context())
 	defer cancel()
@@ -467,7 +454,7 @@ func TestUnreachableCA(t *testing.T) {
 	tests := []struct {
 		name         string
 		maxAttempts  int
-		wantBackoffs int64
+		wantBackoffs int
 	}{
 		{"one attempt", 1, 0},
 		{"three attempts", 3, 2},
@@ -515,10 +502,10 @@ func TestCancelDuringBackoffEndsSign(t *testing.T) {
 	waitForBackoff(t, c.clock, done)
 	cancel()
 	// Were the cancellation ignored, driving the clock would end Sign with another error.
-	if err := testutil.Drive(t, c.clock.FakeClock, backoffStep, 0, done); !errors.Is(err, context.Canceled) {
+	if err := testutil.Drive(t, c.clock, backoffStep, 0, done); !errors.Is(err, context.Canceled) {
 		t.Fatalf("error %v, want context.Canceled", err)
 	}
-	if n := c.clock.timers.Load(); n != 1 {
+	if n := c.clock.Armed(); n != 1 {
 		t.Errorf("%d backoff waits, want the one that was cancelled", n)
 	}
 }
@@ -544,14 +531,14 @@ func TestRetryUntilTheCAStarts(t *testing.T) {
 	}()
 	waitForBackoff(t, c.clock, done) // the first attempt failed
 	startCAIn(t, stateDir, addr)
-	res := testutil.Drive(t, c.clock.FakeClock, backoffStep, 0, done)
+	res := testutil.Drive(t, c.clock, backoffStep, 0, done)
 	if res.err != nil {
 		t.Fatalf("Sign after the CA started: %v", res.err)
 	}
 	if got := leafID(t, res.chain[0]); got != spiffeID("ns1", "sa1").String() {
 		t.Errorf("leaf names %s", got)
 	}
-	if n := c.clock.timers.Load(); n != 1 {
+	if n := c.clock.Armed(); n != 1 {
 		t.Errorf("%d backoff waits, want 1: the second attempt should succeed", n)
 	}
 }

@@ -352,7 +352,7 @@ func TestOnlyTransientCodesAreRetried(t *testing.T) {
 			csr, _ := newCSR(t, pki.ECDSA, spiffeID("ns1", "sa1"))
 
 			res := c.sign(t, csr, time.Hour)
-			if calls := len(f.recorded()); calls != tt.wantCalls || res.backoffs != int64(tt.wantCalls-1) {
+			if calls := len(f.recorded()); calls != tt.wantCalls || res.backoffs != tt.wantCalls-1 {
 				t.Errorf("%d calls after %d backoffs, want %d calls", calls, res.backoffs, tt.wantCalls)
 			}
 			if got := outcomeOf(res.err); got != tt.want {
@@ -498,11 +498,11 @@ func TestCancelDuringAnAttemptIsNotRetried(t *testing.T) {
 	}()
 	<-arrived
 	cancel()
-	res := testutil.Drive(t, c.clock.FakeClock, backoffStep, 0, done)
+	res := testutil.Drive(t, c.clock, backoffStep, 0, done)
 	if !errors.Is(res.err, context.Canceled) {
 		t.Fatalf("error %v, want context.Canceled (as when cancelled during a backoff wait)", res.err)
 	}
-	if n := c.clock.timers.Load(); n != 0 || len(f.recorded()) != 1 {
+	if n := c.clock.Armed(); n != 0 || len(f.recorded()) != 1 {
 		t.Errorf("%d backoff waits and %d calls after the caller cancelled, want 0 and 1", n, len(f.recorded()))
 	}
 }

@@ -15,6 +15,7 @@ import (
 	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/ca/controller"
 	"github.com/meshid/meshid/ca/controller/kube"
+	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/logkey"
 )
 
@@ -75,6 +76,7 @@ type onKubernetes struct {
 	clients     *kube.Clients
 	store       *kube.Store
 	cacerts     *kube.CACerts
+	clock       clock.Clock
 	reg         prometheus.Registerer
 	log         *slog.Logger
 }
@@ -97,7 +99,7 @@ func newOnKubernetes(cfg Config, reg prometheus.Registerer) (*onKubernetes, erro
 	if err != nil {
 		return nil, err
 	}
-	k := &onKubernetes{cfg: cfg.Kubernetes, caNamespace: cfg.CANamespace, clients: clients, reg: reg, log: log.With(logkey.Component, "kubernetes")}
+	k := &onKubernetes{cfg: cfg.Kubernetes, caNamespace: cfg.CANamespace, clients: clients, clock: clk, reg: reg, log: log.With(logkey.Component, "kubernetes")}
 	if k.cfg.Identity == "" {
 		if k.cfg.Identity, err = replicaIdentity(); err != nil {
 			return nil, err
@@ -214,6 +216,7 @@ func (k *onKubernetes) run(ctx context.Context, g *errgroup.Group, keys *ca.KeyM
 			LeaseDuration: k.cfg.LeaseDuration,
 			RenewDeadline: k.cfg.RenewDeadline,
 			RetryPeriod:   k.cfg.RetryPeriod,
+			Clock:         k.clock,
 			Logger:        k.log,
 			Registerer:    k.reg,
 		}, func(ctx context.Context) error {

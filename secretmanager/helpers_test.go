@@ -20,7 +20,6 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/filewatch"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
@@ -39,7 +38,7 @@ var errCADown = errors.New("CA unreachable at 127.0.0.1:15012: connection refuse
 // fakeSigner is the CA: it signs CSRs with a test intermediate, from the fake clock's now
 // (NotBefore backdated by two minutes, as the real CA does) for the TTL asked.
 type fakeSigner struct {
-	clock *testClock
+	clock *testutil.FakeClock
 
 	mu      sync.Mutex
 	root    *testutil.CA
@@ -54,7 +53,7 @@ type fakeSigner struct {
 	connects []int
 }
 
-func newFakeSigner(t testing.TB, clk *testClock) *fakeSigner {
+func newFakeSigner(t testing.TB, clk *testutil.FakeClock) *fakeSigner {
 	t.Helper()
 	f := &fakeSigner{clock: clk}
 	f.rotateCA(t)
@@ -193,77 +192,15 @@ func (f *fakeSigner) Sign(ctx context.Context, csrDER []byte, ttl time.Duration)
 	return chain, nil
 }
 
-// testClock is the fake clock, keeping a record of the timers armed on it, so that a test can
-// wait until the code under test waits for a given moment before it moves the clock there. It
-// moves only through its own Set and Advance, so that a timer's deadline is known exactly.
-type testClock struct {
-	fake *testutil.FakeClock
-
-	mu      sync.Mutex
-	timers  []*testTimer
-	changed chan struct{} // closed and replaced whenever a timer is armed or stopped
-}
-
-type testTimer struct {
-	clock.Timer
-	c        *testClock
-	deadline time.Time
-	stopped  bool
-}
-
-func newTestClock(now time.Time) *testClock {
-	return &testClock{fake: testutil.NewFakeClock(now), changed: make(chan struct{})}
-}
-
-func (c *testClock) Now() time.Time { return c.fake.Now() }
-
-func (c *testClock) NewTimer(d time.Duration) clock.Timer {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	t := &testTimer{Timer: c.fake.NewTimer(d), c: c, deadline: c.fake.Now().Add(d)}
-	now := c.fake.Now()
-	c.timers = slices.DeleteFunc(c.timers, func(o *testTimer) bool { return !o.liveAt(now) })
-	c.timers = append(c.timers, t)
-	c.notifyLocked()
-	return t
-}
-
-func (t *testTimer) Stop() bool {
-	t.c.mu.Lock()
-	defer t.c.mu.Unlock()
-	t.stopped = true
-	t.c.notifyLocked()
-	return t.Timer.Stop()
-}
-
-func (t *testTimer) liveAt(now time.Time) bool { return !t.stopped && t.deadline.After(now) }
-
-func (c *testClock) notifyLocked() {
-	close(c.changed)
-	c.changed = make(chan struct{})
-}
-
-// Set moves the clock to at, firing every timer due by then.
-func (c *testClock) Set(at time.Time) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.fake.Set(at)
-	c.notifyLocked()
-}
-
-// Advance moves the clock forward by d.
-func (c *testClock) Advance(d time.Duration) { c.Set(c.Now().Add(d)) }
-
-// await waits until cond (called with c.mu held) holds, failing the test after waitLimit.
-func (c *testClock) await(t *testing.T, what string, cond func(now time.Time) bool) {
+// awaitClock waits until cond holds, looking again whenever a timer on c is armed, fires or is
+// stopped, or c moves; it fails the test after waitLimit.
+func awaitClock(t *testing.T, c *testutil.FakeClock, what string, cond func() bool) {
 	t.Helper()
 	giveUp := time.NewTimer(waitLimit)
 	defer giveUp.Stop()
 	for {
-		c.mu.Lock()
-		ok, changed := cond(c.fake.Now()), c.changed
-		c.mu.Unlock()
-		if ok {
+		changed := c.Changed()
+		if cond() {
 			return
 		}
 		select {
@@ -274,37 +211,29 @@ func (c *testClock) await(t *testing.T, what string, cond func(now time.Time) bo
 	}
 }
 
-// waitArmed waits until a timer due exactly at at is pending: the code under test waits for
+// waitArmed waits until a timer due exactly at at is pending on c: the code under test waits for
 // that moment.
-func (c *testClock) waitArmed(t *testing.T, at time.Time) {
+func waitArmed(t *testing.T, c *testutil.FakeClock, at time.Time) {
 	t.Helper()
-	c.await(t, "a timer is armed for "+at.String(), func(now time.Time) bool {
-		return slices.ContainsFunc(c.timers, func(tm *testTimer) bool { return tm.liveAt(now) && tm.deadline.Equal(at) })
-	})
+	awaitClock(t, c, "a timer is armed for "+at.String(), func() bool { return slices.ContainsFunc(c.Deadlines(), at.Equal) })
 }
 
-// debouncing reports whether a timer due within the file watcher's debounce is pending.
-func (c *testClock) debouncing() bool {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	now := c.fake.Now()
-	return slices.ContainsFunc(c.timers, func(tm *testTimer) bool {
-		return tm.liveAt(now) && !tm.deadline.After(now.Add(filewatch.DefaultDebounce))
-	})
+// debouncing reports whether a timer due within the file watcher's debounce is pending on c.
+func debouncing(c *testutil.FakeClock) bool {
+	deadlines := c.Deadlines()
+	return len(deadlines) > 0 && !deadlines[0].After(c.Now().Add(filewatch.DefaultDebounce))
 }
 
 // drive fires the file watcher's debounce timers as they are armed until recv yields a value,
 // which it returns. Only timers due within one debounce are fired: renewals, retries and
 // expiries stay where they are.
-func drive[T any](t *testing.T, c *testClock, recv <-chan T) T {
+func drive[T any](t *testing.T, c *testutil.FakeClock, recv <-chan T) T {
 	t.Helper()
 	giveUp := time.NewTimer(waitLimit)
 	defer giveUp.Stop()
 	for {
-		c.mu.Lock()
-		changed := c.changed
-		c.mu.Unlock()
-		if c.debouncing() {
+		changed := c.Changed()
+		if debouncing(c) {
 			c.Advance(filewatch.DefaultDebounce)
 			continue
 		}
@@ -326,16 +255,14 @@ func (e *env) until(what string, cond func() bool, debounce bool) {
 	giveUp := time.NewTimer(waitLimit)
 	defer giveUp.Stop()
 	for {
-		e.clock.mu.Lock()
-		clockChanged := e.clock.changed
-		e.clock.mu.Unlock()
+		clockChanged := e.clock.Changed()
 		e.events.mu.Lock()
 		eventsChanged := e.events.changed
 		e.events.mu.Unlock()
 		if cond() {
 			return
 		}
-		if debounce && e.clock.debouncing() {
+		if debounce && debouncing(e.clock) {
 			e.clock.Advance(filewatch.DefaultDebounce)
 			continue
 		}
@@ -493,7 +420,7 @@ func (h recordingHandler) WithGroup(name string) slog.Handler {
 // env is one test's world: a fake clock, a fake CA, a metrics registry, the events and the logs.
 type env struct {
 	t      *testing.T
-	clock  *testClock
+	clock  *testutil.FakeClock
 	signer *fakeSigner
 	reg    *prometheus.Registry
 	logs   *logRecorder
@@ -505,7 +432,7 @@ type env struct {
 
 func newEnv(t *testing.T) *env {
 	t.Helper()
-	clk := newTestClock(t0)
+	clk := testutil.NewFakeClock(t0)
 	e := &env{t: t, clock: clk, signer: newFakeSigner(t, clk), reg: prometheus.NewRegistry(), logs: newLogRecorder(), events: newEventLog()}
 	e.rot = &Rotation{
 		Signer:     e.signer,
@@ -713,7 +640,7 @@ func recv[T any](t *testing.T, ch <-chan T, what string) T {
 // idle waits until the renewal loop waits for at (a renewal or a retry).
 func (e *env) idle(at time.Time) {
 	e.t.Helper()
-	e.clock.waitArmed(e.t, at)
+	waitArmed(e.t, e.clock, at)
 }
 
 // attempt moves the clock to at, which the renewal loop must be waiting for, and returns what

@@ -352,7 +352,7 @@ func TestFileSecretsAreReleased(t *testing.T) {
 	pair := subscribe(t, r.m, pairName)
 	checkServes(t, pair.next(t), pairName, kp)
 	// The loader waits for the pair's expiry, to report it.
-	e.clock.waitArmed(t, kp.leaf.NotAfter)
+	waitArmed(t, e.clock, kp.leaf.NotAfter)
 	// Two streams on one name: one leaving keeps it.
 	second := subscribe(t, r.m, pairName)
 	second.cancel()
@@ -377,10 +377,8 @@ func TestFileSecretsAreReleased(t *testing.T) {
 	if len(kept) > 0 {
 		t.Errorf("%d file secrets still in the Snapshot after their last subscriber left, such as %s", len(kept), kept[0])
 	}
-	e.clock.await(t, "no timer for the forgotten pair's expiry", func(now time.Time) bool {
-		return !slices.ContainsFunc(e.clock.timers, func(tm *testTimer) bool {
-			return tm.liveAt(now) && tm.deadline.Equal(kp.leaf.NotAfter)
-		})
+	awaitClock(t, e.clock, "no timer for the forgotten pair's expiry", func() bool {
+		return !slices.ContainsFunc(e.clock.Deadlines(), kp.leaf.NotAfter.Equal)
 	})
 	// New names are taken, up to the bound again, and a name asked for anew is read anew.
 	late := subscribe(t, r.m, FileRootPrefix+filepath.Join(dir, "late.pem"))

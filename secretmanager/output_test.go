@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -251,15 +252,7 @@ func (e *env) outputRetry() (Event, int) {
 			return false
 		}
 		last, n = failed[len(failed)-1], len(failed)
-		e.clock.mu.Lock()
-		defer e.clock.mu.Unlock()
-		now := e.clock.fake.Now()
-		for _, tm := range e.clock.timers {
-			if tm.liveAt(now) && tm.deadline.Equal(last.RetryAt) {
-				return true
-			}
-		}
-		return false
+		return slices.ContainsFunc(e.clock.Deadlines(), last.RetryAt.Equal)
 	}, false)
 	return last, n
 }

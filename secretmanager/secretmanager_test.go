@@ -1051,7 +1051,7 @@ func TestTLSCertificate(t *testing.T) {
 		check(t, m, s)
 
 		// The loader reads the files again when the pair expires, and says so.
-		e.clock.waitArmed(t, s.NotAfter())
+		waitArmed(t, e.clock, s.NotAfter())
 		e.clock.Set(s.NotAfter().Add(-time.Nanosecond))
 		check(t, m, s)
 		e.clock.Set(s.NotAfter())
@@ -1181,7 +1181,7 @@ func TestRunStopsWhenCancelled(t *testing.T) {
 			if err := r.stop(t); err != nil {
 				t.Fatalf("Run = %v, want nil", err)
 			}
-			if n := e.clock.fake.PendingTimers(); n != 0 {
+			if n := e.clock.PendingTimers(); n != 0 {
 				t.Errorf("%d timers left pending after Run returned", n)
 			}
 			if e.failures() != failuresBefore {

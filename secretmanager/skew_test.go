@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/meshid/meshid/internal/pki"
+	"github.com/meshid/meshid/internal/testutil"
 )
 
 // A CA whose clock is ahead of ours (by minutes or hours: a clock kept in a local time zone)
@@ -40,7 +41,7 @@ func TestRotationWithTheCAClockSkewed(t *testing.T) {
 			t.Parallel()
 			e := newEnv(t)
 			e.rot.GraceRatioJitter = 0
-			e.signer.clock = newTestClock(t0.Add(tc.skew))
+			e.signer.clock = testutil.NewFakeClock(t0.Add(tc.skew))
 			r := e.start()
 			if tc.want != "" {
 				ev := e.failure(0)

@@ -9,6 +9,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/meshid/meshid/internal/testutil"
 )
 
 // storm is one renewal storm: n agents' renewal loops (the Rotation source the agent runs, each
@@ -35,7 +37,7 @@ type stormResult struct {
 // every agent waits (its timer armed), until every agent has renewed.
 func (s storm) run(b *testing.B) stormResult {
 	b.Helper()
-	clk := newTestClock(t0)
+	clk := testutil.NewFakeClock(t0)
 	signer := newFakeSigner(b, clk)
 	var (
 		mu      sync.Mutex
@@ -90,20 +92,10 @@ func (s storm) run(b *testing.B) stormResult {
 	}
 	giveUp := time.Now().Add(5 * time.Minute) // real time: only a broken benchmark hangs
 	for {
-		clk.mu.Lock()
-		now := clk.fake.Now()
-		var next time.Time
-		live := 0
-		for _, tm := range clk.timers {
-			if tm.liveAt(now) {
-				live++
-				if next.IsZero() || tm.deadline.Before(next) {
-					next = tm.deadline
-				}
-			}
-		}
-		changed := clk.changed
-		clk.mu.Unlock()
+		changed := clk.Changed()
+		now := clk.Now()
+		deadlines := clk.Deadlines()
+		live := len(deadlines)
 		if live < s.n { // some agent is still at work: wait until it waits again
 			select {
 			case <-changed:
@@ -119,6 +111,7 @@ func (s storm) run(b *testing.B) stormResult {
 			break
 		}
 		// The CA's state at next, set while every agent waits.
+		next := deadlines[0]
 		switch at := next.Sub(t0); {
 		case at >= s.down && at < s.up:
 			signer.setErr(errCADown)

@@ -109,27 +109,37 @@ type SecretEvent struct {
 // Secrets keeps a secret istio.<sa> for every service account of every served namespace: a
 // key pair for spiffe://<trust domain>/ns/<ns>/sa/<sa> and the CA's roots, in a SecretStore.
 //
-// Work goes through client-go's workqueue (one reconcile per secret at a time, repeats merged)
-// with its per-item exponential rate limiter. Delays run on the injected clock: the queue's own
-// delaying variant takes Kubernetes' clock interface, so the schedule of refreshes and retries
-// is kept here and due keys are added without delay.
+// Work goes through client-go's delaying workqueue (one reconcile per secret at a time, repeats
+// merged): refreshes, retries (after the per-item exponential rate limiter's delay) and the
+// periodic resync are items added after a delay, on the injected clock. The queue keeps the
+// earliest time an item was added for, so a secret rescheduled later may be reconciled once more
+// at its former time; reconcile is repeatable, and finds it unchanged then.
 type Secrets struct {
 	cfg     SecretsConfig
 	clock   clock.Clock
 	log     *slog.Logger
 	limiter workqueue.TypedRateLimiter[SecretKey]
 	metrics secretMetrics
+	// watches hands the change channels a resync took, before reading, to Run, which waits on them.
+	watches chan watch
 
 	mu       sync.Mutex
-	queue    *workqueue.Typed[SecretKey] // set while Run runs
-	due      map[SecretKey]time.Time     // next refresh or retry
-	foreign  map[SecretKey]bool          // warned about, until it goes
-	refused  map[SecretKey]string        // why the store refused it, logged once, until it is not
-	wake     chan struct{}               // the schedule changed
-	listErr  string                      // the last failure to list, logged once
-	healthy  bool                        // the last resync listed the store
+	queue    workqueue.TypedDelayingInterface[work] // set while Run runs
+	foreign  map[SecretKey]bool                     // warned about, until it goes
+	refused  map[SecretKey]string                   // why the store refused it, logged once, until it is not
+	listErr  string                                 // the last failure to list, logged once
+	healthy  bool                                   // the last resync listed the store
 	lastSync time.Time
 }
+
+// work is an item of the queue: one secret to reconcile, or the resync of them all.
+type work struct {
+	key    SecretKey
+	resync bool
+}
+
+// watch is the pair of change channels a resync took before it read the stores.
+type watch struct{ store, bundle <-chan struct{} }
 
 type secretMetrics struct {
 	created, refreshed, deleted, errors prometheus.Counter
@@ -180,7 +190,7 @@ func NewSecrets(cfg SecretsConfig) (*Secrets, error) {
 	s := &Secrets{
 		cfg: cfg, clock: clock.OrReal(cfg.Clock), log: log,
 		limiter: workqueue.NewTypedItemExponentialFailureRateLimiter[SecretKey](cfg.RetryBase, cfg.RetryMax),
-		due:     map[SecretKey]time.Time{}, foreign: map[SecretKey]bool{}, refused: map[SecretKey]string{}, wake: make(chan struct{}, 1),
+		watches: make(chan watch), foreign: map[SecretKey]bool{}, refused: map[SecretKey]string{},
 	}
 	counter := func(name, help string) prometheus.Counter {
 		return prometheus.NewCounter(prometheus.CounterOpts{Name: name, Help: help})
@@ -224,13 +234,13 @@ const secretWorkers = 8
 
 // Run reconciles until ctx ends; the workers it starts have returned when Run does.
 func (s *Secrets) Run(ctx context.Context) error {
-	queue := workqueue.NewTyped[SecretKey]()
+	queue := workqueue.NewTypedDelayingQueueWithConfig(workqueue.TypedDelayingQueueConfig[work]{Clock: queueClock(s.cfg.Clock)})
 	s.mu.Lock()
 	s.queue = queue
 	s.mu.Unlock()
 
 	// Several workers: a secret's write waits on the disk (each file and directory is synced),
-	// and the queue never hands one key to two workers at once.
+	// and the queue never hands one item to two workers at once (so resyncs never overlap).
 	var wg sync.WaitGroup
 	for range secretWorkers {
 		wg.Go(func() {
@@ -246,75 +256,36 @@ func (s *Secrets) Run(ctx context.Context) error {
 		s.mu.Unlock()
 	}()
 
-	var (
-		nextResync                  time.Time // zero: resync at once
-		storeChanged, bundleChanged <-chan struct{}
-		timer                       clock.Timer
-	)
+	// A change of either store, or of the CA's bundle, resyncs at once. Each resync hands over
+	// the channels it took before reading; until then a change is already being looked at.
+	queue.Add(work{resync: true})
+	var w watch
 	for {
-		now := s.clock.Now()
-		if !now.Before(nextResync) {
-			// Take both change channels before reading, and keep them until they close, so that
-			// no change after this read is missed.
-			storeChanged, bundleChanged = s.cfg.Store.Changed(), s.cfg.Signer.Changed()
-			s.resync(ctx, queue)
-			nextResync = now.Add(s.cfg.ResyncInterval)
-		}
-		next := s.addDue(queue, now, nextResync)
-		if timer != nil {
-			timer.Stop()
-		}
-		timer = s.clock.NewTimer(next.Sub(s.clock.Now()))
-		// The timer is relative: had the clock passed next while it was armed, it would fire
-		// late by as much. Looking again after arming it closes that window.
-		if !s.clock.Now().Before(next) {
-			continue
-		}
 		select {
 		case <-ctx.Done():
-			timer.Stop()
 			return nil
-		case <-storeChanged:
-			nextResync = time.Time{}
-		case <-bundleChanged:
-			nextResync = time.Time{}
-		case <-s.wake:
-		case <-timer.C():
+		case w = <-s.watches:
+		case <-w.store:
+			w = watch{}
+			queue.Add(work{resync: true})
+		case <-w.bundle:
+			w = watch{}
+			queue.Add(work{resync: true})
 		}
 	}
 }
 
-// addDue adds the keys whose time has come, and returns the next time something is due.
-func (s *Secrets) addDue(queue *workqueue.Typed[SecretKey], now, next time.Time) time.Time {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for k, at := range s.due {
-		if !now.Before(at) {
-			delete(s.due, k)
-			queue.Add(k)
-		} else if at.Before(next) {
-			next = at
-		}
-	}
-	return next
-}
-
-func (s *Secrets) schedule(k SecretKey, at time.Time) {
-	s.mu.Lock()
-	if at.IsZero() {
-		delete(s.due, k)
-	} else {
-		s.due[k] = at
-	}
-	s.mu.Unlock()
+// resync queues every secret that should exist and every one on disk, and itself again after
+// ResyncInterval.
+func (s *Secrets) resync(ctx context.Context, queue workqueue.TypedDelayingInterface[work]) {
+	defer queue.AddAfter(work{resync: true}, s.cfg.ResyncInterval)
+	// Take both change channels before reading, so that no change after this read is missed.
+	w := watch{store: s.cfg.Store.Changed(), bundle: s.cfg.Signer.Changed()}
 	select {
-	case s.wake <- struct{}{}:
-	default:
+	case s.watches <- w:
+	case <-ctx.Done():
+		return
 	}
-}
-
-// resync queues every secret that should exist and every one on disk.
-func (s *Secrets) resync(ctx context.Context, queue *workqueue.Typed[SecretKey]) {
 	accounts, err := s.cfg.Store.ServiceAccounts(ctx, s.cfg.Namespace)
 	var present []SecretKey
 	if err == nil {
@@ -346,10 +317,10 @@ func (s *Secrets) resync(ctx context.Context, queue *workqueue.Typed[SecretKey])
 		s.log.Info("service accounts and secrets listed again")
 	}
 	for _, sa := range accounts {
-		queue.Add(SecretKey{sa.Namespace, sa.Name})
+		queue.Add(work{key: SecretKey{sa.Namespace, sa.Name}})
 	}
 	for _, k := range present {
-		queue.Add(k)
+		queue.Add(work{key: k})
 	}
 }
 
@@ -359,16 +330,21 @@ func (s *Secrets) Requeue(k SecretKey) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.queue != nil {
-		s.queue.Add(k)
+		s.queue.Add(work{key: k})
 	}
 }
 
-func (s *Secrets) processNext(ctx context.Context, queue *workqueue.Typed[SecretKey]) bool {
-	k, shutdown := queue.Get()
+func (s *Secrets) processNext(ctx context.Context, queue workqueue.TypedDelayingInterface[work]) bool {
+	item, shutdown := queue.Get()
 	if shutdown {
 		return false
 	}
-	defer queue.Done(k)
+	defer queue.Done(item)
+	if item.resync {
+		s.resync(ctx, queue)
+		return true
+	}
+	k := item.key
 	ev, next, err := s.reconcile(ctx, k)
 	switch {
 	case err == nil:
@@ -390,7 +366,10 @@ func (s *Secrets) processNext(ctx context.Context, queue *workqueue.Typed[Secret
 		ev = SecretEvent{Kind: SecretFailed, Err: err}
 		next = retryAt
 	}
-	s.schedule(k, next)
+	if !next.IsZero() {
+		// A time already past adds it at once.
+		queue.AddAfter(item, next.Sub(s.clock.Now()))
+	}
 	ev.Namespace, ev.ServiceAccount, ev.Where = k.Namespace, k.ServiceAccount, s.cfg.Secrets.Where(k)
 	if s.cfg.OnEvent != nil {
 		s.cfg.OnEvent(ev)

@@ -10,6 +10,7 @@ import (
 	"slices"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/meshid/meshid/ca"
@@ -78,9 +79,11 @@ func (s *saStore) update(f func()) {
 	s.mu.Unlock()
 }
 
+// secretsHarness runs the controller on the real clock inside the test's synctest bubble, where
+// time moves only when every goroutine of the bubble waits: so an advance never comes before the
+// controller has done what the time so far asks of it.
 type secretsHarness struct {
 	t      *testing.T
-	clock  *testutil.FakeClock
 	store  *saStore
 	auth   *ca.Authority
 	dir    string
@@ -89,17 +92,18 @@ type secretsHarness struct {
 	cfg    controller.SecretsConfig
 }
 
+// newSecretsHarness must be called inside a synctest bubble.
 func newSecretsHarness(t *testing.T, mutate func(*controller.SecretsConfig)) *secretsHarness {
 	t.Helper()
-	now := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
-	h := &secretsHarness{t: t, clock: testutil.NewFakeClock(now), store: newSAStore(), dir: filepath.Join(t.TempDir(), "secrets"),
+	now := time.Now()
+	h := &secretsHarness{t: t, store: newSAStore(), dir: filepath.Join(t.TempDir(), "secrets"),
 		events: make(chan controller.SecretEvent, 4096)}
-	h.auth = ca.New(ca.Config{Clock: h.clock, DefaultTTL: 24 * time.Hour}, newBundle(t, now))
+	h.auth = ca.New(ca.Config{DefaultTTL: 24 * time.Hour}, newBundle(t, now))
 	h.cfg = controller.SecretsConfig{
 		Store:     h.store,
 		Targeting: controller.NewTargeting(controller.TargetingConfig{Store: h.store, CANamespace: caNamespace, EnabledByDefault: true}),
 		Signer:    h.auth, Secrets: controller.NewFileSecrets(h.dir), TrustDomain: trustDomain,
-		Clock: h.clock, Logger: slog.New(slog.NewTextHandler(testWriter{t}, nil)), OnEvent: func(ev controller.SecretEvent) { h.events <- ev },
+		Logger: slog.New(slog.NewTextHandler(testWriter{t}, nil)), OnEvent: func(ev controller.SecretEvent) { h.events <- ev },
 	}
 	if mutate != nil {
 		mutate(&h.cfg)
@@ -137,7 +141,8 @@ func (h *secretsHarness) run() {
 	})
 }
 
-// await reads events until one for ns/sa of kind comes, failing on a real-time bound.
+// await reads events until one for ns/sa of kind comes. Its bound is on the bubble's clock, which
+// moves only when nothing else can happen: a missing event fails the test at once.
 func (h *secretsHarness) await(ns, sa string, kind controller.SecretEventKind) controller.SecretEvent {
 	h.t.Helper()
 	match := func(ev controller.SecretEvent) bool {
@@ -166,13 +171,10 @@ func (h *secretsHarness) await(ns, sa string, kind controller.SecretEventKind) c
 	}
 }
 
-// advance moves the fake clock once the controller waits on it.
+// advance lets d pass on the bubble's clock; the controller acts at each moment due on the way.
 func (h *secretsHarness) advance(d time.Duration) {
 	h.t.Helper()
-	if err := h.clock.WaitForTimers(h.t.Context(), 1); err != nil {
-		h.t.Fatal(err)
-	}
-	h.clock.Advance(d)
+	time.Sleep(d)
 }
 
 func (h *secretsHarness) secretDir(ns, sa string) string {
@@ -209,14 +211,14 @@ func (h *secretsHarness) leafIn(dir, ns, sa string) *x509.Certificate {
 		h.t.Fatal(err)
 	}
 	id := "spiffe://" + trustDomain + "/ns/" + ns + "/sa/" + sa
-	if err := pki.CheckKeyPair(chain, key, id, h.clock.Now()); err != nil {
+	if err := pki.CheckKeyPair(chain, key, id, time.Now()); err != nil {
 		h.t.Fatalf("%s: %v", dir, err)
 	}
 	pool := x509.NewCertPool()
 	for _, r := range roots {
 		pool.AddCert(r)
 	}
-	if _, err := chain[0].Verify(x509.VerifyOptions{Roots: pool, CurrentTime: h.clock.Now()}); err != nil {
+	if _, err := chain[0].Verify(x509.VerifyOptions{Roots: pool, CurrentTime: time.Now()}); err != nil {
 		h.t.Fatalf("%s: the leaf does not verify under root-cert.pem: %v", dir, err)
 	}
 	if info, err := os.Stat(filepath.Join(dir, "key.pem")); err != nil || info.Mode().Perm() != 0o600 {
@@ -237,117 +239,129 @@ func assertGone(t *testing.T, path string) {
 
 func TestSecretsCreatedForServedNamespacesOnly(t *testing.T) {
 	t.Parallel()
-	h := newSecretsHarness(t, nil)
-	h.store.update(func() {
-		h.store.namespaces["prod"] = map[string]string{}
-		h.store.namespaces["off"] = map[string]string{controller.LabelOverride: "false"}
-		h.store.namespaces["other-ca"] = map[string]string{controller.LabelEnv: "elsewhere"}
-		h.store.accounts["prod"] = []string{"web", "db"}
-		h.store.accounts["off"] = []string{"web"}
-		h.store.accounts["other-ca"] = []string{"web"}
-		h.store.accounts["unknown"] = []string{"default"} // no Namespace object: unlabelled, served by default
+	synctest.Test(t, func(t *testing.T) {
+		h := newSecretsHarness(t, nil)
+		h.store.update(func() {
+			h.store.namespaces["prod"] = map[string]string{}
+			h.store.namespaces["off"] = map[string]string{controller.LabelOverride: "false"}
+			h.store.namespaces["other-ca"] = map[string]string{controller.LabelEnv: "elsewhere"}
+			h.store.accounts["prod"] = []string{"web", "db"}
+			h.store.accounts["off"] = []string{"web"}
+			h.store.accounts["other-ca"] = []string{"web"}
+			h.store.accounts["unknown"] = []string{"default"} // no Namespace object: unlabelled, served by default
+		})
+		h.run()
+		for _, k := range [][2]string{{"prod", "web"}, {"prod", "db"}, {"unknown", "default"}} {
+			h.await(k[0], k[1], controller.SecretCreated)
+			h.leaf(k[0], k[1])
+		}
+		h.await("off", "web", controller.SecretAbsent)
+		h.await("other-ca", "web", controller.SecretAbsent)
+		assertGone(t, filepath.Join(h.dir, "off"))
+		assertGone(t, filepath.Join(h.dir, "other-ca"))
 	})
-	h.run()
-	for _, k := range [][2]string{{"prod", "web"}, {"prod", "db"}, {"unknown", "default"}} {
-		h.await(k[0], k[1], controller.SecretCreated)
-		h.leaf(k[0], k[1])
-	}
-	h.await("off", "web", controller.SecretAbsent)
-	h.await("other-ca", "web", controller.SecretAbsent)
-	assertGone(t, filepath.Join(h.dir, "off"))
-	assertGone(t, filepath.Join(h.dir, "other-ca"))
 }
 
 func TestSecretsListenedNamespace(t *testing.T) {
 	t.Parallel()
-	h := newSecretsHarness(t, func(c *controller.SecretsConfig) { c.Namespace = "prod" })
-	h.store.update(func() {
-		h.store.accounts["prod"] = []string{"web"}
-		h.store.accounts["dev"] = []string{"web"}
+	synctest.Test(t, func(t *testing.T) {
+		h := newSecretsHarness(t, func(c *controller.SecretsConfig) { c.Namespace = "prod" })
+		h.store.update(func() {
+			h.store.accounts["prod"] = []string{"web"}
+			h.store.accounts["dev"] = []string{"web"}
+		})
+		h.run()
+		h.await("prod", "web", controller.SecretCreated)
+		h.advance(time.Minute) // a resync: still nothing for dev
+		h.await("prod", "web", controller.SecretUnchanged)
+		assertGone(t, filepath.Join(h.dir, "dev"))
 	})
-	h.run()
-	h.await("prod", "web", controller.SecretCreated)
-	h.advance(time.Minute) // a resync: still nothing for dev
-	h.await("prod", "web", controller.SecretUnchanged)
-	assertGone(t, filepath.Join(h.dir, "dev"))
 }
 
 func TestSecretsRefreshedAtTheGracePoint(t *testing.T) {
 	t.Parallel()
-	h := newSecretsHarness(t, func(c *controller.SecretsConfig) {
-		c.GracePeriodRatio, c.MinGracePeriod, c.ResyncInterval = 0.25, 10*time.Minute, 24*time.Hour
-	})
-	h.store.update(func() { h.store.accounts["prod"] = []string{"web"} })
-	h.run()
-	h.await("prod", "web", controller.SecretCreated)
-	first := h.leaf("prod", "web")
-	lifetime := first.NotAfter.Sub(first.NotBefore)
-	refreshAt := first.NotAfter.Add(-lifetime / 4)
+	synctest.Test(t, func(t *testing.T) {
+		h := newSecretsHarness(t, func(c *controller.SecretsConfig) {
+			c.GracePeriodRatio, c.MinGracePeriod, c.ResyncInterval = 0.25, 10*time.Minute, 24*time.Hour
+		})
+		h.store.update(func() { h.store.accounts["prod"] = []string{"web"} })
+		h.run()
+		h.await("prod", "web", controller.SecretCreated)
+		first := h.leaf("prod", "web")
+		lifetime := first.NotAfter.Sub(first.NotBefore)
+		refreshAt := first.NotAfter.Add(-lifetime / 4)
 
-	h.advance(refreshAt.Sub(h.clock.Now()) - time.Second)
-	h.advance(time.Second)
-	ev := h.await("prod", "web", controller.SecretRefreshed)
-	second := h.leaf("prod", "web")
-	if second.SerialNumber.Cmp(first.SerialNumber) == 0 {
-		t.Fatal("the certificate was not re-issued")
-	}
-	if !h.clock.Now().Equal(refreshAt) {
-		t.Errorf("refreshed at %s, want the grace point %s (%s)", h.clock.Now(), refreshAt, ev.Reason)
-	}
+		h.advance(time.Until(refreshAt) - time.Second)
+		h.advance(time.Second)
+		ev := h.await("prod", "web", controller.SecretRefreshed)
+		second := h.leaf("prod", "web")
+		if second.SerialNumber.Cmp(first.SerialNumber) == 0 {
+			t.Fatal("the certificate was not re-issued")
+		}
+		if !time.Now().Equal(refreshAt) {
+			t.Errorf("refreshed at %s, want the grace point %s (%s)", time.Now(), refreshAt, ev.Reason)
+		}
+	})
 }
 
 func TestSecretsMinGracePeriodWins(t *testing.T) {
 	t.Parallel()
-	h := newSecretsHarness(t, func(c *controller.SecretsConfig) {
-		c.GracePeriodRatio, c.MinGracePeriod, c.ResyncInterval = 0.1, 20*time.Hour, 48*time.Hour
+	synctest.Test(t, func(t *testing.T) {
+		h := newSecretsHarness(t, func(c *controller.SecretsConfig) {
+			c.GracePeriodRatio, c.MinGracePeriod, c.ResyncInterval = 0.1, 20*time.Hour, 48*time.Hour
+		})
+		h.store.update(func() { h.store.accounts["prod"] = []string{"web"} })
+		h.run()
+		h.await("prod", "web", controller.SecretCreated)
+		first := h.leaf("prod", "web")
+		want := first.NotAfter.Add(-20 * time.Hour)
+		h.advance(time.Until(want))
+		h.await("prod", "web", controller.SecretRefreshed)
+		if !time.Now().Equal(want) {
+			t.Errorf("refreshed at %s, want %s", time.Now(), want)
+		}
 	})
-	h.store.update(func() { h.store.accounts["prod"] = []string{"web"} })
-	h.run()
-	h.await("prod", "web", controller.SecretCreated)
-	first := h.leaf("prod", "web")
-	want := first.NotAfter.Add(-20 * time.Hour)
-	h.advance(want.Sub(h.clock.Now()))
-	h.await("prod", "web", controller.SecretRefreshed)
-	if !h.clock.Now().Equal(want) {
-		t.Errorf("refreshed at %s, want %s", h.clock.Now(), want)
-	}
 }
 
 func TestSecretsReissuedOnRootChange(t *testing.T) {
 	t.Parallel()
-	h := newSecretsHarness(t, nil)
-	h.store.update(func() { h.store.accounts["prod"] = []string{"web"} })
-	h.run()
-	h.await("prod", "web", controller.SecretCreated)
+	synctest.Test(t, func(t *testing.T) {
+		h := newSecretsHarness(t, nil)
+		h.store.update(func() { h.store.accounts["prod"] = []string{"web"} })
+		h.run()
+		h.await("prod", "web", controller.SecretCreated)
 
-	next := newBundle(t, h.clock.Now())
-	h.auth.SetBundle(next)
-	h.await("prod", "web", controller.SecretRefreshed)
-	leaf := h.leaf("prod", "web")
-	if _, err := leaf.Verify(x509.VerifyOptions{Roots: next.RootPool(), CurrentTime: h.clock.Now()}); err != nil {
-		t.Errorf("the re-issued leaf does not verify under the new root: %v", err)
-	}
+		next := newBundle(t, time.Now())
+		h.auth.SetBundle(next)
+		h.await("prod", "web", controller.SecretRefreshed)
+		leaf := h.leaf("prod", "web")
+		if _, err := leaf.Verify(x509.VerifyOptions{Roots: next.RootPool(), CurrentTime: time.Now()}); err != nil {
+			t.Errorf("the re-issued leaf does not verify under the new root: %v", err)
+		}
+	})
 }
 
 func TestSecretsRemoved(t *testing.T) {
 	t.Parallel()
-	h := newSecretsHarness(t, nil)
-	h.store.update(func() {
-		h.store.namespaces["prod"] = map[string]string{}
-		h.store.accounts["prod"] = []string{"web", "db"}
+	synctest.Test(t, func(t *testing.T) {
+		h := newSecretsHarness(t, nil)
+		h.store.update(func() {
+			h.store.namespaces["prod"] = map[string]string{}
+			h.store.accounts["prod"] = []string{"web", "db"}
+		})
+		h.run()
+		h.await("prod", "web", controller.SecretCreated)
+		h.await("prod", "db", controller.SecretCreated)
+
+		h.store.update(func() { h.store.accounts["prod"] = []string{"db"} })
+		h.await("prod", "web", controller.SecretDeleted)
+		assertGone(t, h.secretDir("prod", "web"))
+		h.leaf("prod", "db")
+
+		h.store.update(func() { h.store.namespaces["prod"] = map[string]string{controller.LabelEnv: "another-ca"} })
+		h.await("prod", "db", controller.SecretDeleted)
+		assertGone(t, filepath.Join(h.dir, "prod"))
 	})
-	h.run()
-	h.await("prod", "web", controller.SecretCreated)
-	h.await("prod", "db", controller.SecretCreated)
-
-	h.store.update(func() { h.store.accounts["prod"] = []string{"db"} })
-	h.await("prod", "web", controller.SecretDeleted)
-	assertGone(t, h.secretDir("prod", "web"))
-	h.leaf("prod", "db")
-
-	h.store.update(func() { h.store.namespaces["prod"] = map[string]string{controller.LabelEnv: "another-ca"} })
-	h.await("prod", "db", controller.SecretDeleted)
-	assertGone(t, filepath.Join(h.dir, "prod"))
 }
 
 func TestSecretsRecreatedWhenTamperedWith(t *testing.T) {
@@ -398,20 +412,22 @@ func TestSecretsRecreatedWhenTamperedWith(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			h := newSecretsHarness(t, nil)
-			h.store.update(func() { h.store.accounts["prod"] = []string{"web", "db"} })
-			h.run()
-			h.await("prod", "web", controller.SecretCreated)
-			h.await("prod", "db", controller.SecretCreated)
-			dir := h.secretDir("prod", "web")
-			tc.tamper(h, dir)
-			h.advance(controller.DefaultResyncInterval)
-			kind := controller.SecretRefreshed
-			if tc.name == "deleted" {
-				kind = controller.SecretCreated
-			}
-			h.await("prod", "web", kind)
-			h.leaf("prod", "web")
+			synctest.Test(t, func(t *testing.T) {
+				h := newSecretsHarness(t, nil)
+				h.store.update(func() { h.store.accounts["prod"] = []string{"web", "db"} })
+				h.run()
+				h.await("prod", "web", controller.SecretCreated)
+				h.await("prod", "db", controller.SecretCreated)
+				dir := h.secretDir("prod", "web")
+				tc.tamper(h, dir)
+				h.advance(controller.DefaultResyncInterval)
+				kind := controller.SecretRefreshed
+				if tc.name == "deleted" {
+					kind = controller.SecretCreated
+				}
+				h.await("prod", "web", kind)
+				h.leaf("prod", "web")
+			})
 		})
 	}
 }
@@ -429,57 +445,61 @@ func write(t *testing.T, path string, data []byte, mode os.FileMode) {
 
 func TestSecretsLeaveForeignDirectoriesAlone(t *testing.T) {
 	t.Parallel()
-	h := newSecretsHarness(t, nil)
-	mine := h.secretDir("prod", "web")             // wanted, but made by someone else
-	stray := h.secretDir("prod", "gone")           // not wanted, made by someone else
-	invalid := h.secretDir("Not_A_Namespace", "x") // not a name we would ever write
-	for _, dir := range []string{mine, stray, invalid} {
-		if err := os.MkdirAll(dir, 0o700); err != nil {
-			t.Fatal(err)
+	synctest.Test(t, func(t *testing.T) {
+		h := newSecretsHarness(t, nil)
+		mine := h.secretDir("prod", "web")             // wanted, but made by someone else
+		stray := h.secretDir("prod", "gone")           // not wanted, made by someone else
+		invalid := h.secretDir("Not_A_Namespace", "x") // not a name we would ever write
+		for _, dir := range []string{mine, stray, invalid} {
+			if err := os.MkdirAll(dir, 0o700); err != nil {
+				t.Fatal(err)
+			}
+			write(t, filepath.Join(dir, "cert-chain.pem"), []byte("theirs"), 0o644)
 		}
-		write(t, filepath.Join(dir, "cert-chain.pem"), []byte("theirs"), 0o644)
-	}
-	h.store.update(func() { h.store.accounts["prod"] = []string{"web"} })
-	h.run()
-	h.await("prod", "web", controller.SecretForeign)
-	h.await("prod", "gone", controller.SecretForeign)
-	h.await("Not_A_Namespace", "x", controller.SecretForeign)
-	for _, dir := range []string{mine, stray, invalid} {
-		data, err := os.ReadFile(filepath.Join(dir, "cert-chain.pem"))
-		if err != nil || string(data) != "theirs" {
-			t.Errorf("%s was touched: %q, %v", dir, data, err)
+		h.store.update(func() { h.store.accounts["prod"] = []string{"web"} })
+		h.run()
+		h.await("prod", "web", controller.SecretForeign)
+		h.await("prod", "gone", controller.SecretForeign)
+		h.await("Not_A_Namespace", "x", controller.SecretForeign)
+		for _, dir := range []string{mine, stray, invalid} {
+			data, err := os.ReadFile(filepath.Join(dir, "cert-chain.pem"))
+			if err != nil || string(data) != "theirs" {
+				t.Errorf("%s was touched: %q, %v", dir, data, err)
+			}
+			if _, err := os.Lstat(filepath.Join(dir, controller.SecretMarkerFile)); err == nil {
+				t.Errorf("%s was marked as ours", dir)
+			}
 		}
-		if _, err := os.Lstat(filepath.Join(dir, controller.SecretMarkerFile)); err == nil {
-			t.Errorf("%s was marked as ours", dir)
-		}
-	}
+	})
 }
 
 func TestSecretsCustomDNSNames(t *testing.T) {
 	t.Parallel()
-	dns, err := controller.DNSNames(caNamespace, "pilot-sa.istio-system:istio-pilot.istio-system,pilot-sa.istio-system:pilot.example.com")
-	if err != nil {
-		t.Fatal(err)
-	}
-	h := newSecretsHarness(t, func(c *controller.SecretsConfig) { c.DNSNames = dns })
-	h.store.update(func() {
-		h.store.accounts[caNamespace] = []string{"pilot-sa", "istio-sidecar-injector-service-account"}
-		h.store.accounts["prod"] = []string{"pilot-sa"}
-	})
-	h.run()
-	for _, tc := range []struct {
-		ns, sa string
-		want   []string
-	}{
-		{caNamespace, "pilot-sa", []string{"istio-pilot.istio-system", "pilot.example.com"}},
-		{caNamespace, "istio-sidecar-injector-service-account", []string{"istio-sidecar-injector.istio-system.svc", "istio-sidecar-injector.istio-system"}},
-		{"prod", "pilot-sa", nil},
-	} {
-		h.await(tc.ns, tc.sa, controller.SecretCreated)
-		if got := h.leaf(tc.ns, tc.sa).DNSNames; !slices.Equal(got, tc.want) {
-			t.Errorf("%s/%s: DNS SANs %q, want %q", tc.ns, tc.sa, got, tc.want)
+	synctest.Test(t, func(t *testing.T) {
+		dns, err := controller.DNSNames(caNamespace, "pilot-sa.istio-system:istio-pilot.istio-system,pilot-sa.istio-system:pilot.example.com")
+		if err != nil {
+			t.Fatal(err)
 		}
-	}
+		h := newSecretsHarness(t, func(c *controller.SecretsConfig) { c.DNSNames = dns })
+		h.store.update(func() {
+			h.store.accounts[caNamespace] = []string{"pilot-sa", "istio-sidecar-injector-service-account"}
+			h.store.accounts["prod"] = []string{"pilot-sa"}
+		})
+		h.run()
+		for _, tc := range []struct {
+			ns, sa string
+			want   []string
+		}{
+			{caNamespace, "pilot-sa", []string{"istio-pilot.istio-system", "pilot.example.com"}},
+			{caNamespace, "istio-sidecar-injector-service-account", []string{"istio-sidecar-injector.istio-system.svc", "istio-sidecar-injector.istio-system"}},
+			{"prod", "pilot-sa", nil},
+		} {
+			h.await(tc.ns, tc.sa, controller.SecretCreated)
+			if got := h.leaf(tc.ns, tc.sa).DNSNames; !slices.Equal(got, tc.want) {
+				t.Errorf("%s/%s: DNS SANs %q, want %q", tc.ns, tc.sa, got, tc.want)
+			}
+		}
+	})
 }
 
 func TestDNSNamesRefusesMalformedEntries(t *testing.T) {
@@ -493,16 +513,18 @@ func TestDNSNamesRefusesMalformedEntries(t *testing.T) {
 
 func TestSecretsRemoveUnfinishedGenerations(t *testing.T) {
 	t.Parallel()
-	h := newSecretsHarness(t, nil)
-	h.store.update(func() { h.store.accounts["prod"] = []string{"web"} })
-	h.run()
-	h.await("prod", "web", controller.SecretCreated)
-	unfinished := filepath.Join(h.secretDir("prod", "web"), "..meshid_killed")
-	if err := os.Mkdir(unfinished, 0o700); err != nil {
-		t.Fatal(err)
-	}
-	h.advance(controller.DefaultResyncInterval)
-	h.await("prod", "web", controller.SecretUnchanged)
-	assertGone(t, unfinished)
-	h.leaf("prod", "web")
+	synctest.Test(t, func(t *testing.T) {
+		h := newSecretsHarness(t, nil)
+		h.store.update(func() { h.store.accounts["prod"] = []string{"web"} })
+		h.run()
+		h.await("prod", "web", controller.SecretCreated)
+		unfinished := filepath.Join(h.secretDir("prod", "web"), "..meshid_killed")
+		if err := os.Mkdir(unfinished, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		h.advance(controller.DefaultResyncInterval)
+		h.await("prod", "web", controller.SecretUnchanged)
+		assertGone(t, unfinished)
+		h.leaf("prod", "web")
+	})
 }

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"testing/synctest"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -93,48 +94,50 @@ func TestSecretsNeverFollowALinkInTheSecretsTree(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			log := &lineLog{t: t}
-			reg := prometheus.NewRegistry()
-			h := newSecretsHarness(t, func(c *controller.SecretsConfig) {
-				c.Namespace, c.Registerer, c.Logger = tc.listened, reg, slog.New(slog.NewTextHandler(log, nil))
-			})
-			target := t.TempDir()
-			fakeSecret(t, filepath.Join(target, "istio.web"))  // wanted: would be re-issued through the link
-			fakeSecret(t, filepath.Join(target, "istio.gone")) // not wanted: would be removed through the link
-			if err := os.MkdirAll(filepath.Join(h.dir, "prod"), 0o700); err != nil {
-				t.Fatal(err)
-			}
-			if tc.name != "secret link" {
-				if err := os.Remove(filepath.Join(h.dir, "prod")); err != nil {
+			synctest.Test(t, func(t *testing.T) {
+				log := &lineLog{t: t}
+				reg := prometheus.NewRegistry()
+				h := newSecretsHarness(t, func(c *controller.SecretsConfig) {
+					c.Namespace, c.Registerer, c.Logger = tc.listened, reg, slog.New(slog.NewTextHandler(log, nil))
+				})
+				target := t.TempDir()
+				fakeSecret(t, filepath.Join(target, "istio.web"))  // wanted: would be re-issued through the link
+				fakeSecret(t, filepath.Join(target, "istio.gone")) // not wanted: would be removed through the link
+				if err := os.MkdirAll(filepath.Join(h.dir, "prod"), 0o700); err != nil {
 					t.Fatal(err)
 				}
-			}
-			link := tc.link(h, target)
-			h.store.update(func() { h.store.accounts["prod"] = []string{"web"} })
-			h.run()
-			ev := h.await("prod", "web", controller.SecretRefused)
-			if ev.Err == nil || !strings.Contains(ev.Err.Error(), link) {
-				t.Errorf("refusal %v, want one naming %s", ev.Err, link)
-			}
-			for range 2 { // two resyncs: looked at again, not logged or counted again
-				h.advance(controller.DefaultResyncInterval)
-				h.await("prod", "web", controller.SecretRefused)
-			}
-			for _, name := range []string{"istio.web", "istio.gone"} {
-				assertUntouched(t, filepath.Join(target, name))
-			}
-			if got, err := os.Readlink(link); err != nil || !strings.HasPrefix(got, target) {
-				t.Errorf("the link was changed: %q, %v", got, err)
-			}
-			if n := log.count("refused", link); n != 1 {
-				t.Errorf("%d log lines about the refusal of %s, want 1", n, link)
-			}
-			if n := log.count("cannot reconcile"); n != 0 {
-				t.Errorf("%d failed reconciles logged, want none: a refusal is not retried", n)
-			}
-			if n := counterValue(t, reg, "meshid_ca_secret_reconcile_errors_total"); n != 1 {
-				t.Errorf("%v refusals counted, want 1", n)
-			}
+				if tc.name != "secret link" {
+					if err := os.Remove(filepath.Join(h.dir, "prod")); err != nil {
+						t.Fatal(err)
+					}
+				}
+				link := tc.link(h, target)
+				h.store.update(func() { h.store.accounts["prod"] = []string{"web"} })
+				h.run()
+				ev := h.await("prod", "web", controller.SecretRefused)
+				if ev.Err == nil || !strings.Contains(ev.Err.Error(), link) {
+					t.Errorf("refusal %v, want one naming %s", ev.Err, link)
+				}
+				for range 2 { // two resyncs: looked at again, not logged or counted again
+					h.advance(controller.DefaultResyncInterval)
+					h.await("prod", "web", controller.SecretRefused)
+				}
+				for _, name := range []string{"istio.web", "istio.gone"} {
+					assertUntouched(t, filepath.Join(target, name))
+				}
+				if got, err := os.Readlink(link); err != nil || !strings.HasPrefix(got, target) {
+					t.Errorf("the link was changed: %q, %v", got, err)
+				}
+				if n := log.count("refused", link); n != 1 {
+					t.Errorf("%d log lines about the refusal of %s, want 1", n, link)
+				}
+				if n := log.count("cannot reconcile"); n != 0 {
+					t.Errorf("%d failed reconciles logged, want none: a refusal is not retried", n)
+				}
+				if n := counterValue(t, reg, "meshid_ca_secret_reconcile_errors_total"); n != 1 {
+					t.Errorf("%v refusals counted, want 1", n)
+				}
+			})
 		})
 	}
 }
@@ -175,65 +178,67 @@ func longName() string {
 // service account's (by its marker) after a restart and when the account goes.
 func TestSecretsForALongServiceAccountName(t *testing.T) {
 	t.Parallel()
-	long := longName()
-	other := long[:len(long)-1] + "c" // the same length, the same first 252 bytes
-	log := &lineLog{t: t}
-	h := newSecretsHarness(t, func(c *controller.SecretsConfig) { c.Logger = slog.New(slog.NewTextHandler(log, nil)) })
-	h.store.update(func() { h.store.accounts["prod"] = []string{"web", long, other} })
-	h.run()
-	h.await("prod", long, controller.SecretCreated)
-	h.await("prod", other, controller.SecretCreated)
-	h.await("prod", "web", controller.SecretCreated)
+	synctest.Test(t, func(t *testing.T) {
+		long := longName()
+		other := long[:len(long)-1] + "c" // the same length, the same first 252 bytes
+		log := &lineLog{t: t}
+		h := newSecretsHarness(t, func(c *controller.SecretsConfig) { c.Logger = slog.New(slog.NewTextHandler(log, nil)) })
+		h.store.update(func() { h.store.accounts["prod"] = []string{"web", long, other} })
+		h.run()
+		h.await("prod", long, controller.SecretCreated)
+		h.await("prod", other, controller.SecretCreated)
+		h.await("prod", "web", controller.SecretCreated)
 
-	entries, err := os.ReadDir(filepath.Join(h.dir, "prod"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	dirs := map[string]string{} // service account → directory
-	for _, e := range entries {
-		if e.Name() == "istio.web" {
-			continue
-		}
-		if len(e.Name()) > 255 || !strings.HasPrefix(e.Name(), "istio.") {
-			t.Errorf("secret directory %q (%d bytes): want istio.… of at most 255 bytes", e.Name(), len(e.Name()))
-		}
-		marker, err := os.ReadFile(filepath.Join(h.dir, "prod", e.Name(), controller.SecretMarkerFile))
+		entries, err := os.ReadDir(filepath.Join(h.dir, "prod"))
 		if err != nil {
 			t.Fatal(err)
 		}
-		for _, sa := range []string{long, other} {
-			if strings.Contains(string(marker), "/sa/"+sa+"\n") {
-				dirs[sa] = filepath.Join(h.dir, "prod", e.Name())
+		dirs := map[string]string{} // service account → directory
+		for _, e := range entries {
+			if e.Name() == "istio.web" {
+				continue
+			}
+			if len(e.Name()) > 255 || !strings.HasPrefix(e.Name(), "istio.") {
+				t.Errorf("secret directory %q (%d bytes): want istio.… of at most 255 bytes", e.Name(), len(e.Name()))
+			}
+			marker, err := os.ReadFile(filepath.Join(h.dir, "prod", e.Name(), controller.SecretMarkerFile))
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, sa := range []string{long, other} {
+				if strings.Contains(string(marker), "/sa/"+sa+"\n") {
+					dirs[sa] = filepath.Join(h.dir, "prod", e.Name())
+				}
 			}
 		}
-	}
-	if len(dirs) != 2 || dirs[long] == dirs[other] {
-		t.Fatalf("directories %v, want one for each long name, told apart", dirs)
-	}
-	for sa, dir := range dirs {
-		h.leafIn(dir, "prod", sa)
-	}
+		if len(dirs) != 2 || dirs[long] == dirs[other] {
+			t.Fatalf("directories %v, want one for each long name, told apart", dirs)
+		}
+		for sa, dir := range dirs {
+			h.leafIn(dir, "prod", sa)
+		}
 
-	// A resync, and a second controller on the same directory (a restart): recognized, kept.
-	h.advance(controller.DefaultResyncInterval)
-	h.await("prod", long, controller.SecretUnchanged)
-	again := newSecretsHarness(t, func(c *controller.SecretsConfig) {
-		c.Secrets, c.Signer, c.Clock = controller.NewFileSecrets(h.dir), h.auth, h.clock
+		// A resync, and a second controller on the same directory (a restart): recognized, kept.
+		h.advance(controller.DefaultResyncInterval)
+		h.await("prod", long, controller.SecretUnchanged)
+		again := newSecretsHarness(t, func(c *controller.SecretsConfig) {
+			c.Secrets, c.Signer = controller.NewFileSecrets(h.dir), h.auth
+		})
+		again.store.update(func() { again.store.accounts["prod"] = []string{"web", long, other} })
+		again.run()
+		again.await("prod", long, controller.SecretUnchanged)
+		again.await("prod", other, controller.SecretUnchanged)
+
+		// The account goes: its secret is found by its marker and removed, the other one kept.
+		h.store.update(func() { h.store.accounts["prod"] = []string{"web", other} })
+		h.await("prod", long, controller.SecretDeleted)
+		assertGone(t, dirs[long])
+		h.leafIn(dirs[other], "prod", other)
+		if n := log.count("level=WARN"); n != 0 {
+			t.Errorf("%d warnings, want none", n)
+		}
+		if n := log.count("level=ERROR"); n != 0 {
+			t.Errorf("%d errors, want none", n)
+		}
 	})
-	again.store.update(func() { again.store.accounts["prod"] = []string{"web", long, other} })
-	again.run()
-	again.await("prod", long, controller.SecretUnchanged)
-	again.await("prod", other, controller.SecretUnchanged)
-
-	// The account goes: its secret is found by its marker and removed, the other one kept.
-	h.store.update(func() { h.store.accounts["prod"] = []string{"web", other} })
-	h.await("prod", long, controller.SecretDeleted)
-	assertGone(t, dirs[long])
-	h.leafIn(dirs[other], "prod", other)
-	if n := log.count("level=WARN"); n != 0 {
-		t.Errorf("%d warnings, want none", n)
-	}
-	if n := log.count("level=ERROR"); n != 0 {
-		t.Errorf("%d errors, want none", n)
-	}
 }

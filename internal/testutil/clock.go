@@ -4,6 +4,7 @@ package testutil
 
 import (
 	"context"
+	"slices"
 	"sort"
 	"sync"
 	"testing"
@@ -13,23 +14,39 @@ import (
 )
 
 // FakeClock is a clock.Clock that moves only when a test advances it.
+//
+// Like a real machine's, it keeps two times: the monotonic time that timers count, and the wall
+// time that Now reads, which is the monotonic time plus the steps of Step. Advance and Set move
+// both; Step moves only the wall time.
 type FakeClock struct {
 	mu      sync.Mutex
-	now     time.Time
+	now     time.Time // the monotonic time; timers' deadlines are on it
+	step    time.Duration
 	timers  []*fakeTimer
+	armed   int           // timers made so far
 	waiters chan struct{} // closed and replaced whenever a timer is created
+	changed chan struct{} // closed and replaced whenever a timer is created, fires or is stopped, or the clock moves
 }
 
 // NewFakeClock starts a fake clock at now.
 func NewFakeClock(now time.Time) *FakeClock {
-	return &FakeClock{now: now, waiters: make(chan struct{})}
+	return &FakeClock{now: now, waiters: make(chan struct{}), changed: make(chan struct{})}
 }
 
-// Now returns the fake time.
+// Now returns the fake wall time.
 func (c *FakeClock) Now() time.Time {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return c.now
+	return c.now.Add(c.step)
+}
+
+// Step moves the wall time by d without firing or moving any timer, as NTP stepping a machine's
+// clock, or a resume from sleep, does: timers count monotonic time.
+func (c *FakeClock) Step(d time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.step += d
+	c.notifyLocked()
 }
 
 // NewTimer returns a timer that fires when the clock is advanced past now+d.
@@ -37,14 +54,21 @@ func (c *FakeClock) NewTimer(d time.Duration) clock.Timer {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	t := &fakeTimer{clock: c, deadline: c.now.Add(d), ch: make(chan time.Time, 1)}
+	c.armed++
+	c.notifyLocked()
 	if d <= 0 {
-		t.ch <- c.now
+		t.ch <- c.now.Add(c.step)
 		return t
 	}
 	c.timers = append(c.timers, t)
 	close(c.waiters)
 	c.waiters = make(chan struct{})
 	return t
+}
+
+func (c *FakeClock) notifyLocked() {
+	close(c.changed)
+	c.changed = make(chan struct{})
 }
 
 // Advance moves the clock forward by d and fires every timer that is due, earliest first.
@@ -58,23 +82,25 @@ func (c *FakeClock) advance(d time.Duration) (fired int) {
 	return c.setLocked(c.now.Add(d))
 }
 
-// Set moves the clock to t (which may be in the past) and fires every timer that is due.
+// Set moves the clock so that Now reads t (which may be in the past) and fires every timer that
+// is due.
 func (c *FakeClock) Set(t time.Time) {
 	c.mu.Lock()
-	c.setLocked(t)
+	c.setLocked(t.Add(-c.step))
 	c.mu.Unlock()
 }
 
-func (c *FakeClock) setLocked(t time.Time) (fired int) {
-	c.now = t
+func (c *FakeClock) setLocked(mono time.Time) (fired int) {
+	c.now = mono
+	c.notifyLocked()
 	sort.Slice(c.timers, func(i, j int) bool { return c.timers[i].deadline.Before(c.timers[j].deadline) })
 	kept := c.timers[:0]
 	for _, timer := range c.timers {
-		if timer.deadline.After(t) {
+		if timer.deadline.After(mono) {
 			kept = append(kept, timer)
 			continue
 		}
-		timer.ch <- t
+		timer.ch <- mono.Add(c.step)
 		fired++
 	}
 	c.timers = kept
@@ -86,6 +112,50 @@ func (c *FakeClock) PendingTimers() int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return len(c.timers)
+}
+
+// Armed counts the timers made on the clock so far, fired, stopped and pending alike.
+func (c *FakeClock) Armed() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.armed
+}
+
+// Deadlines returns when the pending timers are due, as Now will read then (unless the wall time
+// steps), earliest first.
+func (c *FakeClock) Deadlines() []time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	out := make([]time.Time, 0, len(c.timers))
+	for _, t := range c.timers {
+		out = append(out, t.deadline.Add(c.step))
+	}
+	slices.SortFunc(out, time.Time.Compare)
+	return out
+}
+
+// Changed returns a channel closed the next time a timer is created, fires or is stopped, or the
+// clock moves: a test that waits for a condition on the clock looks again then.
+func (c *FakeClock) Changed() <-chan struct{} {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.changed
+}
+
+// WaitForDeadline blocks until a timer due at exactly at is pending: the code under test waits for
+// that moment. It returns ctx's error if ctx ends first.
+func (c *FakeClock) WaitForDeadline(ctx context.Context, at time.Time) error {
+	for {
+		changed := c.Changed()
+		if slices.ContainsFunc(c.Deadlines(), at.Equal) {
+			return nil
+		}
+		select {
+		case <-changed:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
 }
 
 // WaitForTimers blocks until at least n timers are pending, so that a test advances the clock only
@@ -154,6 +224,7 @@ func (t *fakeTimer) Stop() bool {
 	for i, other := range t.clock.timers {
 		if other == t {
 			t.clock.timers = append(t.clock.timers[:i], t.clock.timers[i+1:]...)
+			t.clock.notifyLocked()
 			return true
 		}
 	}

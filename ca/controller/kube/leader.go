@@ -14,6 +14,7 @@ import (
 	"k8s.io/client-go/tools/leaderelection"
 	"k8s.io/client-go/tools/leaderelection/resourcelock"
 
+	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/logkey"
 )
 
@@ -25,8 +26,11 @@ type LeaderConfig struct {
 	// LeaseDuration, RenewDeadline and RetryPeriod tune the election; zero: client-go's usual
 	// 15 s, 10 s and 2 s.
 	LeaseDuration, RenewDeadline, RetryPeriod time.Duration
-	Logger                                    *slog.Logger
-	Registerer                                prometheus.Registerer // optional
+	// Clock times the wait after work that failed; nil is the real clock. The election itself
+	// runs on the real clock: the Lease's times are shared with the other replicas.
+	Clock      clock.Clock
+	Logger     *slog.Logger
+	Registerer prometheus.Registerer // optional
 }
 
 func (c LeaderConfig) withDefaults() LeaderConfig {
@@ -70,6 +74,7 @@ func RunLeaderElected(ctx context.Context, cfg LeaderConfig, run func(ctx contex
 			return err
 		}
 	}
+	clk := clock.OrReal(cfg.Clock)
 	for ctx.Err() == nil {
 		failed, err := electOnce(ctx, cfg, log, leading, run)
 		if err != nil {
@@ -77,10 +82,10 @@ func RunLeaderElected(ctx context.Context, cfg LeaderConfig, run func(ctx contex
 		}
 		if failed {
 			// Work that fails at once would fail again: let another replica try it first.
-			wait := time.NewTimer(cfg.LeaseDuration)
+			wait := clk.NewTimer(cfg.LeaseDuration)
 			select {
 			case <-ctx.Done():
-			case <-wait.C:
+			case <-wait.C():
 			}
 			wait.Stop()
 		}

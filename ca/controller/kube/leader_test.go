@@ -13,6 +13,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/meshid/meshid/ca/controller/kube"
+	"github.com/meshid/meshid/internal/testutil"
 )
 
 // Two replicas: one leads at a time, and when it stops the other takes over.
@@ -76,6 +77,41 @@ func TestLeaderElectionHandsOver(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// Work that fails gives the Lease up, and the replica waits a lease duration on its clock before
+// it tries to lead again, so that another replica may try the work first.
+func TestLeaderWhoseWorkFailsWaitsALeaseDuration(t *testing.T) {
+	t.Parallel()
+	ns := env.Namespace(t, nil)
+	clk := testutil.NewFakeClock(time.Now())
+	cfg := kube.LeaderConfig{
+		Clients: clientsFor(t, env.Admin), Namespace: ns, Name: "meshid-ca", Identity: "a",
+		LeaseDuration: 2 * time.Second, RenewDeadline: time.Second, RetryPeriod: 100 * time.Millisecond,
+		Clock: clk, Logger: testLogger(t),
+	}
+	runs := make(chan time.Time, 2)
+	start(t, func(ctx context.Context) error {
+		return kube.RunLeaderElected(ctx, cfg, func(context.Context) error {
+			runs <- clk.Now()
+			return errors.New("the work is broken")
+		})
+	})
+	first := receive(t, runs, "a first run")
+	ctx, cancel := context.WithTimeout(t.Context(), waitLimit)
+	defer cancel()
+	if err := clk.WaitForDeadline(ctx, first.Add(cfg.LeaseDuration)); err != nil {
+		t.Fatalf("the replica does not wait a lease duration on its clock: %v", err)
+	}
+	select {
+	case <-runs:
+		t.Fatal("the replica led again before its clock moved")
+	default:
+	}
+	clk.Advance(cfg.LeaseDuration)
+	if again := receive(t, runs, "a run after the wait"); !again.Equal(first.Add(cfg.LeaseDuration)) {
+		t.Fatalf("led again at %s, want a lease duration after the failure, at %s", again, first.Add(cfg.LeaseDuration))
+	}
 }
 
 func receive[T any](t *testing.T, ch <-chan T, what string) T {

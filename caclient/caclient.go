@@ -254,9 +254,12 @@ func (c *Client) call(ctx context.Context, req *pb.IstioCertificateRequest) (*pb
 	start := time.Now()
 	resp, err := pb.NewIstioCertificateServiceClient(conn).CreateCertificate(ctx, req)
 	c.latency.WithLabelValues(status.Code(err).String()).Observe(time.Since(start).Seconds())
-	if status.Code(err) == codes.Unavailable && conn.GetState() == connectivity.TransientFailure {
+	if status.Code(err) == codes.Unavailable && conn.GetState() != connectivity.Ready {
 		// The retries wait on our own backoff (and clock): the next attempt dials afresh rather
 		// than fail at once until grpc's own reconnection backoff, up to two minutes, runs out.
+		// Not only in TransientFailure: by the time the call has failed, the channel may be
+		// connecting again, or idle, and still inside that backoff. A ready connection whose
+		// server answered Unavailable (a CA not ready yet) is kept.
 		c.drop(conn)
 	}
 	return resp, err

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -149,23 +150,40 @@ func refusal(err error) string {
 // checked and then opened again could be swapped in between for a link to a file outside dirs
 // (nil allows any). Only a regular file of at most maxFileSize is read.
 func readFile(path string, dirs []string) ([]byte, error) {
+	return readFileResolved(path, dirs, filepath.EvalSymlinks)
+}
+
+// resolveAttempts bounds how often a path is resolved again after what it led to vanished.
+const resolveAttempts = 3
+
+// readFileResolved is readFile with the symlink resolution given, for the test of the race below.
+func readFileResolved(path string, dirs []string, resolve func(string) (string, error)) ([]byte, error) {
 	var resolvedDirs []string
 	if dirs != nil {
 		resolvedDirs = resolveDirs(dirs)
 	}
-	resolved, err := filepath.EvalSymlinks(path)
-	if err != nil {
-		return nil, err
-	}
-	// Nothing outside is even opened, unless swapped in since: opening can have effects.
-	if dirs != nil && !inside(resolved, resolvedDirs) {
-		return nil, fmt.Errorf("%w: %q leads to %q", ErrForbiddenPath, path, resolved)
-	}
-	// O_NOFOLLOW: a link swapped in since the resolution is refused; O_NONBLOCK: opening a FIFO
-	// does not wait for a writer. os adds O_CLOEXEC.
-	f, err := os.OpenFile(resolved, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
-	if err != nil {
-		return nil, err
+	var f *os.File
+	for attempt := 1; ; attempt++ {
+		resolved, err := resolve(path)
+		if err != nil {
+			return nil, err
+		}
+		// Nothing outside is even opened, unless swapped in since: opening can have effects.
+		if dirs != nil && !inside(resolved, resolvedDirs) {
+			return nil, fmt.Errorf("%w: %q leads to %q", ErrForbiddenPath, path, resolved)
+		}
+		// O_NOFOLLOW: a link swapped in since the resolution is refused; O_NONBLOCK: opening a
+		// FIFO does not wait for a writer. os adds O_CLOEXEC.
+		f, err = os.OpenFile(resolved, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+		// The kubelet swaps ..data and then removes the generation it led to: a path resolved
+		// just before leads nowhere by the open, and resolved again it leads to the new one.
+		if errors.Is(err, fs.ErrNotExist) && resolved != path && attempt < resolveAttempts {
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		break
 	}
 	defer func() { _ = f.Close() }()
 	info, err := f.Stat()

@@ -837,3 +837,36 @@ func TestFileSecretsAreBounded(t *testing.T) {
 		t.Fatalf("a file secret past the bound: %v, want ErrTooManyFiles", err)
 	}
 }
+
+// A path resolved into a ..data generation that the kubelet removes before the open (it swaps
+// ..data first) is resolved again and read from the new generation, rather than reported as
+// missing: that transient error was a warning about files that were fine.
+func TestReadFileResolvesAgainWhenTheGenerationIsRemoved(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	vol := testutil.NewSecretVolume(t, dir)
+	vol.Update(map[string][]byte{CertChainFile: []byte("old")})
+	next := vol.Stage(map[string][]byte{CertChainFile: []byte("new")})
+	path := vol.Path(CertChainFile)
+	resolutions := 0
+	resolve := func(p string) (string, error) {
+		resolved, err := filepath.EvalSymlinks(p)
+		if resolutions++; resolutions == 1 {
+			vol.Swap(next) // between this resolution and the open
+		}
+		return resolved, err
+	}
+	got, err := readFileResolved(path, []string{dir}, resolve)
+	if err != nil || string(got) != "new" || resolutions != 2 {
+		t.Fatalf("read %q, %v after %d resolutions; want the new generation's file after 2", got, err, resolutions)
+	}
+
+	// A file that is really gone stays an error, after a bounded number of tries.
+	resolutions = 0
+	if _, err := readFileResolved(filepath.Join(dir, "..data", "gone"), nil, func(p string) (string, error) {
+		resolutions++
+		return filepath.Join(dir, "nowhere"), nil
+	}); !errors.Is(err, fs.ErrNotExist) || resolutions != resolveAttempts {
+		t.Fatalf("a missing file: %v after %d resolutions, want ErrNotExist after %d", err, resolutions, resolveAttempts)
+	}
+}

@@ -159,7 +159,8 @@ func (s *Server) Run(ctx context.Context) error {
 	secretservice.RegisterSecretDiscoveryServiceServer(grpcServer, service{s: s})
 
 	s.log.Info("SDS serving", logkey.Socket, s.cfg.SocketPath)
-	wait, err := s.socket.Serve(ctx, s.socketClock, SocketCheckInterval, grpcServer.Serve, s.socketChanged)
+	wait, err := s.socket.Serve(ctx, grpcServer.Serve, fsutil.Guarding{
+		Clock: s.socketClock, Interval: SocketCheckInterval, Taken: s.metrics.socketTaken.Inc, Report: s.cfg.OnSocket})
 	if err != nil {
 		grpcServer.Stop() // returns once the handlers have (grpc.WaitForHandlers)
 		_ = wait()
@@ -171,17 +172,6 @@ func (s *Server) Run(ctx context.Context) error {
 	}
 	s.log.Info("SDS stopped")
 	return nil
-}
-
-// socketChanged is told, after the guard has logged it, when the socket path stops leading to
-// this server (err says what is there now), and when it leads here again (nil).
-func (s *Server) socketChanged(err error) {
-	if err != nil {
-		s.metrics.socketTaken.Inc()
-	}
-	if s.cfg.OnSocket != nil {
-		s.cfg.OnSocket(err)
-	}
 }
 
 // SocketProblem says why the socket path no longer leads to this server (it was removed, or

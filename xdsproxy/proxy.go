@@ -182,7 +182,8 @@ func (p *Proxy) Run(ctx context.Context) error {
 	grpcServer := grpc.NewServer(append(p.grpcOptions(), grpc.WaitForHandlers(true))...)
 	discovery.RegisterAggregatedDiscoveryServiceServer(grpcServer, adsServer{p: p})
 	p.log.Info("xDS proxy serving", logkey.Socket, p.cfg.Socket)
-	wait, serveErr := p.socket.Serve(ctx, p.socketClock, SocketCheckInterval, grpcServer.Serve, p.socketChanged)
+	wait, serveErr := p.socket.Serve(ctx, grpcServer.Serve, fsutil.Guarding{
+		Clock: p.socketClock, Interval: SocketCheckInterval, Taken: p.metrics.socketTaken.Inc, Report: p.cfg.OnSocket})
 	// Envoy's streams never end by themselves, so there is nothing to drain: Stop cancels them,
 	// which cancels their upstream streams.
 	p.stopping.Store(true)
@@ -197,17 +198,6 @@ func (p *Proxy) Run(ctx context.Context) error {
 	}
 	p.log.Info("xDS proxy stopped")
 	return nil
-}
-
-// socketChanged is told, after the guard has logged it, when the socket path stops leading to
-// the proxy (err says what is there now), and when it leads here again (nil).
-func (p *Proxy) socketChanged(err error) {
-	if err != nil {
-		p.metrics.socketTaken.Inc()
-	}
-	if p.cfg.OnSocket != nil {
-		p.cfg.OnSocket(err)
-	}
 }
 
 // SocketProblem says why the socket path no longer leads to the proxy (it was removed, or another

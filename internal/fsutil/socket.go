@@ -241,13 +241,24 @@ func (g *SocketGuard) tell(err error) {
 	g.report(err)
 }
 
+// Guarding is how Serve looks at the socket's path, and whom it tells what it sees.
+type Guarding struct {
+	// Every Interval on Clock (nil: the real clock).
+	Clock    clock.Clock
+	Interval time.Duration
+	// Taken, when set, is called each time the path is found taken (a server counts it);
+	// Report, when set, is told every change: what took the path, then nil once it is back.
+	Taken  func()
+	Report func(error)
+}
+
 // Serve serves the socket's listener with serve on a goroutine and, until ctx ends or that serve
-// returns, looks every interval on clk whether the path still leads to the socket (a Guard that
-// reports to report and serves each listener it takes back the same way). It returns serve's
-// error when serve returned first, nil when ctx ended; the server is still serving then. Stop the
-// server, then call wait: it returns once every serve has, with the first one's error.
-func (s *Socket) Serve(ctx context.Context, clk clock.Clock, interval time.Duration, serve func(net.Listener) error,
-	report func(error)) (wait func() error, err error) {
+// returns, looks at the path as g says (a Guard, that serves each listener it takes back the same
+// way). It returns serve's error when serve returned first, nil when ctx ended; the server is
+// still serving then. Stop the server, then call wait: it returns once every serve has, with the
+// first one's error.
+func (s *Socket) Serve(ctx context.Context, serve func(net.Listener) error, g Guarding) (wait func() error, err error) {
+	clk := clock.OrReal(g.Clock)
 	var serving sync.WaitGroup
 	var firstErr error
 	firstDone := make(chan struct{})
@@ -259,9 +270,16 @@ func (s *Socket) Serve(ctx context.Context, clk clock.Clock, interval time.Durat
 		serving.Wait()
 		return firstErr
 	}
-	guard := s.Guard(func(lis net.Listener) { serving.Go(func() { _ = serve(lis) }) }, report)
+	guard := s.Guard(func(lis net.Listener) { serving.Go(func() { _ = serve(lis) }) }, func(err error) {
+		if err != nil && g.Taken != nil {
+			g.Taken()
+		}
+		if g.Report != nil {
+			g.Report(err)
+		}
+	})
 	for {
-		timer := clk.NewTimer(interval)
+		timer := clk.NewTimer(g.Interval)
 		select {
 		case <-firstDone:
 			timer.Stop()

@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -183,6 +184,7 @@ func TestServeGuardsThePathUntilTheContextEnds(t *testing.T) {
 		}
 	}
 	reports := make(chan error, 4)
+	var taken atomic.Int32
 	clk := testutil.NewFakeClock(time.Now())
 	ctx, cancel := context.WithCancel(context.Background())
 	type result struct {
@@ -191,7 +193,8 @@ func TestServeGuardsThePathUntilTheContextEnds(t *testing.T) {
 	}
 	done := make(chan result, 1)
 	go func() {
-		wait, err := s.Serve(ctx, clk, time.Second, serve, func(err error) { reports <- err })
+		wait, err := s.Serve(ctx, serve, Guarding{Clock: clk, Interval: time.Second,
+			Taken: func() { taken.Add(1) }, Report: func(err error) { reports <- err }})
 		done <- result{wait, err}
 	}()
 	first := <-listeners
@@ -234,6 +237,9 @@ func TestServeGuardsThePathUntilTheContextEnds(t *testing.T) {
 		t.Fatalf("a client of the path taken back read %q, %v", got, err)
 	}
 
+	if n := taken.Load(); n != 2 {
+		t.Errorf("Taken called %d times, want 2: the takeover and the removal", n)
+	}
 	cancel()
 	r := <-done
 	if r.err != nil {
@@ -255,8 +261,8 @@ func TestServeReturnsWhenServeFails(t *testing.T) {
 	}
 	defer s.Close()
 	failed := errors.New("cannot serve")
-	wait, err := s.Serve(context.Background(), testutil.NewFakeClock(time.Now()), time.Second,
-		func(net.Listener) error { return failed }, func(error) {})
+	wait, err := s.Serve(context.Background(), func(net.Listener) error { return failed },
+		Guarding{Clock: testutil.NewFakeClock(time.Now()), Interval: time.Second})
 	if !errors.Is(err, failed) || !errors.Is(wait(), failed) {
 		t.Fatalf("Serve %v, wait %v; want the serve's error from both", err, wait())
 	}

@@ -120,9 +120,6 @@ type SecretsConfig struct {
 	OnEvent func(controller.SecretEvent)
 }
 
-// SecretsDir is where the control plane whose state dir is stateDir writes service-account secrets.
-func SecretsDir(stateDir string) string { return filepath.Join(stateDir, "secrets") }
-
 // DefaultConfig returns the configuration `meshid ca` starts from.
 func DefaultConfig() Config {
 	return Config{

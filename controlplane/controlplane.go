@@ -149,7 +149,7 @@ func (c *Config) check() error {
 	if err := c.checkGivenPaths(); err != nil {
 		return err
 	}
-	if err := CheckStateDir(c.StateDir); err != nil {
+	if err := ca.CheckStateDir(c.StateDir); err != nil {
 		return fmt.Errorf("the CA's state dir: %w", err)
 	}
 	return nil
@@ -290,7 +290,7 @@ func newAuthority(cfg Config, st stores, reg prometheus.Registerer) (*ca.Authori
 		logkey.NotAfter, bundle.NotAfter(),
 		logkey.Root, bundle.Root().Subject.String(),
 		logkey.TrustedRoots, len(bundle.Roots()),
-		logkey.Path, RootCertPath(cfg.StateDir))
+		logkey.Path, ca.RootCertPath(cfg.StateDir))
 	if err := ca.RegisterMetrics(reg, authority); err != nil {
 		return nil, nil, err
 	}
@@ -333,7 +333,7 @@ func newControllers(cfg Config, st stores, authority *ca.Authority, reg promethe
 	if c.leader != nil {
 		secretStore = c.leader.secretStore
 	} else {
-		secretStore = controller.NewFileSecrets(SecretsDir(cfg.StateDir))
+		secretStore = controller.NewFileSecrets(ca.SecretsDir(cfg.StateDir))
 	}
 	if c.secrets, err = newSecrets(cfg, store, secretStore, c.targeting, authority, reg); err != nil {
 		return controllers{}, err
@@ -466,7 +466,7 @@ func newTokenVerifier(cfg Config) (*token.Verifier, error) {
 		keys = ks
 		log.Info("trusting token issuer keys", logkey.Path, cfg.JWTKeysFile, logkey.Keys, ks.Len())
 	} else {
-		path := TokenKeyPath(cfg.StateDir)
+		path := ca.TokenKeyPath(cfg.StateDir)
 		key, created, err := token.LoadOrCreateKey(path)
 		if err != nil {
 			return nil, err
@@ -690,35 +690,6 @@ func monitoringHandler(registry *prometheus.Registry, authority *ca.Authority, r
 		_, _ = fmt.Fprintln(w, "ready")
 	})
 	return mux
-}
-
-// CheckStateDir refuses (fsutil.ErrNotOwned) a state dir that is not ours alone: one that
-// another user owns or can write in, a CA key or token key in it that is a link, another user's
-// or open to others, or a secrets tree reached through a link. Whoever could write there could
-// have put their own keys there, and the CA would sign what they ask. A missing state dir
-// passes: the CA makes it private, and checks it again once made.
-func CheckStateDir(stateDir string) error {
-	if err := fsutil.CheckOwnedDir(stateDir); err != nil {
-		return err
-	}
-	for _, name := range []string{ca.CAKeyFile, ca.TokenKeyFile} {
-		if err := fsutil.CheckKeyFile(filepath.Join(stateDir, name)); err != nil {
-			return err
-		}
-	}
-	return fsutil.CheckOwnedSubdir(SecretsDir(stateDir))
-}
-
-// TokenKeyPath is where the control plane whose state dir is stateDir keeps its local token
-// signing key: what `meshid token` and an embedding agent mint with (see token.LoadMinter).
-func TokenKeyPath(stateDir string) string {
-	return filepath.Join(stateDir, ca.TokenKeyFile)
-}
-
-// RootCertPath is the trust bundle of the control plane whose state dir is stateDir: every root
-// it trusts, what verifies it.
-func RootCertPath(stateDir string) string {
-	return filepath.Join(stateDir, ca.RootCertFile)
 }
 
 // registerManifestProblems exports what the last load of --manifests skipped, by kind: an

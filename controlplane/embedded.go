@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/ca/token"
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/pki"
@@ -64,7 +65,7 @@ func NewEmbedded(e EmbeddedConfig) (*Embedded, error) {
 		return nil, err
 	}
 	// New has created the token key: read it once.
-	minter, err := token.LoadMinter(TokenKeyPath(e.StateDir))
+	minter, err := token.LoadMinter(ca.TokenKeyPath(e.StateDir))
 	if err != nil {
 		cp.Close()
 		return nil, err
@@ -83,7 +84,7 @@ func isFile(path string) bool {
 }
 
 // RootCertFile is the trust bundle that verifies the control plane.
-func (e *Embedded) RootCertFile() string { return RootCertPath(e.stateDir) }
+func (e *Embedded) RootCertFile() string { return ca.RootCertPath(e.stateDir) }
 
 // Token mints a short-lived token for the agent's workload, afresh for every request so that none
 // expires in use.

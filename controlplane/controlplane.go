@@ -30,7 +30,6 @@ import (
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/logkey"
-	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/version"
 )
 
@@ -439,7 +438,11 @@ func newSecrets(cfg Config, store controller.Store, secrets controller.SecretSto
 func newAuthenticators(cfg Config, k *onKubernetes, authority *ca.Authority, reg prometheus.Registerer) ([]caserver.Authenticator, error) {
 	var authenticators []caserver.Authenticator
 	if cfg.JWTKeysFile != "" || k == nil {
-		verifier, err := newTokenVerifier(cfg)
+		keys, err := token.TrustedKeys(cfg.JWTKeysFile, ca.TokenKeyPath(cfg.StateDir), cfg.Logger)
+		if err != nil {
+			return nil, err
+		}
+		verifier, err := token.NewVerifier(token.VerifierConfig{Keys: keys, Audience: cfg.JWTAudience, Issuer: cfg.JWTIssuer, Now: cfg.Clock.Now})
 		if err != nil {
 			return nil, err
 		}
@@ -453,39 +456,6 @@ func newAuthenticators(cfg Config, k *onKubernetes, authority *ca.Authority, reg
 		authenticators = append(authenticators, reviews)
 	}
 	return append(authenticators, caserver.NewMTLSAuthenticator(authority, cfg.TrustDomain, cfg.Clock)), nil
-}
-
-func newTokenVerifier(cfg Config) (*token.Verifier, error) {
-	log := cfg.Logger
-	var keys *token.KeySet
-	if cfg.JWTKeysFile != "" {
-		ks, err := token.LoadKeySet(cfg.JWTKeysFile)
-		if err != nil {
-			return nil, err
-		}
-		keys = ks
-		log.Info("trusting token issuer keys", logkey.Path, cfg.JWTKeysFile, logkey.Keys, ks.Len())
-	} else {
-		path := ca.TokenKeyPath(cfg.StateDir)
-		key, created, err := token.LoadOrCreateKey(path)
-		if err != nil {
-			return nil, err
-		}
-		kid, err := pki.KeyID(key.Public())
-		if err != nil {
-			return nil, err
-		}
-		if keys, err = token.NewKeySet(key.Public()); err != nil {
-			return nil, err
-		}
-		log.Info("trusting the local token signing key", logkey.Path, path, logkey.KeyID, kid, logkey.Created, created)
-	}
-	return token.NewVerifier(token.VerifierConfig{
-		Keys:     keys,
-		Audience: cfg.JWTAudience,
-		Issuer:   cfg.JWTIssuer,
-		Now:      cfg.Clock.Now,
-	})
 }
 
 // listen opens a TCP address, or for "unix:///path" a private Unix socket through the servers'

@@ -221,7 +221,9 @@ func newStores(cfg Config, reg prometheus.Registerer) (stores, error) {
 		}); err != nil {
 			return stores{}, fmt.Errorf("--manifests: %w", err)
 		}
-		registerManifestProblems(reg, st.manifests)
+		if err := controller.RegisterManifestProblems(reg, st.manifests); err != nil {
+			return stores{}, err
+		}
 	}
 	if cfg.XDSConfig != "" {
 		if st.xds, err = discovery.LoadConfig(cfg.XDSConfig); err != nil {
@@ -660,20 +662,4 @@ func monitoringHandler(registry *prometheus.Registry, authority *ca.Authority, r
 		_, _ = fmt.Fprintln(w, "ready")
 	})
 	return mux
-}
-
-// registerManifestProblems exports what the last load of --manifests skipped, by kind: an
-// operator alerts on it rather than reading logs for a typo that leaves a namespace unlabelled.
-func registerManifestProblems(reg prometheus.Registerer, m *controller.Manifests) {
-	for kind, count := range map[string]func(controller.ManifestProblems) int{
-		"file":      func(p controller.ManifestProblems) int { return p.Files },
-		"object":    func(p controller.ManifestProblems) int { return p.Objects },
-		"duplicate": func(p controller.ManifestProblems) int { return p.Duplicates },
-	} {
-		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
-			Name:        "meshid_ca_manifest_problems",
-			Help:        "What the last load of --manifests skipped: unreadable files, objects that could not be used, objects defined twice.",
-			ConstLabels: prometheus.Labels{"kind": kind},
-		}, func() float64 { return float64(count(m.Problems())) }))
-	}
 }

@@ -428,15 +428,11 @@ func isLoopback(host string) bool {
 	return ip != nil && ip.IsLoopback()
 }
 
-// unixScheme marks an address that is a Unix socket, as the CA client dials it; meshid ca serves
-// one with --grpc-addr unix:///path.
-const unixScheme = "unix://"
-
 // checkDialAddr checks the address of a CA or discovery server: HOST:PORT, or unix:///path.
 func checkDialAddr(addr string) error {
-	if path, ok := strings.CutPrefix(addr, unixScheme); ok {
+	if path, ok := strings.CutPrefix(addr, fsutil.UnixScheme); ok {
 		if !filepath.IsAbs(path) {
-			return fmt.Errorf("a Unix socket needs an absolute path: %s/PATH", unixScheme)
+			return fmt.Errorf("a Unix socket needs an absolute path: %s/PATH", fsutil.UnixScheme)
 		}
 		return nil
 	}

@@ -153,7 +153,7 @@ func (c *Config) Validate() error {
 	if c.StateDir == "" {
 		errs = append(errs, errors.New("--state-dir is required"))
 	}
-	if path, ok := strings.CutPrefix(c.GRPCAddr, unixScheme); ok {
+	if path, ok := strings.CutPrefix(c.GRPCAddr, fsutil.UnixScheme); ok {
 		if len(path) > fsutil.MaxSocketPath || !filepath.IsAbs(path) {
 			errs = append(errs, fmt.Errorf("--grpc-addr %q: a Unix socket needs an absolute path of at most %d bytes", c.GRPCAddr, fsutil.MaxSocketPath))
 		}
@@ -261,9 +261,6 @@ func checkManifestsDir(dir string) error {
 	}
 	return nil
 }
-
-// unixScheme marks a gRPC address that is a Unix socket path (the agent's embedded control plane).
-const unixScheme = "unix://"
 
 func (c *SecretsConfig) validate() []error {
 	var errs []error

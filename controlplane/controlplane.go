@@ -8,8 +8,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"path/filepath"
-	"strings"
 	"sync/atomic"
 	"time"
 
@@ -179,7 +177,7 @@ type listeners struct {
 func listenAll(cfg Config) (listeners, error) {
 	var l listeners
 	var err error
-	if l.grpc, l.grpcSocket, err = listen(cfg.GRPCAddr, cfg.Logger); err != nil {
+	if l.grpc, l.grpcSocket, err = fsutil.ListenAddr(cfg.GRPCAddr, cfg.Logger); err != nil {
 		return listeners{}, fmt.Errorf("listen for gRPC on %s: %w", cfg.GRPCAddr, err)
 	}
 	if cfg.MonitoringAddr != "" {
@@ -302,9 +300,9 @@ func newAuthority(cfg Config, st stores, reg prometheus.Registerer) (*ca.Authori
 // controller, and on Kubernetes what the elected replica runs besides it.
 type controllers struct {
 	targeting *controller.Targeting
-	leader    *leaderWork         // nil off Kubernetes
-	secrets   *controller.Secrets // nil without a store of service accounts
-	probe     *livenessProbe      // nil without a liveness probe path
+	leader    *leaderWork          // nil off Kubernetes
+	secrets   *controller.Secrets  // nil without a store of service accounts
+	probe     *fsutil.LivenessFile // nil without a liveness probe path
 }
 
 func newControllers(cfg Config, st stores, authority *ca.Authority, reg prometheus.Registerer) (controllers, error) {
@@ -340,8 +338,8 @@ func newControllers(cfg Config, st stores, authority *ca.Authority, reg promethe
 		return controllers{}, err
 	}
 	if cfg.Secrets.LivenessProbePath != "" {
-		c.probe = &livenessProbe{path: cfg.Secrets.LivenessProbePath, interval: cfg.Secrets.LivenessProbeInterval,
-			healthy: c.secrets.Healthy, clock: cfg.Clock, log: cfg.Logger.With(logkey.Component, "liveness-probe")}
+		c.probe = &fsutil.LivenessFile{Path: cfg.Secrets.LivenessProbePath, Interval: cfg.Secrets.LivenessProbeInterval,
+			Healthy: c.secrets.Healthy, Clock: cfg.Clock, Logger: cfg.Logger.With(logkey.Component, "liveness-probe")}
 	}
 	return c, nil
 }
@@ -460,35 +458,10 @@ func newAuthenticators(cfg Config, k *onKubernetes, authority *ca.Authority, reg
 	return append(authenticators, caserver.NewMTLSAuthenticator(authority, cfg.TrustDomain, cfg.Clock)), nil
 }
 
-// listen opens a TCP address, or for "unix:///path" a private Unix socket through the servers'
-// one socket listener (a stale socket file replaced, a live one refused, the file removed at the
-// end only while it is still ours), in a directory created private when missing.
-func listen(addr string, log *slog.Logger) (net.Listener, *fsutil.Socket, error) {
-	path, ok := strings.CutPrefix(addr, unixScheme)
-	if !ok {
-		lis, err := net.Listen("tcp", addr)
-		return lis, nil, err
-	}
-	// The embedding agent puts the socket in the state dir, which a first start has not made yet.
-	if err := fsutil.EnsureDir(filepath.Dir(path), fsutil.PrivateDirMode); err != nil {
-		return nil, nil, err
-	}
-	// The directory is the CA's own state dir: one that others may write in is a mistake, not
-	// a Kubernetes emptyDir to serve with a warning.
-	if err := fsutil.CheckSocketDir(filepath.Dir(path)); err != nil {
-		return nil, nil, err
-	}
-	socket, err := fsutil.ListenSocket(path, fsutil.PrivateFileMode, log)
-	if err != nil {
-		return nil, nil, err
-	}
-	return socket.Listener(), socket, nil
-}
-
 // GRPCAddr returns the address the CA protocol is served on: HOST:PORT, or unix:///path.
 func (c *ControlPlane) GRPCAddr() string {
 	if c.lis.grpc.Addr().Network() == "unix" {
-		return unixScheme + c.lis.grpc.Addr().String()
+		return fsutil.UnixScheme + c.lis.grpc.Addr().String()
 	}
 	return c.lis.grpc.Addr().String()
 }
@@ -547,7 +520,7 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 		g.Go(func() error { return c.work.secrets.Run(ctx) })
 	}
 	if c.work.probe != nil {
-		g.Go(func() error { return c.work.probe.run(ctx) })
+		g.Go(func() error { return c.work.probe.Run(ctx) })
 	}
 	g.Go(func() error {
 		err := c.grpc.Serve(c.lis.grpc)

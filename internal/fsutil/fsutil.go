@@ -156,3 +156,15 @@ func CheckSocketPath(path string) error {
 	}
 	return nil
 }
+
+// IsDir reports whether path is a directory, following links.
+func IsDir(path string) bool {
+	info, err := os.Stat(path)
+	return err == nil && info.IsDir()
+}
+
+// IsRegular reports whether path is a regular file, following links.
+func IsRegular(path string) bool {
+	info, err := os.Stat(path)
+	return err == nil && info.Mode().IsRegular()
+}

@@ -5,10 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"os"
 	"time"
 
-	"github.com/google/uuid"
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sync/errgroup"
 
@@ -101,7 +99,7 @@ func newOnKubernetes(cfg Config, reg prometheus.Registerer) (*onKubernetes, erro
 	}
 	k := &onKubernetes{cfg: cfg.Kubernetes, caNamespace: cfg.CANamespace, clients: clients, clock: clk, reg: reg, log: log.With(logkey.Component, "kubernetes")}
 	if k.cfg.Identity == "" {
-		if k.cfg.Identity, err = replicaIdentity(); err != nil {
+		if k.cfg.Identity, err = kube.ReplicaIdentity(); err != nil {
 			return nil, err
 		}
 	}
@@ -123,17 +121,6 @@ func newOnKubernetes(cfg Config, reg prometheus.Registerer) (*onKubernetes, erro
 		return nil, err
 	}
 	return k, nil
-}
-
-// replicaIdentity names this process in the leader election as client-go's own example does:
-// the host name (a pod's name) and a UUID, so that two processes on one host never both believe
-// they hold the Lease.
-func replicaIdentity() (string, error) {
-	host, err := os.Hostname()
-	if err != nil {
-		return "", fmt.Errorf("leader election identity: %w", err)
-	}
-	return host + "_" + uuid.NewString(), nil
 }
 
 // initialBundle returns the key material from the cacerts Secret, or nil when the mounted

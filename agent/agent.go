@@ -5,7 +5,6 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
-	"io/fs"
 	"log/slog"
 	"net"
 	"net/http"
@@ -211,52 +210,19 @@ func (c *Config) checkGivenPaths() error {
 	}
 	const onlyDefault = "only the default may be absent"
 	if c.SDS.CredentialsDir != "" {
-		add("--credentials-dir", c.SDS.CredentialsDir, checkDir(c.SDS.CredentialsDir, onlyDefault))
+		add("--credentials-dir", c.SDS.CredentialsDir, fsutil.CheckDir(c.SDS.CredentialsDir, onlyDefault))
 	}
 	// Istio's VMs use the pair they keep in OUTPUT_CERTS as PROV_CERT: the agent makes that dir.
 	if c.CA.ProvCert != "" && (c.Output.Dir == "" || filepath.Clean(c.CA.ProvCert) != filepath.Clean(c.Output.Dir)) {
-		add("--prov-cert (PROV_CERT)", c.CA.ProvCert, checkDir(c.CA.ProvCert, "it may be absent only when it is --output-certs (OUTPUT_CERTS) too, which the agent creates"))
+		add("--prov-cert (PROV_CERT)", c.CA.ProvCert, fsutil.CheckDir(c.CA.ProvCert, "it may be absent only when it is --output-certs (OUTPUT_CERTS) too, which the agent creates"))
 	}
 	if c.CA.RootCert != "" {
-		add("--ca-root-cert (CA_ROOT_CA)", c.CA.RootCert, checkRoots(c.CA.RootCert, onlyDefault))
+		add("--ca-root-cert (CA_ROOT_CA)", c.CA.RootCert, caclient.CheckRootFile(c.CA.RootCert, onlyDefault))
 	}
 	if c.XDS.RootCert != "" {
-		add("--xds-root-cert (XDS_ROOT_CA)", c.XDS.RootCert, checkRoots(c.XDS.RootCert, onlyDefault))
+		add("--xds-root-cert (XDS_ROOT_CA)", c.XDS.RootCert, caclient.CheckRootFile(c.XDS.RootCert, onlyDefault))
 	}
 	return errors.Join(errs...)
-}
-
-// checkDir says what is wrong with a directory given explicitly, completing "FLAG PATH ...";
-// absent says when it could be absent.
-func checkDir(dir, absent string) error {
-	info, err := os.Stat(dir)
-	switch {
-	case errors.Is(err, fs.ErrNotExist):
-		return fmt.Errorf("does not exist (%s)", absent)
-	case err != nil:
-		return fmt.Errorf("cannot be read: %w", err)
-	case !info.IsDir():
-		return errors.New("is not a directory")
-	}
-	return nil
-}
-
-// checkRoots says what is wrong with a root file given explicitly, completing "FLAG PATH ...";
-// absent says when it could be absent.
-func checkRoots(file, absent string) error {
-	data, err := os.ReadFile(file)
-	switch {
-	case errors.Is(err, fs.ErrNotExist):
-		return fmt.Errorf("does not exist (%s)", absent)
-	case err != nil:
-		return fmt.Errorf("cannot be read: %w", err)
-	}
-	if _, err := pki.ParseCertificates(data); errors.Is(err, pki.ErrNoPEM) {
-		return errors.New("holds no PEM certificate")
-	} else if err != nil {
-		return fmt.Errorf("holds a certificate that does not parse: %w", err)
-	}
-	return nil
 }
 
 // decide applies the source decision flow and says why it chose as it did. A credentials dir
@@ -270,7 +236,7 @@ func decide(cfg *Config, socketPath string) (Source, string, error) {
 		return SourceFiles, "FILE_MOUNTED_CERTS is set: serving " + cfg.path(DefaultMountedCerts), nil
 	}
 	dir := cfg.credentialsDir()
-	switch present, missing := credentialFiles(dir); {
+	switch present, missing := secretmanager.CredentialFiles(dir); {
 	case len(missing) == 0:
 		return SourceFiles, "credential files found in " + dir, nil
 	case len(present) > 0:
@@ -284,18 +250,6 @@ func decide(cfg *Config, socketPath string) (Source, string, error) {
 		return SourceEmbeddedCA, "no CA address given: running the control plane in-process under " + cfg.path(DefaultEmbeddedDir), nil
 	}
 	return SourceCA, "no credential files in " + dir + ": using the CA at " + cfg.CA.Address, nil
-}
-
-// credentialFiles says which of the three credential files dir holds.
-func credentialFiles(dir string) (present, missing []string) {
-	for _, name := range []string{secretmanager.CertChainFile, secretmanager.KeyFile, secretmanager.RootCertFile} {
-		if _, err := os.Stat(filepath.Join(dir, name)); err == nil {
-			present = append(present, name)
-		} else {
-			missing = append(missing, name)
-		}
-	}
-	return present, missing
 }
 
 // buildSecrets makes the secret manager: over the credential files, or over a CA through the CA
@@ -412,15 +366,10 @@ func provisioned(cfg Config, clk clock.Clock, log *slog.Logger) func() *tls.Cert
 
 // mountedFiles are the credential files served: FILE_MOUNTED_CERTS's, or the credentials dir's.
 func mountedFiles(cfg Config) *secretmanager.MountedFiles {
-	dir := cfg.credentialsDir()
 	if cfg.SDS.FileMountedCerts {
-		dir = cfg.path(DefaultMountedCerts)
+		return secretmanager.MountedFilesIn(cfg.path(DefaultMountedCerts))
 	}
-	return &secretmanager.MountedFiles{
-		CertChain: filepath.Join(dir, secretmanager.CertChainFile),
-		Key:       filepath.Join(dir, secretmanager.KeyFile),
-		Root:      filepath.Join(dir, secretmanager.RootCertFile),
-	}
+	return secretmanager.MountedFilesIn(cfg.credentialsDir())
 }
 
 // embed starts the control plane in-process through the hook cmd/meshid supplies, serving on a

@@ -455,31 +455,9 @@ func (c *Config) checkFileResourceDirs() []error {
 			errs = append(errs, fmt.Errorf("%s: %s: %w", flag, dir, err))
 			continue
 		}
-		if overlap(abs, state) || overlap(resolveExisting(abs), resolveExisting(state)) {
+		if fsutil.Overlap(abs, state) {
 			errs = append(errs, fmt.Errorf("%s: %s overlaps the embedded CA's state dir %s, which holds the CA's keys", flag, dir, state))
 		}
 	}
 	return errs
-}
-
-// overlap reports whether one of two clean absolute paths is the other or inside it.
-func overlap(a, b string) bool {
-	return a == b || strings.HasPrefix(b, strings.TrimSuffix(a, "/")+"/") || strings.HasPrefix(a, strings.TrimSuffix(b, "/")+"/")
-}
-
-// resolveExisting resolves the symlinks of path's longest existing prefix. The prefix is found
-// with one Lstat per missing component, and resolved once.
-func resolveExisting(path string) string {
-	rest := ""
-	for p := path; ; p = filepath.Dir(p) {
-		if _, err := os.Lstat(p); err == nil {
-			if resolved, err := filepath.EvalSymlinks(p); err == nil {
-				return filepath.Join(resolved, rest)
-			}
-		}
-		if filepath.Dir(p) == p {
-			return path
-		}
-		rest = filepath.Join(filepath.Base(p), rest)
-	}
 }

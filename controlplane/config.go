@@ -9,9 +9,7 @@ package controlplane
 import (
 	"errors"
 	"fmt"
-	"io/fs"
 	"log/slog"
-	"os"
 	"path/filepath"
 	"strings"
 	"time"
@@ -250,14 +248,8 @@ func checkManifestsDir(dir string) error {
 	if dir == "" {
 		return nil
 	}
-	info, err := os.Stat(dir)
-	switch {
-	case errors.Is(err, fs.ErrNotExist):
-		return refused{fmt.Errorf("--manifests %s does not exist (an empty directory is fine)", dir)}
-	case err != nil:
-		return refused{fmt.Errorf("--manifests: %w", err)}
-	case !info.IsDir():
-		return refused{fmt.Errorf("--manifests %s is not a directory", dir)}
+	if err := fsutil.CheckDir(dir, "an empty directory is fine"); err != nil {
+		return refused{fmt.Errorf("--manifests %s %w", dir, err)}
 	}
 	return nil
 }

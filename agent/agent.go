@@ -25,6 +25,7 @@ import (
 	"github.com/meshid/meshid/caclient"
 	"github.com/meshid/meshid/internal/admission"
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/configerr"
 	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/istio"
 	"github.com/meshid/meshid/internal/logkey"
@@ -156,7 +157,7 @@ func (a *Agent) buildServers(cfg Config, clk clock.Clock, log *slog.Logger, regi
 		// Whoever may open the XDS socket may read the configuration: the debug socket sits next
 		// to it, with its mode.
 		if a.xdsDebugSocket, err = fsutil.ListenSocket(cfg.xdsDebugSocket(), xdsproxy.DefaultSocketMode, log.With(logkey.Component, "debug")); err != nil {
-			return fmt.Errorf("--xds-debug-socket: %w", err)
+			return &FieldError{Field: "XDS.DebugSocket", Err: err}
 		}
 		a.xdsDebug = &http.Server{Handler: a.xdsDebugHandler(), ConnContext: admission.ConnContext, ReadHeaderTimeout: 10 * time.Second}
 	}
@@ -203,24 +204,24 @@ func (r refused) Unwrap() []error { return []error{r.error, ErrConfigRefused} }
 // Envoy stream fails). Defaults may be absent: they are where Kubernetes mounts what it has.
 func (c *Config) checkGivenPaths() error {
 	var errs []error
-	add := func(flag, path string, err error) {
+	add := func(field, path string, err error) {
 		if err != nil {
-			errs = append(errs, refused{fmt.Errorf("%s %s %w", flag, path, err)})
+			errs = append(errs, refused{configerr.Errorf(field, "{"+field+"} %s %w", path, err)})
 		}
 	}
 	const onlyDefault = "only the default may be absent"
 	if c.SDS.CredentialsDir != "" {
-		add("--credentials-dir", c.SDS.CredentialsDir, fsutil.CheckDir(c.SDS.CredentialsDir, onlyDefault))
+		add("SDS.CredentialsDir", c.SDS.CredentialsDir, fsutil.CheckDir(c.SDS.CredentialsDir, onlyDefault))
 	}
 	// Istio's VMs use the pair they keep in OUTPUT_CERTS as PROV_CERT: the agent makes that dir.
 	if c.CA.ProvCert != "" && (c.Output.Dir == "" || filepath.Clean(c.CA.ProvCert) != filepath.Clean(c.Output.Dir)) {
-		add("--prov-cert (PROV_CERT)", c.CA.ProvCert, fsutil.CheckDir(c.CA.ProvCert, "it may be absent only when it is --output-certs (OUTPUT_CERTS) too, which the agent creates"))
+		add("CA.ProvCert", c.CA.ProvCert, fsutil.CheckDir(c.CA.ProvCert, "it may be absent only when it is {Output.Dir} too, which the agent creates"))
 	}
 	if c.CA.RootCert != "" {
-		add("--ca-root-cert (CA_ROOT_CA)", c.CA.RootCert, caclient.CheckRootFile(c.CA.RootCert, onlyDefault))
+		add("CA.RootCert", c.CA.RootCert, caclient.CheckRootFile(c.CA.RootCert, onlyDefault))
 	}
 	if c.XDS.RootCert != "" {
-		add("--xds-root-cert (XDS_ROOT_CA)", c.XDS.RootCert, caclient.CheckRootFile(c.XDS.RootCert, onlyDefault))
+		add("XDS.RootCert", c.XDS.RootCert, caclient.CheckRootFile(c.XDS.RootCert, onlyDefault))
 	}
 	return errors.Join(errs...)
 }
@@ -240,12 +241,12 @@ func decide(cfg *Config, socketPath string) (Source, string, error) {
 	case len(missing) == 0:
 		return SourceFiles, "credential files found in " + dir, nil
 	case len(present) > 0:
-		return "", "", refused{fmt.Errorf("--credentials-dir %s holds %s but not %s: give all three files or none",
+		return "", "", refused{configerr.Errorf("SDS.CredentialsDir", "{SDS.CredentialsDir} %s holds %s but not %s: give all three files or none",
 			dir, strings.Join(present, ", "), strings.Join(missing, ", "))}
 	}
 	if cfg.embedded() {
 		if cfg.CA.Embed == nil {
-			return "", "", fmt.Errorf("no credential files in %s and no --ca-addr (CA_ADDR): %w", dir, ErrNoCA)
+			return "", "", configerr.Errorf("CA.Address", "no credential files in %s and no {CA.Address}: %w", dir, ErrNoCA)
 		}
 		return SourceEmbeddedCA, "no CA address given: running the control plane in-process under " + cfg.path(DefaultEmbeddedDir), nil
 	}
@@ -380,7 +381,7 @@ func embed(cfg Config, id pki.SPIFFEID, clk clock.Clock, log *slog.Logger) (_ Co
 	stateDir := cfg.path(DefaultEmbeddedDir)
 	socket := filepath.Join(stateDir, embeddedSocket)
 	if err := fsutil.CheckSocketPath(socket); err != nil {
-		return nil, nil, fmt.Errorf("the embedded CA's socket under --root-dir: %w", err)
+		return nil, nil, configerr.Errorf("RootDir", "the embedded CA's socket under {RootDir}: %w", err)
 	}
 	// Made private, or found ours alone, before the lock goes in: another user who could write
 	// in it could have put their own CA key and token key there.
@@ -394,7 +395,7 @@ func embed(cfg Config, id pki.SPIFFEID, clk clock.Clock, log *slog.Logger) (_ Co
 		if pid, ok := fsutil.LockHolder(lock); ok {
 			holder += " (pid " + strconv.Itoa(pid) + ")"
 		}
-		return nil, nil, fmt.Errorf("%s runs the embedded CA in %s (%w): give each agent its own --root-dir", holder, stateDir, fsutil.ErrLocked)
+		return nil, nil, configerr.Errorf("RootDir", "%s runs the embedded CA in %s (%w): give each agent its own {RootDir}", holder, stateDir, fsutil.ErrLocked)
 	}
 	if err != nil {
 		return nil, nil, err
@@ -468,7 +469,7 @@ func newXDSProxy(cfg Config, embedded ControlPlane, held func() *tls.Certificate
 	}
 	if up.Address == "" {
 		// Credential files and no control plane named: nothing to proxy to.
-		log.Info("no discovery server to proxy Envoy's xDS to (--discovery-addr, --ca-addr): the xDS proxy is off")
+		log.Info("no discovery server to proxy Envoy's xDS to (neither a discovery address nor a CA address is given): the xDS proxy is off")
 		return nil, nil, nil
 	}
 	if up.RootCertFile == "" {

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/configerr"
 	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/hostport"
 	"github.com/meshid/meshid/internal/istio"
@@ -284,33 +285,10 @@ func (c *Config) SPIFFEID() (pki.SPIFFEID, error) {
 }
 
 // FieldError is a problem with one field of Config, named by its path in Config
-// ("Certificate.GraceRatio"). cmd, which alone knows the flag and the variable that set each
-// field, renders it with them; its own text names the field by its path. Value, when not nil, is
-// the value refused: text (an address) is shown quoted and followed by the cause, Err; a number or
-// a duration is shown as it is and followed by what it must be, Err ("must be positive").
-type FieldError struct {
-	Field string
-	Value any
-	Err   error
-}
-
-func (e *FieldError) Error() string { return e.Field + e.Detail() }
-
-// Detail is what follows the field's name in the message: the value refused, and why.
-func (e *FieldError) Detail() string {
-	switch v := e.Value.(type) {
-	case nil:
-		return ": " + e.Err.Error()
-	case string:
-		return fmt.Sprintf(" %q: %v", v, e.Err)
-	default:
-		return fmt.Sprintf(" %v %v", v, e.Err)
-	}
-}
-
-func (e *FieldError) Unwrap() error { return e.Err }
-
-var errMustBePositive = errors.New("must be positive")
+// ("Certificate.GraceRatio"), and a rule over several fields names the others in its text as
+// {Path}. cmd, which alone knows the flag and the variable that set each field, renders it with
+// them; its own text names each field by its path.
+type FieldError = configerr.FieldError
 
 // Validate reports every problem with the configuration at once, joined (errors.Join); a problem
 // with one field is a *FieldError.
@@ -319,31 +297,31 @@ func (c *Config) Validate() error {
 	switch {
 	case !c.embedded() && (c.Identity.Namespace == "" || c.Identity.ServiceAccount == ""):
 		if c.Identity.Namespace == "" {
-			errs = append(errs, errors.New("--namespace (POD_NAMESPACE) is required with --ca-addr: the CA signs for the workload's own namespace"))
+			errs = append(errs, configerr.Errorf("Identity.Namespace", "{Identity.Namespace} is required with {CA.Address}: the CA signs for the workload's own namespace"))
 		}
 		if c.Identity.ServiceAccount == "" {
-			errs = append(errs, errors.New("--service-account (SERVICE_ACCOUNT) is required with --ca-addr: the CA signs for the workload's own service account"))
+			errs = append(errs, configerr.Errorf("Identity.ServiceAccount", "{Identity.ServiceAccount} is required with {CA.Address}: the CA signs for the workload's own service account"))
 		}
 	default:
 		if _, err := c.SPIFFEID(); err != nil {
-			errs = append(errs, fmt.Errorf("workload identity (--trust-domain/TRUST_DOMAIN, --namespace/POD_NAMESPACE, --service-account/SERVICE_ACCOUNT): %w", err))
+			errs = append(errs, configerr.Errorf("Identity.TrustDomain", "workload identity ({Identity.TrustDomain}, {Identity.Namespace}, {Identity.ServiceAccount}): %w", err))
 		}
 	}
 	if c.Output.KeyGroupRead && !c.Output.GroupRead {
-		errs = append(errs, errors.New("a group-readable OUTPUT_CERTS key needs group-readable directories too"))
+		errs = append(errs, configerr.Errorf("Output.KeyGroupRead", "{Output.KeyGroupRead}: a group-readable {Output.Dir} key needs group-readable directories too"))
 	}
 	if err := fsutil.CheckSocketPath(filepath.Join(c.socketDir(), sds.SocketName)); err != nil {
 		errs = append(errs, &FieldError{Field: "SDS.SocketDir", Err: err})
 	}
 	errs = append(errs, c.checkAddresses()...)
 	if c.SDS.DrainDuration < 0 {
-		errs = append(errs, &FieldError{Field: "SDS.DrainDuration", Value: c.SDS.DrainDuration, Err: errors.New("must not be negative")})
+		errs = append(errs, &FieldError{Field: "SDS.DrainDuration", Value: c.SDS.DrainDuration, Err: configerr.ErrMustNotBeNegative})
 	}
 	if c.SDS.MaxStreams <= 0 {
-		errs = append(errs, &FieldError{Field: "SDS.MaxStreams", Value: c.SDS.MaxStreams, Err: errMustBePositive})
+		errs = append(errs, &FieldError{Field: "SDS.MaxStreams", Value: c.SDS.MaxStreams, Err: configerr.ErrMustBePositive})
 	}
 	if c.SDS.MaxStreamsPerConnection <= 0 {
-		errs = append(errs, &FieldError{Field: "SDS.MaxStreamsPerConnection", Value: c.SDS.MaxStreamsPerConnection, Err: errMustBePositive})
+		errs = append(errs, &FieldError{Field: "SDS.MaxStreamsPerConnection", Value: c.SDS.MaxStreamsPerConnection, Err: configerr.ErrMustBePositive})
 	}
 	errs = append(errs, c.validateXDS()...)
 	switch c.Certificate.KeyAlgorithm {
@@ -356,7 +334,7 @@ func (c *Config) Validate() error {
 		errs = append(errs, &FieldError{Field: "Certificate.KeyAlgorithm", Value: string(c.Certificate.KeyAlgorithm), Err: errors.New("want ECDSA or RSA")})
 	}
 	if c.Certificate.TTL <= 0 {
-		errs = append(errs, &FieldError{Field: "Certificate.TTL", Value: c.Certificate.TTL, Err: errMustBePositive})
+		errs = append(errs, &FieldError{Field: "Certificate.TTL", Value: c.Certificate.TTL, Err: configerr.ErrMustBePositive})
 	}
 	if err := secretmanager.ValidateGrace(c.Certificate.GraceRatio, c.Certificate.GraceRatioJitter); err != nil {
 		field := "Certificate.GraceRatioJitter"
@@ -373,16 +351,16 @@ func (c *Config) Validate() error {
 func (c *Config) validateXDS() []error {
 	var errs []error
 	if c.XDS.MaxStreams <= 0 {
-		errs = append(errs, &FieldError{Field: "XDS.MaxStreams", Value: c.XDS.MaxStreams, Err: errMustBePositive})
+		errs = append(errs, &FieldError{Field: "XDS.MaxStreams", Value: c.XDS.MaxStreams, Err: configerr.ErrMustBePositive})
 	}
 	if c.XDS.MaxStreamsPerConnection <= 0 {
-		errs = append(errs, &FieldError{Field: "XDS.MaxStreamsPerConnection", Value: c.XDS.MaxStreamsPerConnection, Err: errMustBePositive})
+		errs = append(errs, &FieldError{Field: "XDS.MaxStreamsPerConnection", Value: c.XDS.MaxStreamsPerConnection, Err: configerr.ErrMustBePositive})
 	}
 	if c.XDS.DebugTCP && !c.XDS.ProxyDebug {
-		errs = append(errs, errors.New("--xds-debug-tcp serves the xDS debug endpoint, which --proxy-xds-debug-via-agent=false (PROXY_XDS_DEBUG_VIA_AGENT) turns off"))
+		errs = append(errs, configerr.Errorf("XDS.DebugTCP", "{XDS.DebugTCP} serves the xDS debug endpoint, which {XDS.ProxyDebug=false} turns off"))
 	}
 	if c.XDS.DebugTCP && c.Servers.DebugAddr == "" {
-		errs = append(errs, errors.New("--xds-debug-tcp serves /debug/<type> on --debug-addr, which is empty"))
+		errs = append(errs, configerr.Errorf("XDS.DebugTCP", "{XDS.DebugTCP} serves /debug/<type> on {Servers.DebugAddr}, which is empty"))
 	}
 	if c.XDS.ProxyDebug {
 		if err := fsutil.CheckSocketPath(c.xdsDebugSocket()); err != nil {
@@ -443,20 +421,20 @@ func checkDialAddr(addr string) error {
 // state dir, as written or once its symlinks are resolved: any local client could then be served
 // the CA's key. In every mode, since the state dir keeps the keys of an earlier embedded run.
 func (c *Config) checkFileResourceDirs() []error {
-	flag := "--file-resource-dirs"
+	field := "{SDS.FileResourceDirs}"
 	if len(c.SDS.FileResourceDirs) == 0 {
-		flag += " (default: the credentials dir and <root-dir>/etc/certs)"
+		field += " (default: the credentials dir and <root-dir>/etc/certs)"
 	}
 	state := c.path(DefaultEmbeddedDir)
 	var errs []error
 	for _, dir := range c.fileResourceDirs() {
 		abs, err := filepath.Abs(dir)
 		if err != nil {
-			errs = append(errs, fmt.Errorf("%s: %s: %w", flag, dir, err))
+			errs = append(errs, configerr.Errorf("SDS.FileResourceDirs", "%s: %s: %w", field, dir, err))
 			continue
 		}
 		if fsutil.Overlap(abs, state) {
-			errs = append(errs, fmt.Errorf("%s: %s overlaps the embedded CA's state dir %s, which holds the CA's keys", flag, dir, state))
+			errs = append(errs, configerr.Errorf("SDS.FileResourceDirs", "%s: %s overlaps the embedded CA's state dir %s, which holds the CA's keys", field, dir, state))
 		}
 	}
 	return errs

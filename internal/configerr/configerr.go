@@ -31,42 +31,54 @@ func Errorf(field, format string, args ...any) *FieldError {
 
 func (e *FieldError) Unwrap() error { return e.Err }
 
-// Error is the message with every field named by its path in the Config.
-func (e *FieldError) Error() string {
-	return e.Render(func(field, value string) string {
-		if value != "" {
-			return field + "=" + value
-		}
-		return field
-	}, func(string) string { return "" })
+// Names names the fields of a Config in a message as a user sets them.
+type Names interface {
+	// Name names a field; value, when not "", is the value it is named with ({Path=value}).
+	Name(field, value string) string
+	// Around names a field whose value is shown between what comes before and after it:
+	// --ca-addr "x" (CA_ADDR).
+	Around(field string) (before, after string)
 }
 
-// Render returns the message with each field named by name (the field's path, and the value
-// shown with it in the message, or ""); after, when not "", follows the refused field's own name
-// where its value is shown (a variable after a flag: --ca-addr "x" (CA_ADDR): why).
-func (e *FieldError) Render(name func(field, value string) string, after func(field string) string) string {
+// Paths names each field by its path in the Config.
+type Paths struct{}
+
+func (Paths) Name(field, value string) string {
+	if value != "" {
+		return field + "=" + value
+	}
+	return field
+}
+
+func (Paths) Around(field string) (string, string) { return field, "" }
+
+// Error is the message with every field named by its path in the Config.
+func (e *FieldError) Error() string { return e.Render(Paths{}) }
+
+// Render returns the message with every field named by names.
+func (e *FieldError) Render(names Names) string {
 	text := e.Err.Error()
 	if strings.Contains(text, "{"+e.Field+"}") || strings.Contains(text, "{"+e.Field+"=") {
-		return expand(text, name)
+		return expand(text, names)
 	}
-	field := name(e.Field, "")
 	switch v := e.Value.(type) {
 	case nil:
-		return field + after(e.Field) + ": " + expand(text, name)
+		return names.Name(e.Field, "") + ": " + expand(text, names)
 	case string:
-		return fmt.Sprintf("%s %q%s: %s", field, v, after(e.Field), expand(text, name))
+		before, after := names.Around(e.Field)
+		return fmt.Sprintf("%s %q%s: %s", before, v, after, expand(text, names))
 	default:
-		return fmt.Sprintf("%s%s %v %s", field, after(e.Field), v, expand(text, name))
+		return fmt.Sprintf("%s %v %s", names.Name(e.Field, ""), v, expand(text, names))
 	}
 }
 
 // placeholder is a field named in a message: {Path} or {Path=value}.
 var placeholder = regexp.MustCompile(`\{([A-Z][A-Za-z0-9]*(?:\.[A-Z][A-Za-z0-9]*)*)(?:=([^{}]*))?\}`)
 
-func expand(text string, name func(field, value string) string) string {
+func expand(text string, names Names) string {
 	return placeholder.ReplaceAllStringFunc(text, func(m string) string {
 		sub := placeholder.FindStringSubmatch(m)
-		return name(sub[1], sub[2])
+		return names.Name(sub[1], sub[2])
 	})
 }
 

@@ -1,12 +1,17 @@
 package cli
 
 import (
+	"os"
+	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/meshid/meshid/agent"
+	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/pki"
+	"github.com/meshid/meshid/internal/testutil"
 )
 
 // The agent keys what Validate refuses by the field's path in its Config; the command renders
@@ -40,13 +45,39 @@ func TestAgentConfigErrorsNameFlagsAndVariables(t *testing.T) {
 			"--discovery-addr \"istiod\": no port: give HOST:PORT, as in \"istiod:PORT\""},
 		{"no SDS streams", func(c *agent.Config) { c.SDS.MaxStreams = 0 }, "--sds-max-streams 0 must be positive"},
 		{"key algorithm", func(c *agent.Config) { c.Certificate.KeyAlgorithm = "DSA" }, `--key-algorithm "DSA" (ECC_SIGNATURE_ALGORITHM): want ECDSA or RSA`},
+		// Rules over several fields name each with its flag and variable.
+		{"no namespace", func(c *agent.Config) { c.Identity.Namespace = "" }, "--namespace (POD_NAMESPACE) is required with --ca-addr (CA_ADDR): the CA signs"},
+		{"no service account", func(c *agent.Config) { c.Identity.ServiceAccount = "" }, "--service-account (SERVICE_ACCOUNT) is required with --ca-addr (CA_ADDR)"},
+		{"bad service account", func(c *agent.Config) { c.Identity.ServiceAccount = "Bad_Name" },
+			`workload identity (--trust-domain (TRUST_DOMAIN), --namespace (POD_NAMESPACE), --service-account (SERVICE_ACCOUNT)): service account "Bad_Name"`},
+		{"group-readable key alone", func(c *agent.Config) { c.Output.KeyGroupRead = true },
+			"--output-certs-group-read: a group-readable --output-certs (OUTPUT_CERTS) key needs group-readable directories too"},
+		{"xDS debug on TCP without the debug endpoint", func(c *agent.Config) { c.XDS.DebugTCP, c.XDS.ProxyDebug = true, false },
+			"--xds-debug-tcp serves the xDS debug endpoint, which --proxy-xds-debug-via-agent=false (PROXY_XDS_DEBUG_VIA_AGENT) turns off"},
+		{"xDS debug on TCP without a debug server", func(c *agent.Config) { c.XDS.DebugTCP, c.Servers.DebugAddr = true, "" },
+			"--xds-debug-tcp serves /debug/<type> on --debug-addr, which is empty"},
+		// Attack: a file-root: or file-cert: resource reading the embedded CA's keys.
+		{"file resource dir is the CA state dir", func(c *agent.Config) { c.SDS.FileResourceDirs = []string{"/etc/certs", "/var/lib/meshid"} },
+			"--file-resource-dirs: /var/lib/meshid overlaps the embedded CA's state dir /var/lib/meshid"},
+		{"file resource dir holds the CA state dir", func(c *agent.Config) { c.SDS.FileResourceDirs = []string{"/var/lib/"} },
+			"--file-resource-dirs: /var/lib/ overlaps the embedded CA's state dir /var/lib/meshid"},
+		{"file resource dir is the root", func(c *agent.Config) { c.SDS.FileResourceDirs = []string{"/"} }, "--file-resource-dirs: / overlaps"},
+		{"file resource dir inside the CA state dir", func(c *agent.Config) { c.SDS.FileResourceDirs = []string{"/var/lib/meshid/sub"} },
+			"--file-resource-dirs: /var/lib/meshid/sub"},
+		{"file resource dir holds the CA state dir under the root dir", func(c *agent.Config) {
+			c.RootDir, c.SDS.FileResourceDirs = "/r", []string{"/r/var"}
+		}, "--file-resource-dirs: /r/var overlaps the embedded CA's state dir /r/var/lib/meshid"},
+		{"default file resource dirs hold the CA state dir", func(c *agent.Config) { c.SDS.CredentialsDir = "/var" },
+			"--file-resource-dirs (default: the credentials dir and <root-dir>/etc/certs): /var overlaps"},
+		{"embedded, file resource dir holds the CA state dir", func(c *agent.Config) { c.CA.Address, c.SDS.FileResourceDirs = "", []string{"/var"} },
+			"--file-resource-dirs: /var overlaps"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
 			c := good()
 			tt.modify(&c)
-			if err := renderConfigErrors(c.Validate()); err == nil || !strings.Contains(err.Error(), tt.want) {
+			if err := RenderConfigErrors(c.Validate(), agentFields()); err == nil || !strings.Contains(err.Error(), tt.want) {
 				t.Fatalf("error %v, want one mentioning %q", err, tt.want)
 			}
 		})
@@ -91,6 +122,50 @@ func TestAgentFieldFlagsExist(t *testing.T) {
 	for field, flag := range agentFieldFlags() {
 		if cmd.Flags().Lookup(flag) == nil {
 			t.Errorf("%s: no flag --%s", field, flag)
+		}
+	}
+}
+
+// Attack: a file resource dir that reaches the embedded CA's state dir through a symlink.
+func TestAgentFileResourceDirLinkedToCAStateNamesTheFlag(t *testing.T) {
+	t.Parallel()
+	root := testutil.ShortTempDir(t)
+	if err := os.MkdirAll(filepath.Join(root, "var/lib/meshid"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	link := filepath.Join(root, "etc-certs")
+	if err := os.Symlink(filepath.Join(root, "var/lib"), link); err != nil {
+		t.Fatal(err)
+	}
+	c := agent.DefaultConfig(root)
+	c.SDS.FileResourceDirs = []string{link}
+	err := RenderConfigErrors(c.Validate(), agentFields())
+	if err == nil || !strings.Contains(err.Error(), "--file-resource-dirs: "+link) || !strings.Contains(err.Error(), filepath.Join(root, "var/lib/meshid")) {
+		t.Fatalf("a file resource dir linked to the CA state dir's parent: %v, want a refusal naming --file-resource-dirs, %s and the state dir", err, link)
+	}
+}
+
+// What agent.New refuses is rendered as Validate's is: the second agent on one root dir is told
+// to give each its own --root-dir, and exits 2.
+func TestAgentSecondOnOneRootDirNamesTheFlag(t *testing.T) {
+	t.Parallel()
+	root := testutil.ShortTempDir(t)
+	state := filepath.Join(root, agent.DefaultEmbeddedDir)
+	if err := os.MkdirAll(state, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	unlock, err := fsutil.TryLockPID(filepath.Join(state, "agent.lock"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unlock()
+	code, stderr := mainAgent(t, nil, "--root-dir", root)
+	if code != ExitUsage {
+		t.Errorf("exit code %d, want %d", code, ExitUsage)
+	}
+	for _, want := range []string{"another agent", "pid " + strconv.Itoa(os.Getpid()), "give each agent its own --root-dir"} {
+		if !strings.Contains(stderr, want) {
+			t.Errorf("stderr %q does not say %q", stderr, want)
 		}
 	}
 }

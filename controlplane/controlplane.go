@@ -26,6 +26,7 @@ import (
 	"github.com/meshid/meshid/discovery"
 	"github.com/meshid/meshid/internal/admission"
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/configerr"
 	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/internal/version"
@@ -217,7 +218,7 @@ func newStores(cfg Config, reg prometheus.Registerer) (stores, error) {
 		if st.manifests, err = controller.NewManifests(controller.ManifestsConfig{
 			Dir: cfg.Manifests, Clock: cfg.Clock, Logger: cfg.Logger.With(logkey.Component, "manifests"),
 		}); err != nil {
-			return stores{}, fmt.Errorf("--manifests: %w", err)
+			return stores{}, &configerr.FieldError{Field: "Manifests", Err: err}
 		}
 		if err := controller.RegisterManifestProblems(reg, st.manifests); err != nil {
 			return stores{}, err
@@ -410,7 +411,7 @@ func newSecrets(cfg Config, store controller.Store, secrets controller.SecretSto
 	if cfg.Secrets.AppendDNSNames {
 		var err error
 		if dns, err = controller.DNSNames(cfg.CANamespace, cfg.Secrets.CustomDNSNames); err != nil {
-			return nil, fmt.Errorf("--custom-dns-names: %w", err)
+			return nil, &configerr.FieldError{Field: "Secrets.CustomDNSNames", Err: err}
 		}
 	}
 	return controller.NewSecrets(controller.SecretsConfig{

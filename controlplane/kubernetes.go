@@ -14,6 +14,7 @@ import (
 	"github.com/meshid/meshid/ca/controller"
 	"github.com/meshid/meshid/ca/controller/kube"
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/configerr"
 	"github.com/meshid/meshid/internal/logkey"
 )
 
@@ -46,13 +47,13 @@ func (k KubernetesConfig) Enabled() bool { return k.Kubeconfig != "" || k.InClus
 func (k KubernetesConfig) validate(cfg *Config) []error {
 	var errs []error
 	if k.Kubeconfig != "" && k.InCluster {
-		errs = append(errs, errors.New("--kubeconfig and --in-cluster both name the Kubernetes API: give one"))
+		errs = append(errs, configerr.Errorf("Kubernetes.Kubeconfig", "{Kubernetes.Kubeconfig} and {Kubernetes.InCluster} both name the Kubernetes API: give one"))
 	}
 	if k.Enabled() && cfg.Manifests != "" {
-		errs = append(errs, errors.New("--manifests and the Kubernetes API (--kubeconfig, --in-cluster) are two stores of namespaces: give one"))
+		errs = append(errs, configerr.Errorf("Manifests", "{Manifests} and the Kubernetes API ({Kubernetes.Kubeconfig}, {Kubernetes.InCluster}) are two stores of namespaces: give one"))
 	}
 	if k.Enabled() && cfg.Secrets.LivenessProbePath != "" {
-		errs = append(errs, errors.New("--liveness-probe-path works with --manifests only: on Kubernetes, only the elected replica runs the secret controller; probe /healthz instead"))
+		errs = append(errs, configerr.Errorf("Secrets.LivenessProbePath", "{Secrets.LivenessProbePath} works with {Manifests} only: on Kubernetes, only the elected replica runs the secret controller; probe /healthz instead"))
 	}
 	for name, d := range map[string]time.Duration{"lease duration": k.LeaseDuration, "renew deadline": k.RenewDeadline, "retry period": k.RetryPeriod, "start timeout": k.StartTimeout} {
 		if d < 0 {
@@ -132,7 +133,7 @@ func (k *onKubernetes) initialBundle(cacertsDir string, now time.Time) (*ca.Bund
 			return nil, "", nil
 		}
 		if !errors.Is(err, ca.ErrNoPluggedInCA) {
-			return nil, "", fmt.Errorf("--cacerts-dir: %w", err)
+			return nil, "", &configerr.FieldError{Field: "CACertsDir", Err: err}
 		}
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), k.cfg.StartTimeout)

@@ -3,12 +3,14 @@ package cli
 import (
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/meshid/meshid/agent"
+	"github.com/meshid/meshid/internal/configerr"
 	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
@@ -166,6 +168,87 @@ func TestAgentSecondOnOneRootDirNamesTheFlag(t *testing.T) {
 	for _, want := range []string{"another agent", "pid " + strconv.Itoa(os.Getpid()), "give each agent its own --root-dir"} {
 		if !strings.Contains(stderr, want) {
 			t.Errorf("stderr %q does not say %q", stderr, want)
+		}
+	}
+}
+
+// Every field the agent's configuration refusals name, Validate's and New's, is one of
+// agentFieldFlags, and so has a flag of the agent command (TestAgentFieldFlagsExist): the
+// table is the keys, each with a configuration that makes the agent name it.
+func TestAgentFieldKeysHaveFlags(t *testing.T) {
+	t.Parallel()
+	fix := t.TempDir()
+	missing := filepath.Join(fix, "missing")
+	testutil.WriteFiles(t, filepath.Join(fix, "partial"), map[string][]byte{"key.pem": []byte("x")})
+	good := func() agent.Config {
+		c := agent.DefaultConfig(testutil.ShortTempDir(t))
+		c.Identity.Namespace, c.Identity.ServiceAccount, c.CA.Address = "default", "demo", "127.0.0.1:15012"
+		c.Servers.StatusAddr, c.Servers.DebugAddr = "127.0.0.1:0", ""
+		return c
+	}
+	long := "/" + strings.Repeat("d", 120)
+	tests := []struct {
+		key    string
+		modify func(*agent.Config)
+		new    bool // refused by New, not Validate
+	}{
+		{"Identity.Namespace", func(c *agent.Config) { c.Identity.Namespace = "" }, false},
+		{"Identity.ServiceAccount", func(c *agent.Config) { c.Identity.ServiceAccount = "" }, false},
+		{"Identity.TrustDomain", func(c *agent.Config) { c.Identity.TrustDomain = "Not Valid" }, false},
+		{"Output.KeyGroupRead", func(c *agent.Config) { c.Output.KeyGroupRead = true }, false},
+		{"SDS.SocketDir", func(c *agent.Config) { c.SDS.SocketDir = long }, false},
+		{"SDS.DrainDuration", func(c *agent.Config) { c.SDS.DrainDuration = -time.Second }, false},
+		{"SDS.MaxStreams", func(c *agent.Config) { c.SDS.MaxStreams = 0 }, false},
+		{"SDS.MaxStreamsPerConnection", func(c *agent.Config) { c.SDS.MaxStreamsPerConnection = 0 }, false},
+		{"SDS.FileResourceDirs", func(c *agent.Config) { c.SDS.FileResourceDirs = []string{"/"} }, false},
+		{"Certificate.RSAKeySize", func(c *agent.Config) { c.Certificate.KeyAlgorithm, c.Certificate.RSAKeySize = pki.RSA, 1024 }, false},
+		{"Certificate.KeyAlgorithm", func(c *agent.Config) { c.Certificate.KeyAlgorithm = "DSA" }, false},
+		{"Certificate.TTL", func(c *agent.Config) { c.Certificate.TTL = 0 }, false},
+		{"Certificate.GraceRatio", func(c *agent.Config) { c.Certificate.GraceRatio = 2 }, false},
+		{"Certificate.GraceRatioJitter", func(c *agent.Config) { c.Certificate.GraceRatioJitter = 0.6 }, false},
+		{"XDS.MaxStreams", func(c *agent.Config) { c.XDS.MaxStreams = 0 }, false},
+		{"XDS.MaxStreamsPerConnection", func(c *agent.Config) { c.XDS.MaxStreamsPerConnection = 0 }, false},
+		{"XDS.DebugTCP", func(c *agent.Config) { c.XDS.DebugTCP, c.XDS.ProxyDebug = true, false }, false},
+		{"XDS.ProxyDebug", func(c *agent.Config) { c.XDS.DebugTCP, c.XDS.ProxyDebug = true, false }, false},
+		{"XDS.DebugSocket", func(c *agent.Config) { c.XDS.DebugSocket = long }, false},
+		{"XDS.DiscoveryAddress", func(c *agent.Config) { c.XDS.DiscoveryAddress = "istiod" }, false},
+		{"Servers.StatusAddr", func(c *agent.Config) { c.Servers.StatusAddr = "15020" }, false},
+		{"Servers.DebugAddr", func(c *agent.Config) { c.Servers.DebugAddr = "0.0.0.0:15004" }, false},
+		{"CA.Address", func(c *agent.Config) { c.CA.Address = "https://ca:15012" }, false},
+		{"SDS.CredentialsDir", func(c *agent.Config) { c.SDS.CredentialsDir = missing }, true},
+		{"SDS.CredentialsDir", func(c *agent.Config) { c.SDS.CredentialsDir = filepath.Join(fix, "partial") }, true},
+		{"CA.ProvCert", func(c *agent.Config) { c.CA.ProvCert = missing }, true},
+		{"Output.Dir", func(c *agent.Config) { c.CA.ProvCert = missing }, true},
+		{"CA.RootCert", func(c *agent.Config) { c.CA.RootCert = missing }, true},
+		{"XDS.RootCert", func(c *agent.Config) { c.XDS.RootCert = missing }, true},
+		{"CA.Address", func(c *agent.Config) { c.CA.Address = "" }, true}, // no CA to embed
+		{"RootDir", func(c *agent.Config) { // the embedded CA's socket path is too long
+			c.CA.Address, c.CA.Embed, c.RootDir = "", stubEmbed, long
+			c.SDS.SocketDir, c.XDS.Proxy, c.XDS.ProxyDebug = testutil.ShortTempDir(t), false, false
+			c.SDS.CredentialsDir = filepath.Join(fix, "nocredentials")
+			if err := os.MkdirAll(c.SDS.CredentialsDir, 0o700); err != nil {
+				t.Fatal(err)
+			}
+		}, true},
+	}
+	flags := agentFieldFlags()
+	for _, tt := range tests {
+		c := good()
+		tt.modify(&c)
+		var err error
+		if tt.new {
+			_, err = agent.New(c)
+		} else {
+			err = c.Validate()
+		}
+		fields := configerr.Fields(err)
+		if !slices.Contains(fields, tt.key) {
+			t.Errorf("%s: error %v names %v", tt.key, err, fields)
+		}
+		for _, field := range fields {
+			if _, ok := flags[field]; !ok {
+				t.Errorf("%s: error %v names %s, which agentFieldFlags lacks", tt.key, err, field)
+			}
 		}
 	}
 }

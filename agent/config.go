@@ -1,8 +1,9 @@
 // Package agent is the composition root of one meshid agent: it builds the CA client, the secret
 // manager and the status server from its Config, runs them under one context, and stops them.
 //
-// Config is grouped by component. Validate names a bad field by its path in Config
-// (*FieldError); cmd, which alone knows the flags and variables, renders it with them.
+// Config is grouped by component. Every refusal of it, Validate's and New's, names a field by its
+// path in Config (*FieldError), and the other fields a rule involves as {Path} in its text; cmd,
+// which alone knows the flags and variables, renders them with them.
 package agent
 
 import (

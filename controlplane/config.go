@@ -3,7 +3,11 @@
 //
 // New builds in stages, each a function returning finished parts to the next: the listeners,
 // the stores (nothing is written before they are checked), the key material and its authority,
-// the authenticators, the controllers, the servers. No part is filled in after it is made.
+// the authenticators, the controllers, the servers. No part is filled in after it is made. It
+// holds wiring only: what the parts do, down to the state dir's layout, is in their packages.
+//
+// Validate, New and Targets name a refused field by its path in Config (*configerr.FieldError);
+// cmd, which alone knows the flags, renders it with them.
 package controlplane
 
 import (

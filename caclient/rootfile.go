@@ -3,9 +3,9 @@ package caclient
 import (
 	"errors"
 	"fmt"
-	"io/fs"
 	"os"
 
+	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/pki"
 )
 
@@ -15,11 +15,8 @@ import (
 // every call fail.
 func CheckRootFile(file, absent string) error {
 	data, err := os.ReadFile(file)
-	switch {
-	case errors.Is(err, fs.ErrNotExist):
-		return fmt.Errorf("does not exist (%s)", absent)
-	case err != nil:
-		return fmt.Errorf("cannot be read: %w", err)
+	if err != nil {
+		return fsutil.GivenPathError(err, absent)
 	}
 	if _, err := pki.ParseCertificates(data); errors.Is(err, pki.ErrNoPEM) {
 		return errors.New("holds no PEM certificate")

@@ -5,7 +5,6 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
-	"io/fs"
 	"log/slog"
 	"net"
 	"net/http"
@@ -26,6 +25,7 @@ import (
 	"github.com/meshid/meshid/caclient"
 	"github.com/meshid/meshid/internal/admission"
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/configerr"
 	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/istio"
 	"github.com/meshid/meshid/internal/logkey"
@@ -157,7 +157,7 @@ func (a *Agent) buildServers(cfg Config, clk clock.Clock, log *slog.Logger, regi
 		// Whoever may open the XDS socket may read the configuration: the debug socket sits next
 		// to it, with its mode.
 		if a.xdsDebugSocket, err = fsutil.ListenSocket(cfg.xdsDebugSocket(), xdsproxy.DefaultSocketMode, log.With(logkey.Component, "debug")); err != nil {
-			return fmt.Errorf("--xds-debug-socket: %w", err)
+			return &FieldError{Field: "XDS.DebugSocket", Err: err}
 		}
 		a.xdsDebug = &http.Server{Handler: a.xdsDebugHandler(), ConnContext: admission.ConnContext, ReadHeaderTimeout: 10 * time.Second}
 	}
@@ -204,59 +204,26 @@ func (r refused) Unwrap() []error { return []error{r.error, ErrConfigRefused} }
 // Envoy stream fails). Defaults may be absent: they are where Kubernetes mounts what it has.
 func (c *Config) checkGivenPaths() error {
 	var errs []error
-	add := func(flag, path string, err error) {
+	add := func(field, path string, err error) {
 		if err != nil {
-			errs = append(errs, refused{fmt.Errorf("%s %s %w", flag, path, err)})
+			errs = append(errs, refused{configerr.Errorf(field, "{"+field+"} %s %w", path, err)})
 		}
 	}
 	const onlyDefault = "only the default may be absent"
 	if c.SDS.CredentialsDir != "" {
-		add("--credentials-dir", c.SDS.CredentialsDir, checkDir(c.SDS.CredentialsDir, onlyDefault))
+		add("SDS.CredentialsDir", c.SDS.CredentialsDir, fsutil.CheckDir(c.SDS.CredentialsDir, onlyDefault))
 	}
 	// Istio's VMs use the pair they keep in OUTPUT_CERTS as PROV_CERT: the agent makes that dir.
 	if c.CA.ProvCert != "" && (c.Output.Dir == "" || filepath.Clean(c.CA.ProvCert) != filepath.Clean(c.Output.Dir)) {
-		add("--prov-cert (PROV_CERT)", c.CA.ProvCert, checkDir(c.CA.ProvCert, "it may be absent only when it is --output-certs (OUTPUT_CERTS) too, which the agent creates"))
+		add("CA.ProvCert", c.CA.ProvCert, fsutil.CheckDir(c.CA.ProvCert, "it may be absent only when it is {Output.Dir} too, which the agent creates"))
 	}
 	if c.CA.RootCert != "" {
-		add("--ca-root-cert (CA_ROOT_CA)", c.CA.RootCert, checkRoots(c.CA.RootCert, onlyDefault))
+		add("CA.RootCert", c.CA.RootCert, caclient.CheckRootFile(c.CA.RootCert, onlyDefault))
 	}
 	if c.XDS.RootCert != "" {
-		add("--xds-root-cert (XDS_ROOT_CA)", c.XDS.RootCert, checkRoots(c.XDS.RootCert, onlyDefault))
+		add("XDS.RootCert", c.XDS.RootCert, caclient.CheckRootFile(c.XDS.RootCert, onlyDefault))
 	}
 	return errors.Join(errs...)
-}
-
-// checkDir says what is wrong with a directory given explicitly, completing "FLAG PATH ...";
-// absent says when it could be absent.
-func checkDir(dir, absent string) error {
-	info, err := os.Stat(dir)
-	switch {
-	case errors.Is(err, fs.ErrNotExist):
-		return fmt.Errorf("does not exist (%s)", absent)
-	case err != nil:
-		return fmt.Errorf("cannot be read: %w", err)
-	case !info.IsDir():
-		return errors.New("is not a directory")
-	}
-	return nil
-}
-
-// checkRoots says what is wrong with a root file given explicitly, completing "FLAG PATH ...";
-// absent says when it could be absent.
-func checkRoots(file, absent string) error {
-	data, err := os.ReadFile(file)
-	switch {
-	case errors.Is(err, fs.ErrNotExist):
-		return fmt.Errorf("does not exist (%s)", absent)
-	case err != nil:
-		return fmt.Errorf("cannot be read: %w", err)
-	}
-	if _, err := pki.ParseCertificates(data); errors.Is(err, pki.ErrNoPEM) {
-		return errors.New("holds no PEM certificate")
-	} else if err != nil {
-		return fmt.Errorf("holds a certificate that does not parse: %w", err)
-	}
-	return nil
 }
 
 // decide applies the source decision flow and says why it chose as it did. A credentials dir
@@ -270,32 +237,20 @@ func decide(cfg *Config, socketPath string) (Source, string, error) {
 		return SourceFiles, "FILE_MOUNTED_CERTS is set: serving " + cfg.path(DefaultMountedCerts), nil
 	}
 	dir := cfg.credentialsDir()
-	switch present, missing := credentialFiles(dir); {
+	switch present, missing := secretmanager.CredentialFiles(dir); {
 	case len(missing) == 0:
 		return SourceFiles, "credential files found in " + dir, nil
 	case len(present) > 0:
-		return "", "", refused{fmt.Errorf("--credentials-dir %s holds %s but not %s: give all three files or none",
+		return "", "", refused{configerr.Errorf("SDS.CredentialsDir", "{SDS.CredentialsDir} %s holds %s but not %s: give all three files or none",
 			dir, strings.Join(present, ", "), strings.Join(missing, ", "))}
 	}
 	if cfg.embedded() {
 		if cfg.CA.Embed == nil {
-			return "", "", fmt.Errorf("no credential files in %s and no --ca-addr (CA_ADDR): %w", dir, ErrNoCA)
+			return "", "", configerr.Errorf("CA.Address", "no credential files in %s and no {CA.Address}: %w", dir, ErrNoCA)
 		}
 		return SourceEmbeddedCA, "no CA address given: running the control plane in-process under " + cfg.path(DefaultEmbeddedDir), nil
 	}
 	return SourceCA, "no credential files in " + dir + ": using the CA at " + cfg.CA.Address, nil
-}
-
-// credentialFiles says which of the three credential files dir holds.
-func credentialFiles(dir string) (present, missing []string) {
-	for _, name := range []string{secretmanager.CertChainFile, secretmanager.KeyFile, secretmanager.RootCertFile} {
-		if _, err := os.Stat(filepath.Join(dir, name)); err == nil {
-			present = append(present, name)
-		} else {
-			missing = append(missing, name)
-		}
-	}
-	return present, missing
 }
 
 // buildSecrets makes the secret manager: over the credential files, or over a CA through the CA
@@ -412,15 +367,10 @@ func provisioned(cfg Config, clk clock.Clock, log *slog.Logger) func() *tls.Cert
 
 // mountedFiles are the credential files served: FILE_MOUNTED_CERTS's, or the credentials dir's.
 func mountedFiles(cfg Config) *secretmanager.MountedFiles {
-	dir := cfg.credentialsDir()
 	if cfg.SDS.FileMountedCerts {
-		dir = cfg.path(DefaultMountedCerts)
+		return secretmanager.MountedFilesIn(cfg.path(DefaultMountedCerts))
 	}
-	return &secretmanager.MountedFiles{
-		CertChain: filepath.Join(dir, secretmanager.CertChainFile),
-		Key:       filepath.Join(dir, secretmanager.KeyFile),
-		Root:      filepath.Join(dir, secretmanager.RootCertFile),
-	}
+	return secretmanager.MountedFilesIn(cfg.credentialsDir())
 }
 
 // embed starts the control plane in-process through the hook cmd/meshid supplies, serving on a
@@ -431,7 +381,7 @@ func embed(cfg Config, id pki.SPIFFEID, clk clock.Clock, log *slog.Logger) (_ Co
 	stateDir := cfg.path(DefaultEmbeddedDir)
 	socket := filepath.Join(stateDir, embeddedSocket)
 	if err := fsutil.CheckSocketPath(socket); err != nil {
-		return nil, nil, fmt.Errorf("the embedded CA's socket under --root-dir: %w", err)
+		return nil, nil, configerr.Errorf("RootDir", "the embedded CA's socket under {RootDir}: %w", err)
 	}
 	// Made private, or found ours alone, before the lock goes in: another user who could write
 	// in it could have put their own CA key and token key there.
@@ -445,7 +395,7 @@ func embed(cfg Config, id pki.SPIFFEID, clk clock.Clock, log *slog.Logger) (_ Co
 		if pid, ok := fsutil.LockHolder(lock); ok {
 			holder += " (pid " + strconv.Itoa(pid) + ")"
 		}
-		return nil, nil, fmt.Errorf("%s runs the embedded CA in %s (%w): give each agent its own --root-dir", holder, stateDir, fsutil.ErrLocked)
+		return nil, nil, configerr.Errorf("RootDir", "%s runs the embedded CA in %s (%w): give each agent its own {RootDir}", holder, stateDir, fsutil.ErrLocked)
 	}
 	if err != nil {
 		return nil, nil, err
@@ -519,7 +469,7 @@ func newXDSProxy(cfg Config, embedded ControlPlane, held func() *tls.Certificate
 	}
 	if up.Address == "" {
 		// Credential files and no control plane named: nothing to proxy to.
-		log.Info("no discovery server to proxy Envoy's xDS to (--discovery-addr, --ca-addr): the xDS proxy is off")
+		log.Info("no discovery server to proxy Envoy's xDS to (neither a discovery address nor a CA address is given): the xDS proxy is off")
 		return nil, nil, nil
 	}
 	if up.RootCertFile == "" {

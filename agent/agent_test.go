@@ -325,10 +325,10 @@ func TestGivenPathsAreRefused(t *testing.T) {
 		modify func(*agent.Config)
 		want   string
 	}{
-		{"credentials dir", func(c *agent.Config) { c.SDS.CredentialsDir = missing }, "--credentials-dir " + missing + " does not exist"},
-		{"provisioned pair", func(c *agent.Config) { c.CA.ProvCert = missing }, "--prov-cert (PROV_CERT) " + missing + " does not exist"},
-		{"CA root", func(c *agent.Config) { c.CA.RootCert = missing }, "--ca-root-cert (CA_ROOT_CA) " + missing + " does not exist"},
-		{"xDS root", func(c *agent.Config) { c.XDS.RootCert = filepath.Join(fix, "notes.txt") }, "--xds-root-cert (XDS_ROOT_CA) " + fix + "/notes.txt holds no PEM certificate"},
+		{"credentials dir", func(c *agent.Config) { c.SDS.CredentialsDir = missing }, "SDS.CredentialsDir " + missing + " does not exist"},
+		{"provisioned pair", func(c *agent.Config) { c.CA.ProvCert = missing }, "CA.ProvCert " + missing + " does not exist (it may be absent only when it is Output.Dir too"},
+		{"CA root", func(c *agent.Config) { c.CA.RootCert = missing }, "CA.RootCert " + missing + " does not exist"},
+		{"xDS root", func(c *agent.Config) { c.XDS.RootCert = filepath.Join(fix, "notes.txt") }, "XDS.RootCert " + fix + "/notes.txt holds no PEM certificate"},
 		{"incomplete credentials dir", func(c *agent.Config) { c.SDS.CredentialsDir = filepath.Join(fix, "partial") }, "holds key.pem but not cert-chain.pem, root-cert.pem"},
 	}
 	for _, tt := range tests {
@@ -361,8 +361,8 @@ func TestSecondAgentOnOneRootDirIsRefused(t *testing.T) {
 	second := cfg
 	second.SDS.SocketDir = testutil.ShortTempDir(t)
 	second.Servers.StatusAddr, second.Servers.DebugAddr = "127.0.0.1:0", ""
-	if _, err := agent.New(second); err == nil || !strings.Contains(err.Error(), "another agent") || !strings.Contains(err.Error(), "--root-dir") {
-		t.Fatalf("second agent on the same root dir: %v, want a refusal naming --root-dir", err)
+	if _, err := agent.New(second); err == nil || !strings.Contains(err.Error(), "another agent") || !strings.Contains(err.Error(), "give each agent its own RootDir") {
+		t.Fatalf("second agent on the same root dir: %v, want a refusal naming RootDir", err)
 	} else if !errors.Is(err, fsutil.ErrLocked) || !strings.Contains(err.Error(), "pid "+strconv.Itoa(os.Getpid())) {
 		t.Errorf("second agent on the same root dir: %v, want ErrLocked (exit 2) naming the first agent's pid", err)
 	}
@@ -456,10 +456,10 @@ func TestConfigValidate(t *testing.T) {
 		modify func(*agent.Config)
 		want   string
 	}{
-		{"no namespace", func(c *agent.Config) { c.Identity.Namespace = "" }, "--namespace (POD_NAMESPACE) is required"},
-		{"no service account", func(c *agent.Config) { c.Identity.ServiceAccount = "" }, "--service-account (SERVICE_ACCOUNT) is required"},
+		{"no namespace", func(c *agent.Config) { c.Identity.Namespace = "" }, "Identity.Namespace is required with CA.Address"},
+		{"no service account", func(c *agent.Config) { c.Identity.ServiceAccount = "" }, "Identity.ServiceAccount is required with CA.Address"},
 		{"group-readable key alone", func(c *agent.Config) { c.Output.KeyGroupRead = true }, "group-readable"},
-		{"bad service account", func(c *agent.Config) { c.Identity.ServiceAccount = "Bad_Name" }, "SERVICE_ACCOUNT"},
+		{"bad service account", func(c *agent.Config) { c.Identity.ServiceAccount = "Bad_Name" }, "Identity.ServiceAccount): service account \"Bad_Name\""},
 		{"debug server off loopback", func(c *agent.Config) { c.Servers.DebugAddr = "0.0.0.0:15004" }, "loopback only"},
 		{"socket path too long", func(c *agent.Config) { c.SDS.SocketDir = "/" + strings.Repeat("d", 120) }, "kernel's limit"},
 		// The agent names a field by its path in Config; cmd renders it with its flag and variable
@@ -480,19 +480,19 @@ func TestConfigValidate(t *testing.T) {
 			"XDS.DiscoveryAddress \"istiod\": no port: give HOST:PORT, as in \"istiod:PORT\""},
 		// Attack: a file-root: or file-cert: resource reading the embedded CA's keys.
 		{"file resource dir is the CA state dir", func(c *agent.Config) { c.SDS.FileResourceDirs = []string{"/etc/certs", "/var/lib/meshid"} },
-			"--file-resource-dirs: /var/lib/meshid overlaps the embedded CA's state dir /var/lib/meshid"},
+			"SDS.FileResourceDirs: /var/lib/meshid overlaps the embedded CA's state dir /var/lib/meshid"},
 		{"file resource dir holds the CA state dir", func(c *agent.Config) { c.SDS.FileResourceDirs = []string{"/var/lib/"} },
-			"--file-resource-dirs: /var/lib/ overlaps the embedded CA's state dir /var/lib/meshid"},
-		{"file resource dir is the root", func(c *agent.Config) { c.SDS.FileResourceDirs = []string{"/"} }, "--file-resource-dirs: / overlaps"},
+			"SDS.FileResourceDirs: /var/lib/ overlaps the embedded CA's state dir /var/lib/meshid"},
+		{"file resource dir is the root", func(c *agent.Config) { c.SDS.FileResourceDirs = []string{"/"} }, "SDS.FileResourceDirs: / overlaps"},
 		{"file resource dir inside the CA state dir", func(c *agent.Config) { c.SDS.FileResourceDirs = []string{"/var/lib/meshid/sub"} },
-			"--file-resource-dirs: /var/lib/meshid/sub"},
+			"SDS.FileResourceDirs: /var/lib/meshid/sub"},
 		{"file resource dir holds the CA state dir under the root dir", func(c *agent.Config) {
 			c.RootDir, c.SDS.FileResourceDirs = "/r", []string{"/r/var"}
-		}, "--file-resource-dirs: /r/var overlaps the embedded CA's state dir /r/var/lib/meshid"},
+		}, "SDS.FileResourceDirs: /r/var overlaps the embedded CA's state dir /r/var/lib/meshid"},
 		{"default file resource dirs hold the CA state dir", func(c *agent.Config) { c.SDS.CredentialsDir = "/var" },
-			"--file-resource-dirs (default: the credentials dir and <root-dir>/etc/certs): /var overlaps"},
+			"SDS.FileResourceDirs (default: the credentials dir and <root-dir>/etc/certs): /var overlaps"},
 		{"embedded, file resource dir holds the CA state dir", func(c *agent.Config) { c.CA.Address, c.SDS.FileResourceDirs = "", []string{"/var"} },
-			"--file-resource-dirs: /var overlaps"},
+			"SDS.FileResourceDirs: /var overlaps"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -553,7 +553,7 @@ func TestConfigRefusesFileResourceDirLinkedToCAState(t *testing.T) {
 	c := agent.DefaultConfig(root)
 	c.SDS.FileResourceDirs = []string{link}
 	err := c.Validate()
-	if err == nil || !strings.Contains(err.Error(), "--file-resource-dirs: "+link) || !strings.Contains(err.Error(), filepath.Join(root, "var/lib/meshid")) {
-		t.Fatalf("a file resource dir linked to the CA state dir's parent: %v, want a refusal naming --file-resource-dirs, %s and the state dir", err, link)
+	if err == nil || !strings.Contains(err.Error(), "SDS.FileResourceDirs: "+link) || !strings.Contains(err.Error(), filepath.Join(root, "var/lib/meshid")) {
+		t.Fatalf("a file resource dir linked to the CA state dir's parent: %v, want a refusal naming SDS.FileResourceDirs, %s and the state dir", err, link)
 	}
 }

@@ -1,8 +1,9 @@
 // Package agent is the composition root of one meshid agent: it builds the CA client, the secret
 // manager and the status server from its Config, runs them under one context, and stops them.
 //
-// Config is grouped by component. Validate names a bad field by its path in Config
-// (*FieldError); cmd, which alone knows the flags and variables, renders it with them.
+// Config is grouped by component. Every refusal of it, Validate's and New's, names a field by its
+// path in Config (*FieldError), and the other fields a rule involves as {Path} in its text; cmd,
+// which alone knows the flags and variables, renders them with them.
 package agent
 
 import (
@@ -17,6 +18,7 @@ import (
 	"time"
 
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/configerr"
 	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/hostport"
 	"github.com/meshid/meshid/internal/istio"
@@ -284,33 +286,10 @@ func (c *Config) SPIFFEID() (pki.SPIFFEID, error) {
 }
 
 // FieldError is a problem with one field of Config, named by its path in Config
-// ("Certificate.GraceRatio"). cmd, which alone knows the flag and the variable that set each
-// field, renders it with them; its own text names the field by its path. Value, when not nil, is
-// the value refused: text (an address) is shown quoted and followed by the cause, Err; a number or
-// a duration is shown as it is and followed by what it must be, Err ("must be positive").
-type FieldError struct {
-	Field string
-	Value any
-	Err   error
-}
-
-func (e *FieldError) Error() string { return e.Field + e.Detail() }
-
-// Detail is what follows the field's name in the message: the value refused, and why.
-func (e *FieldError) Detail() string {
-	switch v := e.Value.(type) {
-	case nil:
-		return ": " + e.Err.Error()
-	case string:
-		return fmt.Sprintf(" %q: %v", v, e.Err)
-	default:
-		return fmt.Sprintf(" %v %v", v, e.Err)
-	}
-}
-
-func (e *FieldError) Unwrap() error { return e.Err }
-
-var errMustBePositive = errors.New("must be positive")
+// ("Certificate.GraceRatio"), and a rule over several fields names the others in its text as
+// {Path}. cmd, which alone knows the flag and the variable that set each field, renders it with
+// them; its own text names each field by its path.
+type FieldError = configerr.FieldError
 
 // Validate reports every problem with the configuration at once, joined (errors.Join); a problem
 // with one field is a *FieldError.
@@ -319,31 +298,31 @@ func (c *Config) Validate() error {
 	switch {
 	case !c.embedded() && (c.Identity.Namespace == "" || c.Identity.ServiceAccount == ""):
 		if c.Identity.Namespace == "" {
-			errs = append(errs, errors.New("--namespace (POD_NAMESPACE) is required with --ca-addr: the CA signs for the workload's own namespace"))
+			errs = append(errs, configerr.Errorf("Identity.Namespace", "{Identity.Namespace} is required with {CA.Address}: the CA signs for the workload's own namespace"))
 		}
 		if c.Identity.ServiceAccount == "" {
-			errs = append(errs, errors.New("--service-account (SERVICE_ACCOUNT) is required with --ca-addr: the CA signs for the workload's own service account"))
+			errs = append(errs, configerr.Errorf("Identity.ServiceAccount", "{Identity.ServiceAccount} is required with {CA.Address}: the CA signs for the workload's own service account"))
 		}
 	default:
 		if _, err := c.SPIFFEID(); err != nil {
-			errs = append(errs, fmt.Errorf("workload identity (--trust-domain/TRUST_DOMAIN, --namespace/POD_NAMESPACE, --service-account/SERVICE_ACCOUNT): %w", err))
+			errs = append(errs, configerr.Errorf("Identity.TrustDomain", "workload identity ({Identity.TrustDomain}, {Identity.Namespace}, {Identity.ServiceAccount}): %w", err))
 		}
 	}
 	if c.Output.KeyGroupRead && !c.Output.GroupRead {
-		errs = append(errs, errors.New("a group-readable OUTPUT_CERTS key needs group-readable directories too"))
+		errs = append(errs, configerr.Errorf("Output.KeyGroupRead", "{Output.KeyGroupRead}: a group-readable {Output.Dir} key needs group-readable directories too"))
 	}
 	if err := fsutil.CheckSocketPath(filepath.Join(c.socketDir(), sds.SocketName)); err != nil {
 		errs = append(errs, &FieldError{Field: "SDS.SocketDir", Err: err})
 	}
 	errs = append(errs, c.checkAddresses()...)
 	if c.SDS.DrainDuration < 0 {
-		errs = append(errs, &FieldError{Field: "SDS.DrainDuration", Value: c.SDS.DrainDuration, Err: errors.New("must not be negative")})
+		errs = append(errs, &FieldError{Field: "SDS.DrainDuration", Value: c.SDS.DrainDuration, Err: configerr.ErrMustNotBeNegative})
 	}
 	if c.SDS.MaxStreams <= 0 {
-		errs = append(errs, &FieldError{Field: "SDS.MaxStreams", Value: c.SDS.MaxStreams, Err: errMustBePositive})
+		errs = append(errs, &FieldError{Field: "SDS.MaxStreams", Value: c.SDS.MaxStreams, Err: configerr.ErrMustBePositive})
 	}
 	if c.SDS.MaxStreamsPerConnection <= 0 {
-		errs = append(errs, &FieldError{Field: "SDS.MaxStreamsPerConnection", Value: c.SDS.MaxStreamsPerConnection, Err: errMustBePositive})
+		errs = append(errs, &FieldError{Field: "SDS.MaxStreamsPerConnection", Value: c.SDS.MaxStreamsPerConnection, Err: configerr.ErrMustBePositive})
 	}
 	errs = append(errs, c.validateXDS()...)
 	switch c.Certificate.KeyAlgorithm {
@@ -356,7 +335,7 @@ func (c *Config) Validate() error {
 		errs = append(errs, &FieldError{Field: "Certificate.KeyAlgorithm", Value: string(c.Certificate.KeyAlgorithm), Err: errors.New("want ECDSA or RSA")})
 	}
 	if c.Certificate.TTL <= 0 {
-		errs = append(errs, &FieldError{Field: "Certificate.TTL", Value: c.Certificate.TTL, Err: errMustBePositive})
+		errs = append(errs, &FieldError{Field: "Certificate.TTL", Value: c.Certificate.TTL, Err: configerr.ErrMustBePositive})
 	}
 	if err := secretmanager.ValidateGrace(c.Certificate.GraceRatio, c.Certificate.GraceRatioJitter); err != nil {
 		field := "Certificate.GraceRatioJitter"
@@ -373,16 +352,16 @@ func (c *Config) Validate() error {
 func (c *Config) validateXDS() []error {
 	var errs []error
 	if c.XDS.MaxStreams <= 0 {
-		errs = append(errs, &FieldError{Field: "XDS.MaxStreams", Value: c.XDS.MaxStreams, Err: errMustBePositive})
+		errs = append(errs, &FieldError{Field: "XDS.MaxStreams", Value: c.XDS.MaxStreams, Err: configerr.ErrMustBePositive})
 	}
 	if c.XDS.MaxStreamsPerConnection <= 0 {
-		errs = append(errs, &FieldError{Field: "XDS.MaxStreamsPerConnection", Value: c.XDS.MaxStreamsPerConnection, Err: errMustBePositive})
+		errs = append(errs, &FieldError{Field: "XDS.MaxStreamsPerConnection", Value: c.XDS.MaxStreamsPerConnection, Err: configerr.ErrMustBePositive})
 	}
 	if c.XDS.DebugTCP && !c.XDS.ProxyDebug {
-		errs = append(errs, errors.New("--xds-debug-tcp serves the xDS debug endpoint, which --proxy-xds-debug-via-agent=false (PROXY_XDS_DEBUG_VIA_AGENT) turns off"))
+		errs = append(errs, configerr.Errorf("XDS.DebugTCP", "{XDS.DebugTCP} serves the xDS debug endpoint, which {XDS.ProxyDebug=false} turns off"))
 	}
 	if c.XDS.DebugTCP && c.Servers.DebugAddr == "" {
-		errs = append(errs, errors.New("--xds-debug-tcp serves /debug/<type> on --debug-addr, which is empty"))
+		errs = append(errs, configerr.Errorf("XDS.DebugTCP", "{XDS.DebugTCP} serves /debug/<type> on {Servers.DebugAddr}, which is empty"))
 	}
 	if c.XDS.ProxyDebug {
 		if err := fsutil.CheckSocketPath(c.xdsDebugSocket()); err != nil {
@@ -428,15 +407,11 @@ func isLoopback(host string) bool {
 	return ip != nil && ip.IsLoopback()
 }
 
-// unixScheme marks an address that is a Unix socket, as the CA client dials it; meshid ca serves
-// one with --grpc-addr unix:///path.
-const unixScheme = "unix://"
-
 // checkDialAddr checks the address of a CA or discovery server: HOST:PORT, or unix:///path.
 func checkDialAddr(addr string) error {
-	if path, ok := strings.CutPrefix(addr, unixScheme); ok {
+	if path, ok := strings.CutPrefix(addr, fsutil.UnixScheme); ok {
 		if !filepath.IsAbs(path) {
-			return fmt.Errorf("a Unix socket needs an absolute path: %s/PATH", unixScheme)
+			return fmt.Errorf("a Unix socket needs an absolute path: %s/PATH", fsutil.UnixScheme)
 		}
 		return nil
 	}
@@ -447,43 +422,21 @@ func checkDialAddr(addr string) error {
 // state dir, as written or once its symlinks are resolved: any local client could then be served
 // the CA's key. In every mode, since the state dir keeps the keys of an earlier embedded run.
 func (c *Config) checkFileResourceDirs() []error {
-	flag := "--file-resource-dirs"
+	field := "{SDS.FileResourceDirs}"
 	if len(c.SDS.FileResourceDirs) == 0 {
-		flag += " (default: the credentials dir and <root-dir>/etc/certs)"
+		field += " (default: the credentials dir and <root-dir>/etc/certs)"
 	}
 	state := c.path(DefaultEmbeddedDir)
 	var errs []error
 	for _, dir := range c.fileResourceDirs() {
 		abs, err := filepath.Abs(dir)
 		if err != nil {
-			errs = append(errs, fmt.Errorf("%s: %s: %w", flag, dir, err))
+			errs = append(errs, configerr.Errorf("SDS.FileResourceDirs", "%s: %s: %w", field, dir, err))
 			continue
 		}
-		if overlap(abs, state) || overlap(resolveExisting(abs), resolveExisting(state)) {
-			errs = append(errs, fmt.Errorf("%s: %s overlaps the embedded CA's state dir %s, which holds the CA's keys", flag, dir, state))
+		if fsutil.Overlap(abs, state) {
+			errs = append(errs, configerr.Errorf("SDS.FileResourceDirs", "%s: %s overlaps the embedded CA's state dir %s, which holds the CA's keys", field, dir, state))
 		}
 	}
 	return errs
-}
-
-// overlap reports whether one of two clean absolute paths is the other or inside it.
-func overlap(a, b string) bool {
-	return a == b || strings.HasPrefix(b, strings.TrimSuffix(a, "/")+"/") || strings.HasPrefix(a, strings.TrimSuffix(b, "/")+"/")
-}
-
-// resolveExisting resolves the symlinks of path's longest existing prefix. The prefix is found
-// with one Lstat per missing component, and resolved once.
-func resolveExisting(path string) string {
-	rest := ""
-	for p := path; ; p = filepath.Dir(p) {
-		if _, err := os.Lstat(p); err == nil {
-			if resolved, err := filepath.EvalSymlinks(p); err == nil {
-				return filepath.Join(resolved, rest)
-			}
-		}
-		if filepath.Dir(p) == p {
-			return path
-		}
-		rest = filepath.Join(filepath.Base(p), rest)
-	}
 }

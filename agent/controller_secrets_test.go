@@ -7,8 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/ca/controller"
-	"github.com/meshid/meshid/controlplane"
 	"github.com/meshid/meshid/controlplane/controlplanetest"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
@@ -33,7 +33,7 @@ func TestAgentServesAControllerSecret(t *testing.T) {
 	}
 	controlplanetest.Start(t, cpCfg)
 	receive(t, created, "the secret of shop/cart")
-	dir := filepath.Join(controlplane.SecretsDir(cpCfg.StateDir), "shop", "istio.cart")
+	dir := filepath.Join(ca.SecretsDir(cpCfg.StateDir), "shop", "istio.cart")
 	chainPEM, err := os.ReadFile(filepath.Join(dir, "cert-chain.pem"))
 	if err != nil {
 		t.Fatal(err)

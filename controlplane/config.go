@@ -3,15 +3,17 @@
 //
 // New builds in stages, each a function returning finished parts to the next: the listeners,
 // the stores (nothing is written before they are checked), the key material and its authority,
-// the authenticators, the controllers, the servers. No part is filled in after it is made.
+// the authenticators, the controllers, the servers. No part is filled in after it is made. It
+// holds wiring only: what the parts do, down to the state dir's layout, is in their packages.
+//
+// Validate, New and Targets name a refused field by its path in Config (*configerr.FieldError);
+// cmd, which alone knows the flags, renders it with them.
 package controlplane
 
 import (
 	"errors"
 	"fmt"
-	"io/fs"
 	"log/slog"
-	"os"
 	"path/filepath"
 	"strings"
 	"time"
@@ -21,6 +23,7 @@ import (
 	"github.com/meshid/meshid/ca/token"
 	"github.com/meshid/meshid/discovery"
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/configerr"
 	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/hostport"
 	"github.com/meshid/meshid/internal/istio"
@@ -120,9 +123,6 @@ type SecretsConfig struct {
 	OnEvent func(controller.SecretEvent)
 }
 
-// SecretsDir is where the control plane whose state dir is stateDir writes service-account secrets.
-func SecretsDir(stateDir string) string { return filepath.Join(stateDir, "secrets") }
-
 // DefaultConfig returns the configuration `meshid ca` starts from.
 func DefaultConfig() Config {
 	return Config{
@@ -150,62 +150,65 @@ func DefaultConfig() Config {
 	}
 }
 
-// Validate reports every problem with the configuration at once.
+// Validate reports every problem with the configuration at once, joined (errors.Join); a problem
+// with a field is a *configerr.FieldError keyed by the field's path in Config, which cmd renders
+// with its flag.
 func (c *Config) Validate() error {
 	var errs []error
 	if c.StateDir == "" {
-		errs = append(errs, errors.New("--state-dir is required"))
+		errs = append(errs, configerr.Errorf("StateDir", "{StateDir} is required"))
 	}
-	if path, ok := strings.CutPrefix(c.GRPCAddr, unixScheme); ok {
+	if path, ok := strings.CutPrefix(c.GRPCAddr, fsutil.UnixScheme); ok {
 		if len(path) > fsutil.MaxSocketPath || !filepath.IsAbs(path) {
-			errs = append(errs, fmt.Errorf("--grpc-addr %q: a Unix socket needs an absolute path of at most %d bytes", c.GRPCAddr, fsutil.MaxSocketPath))
+			errs = append(errs, &configerr.FieldError{Field: "GRPCAddr", Value: c.GRPCAddr, Err: fmt.Errorf("a Unix socket needs an absolute path of at most %d bytes", fsutil.MaxSocketPath)})
 		}
 	} else if err := hostport.CheckListen(c.GRPCAddr); err != nil {
-		errs = append(errs, fmt.Errorf("--grpc-addr %q: %w", c.GRPCAddr, err))
+		errs = append(errs, &configerr.FieldError{Field: "GRPCAddr", Value: c.GRPCAddr, Err: err})
 	}
 	if c.MonitoringAddr != "" {
 		if err := hostport.CheckListen(c.MonitoringAddr); err != nil {
-			errs = append(errs, fmt.Errorf("--monitoring-addr %q: %w", c.MonitoringAddr, err))
+			errs = append(errs, &configerr.FieldError{Field: "MonitoringAddr", Value: c.MonitoringAddr, Err: err})
 		}
 	}
 	if err := pki.ValidateTrustDomain(c.TrustDomain); err != nil {
-		errs = append(errs, fmt.Errorf("--trust-domain: %w", err))
+		errs = append(errs, &configerr.FieldError{Field: "TrustDomain", Err: err})
 	}
 	if err := pki.ValidateNamespace(c.CANamespace); err != nil {
-		errs = append(errs, fmt.Errorf("--ca-namespace: %w", err))
+		errs = append(errs, &configerr.FieldError{Field: "CANamespace", Err: err})
 	}
 	if c.JWTAudience == "" {
-		errs = append(errs, errors.New("--jwt-audience must not be empty"))
+		errs = append(errs, configerr.Errorf("JWTAudience", "{JWTAudience} must not be empty"))
 	}
 	if c.WorkloadCertTTL <= 0 {
-		errs = append(errs, fmt.Errorf("--workload-cert-ttl %s must be positive", c.WorkloadCertTTL))
+		errs = append(errs, &configerr.FieldError{Field: "WorkloadCertTTL", Value: c.WorkloadCertTTL, Err: configerr.ErrMustBePositive})
 	}
 	if c.MaxWorkloadCertTTL < c.WorkloadCertTTL {
-		errs = append(errs, fmt.Errorf("--max-workload-cert-ttl %s is below --workload-cert-ttl %s", c.MaxWorkloadCertTTL, c.WorkloadCertTTL))
+		errs = append(errs, configerr.Errorf("MaxWorkloadCertTTL", "{MaxWorkloadCertTTL} %s is below {WorkloadCertTTL} %s", c.MaxWorkloadCertTTL, c.WorkloadCertTTL))
 	}
 	if c.SelfSigned.TTL <= 0 {
-		errs = append(errs, fmt.Errorf("--self-signed-ca-cert-ttl %s must be positive", c.SelfSigned.TTL))
+		errs = append(errs, &configerr.FieldError{Field: "SelfSigned.TTL", Value: c.SelfSigned.TTL, Err: configerr.ErrMustBePositive})
 	}
 	if c.RootCheckInterval <= 0 {
-		errs = append(errs, fmt.Errorf("--root-check-interval %s must be positive", c.RootCheckInterval))
+		errs = append(errs, &configerr.FieldError{Field: "RootCheckInterval", Value: c.RootCheckInterval, Err: configerr.ErrMustBePositive})
 	}
 	if err := ca.ValidateRootRotationThreshold(c.RootRotationThreshold); err != nil {
-		errs = append(errs, fmt.Errorf("--root-rotation-threshold: %w", err))
+		errs = append(errs, &configerr.FieldError{Field: "RootRotationThreshold", Err: err})
 	}
 	if c.XDSMaxStreams <= 0 {
-		errs = append(errs, fmt.Errorf("--xds-max-streams %d must be positive", c.XDSMaxStreams))
+		errs = append(errs, &configerr.FieldError{Field: "XDSMaxStreams", Value: c.XDSMaxStreams, Err: configerr.ErrMustBePositive})
 	}
 	if c.XDSMaxStreamsPerCredential <= 0 {
-		errs = append(errs, fmt.Errorf("--xds-max-streams-per-credential %d must be positive", c.XDSMaxStreamsPerCredential))
+		errs = append(errs, &configerr.FieldError{Field: "XDSMaxStreamsPerCredential", Value: c.XDSMaxStreamsPerCredential, Err: configerr.ErrMustBePositive})
 	}
 	if c.MaxConnectionAge <= 0 {
-		errs = append(errs, fmt.Errorf("--max-connection-age %s must be positive", c.MaxConnectionAge))
+		errs = append(errs, &configerr.FieldError{Field: "MaxConnectionAge", Value: c.MaxConnectionAge, Err: configerr.ErrMustBePositive})
 	}
 	if c.MaxConnectionAgeGrace <= 0 {
+		// No flag sets it: not a FieldError, which cmd renders with a flag.
 		errs = append(errs, fmt.Errorf("the connection age grace %s must be positive", c.MaxConnectionAgeGrace))
 	}
 	if c.TrustBundleOverlap < 0 {
-		errs = append(errs, fmt.Errorf("--trust-bundle-overlap %s must not be negative", c.TrustBundleOverlap))
+		errs = append(errs, &configerr.FieldError{Field: "TrustBundleOverlap", Value: c.TrustBundleOverlap, Err: configerr.ErrMustNotBeNegative})
 	}
 	errs = append(errs, c.Secrets.validate()...)
 	errs = append(errs, c.Kubernetes.validate(c)...)
@@ -213,10 +216,10 @@ func (c *Config) Validate() error {
 	case pki.ECDSA:
 	case pki.RSA:
 		if err := pki.ValidateRSAKeySize(c.SelfSigned.RSAKeySize); err != nil {
-			errs = append(errs, fmt.Errorf("--key-size: %w", err))
+			errs = append(errs, &configerr.FieldError{Field: "SelfSigned.RSAKeySize", Err: err})
 		}
 	default:
-		errs = append(errs, fmt.Errorf("--key-algorithm %q: want ECDSA or RSA", c.SelfSigned.KeyAlgorithm))
+		errs = append(errs, &configerr.FieldError{Field: "SelfSigned.KeyAlgorithm", Value: string(c.SelfSigned.KeyAlgorithm), Err: errors.New("want ECDSA or RSA")})
 	}
 	return errors.Join(errs...)
 }
@@ -239,7 +242,7 @@ func (c *Config) checkGivenPaths() error {
 	var errs []error
 	if c.CACertsDir != "" {
 		if err := ca.CheckCACertsDir(c.CACertsDir); err != nil {
-			errs = append(errs, refused{fmt.Errorf("--cacerts-dir: %w", err)})
+			errs = append(errs, refused{&configerr.FieldError{Field: "CACertsDir", Err: err}})
 		}
 	}
 	if err := checkManifestsDir(c.Manifests); err != nil {
@@ -253,47 +256,38 @@ func checkManifestsDir(dir string) error {
 	if dir == "" {
 		return nil
 	}
-	info, err := os.Stat(dir)
-	switch {
-	case errors.Is(err, fs.ErrNotExist):
-		return refused{fmt.Errorf("--manifests %s does not exist (an empty directory is fine)", dir)}
-	case err != nil:
-		return refused{fmt.Errorf("--manifests: %w", err)}
-	case !info.IsDir():
-		return refused{fmt.Errorf("--manifests %s is not a directory", dir)}
+	if err := fsutil.CheckDir(dir, "an empty directory is fine"); err != nil {
+		return refused{configerr.Errorf("Manifests", "{Manifests} %s %w", dir, err)}
 	}
 	return nil
 }
-
-// unixScheme marks a gRPC address that is a Unix socket path (the agent's embedded control plane).
-const unixScheme = "unix://"
 
 func (c *SecretsConfig) validate() []error {
 	var errs []error
 	if c.ListenedNamespace != "" {
 		if err := pki.ValidateNamespace(c.ListenedNamespace); err != nil {
-			errs = append(errs, fmt.Errorf("--listened-namespace: %w", err))
+			errs = append(errs, &configerr.FieldError{Field: "Secrets.ListenedNamespace", Err: err})
 		}
 	}
 	if !(c.GracePeriodRatio > 0 && c.GracePeriodRatio < 1) {
-		errs = append(errs, fmt.Errorf("--workload-cert-grace-period-ratio %g: want above 0 and below 1", c.GracePeriodRatio))
+		errs = append(errs, configerr.Errorf("Secrets.GracePeriodRatio", "{Secrets.GracePeriodRatio} %g: want above 0 and below 1", c.GracePeriodRatio))
 	}
 	if c.MinGracePeriod < 0 {
-		errs = append(errs, fmt.Errorf("--workload-cert-min-grace-period %s must not be negative", c.MinGracePeriod))
+		errs = append(errs, &configerr.FieldError{Field: "Secrets.MinGracePeriod", Value: c.MinGracePeriod, Err: configerr.ErrMustNotBeNegative})
 	}
 	if c.CustomDNSNames != "" {
 		if !c.AppendDNSNames {
 			// Citadel ignores them then; a flag that does nothing is refused.
-			errs = append(errs, errors.New("--custom-dns-names needs --append-dns-names"))
+			errs = append(errs, configerr.Errorf("Secrets.CustomDNSNames", "{Secrets.CustomDNSNames} needs {Secrets.AppendDNSNames}"))
 		} else if _, err := controller.DNSNames(DefaultCANamespace, c.CustomDNSNames); err != nil {
-			errs = append(errs, fmt.Errorf("--custom-dns-names: %w", err))
+			errs = append(errs, &configerr.FieldError{Field: "Secrets.CustomDNSNames", Err: err})
 		}
 	}
 	if c.LivenessProbePath != "" && c.LivenessProbeInterval <= 0 {
-		errs = append(errs, fmt.Errorf("--liveness-probe-interval %s must be positive with --liveness-probe-path", c.LivenessProbeInterval))
+		errs = append(errs, configerr.Errorf("Secrets.LivenessProbeInterval", "{Secrets.LivenessProbeInterval} %s must be positive with {Secrets.LivenessProbePath}", c.LivenessProbeInterval))
 	}
 	if c.LivenessProbePath == "" && c.LivenessProbeInterval != 0 {
-		errs = append(errs, errors.New("--liveness-probe-interval needs --liveness-probe-path"))
+		errs = append(errs, configerr.Errorf("Secrets.LivenessProbeInterval", "{Secrets.LivenessProbeInterval} needs {Secrets.LivenessProbePath}"))
 	}
 	return errs
 }

@@ -8,8 +8,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"path/filepath"
-	"strings"
 	"sync/atomic"
 	"time"
 
@@ -28,9 +26,9 @@ import (
 	"github.com/meshid/meshid/discovery"
 	"github.com/meshid/meshid/internal/admission"
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/configerr"
 	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/logkey"
-	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/version"
 )
 
@@ -149,7 +147,7 @@ func (c *Config) check() error {
 	if err := c.checkGivenPaths(); err != nil {
 		return err
 	}
-	if err := CheckStateDir(c.StateDir); err != nil {
+	if err := ca.CheckStateDir(c.StateDir); err != nil {
 		return fmt.Errorf("the CA's state dir: %w", err)
 	}
 	return nil
@@ -180,7 +178,7 @@ type listeners struct {
 func listenAll(cfg Config) (listeners, error) {
 	var l listeners
 	var err error
-	if l.grpc, l.grpcSocket, err = listen(cfg.GRPCAddr, cfg.Logger); err != nil {
+	if l.grpc, l.grpcSocket, err = fsutil.ListenAddr(cfg.GRPCAddr, cfg.Logger); err != nil {
 		return listeners{}, fmt.Errorf("listen for gRPC on %s: %w", cfg.GRPCAddr, err)
 	}
 	if cfg.MonitoringAddr != "" {
@@ -220,9 +218,11 @@ func newStores(cfg Config, reg prometheus.Registerer) (stores, error) {
 		if st.manifests, err = controller.NewManifests(controller.ManifestsConfig{
 			Dir: cfg.Manifests, Clock: cfg.Clock, Logger: cfg.Logger.With(logkey.Component, "manifests"),
 		}); err != nil {
-			return stores{}, fmt.Errorf("--manifests: %w", err)
+			return stores{}, &configerr.FieldError{Field: "Manifests", Err: err}
 		}
-		registerManifestProblems(reg, st.manifests)
+		if err := controller.RegisterManifestProblems(reg, st.manifests); err != nil {
+			return stores{}, err
+		}
 	}
 	if cfg.XDSConfig != "" {
 		if st.xds, err = discovery.LoadConfig(cfg.XDSConfig); err != nil {
@@ -290,7 +290,7 @@ func newAuthority(cfg Config, st stores, reg prometheus.Registerer) (*ca.Authori
 		logkey.NotAfter, bundle.NotAfter(),
 		logkey.Root, bundle.Root().Subject.String(),
 		logkey.TrustedRoots, len(bundle.Roots()),
-		logkey.Path, RootCertPath(cfg.StateDir))
+		logkey.Path, ca.RootCertPath(cfg.StateDir))
 	if err := ca.RegisterMetrics(reg, authority); err != nil {
 		return nil, nil, err
 	}
@@ -301,9 +301,9 @@ func newAuthority(cfg Config, st stores, reg prometheus.Registerer) (*ca.Authori
 // controller, and on Kubernetes what the elected replica runs besides it.
 type controllers struct {
 	targeting *controller.Targeting
-	leader    *leaderWork         // nil off Kubernetes
-	secrets   *controller.Secrets // nil without a store of service accounts
-	probe     *livenessProbe      // nil without a liveness probe path
+	leader    *leaderWork          // nil off Kubernetes
+	secrets   *controller.Secrets  // nil without a store of service accounts
+	probe     *fsutil.LivenessFile // nil without a liveness probe path
 }
 
 func newControllers(cfg Config, st stores, authority *ca.Authority, reg prometheus.Registerer) (controllers, error) {
@@ -333,14 +333,14 @@ func newControllers(cfg Config, st stores, authority *ca.Authority, reg promethe
 	if c.leader != nil {
 		secretStore = c.leader.secretStore
 	} else {
-		secretStore = controller.NewFileSecrets(SecretsDir(cfg.StateDir))
+		secretStore = controller.NewFileSecrets(ca.SecretsDir(cfg.StateDir))
 	}
 	if c.secrets, err = newSecrets(cfg, store, secretStore, c.targeting, authority, reg); err != nil {
 		return controllers{}, err
 	}
 	if cfg.Secrets.LivenessProbePath != "" {
-		c.probe = &livenessProbe{path: cfg.Secrets.LivenessProbePath, interval: cfg.Secrets.LivenessProbeInterval,
-			healthy: c.secrets.Healthy, clock: cfg.Clock, log: cfg.Logger.With(logkey.Component, "liveness-probe")}
+		c.probe = &fsutil.LivenessFile{Path: cfg.Secrets.LivenessProbePath, Interval: cfg.Secrets.LivenessProbeInterval,
+			Healthy: c.secrets.Healthy, Clock: cfg.Clock, Logger: cfg.Logger.With(logkey.Component, "liveness-probe")}
 	}
 	return c, nil
 }
@@ -411,7 +411,7 @@ func newSecrets(cfg Config, store controller.Store, secrets controller.SecretSto
 	if cfg.Secrets.AppendDNSNames {
 		var err error
 		if dns, err = controller.DNSNames(cfg.CANamespace, cfg.Secrets.CustomDNSNames); err != nil {
-			return nil, fmt.Errorf("--custom-dns-names: %w", err)
+			return nil, &configerr.FieldError{Field: "Secrets.CustomDNSNames", Err: err}
 		}
 	}
 	return controller.NewSecrets(controller.SecretsConfig{
@@ -439,7 +439,11 @@ func newSecrets(cfg Config, store controller.Store, secrets controller.SecretSto
 func newAuthenticators(cfg Config, k *onKubernetes, authority *ca.Authority, reg prometheus.Registerer) ([]caserver.Authenticator, error) {
 	var authenticators []caserver.Authenticator
 	if cfg.JWTKeysFile != "" || k == nil {
-		verifier, err := newTokenVerifier(cfg)
+		keys, err := token.TrustedKeys(cfg.JWTKeysFile, ca.TokenKeyPath(cfg.StateDir), cfg.Logger)
+		if err != nil {
+			return nil, err
+		}
+		verifier, err := token.NewVerifier(token.VerifierConfig{Keys: keys, Audience: cfg.JWTAudience, Issuer: cfg.JWTIssuer, Now: cfg.Clock.Now})
 		if err != nil {
 			return nil, err
 		}
@@ -455,68 +459,10 @@ func newAuthenticators(cfg Config, k *onKubernetes, authority *ca.Authority, reg
 	return append(authenticators, caserver.NewMTLSAuthenticator(authority, cfg.TrustDomain, cfg.Clock)), nil
 }
 
-func newTokenVerifier(cfg Config) (*token.Verifier, error) {
-	log := cfg.Logger
-	var keys *token.KeySet
-	if cfg.JWTKeysFile != "" {
-		ks, err := token.LoadKeySet(cfg.JWTKeysFile)
-		if err != nil {
-			return nil, err
-		}
-		keys = ks
-		log.Info("trusting token issuer keys", logkey.Path, cfg.JWTKeysFile, logkey.Keys, ks.Len())
-	} else {
-		path := TokenKeyPath(cfg.StateDir)
-		key, created, err := token.LoadOrCreateKey(path)
-		if err != nil {
-			return nil, err
-		}
-		kid, err := pki.KeyID(key.Public())
-		if err != nil {
-			return nil, err
-		}
-		if keys, err = token.NewKeySet(key.Public()); err != nil {
-			return nil, err
-		}
-		log.Info("trusting the local token signing key", logkey.Path, path, logkey.KeyID, kid, logkey.Created, created)
-	}
-	return token.NewVerifier(token.VerifierConfig{
-		Keys:     keys,
-		Audience: cfg.JWTAudience,
-		Issuer:   cfg.JWTIssuer,
-		Now:      cfg.Clock.Now,
-	})
-}
-
-// listen opens a TCP address, or for "unix:///path" a private Unix socket through the servers'
-// one socket listener (a stale socket file replaced, a live one refused, the file removed at the
-// end only while it is still ours), in a directory created private when missing.
-func listen(addr string, log *slog.Logger) (net.Listener, *fsutil.Socket, error) {
-	path, ok := strings.CutPrefix(addr, unixScheme)
-	if !ok {
-		lis, err := net.Listen("tcp", addr)
-		return lis, nil, err
-	}
-	// The embedding agent puts the socket in the state dir, which a first start has not made yet.
-	if err := fsutil.EnsureDir(filepath.Dir(path), fsutil.PrivateDirMode); err != nil {
-		return nil, nil, err
-	}
-	// The directory is the CA's own state dir: one that others may write in is a mistake, not
-	// a Kubernetes emptyDir to serve with a warning.
-	if err := fsutil.CheckSocketDir(filepath.Dir(path)); err != nil {
-		return nil, nil, err
-	}
-	socket, err := fsutil.ListenSocket(path, fsutil.PrivateFileMode, log)
-	if err != nil {
-		return nil, nil, err
-	}
-	return socket.Listener(), socket, nil
-}
-
 // GRPCAddr returns the address the CA protocol is served on: HOST:PORT, or unix:///path.
 func (c *ControlPlane) GRPCAddr() string {
 	if c.lis.grpc.Addr().Network() == "unix" {
-		return unixScheme + c.lis.grpc.Addr().String()
+		return fsutil.UnixScheme + c.lis.grpc.Addr().String()
 	}
 	return c.lis.grpc.Addr().String()
 }
@@ -575,7 +521,7 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 		g.Go(func() error { return c.work.secrets.Run(ctx) })
 	}
 	if c.work.probe != nil {
-		g.Go(func() error { return c.work.probe.run(ctx) })
+		g.Go(func() error { return c.work.probe.Run(ctx) })
 	}
 	g.Go(func() error {
 		err := c.grpc.Serve(c.lis.grpc)
@@ -690,49 +636,4 @@ func monitoringHandler(registry *prometheus.Registry, authority *ca.Authority, r
 		_, _ = fmt.Fprintln(w, "ready")
 	})
 	return mux
-}
-
-// CheckStateDir refuses (fsutil.ErrNotOwned) a state dir that is not ours alone: one that
-// another user owns or can write in, a CA key or token key in it that is a link, another user's
-// or open to others, or a secrets tree reached through a link. Whoever could write there could
-// have put their own keys there, and the CA would sign what they ask. A missing state dir
-// passes: the CA makes it private, and checks it again once made.
-func CheckStateDir(stateDir string) error {
-	if err := fsutil.CheckOwnedDir(stateDir); err != nil {
-		return err
-	}
-	for _, name := range []string{ca.CAKeyFile, ca.TokenKeyFile} {
-		if err := fsutil.CheckKeyFile(filepath.Join(stateDir, name)); err != nil {
-			return err
-		}
-	}
-	return fsutil.CheckOwnedSubdir(SecretsDir(stateDir))
-}
-
-// TokenKeyPath is where the control plane whose state dir is stateDir keeps its local token
-// signing key: what `meshid token` and an embedding agent mint with (see token.LoadMinter).
-func TokenKeyPath(stateDir string) string {
-	return filepath.Join(stateDir, ca.TokenKeyFile)
-}
-
-// RootCertPath is the trust bundle of the control plane whose state dir is stateDir: every root
-// it trusts, what verifies it.
-func RootCertPath(stateDir string) string {
-	return filepath.Join(stateDir, ca.RootCertFile)
-}
-
-// registerManifestProblems exports what the last load of --manifests skipped, by kind: an
-// operator alerts on it rather than reading logs for a typo that leaves a namespace unlabelled.
-func registerManifestProblems(reg prometheus.Registerer, m *controller.Manifests) {
-	for kind, count := range map[string]func(controller.ManifestProblems) int{
-		"file":      func(p controller.ManifestProblems) int { return p.Files },
-		"object":    func(p controller.ManifestProblems) int { return p.Objects },
-		"duplicate": func(p controller.ManifestProblems) int { return p.Duplicates },
-	} {
-		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
-			Name:        "meshid_ca_manifest_problems",
-			Help:        "What the last load of --manifests skipped: unreadable files, objects that could not be used, objects defined twice.",
-			ConstLabels: prometheus.Labels{"kind": kind},
-		}, func() float64 { return float64(count(m.Problems())) }))
-	}
 }

@@ -280,20 +280,20 @@ func TestNewFailsClearly(t *testing.T) {
 	}{
 		{"port in use", func(c *controlplane.Config) { c.GRPCAddr = busy.Addr().String() }, "listen for gRPC"},
 		{"partial cacerts", func(c *controlplane.Config) { c.CACertsDir = partial }, "missing ca-key.pem"},
-		{"bad address", func(c *controlplane.Config) { c.GRPCAddr = "15012" }, "--grpc-addr"},
-		{"port out of range", func(c *controlplane.Config) { c.GRPCAddr = "127.0.0.1:99999" }, `--grpc-addr "127.0.0.1:99999": port "99999": want a number from 0 to 65535`},
+		{"bad address", func(c *controlplane.Config) { c.GRPCAddr = "15012" }, "GRPCAddr"},
+		{"port out of range", func(c *controlplane.Config) { c.GRPCAddr = "127.0.0.1:99999" }, `GRPCAddr "127.0.0.1:99999": port "99999": want a number from 0 to 65535`},
 		{"monitoring address with a scheme", func(c *controlplane.Config) { c.MonitoringAddr = "http://127.0.0.1:9093" },
-			`--monitoring-addr "http://127.0.0.1:9093": http:// is not part of an address`},
-		{"bad trust domain", func(c *controlplane.Config) { c.TrustDomain = "Not Valid" }, "--trust-domain"},
+			`MonitoringAddr "http://127.0.0.1:9093": http:// is not part of an address`},
+		{"bad trust domain", func(c *controlplane.Config) { c.TrustDomain = "Not Valid" }, "TrustDomain"},
 		{"missing xds config", func(c *controlplane.Config) { c.XDSConfig = filepath.Join(partial, "xds.yaml") }, "--xds-config"},
 		{"lease shorter than its renewal", func(c *controlplane.Config) {
 			c.Kubernetes = controlplane.KubernetesConfig{Kubeconfig: "/k", LeaseDuration: 5 * time.Second}
 		}, "lease duration (5s) > renew deadline (10s)"},
-		{"max below default ttl", func(c *controlplane.Config) { c.MaxWorkloadCertTTL = time.Minute }, "--max-workload-cert-ttl"},
+		{"max below default ttl", func(c *controlplane.Config) { c.MaxWorkloadCertTTL = time.Minute }, "MaxWorkloadCertTTL 1m0s is below WorkloadCertTTL"},
 		{"missing jwt keys file", func(c *controlplane.Config) { c.JWTKeysFile = filepath.Join(partial, "nope") }, "token keys"},
-		{"no discovery streams", func(c *controlplane.Config) { c.XDSMaxStreams = 0 }, "--xds-max-streams 0 must be positive"},
-		{"no discovery streams per credential", func(c *controlplane.Config) { c.XDSMaxStreamsPerCredential = -1 }, "--xds-max-streams-per-credential"},
-		{"no connection age", func(c *controlplane.Config) { c.MaxConnectionAge = 0 }, "--max-connection-age"},
+		{"no discovery streams", func(c *controlplane.Config) { c.XDSMaxStreams = 0 }, "XDSMaxStreams 0 must be positive"},
+		{"no discovery streams per credential", func(c *controlplane.Config) { c.XDSMaxStreamsPerCredential = -1 }, "XDSMaxStreamsPerCredential"},
+		{"no connection age", func(c *controlplane.Config) { c.MaxConnectionAge = 0 }, "MaxConnectionAge"},
 		{"no connection age grace", func(c *controlplane.Config) { c.MaxConnectionAgeGrace = -time.Second }, "grace"},
 	}
 	for _, tt := range tests {
@@ -375,8 +375,8 @@ func TestNewRefusesMissingCACertsDir(t *testing.T) {
 	cfg := testConfig(filepath.Join(base, "state"))
 	cfg.CACertsDir = filepath.Join(base, "cacerts-typo")
 	_, err := controlplane.New(cfg)
-	if err == nil || !strings.Contains(err.Error(), "--cacerts-dir") || !strings.Contains(err.Error(), cfg.CACertsDir) {
-		t.Fatalf("error %v, want one naming --cacerts-dir and %s", err, cfg.CACertsDir)
+	if err == nil || !strings.Contains(err.Error(), "CACertsDir") || !strings.Contains(err.Error(), cfg.CACertsDir) {
+		t.Fatalf("error %v, want one naming CACertsDir and %s", err, cfg.CACertsDir)
 	}
 	if _, err := os.Stat(cfg.StateDir); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("the refused start left a state dir behind (stat: %v)", err)
@@ -404,7 +404,7 @@ func TestNewRefusesMissingDirsAsConfig(t *testing.T) {
 	if !errors.Is(err, controlplane.ErrConfigRefused) {
 		t.Fatalf("error %v, want ErrConfigRefused", err)
 	}
-	for _, want := range []string{"--cacerts-dir: plugged-in CA directory " + cfg.CACertsDir, "--manifests " + cfg.Manifests + " does not exist"} {
+	for _, want := range []string{"CACertsDir: plugged-in CA directory " + cfg.CACertsDir, "Manifests " + cfg.Manifests + " does not exist"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("error %q does not say %q", err, want)
 		}
@@ -413,8 +413,8 @@ func TestNewRefusesMissingDirsAsConfig(t *testing.T) {
 		t.Fatalf("the refused start left a state dir behind (stat: %v)", err)
 	}
 	_, err = controlplane.Targets(t.Context(), controlplane.TargetsConfig{Manifests: cfg.Manifests, CANamespace: "istio-system"})
-	if !errors.Is(err, controlplane.ErrConfigRefused) || !strings.Contains(err.Error(), "--manifests "+cfg.Manifests) {
-		t.Fatalf("targets: %v, want ErrConfigRefused naming --manifests", err)
+	if !errors.Is(err, controlplane.ErrConfigRefused) || !strings.Contains(err.Error(), "Manifests "+cfg.Manifests) {
+		t.Fatalf("targets: %v, want ErrConfigRefused naming Manifests", err)
 	}
 }
 

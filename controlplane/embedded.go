@@ -3,12 +3,13 @@ package controlplane
 import (
 	"context"
 	"log/slog"
-	"os"
 	"path/filepath"
 	"time"
 
+	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/ca/token"
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/pki"
 )
 
@@ -48,13 +49,13 @@ const EmbeddedXDSConfig = "xds.yaml"
 func NewEmbedded(e EmbeddedConfig) (*Embedded, error) {
 	cfg := DefaultConfig()
 	cfg.StateDir = e.StateDir
-	if dir := filepath.Join(e.StateDir, EmbeddedManifestsDir); isDir(dir) {
+	if dir := filepath.Join(e.StateDir, EmbeddedManifestsDir); fsutil.IsDir(dir) {
 		cfg.Manifests = dir
 	}
-	if file := filepath.Join(e.StateDir, EmbeddedXDSConfig); isFile(file) {
+	if file := filepath.Join(e.StateDir, EmbeddedXDSConfig); fsutil.IsRegular(file) {
 		cfg.XDSConfig = file
 	}
-	cfg.GRPCAddr = unixScheme + e.SocketPath
+	cfg.GRPCAddr = fsutil.UnixScheme + e.SocketPath
 	cfg.MonitoringAddr = ""
 	cfg.TrustDomain = e.TrustDomain
 	cfg.Clock = e.Clock
@@ -64,7 +65,7 @@ func NewEmbedded(e EmbeddedConfig) (*Embedded, error) {
 		return nil, err
 	}
 	// New has created the token key: read it once.
-	minter, err := token.LoadMinter(TokenKeyPath(e.StateDir))
+	minter, err := token.LoadMinter(ca.TokenKeyPath(e.StateDir))
 	if err != nil {
 		cp.Close()
 		return nil, err
@@ -72,18 +73,8 @@ func NewEmbedded(e EmbeddedConfig) (*Embedded, error) {
 	return &Embedded{ControlPlane: cp, stateDir: e.StateDir, identity: e.Identity, clock: clock.OrReal(e.Clock), minter: minter}, nil
 }
 
-func isDir(path string) bool {
-	info, err := os.Stat(path)
-	return err == nil && info.IsDir()
-}
-
-func isFile(path string) bool {
-	info, err := os.Stat(path)
-	return err == nil && info.Mode().IsRegular()
-}
-
 // RootCertFile is the trust bundle that verifies the control plane.
-func (e *Embedded) RootCertFile() string { return RootCertPath(e.stateDir) }
+func (e *Embedded) RootCertFile() string { return ca.RootCertPath(e.stateDir) }
 
 // Token mints a short-lived token for the agent's workload, afresh for every request so that none
 // expires in use.

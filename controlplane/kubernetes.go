@@ -5,10 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"os"
 	"time"
 
-	"github.com/google/uuid"
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sync/errgroup"
 
@@ -16,6 +14,7 @@ import (
 	"github.com/meshid/meshid/ca/controller"
 	"github.com/meshid/meshid/ca/controller/kube"
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/configerr"
 	"github.com/meshid/meshid/internal/logkey"
 )
 
@@ -48,13 +47,13 @@ func (k KubernetesConfig) Enabled() bool { return k.Kubeconfig != "" || k.InClus
 func (k KubernetesConfig) validate(cfg *Config) []error {
 	var errs []error
 	if k.Kubeconfig != "" && k.InCluster {
-		errs = append(errs, errors.New("--kubeconfig and --in-cluster both name the Kubernetes API: give one"))
+		errs = append(errs, configerr.Errorf("Kubernetes.Kubeconfig", "{Kubernetes.Kubeconfig} and {Kubernetes.InCluster} both name the Kubernetes API: give one"))
 	}
 	if k.Enabled() && cfg.Manifests != "" {
-		errs = append(errs, errors.New("--manifests and the Kubernetes API (--kubeconfig, --in-cluster) are two stores of namespaces: give one"))
+		errs = append(errs, configerr.Errorf("Manifests", "{Manifests} and the Kubernetes API ({Kubernetes.Kubeconfig}, {Kubernetes.InCluster}) are two stores of namespaces: give one"))
 	}
 	if k.Enabled() && cfg.Secrets.LivenessProbePath != "" {
-		errs = append(errs, errors.New("--liveness-probe-path works with --manifests only: on Kubernetes, only the elected replica runs the secret controller; probe /healthz instead"))
+		errs = append(errs, configerr.Errorf("Secrets.LivenessProbePath", "{Secrets.LivenessProbePath} works with {Manifests} only: on Kubernetes, only the elected replica runs the secret controller; probe /healthz instead"))
 	}
 	for name, d := range map[string]time.Duration{"lease duration": k.LeaseDuration, "renew deadline": k.RenewDeadline, "retry period": k.RetryPeriod, "start timeout": k.StartTimeout} {
 		if d < 0 {
@@ -101,7 +100,7 @@ func newOnKubernetes(cfg Config, reg prometheus.Registerer) (*onKubernetes, erro
 	}
 	k := &onKubernetes{cfg: cfg.Kubernetes, caNamespace: cfg.CANamespace, clients: clients, clock: clk, reg: reg, log: log.With(logkey.Component, "kubernetes")}
 	if k.cfg.Identity == "" {
-		if k.cfg.Identity, err = replicaIdentity(); err != nil {
+		if k.cfg.Identity, err = kube.ReplicaIdentity(); err != nil {
 			return nil, err
 		}
 	}
@@ -125,17 +124,6 @@ func newOnKubernetes(cfg Config, reg prometheus.Registerer) (*onKubernetes, erro
 	return k, nil
 }
 
-// replicaIdentity names this process in the leader election as client-go's own example does:
-// the host name (a pod's name) and a UUID, so that two processes on one host never both believe
-// they hold the Lease.
-func replicaIdentity() (string, error) {
-	host, err := os.Hostname()
-	if err != nil {
-		return "", fmt.Errorf("leader election identity: %w", err)
-	}
-	return host + "_" + uuid.NewString(), nil
-}
-
 // initialBundle returns the key material from the cacerts Secret, or nil when the mounted
 // cacerts files hold a complete bundle (the RFC's first step, which the key manager takes).
 func (k *onKubernetes) initialBundle(cacertsDir string, now time.Time) (*ca.Bundle, ca.Origin, error) {
@@ -145,7 +133,7 @@ func (k *onKubernetes) initialBundle(cacertsDir string, now time.Time) (*ca.Bund
 			return nil, "", nil
 		}
 		if !errors.Is(err, ca.ErrNoPluggedInCA) {
-			return nil, "", fmt.Errorf("--cacerts-dir: %w", err)
+			return nil, "", &configerr.FieldError{Field: "CACertsDir", Err: err}
 		}
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), k.cfg.StartTimeout)

@@ -8,8 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/ca/controller"
-	"github.com/meshid/meshid/controlplane"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
 )
@@ -46,7 +46,7 @@ func TestSecretsFromManifests(t *testing.T) {
 			t.Fatalf("events so far: %v", seen)
 		}
 	}
-	dir := filepath.Join(controlplane.SecretsDir(cfg.StateDir), "default", "istio.web")
+	dir := filepath.Join(ca.SecretsDir(cfg.StateDir), "default", "istio.web")
 	chain, err := pki.ParseCertificates([]byte(readFile(t, filepath.Join(dir, "cert-chain.pem"))))
 	if err != nil {
 		t.Fatal(err)
@@ -59,7 +59,7 @@ func TestSecretsFromManifests(t *testing.T) {
 	if got := chain[0].URIs[0].String(); got != "spiffe://cluster.local/ns/default/sa/web" {
 		t.Errorf("identity %s", got)
 	}
-	if _, err := os.Stat(filepath.Join(controlplane.SecretsDir(cfg.StateDir), "prod")); err == nil {
+	if _, err := os.Stat(filepath.Join(ca.SecretsDir(cfg.StateDir), "prod")); err == nil {
 		t.Error("a namespace not served got secrets")
 	}
 	_, metrics := get(t, "http://"+cp.MonitoringAddr()+"/metrics")

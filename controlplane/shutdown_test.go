@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/status"
 
+	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/controlplane"
 	"github.com/meshid/meshid/internal/testutil"
 )
@@ -40,7 +41,7 @@ func TestStopCutsCallsPastTheGraceOnTheClock(t *testing.T) {
 		t.Fatalf("control plane ended before serving: %v", err)
 	}
 
-	rootPEM, err := os.ReadFile(controlplane.RootCertPath(cfg.StateDir))
+	rootPEM, err := os.ReadFile(ca.RootCertPath(cfg.StateDir))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -89,8 +89,8 @@ func TestNewRefusesMissingManifestsDir(t *testing.T) {
 	cfg := testConfig(filepath.Join(base, "state"))
 	cfg.Manifests = filepath.Join(base, "manifests-typo")
 	_, err := controlplane.New(cfg)
-	if err == nil || !strings.Contains(err.Error(), "--manifests") || !strings.Contains(err.Error(), cfg.Manifests) {
-		t.Fatalf("error %v, want one naming --manifests and %s", err, cfg.Manifests)
+	if err == nil || !strings.Contains(err.Error(), "Manifests") || !strings.Contains(err.Error(), cfg.Manifests) {
+		t.Fatalf("error %v, want one naming Manifests and %s", err, cfg.Manifests)
 	}
 	if _, err := os.Stat(cfg.StateDir); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("the refused start left a state dir behind (stat: %v)", err)
@@ -115,10 +115,10 @@ func TestTargetsReport(t *testing.T) {
 	if !report.Others.Served || report.Others.Row != 17 {
 		t.Fatalf("others %+v, want served by row 17", report.Others)
 	}
-	if _, err := controlplane.Targets(t.Context(), controlplane.TargetsConfig{Manifests: filepath.Join(manifests, "nope"), CANamespace: "istio-system"}); err == nil || !strings.Contains(err.Error(), "--manifests") {
+	if _, err := controlplane.Targets(t.Context(), controlplane.TargetsConfig{Manifests: filepath.Join(manifests, "nope"), CANamespace: "istio-system"}); err == nil || !strings.Contains(err.Error(), "Manifests") {
 		t.Fatalf("a missing manifests dir: %v", err)
 	}
-	if _, err := controlplane.Targets(t.Context(), controlplane.TargetsConfig{CANamespace: "Bad_NS"}); err == nil || !strings.Contains(err.Error(), "--ca-namespace") {
+	if _, err := controlplane.Targets(t.Context(), controlplane.TargetsConfig{CANamespace: "Bad_NS"}); err == nil || !strings.Contains(err.Error(), "CANamespace") {
 		t.Fatalf("a bad CA namespace: %v", err)
 	}
 }

@@ -3,10 +3,10 @@ package controlplane
 import (
 	"context"
 	"errors"
-	"fmt"
 	"log/slog"
 
 	"github.com/meshid/meshid/ca/controller"
+	"github.com/meshid/meshid/internal/configerr"
 	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/internal/pki"
 )
@@ -23,7 +23,7 @@ type TargetsConfig struct {
 func (c *TargetsConfig) Validate() error {
 	var errs []error
 	if err := pki.ValidateNamespace(c.CANamespace); err != nil {
-		errs = append(errs, fmt.Errorf("--ca-namespace: %w", err))
+		errs = append(errs, &configerr.FieldError{Field: "CANamespace", Err: err})
 	}
 	return errors.Join(errs...)
 }
@@ -54,7 +54,7 @@ func Targets(ctx context.Context, cfg TargetsConfig) (TargetsReport, error) {
 	if cfg.Manifests != "" {
 		m, err := controller.NewManifests(controller.ManifestsConfig{Dir: cfg.Manifests, Logger: log.With(logkey.Component, "manifests")})
 		if err != nil {
-			return TargetsReport{}, fmt.Errorf("--manifests: %w", err)
+			return TargetsReport{}, &configerr.FieldError{Field: "Manifests", Err: err}
 		}
 		store = m
 	}

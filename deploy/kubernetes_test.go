@@ -8,7 +8,7 @@ import (
 
 	"sigs.k8s.io/yaml"
 
-	"github.com/meshid/meshid/controlplane"
+	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/internal/fsutil"
 )
 
@@ -93,7 +93,7 @@ func TestKubernetesCAStateDirIsItsOwn(t *testing.T) {
 		t.Fatalf("--state-dir %s is on no volume: the root file system is read-only", stateDir)
 	}
 	// What meshid ca does with it: check it, then make it private.
-	if err := controlplane.CheckStateDir(onHost); err != nil {
+	if err := ca.CheckStateDir(onHost); err != nil {
 		t.Fatalf("--state-dir %s on an emptyDir: %v", stateDir, err)
 	}
 	if err := fsutil.EnsureOwnedDir(onHost, fsutil.PrivateDirMode); err != nil {

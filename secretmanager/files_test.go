@@ -870,3 +870,19 @@ func TestReadFileResolvesAgainWhenTheGenerationIsRemoved(t *testing.T) {
 		t.Fatalf("a missing file: %v after %d resolutions, want ErrNotExist after %d", err, resolutions, resolveAttempts)
 	}
 }
+
+// The credential files of a directory are named as they are present or missing.
+func TestCredentialFiles(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, KeyFile), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	present, missing := CredentialFiles(dir)
+	if !slices.Equal(present, []string{KeyFile}) || !slices.Equal(missing, []string{CertChainFile, RootCertFile}) {
+		t.Fatalf("CredentialFiles = %v, %v", present, missing)
+	}
+	if f := MountedFilesIn(dir); f.Key != filepath.Join(dir, KeyFile) || f.CertChain != filepath.Join(dir, CertChainFile) || f.Root != filepath.Join(dir, RootCertFile) {
+		t.Fatalf("MountedFilesIn = %+v", f)
+	}
+}

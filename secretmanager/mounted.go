@@ -3,6 +3,8 @@ package secretmanager
 import (
 	"context"
 	"errors"
+	"os"
+	"path/filepath"
 )
 
 // MountedFiles is the workload source of file mode: "default" is the key pair in CertChain and
@@ -33,4 +35,25 @@ func (f *MountedFiles) start(env *sourceEnv) (func(context.Context) error, error
 		<-ctx.Done()
 		return nil
 	}, nil
+}
+
+// MountedFilesIn is the three credential files of dir: cert-chain.pem, key.pem and root-cert.pem.
+func MountedFilesIn(dir string) *MountedFiles {
+	return &MountedFiles{
+		CertChain: filepath.Join(dir, CertChainFile),
+		Key:       filepath.Join(dir, KeyFile),
+		Root:      filepath.Join(dir, RootCertFile),
+	}
+}
+
+// CredentialFiles says which of the three credential files dir holds, by name.
+func CredentialFiles(dir string) (present, missing []string) {
+	for _, name := range []string{CertChainFile, KeyFile, RootCertFile} {
+		if _, err := os.Stat(filepath.Join(dir, name)); err == nil {
+			present = append(present, name)
+		} else {
+			missing = append(missing, name)
+		}
+	}
+	return present, missing
 }

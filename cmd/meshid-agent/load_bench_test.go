@@ -23,9 +23,9 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
+	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/ca/token"
 	"github.com/meshid/meshid/caclient"
-	"github.com/meshid/meshid/controlplane"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
 	"github.com/meshid/meshid/sds"
@@ -107,7 +107,7 @@ func startCAProcess(b *testing.B) *caProcess {
 		"--grpc-addr", "127.0.0.1:0", "--monitoring-addr", "127.0.0.1:0")
 	addr, _ := rec["address"].(string)
 	monitor, _ := rec["monitoring_address"].(string)
-	minter, err := token.LoadMinter(controlplane.TokenKeyPath(state))
+	minter, err := token.LoadMinter(ca.TokenKeyPath(state))
 	if err != nil {
 		b.Fatal(err)
 	}

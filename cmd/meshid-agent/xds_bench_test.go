@@ -19,8 +19,8 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
 
+	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/ca/token"
-	"github.com/meshid/meshid/controlplane"
 )
 
 // BenchmarkIdleXDSStreams measures what an open, idle discovery stream costs `meshid ca
@@ -124,20 +124,20 @@ func startDiscoveryCA(b *testing.B) discoveryCA {
 	}
 	cmd, rec := startLogged(b, agentBinary(b), "CA started", "ca", "--state-dir", state, "--xds-config", xds,
 		"--grpc-addr", "127.0.0.1:0", "--monitoring-addr", "127.0.0.1:0")
-	ca := discoveryCA{cmd: cmd}
-	ca.addr, _ = rec["address"].(string)
-	ca.monitor, _ = rec["monitoring_address"].(string)
+	dca := discoveryCA{cmd: cmd}
+	dca.addr, _ = rec["address"].(string)
+	dca.monitor, _ = rec["monitoring_address"].(string)
 	var err error
-	if ca.minter, err = token.LoadMinter(controlplane.TokenKeyPath(state)); err != nil {
+	if dca.minter, err = token.LoadMinter(ca.TokenKeyPath(state)); err != nil {
 		b.Fatal(err)
 	}
 	rootPEM, err := os.ReadFile(filepath.Join(state, "root-cert.pem"))
 	if err != nil {
 		b.Fatal(err)
 	}
-	ca.pool = x509.NewCertPool()
-	ca.pool.AppendCertsFromPEM(rootPEM)
-	return ca
+	dca.pool = x509.NewCertPool()
+	dca.pool.AppendCertsFromPEM(rootPEM)
+	return dca
 }
 
 // BenchmarkDiscoveryRoundTrip: one request and its answer on an open ADS stream to `meshid ca

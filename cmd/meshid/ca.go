@@ -153,14 +153,14 @@ logged, each reason at most ten lines at once then one a second.`,
 			}
 			cfg.GRPCHostIdentities = trimAll(cfg.GRPCHostIdentities)
 			cfg.Logger = g.Logger()
-			return cfg.Validate()
+			return cli.RenderConfigErrors(cfg.Validate(), caFields())
 		},
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if cfg.Kubernetes.Enabled() {
 				// client-go logs through klog: one stream, one format.
 				klog.SetSlogLogger(cfg.Logger.With(logkey.Component, "client-go"))
 			}
-			return refusedAsCalled(run(cmd.Context(), cfg))
+			return refusedAsCalled(cli.RenderConfigErrors(run(cmd.Context(), cfg), caFields()))
 		},
 	}
 	f := cmd.Flags()
@@ -200,6 +200,53 @@ logged, each reason at most ten lines at once then one a second.`,
 	f.DurationVar(&cfg.Secrets.LivenessProbeInterval, "liveness-probe-interval", 0, "how often --liveness-probe-path is updated. Needs --manifests")
 	cmd.AddCommand(newCATargetsCommand(g))
 	return cmd
+}
+
+// caFieldFlags maps each field of controlplane.Config, by its path, to the flag of `meshid ca`
+// that sets it.
+func caFieldFlags() map[string]string {
+	return map[string]string{
+		"StateDir":                      "state-dir",
+		"CACertsDir":                    "cacerts-dir",
+		"GRPCAddr":                      "grpc-addr",
+		"MonitoringAddr":                "monitoring-addr",
+		"TrustDomain":                   "trust-domain",
+		"SelfSigned.KeyAlgorithm":       "key-algorithm",
+		"SelfSigned.RSAKeySize":         "key-size",
+		"SelfSigned.Org":                "self-signed-ca-org",
+		"SelfSigned.TTL":                "self-signed-ca-cert-ttl",
+		"RootCheckInterval":             "root-check-interval",
+		"RootRotationThreshold":         "root-rotation-threshold",
+		"TrustBundleOverlap":            "trust-bundle-overlap",
+		"JWTKeysFile":                   "jwt-keys",
+		"JWTAudience":                   "jwt-audience",
+		"JWTIssuer":                     "jwt-issuer",
+		"Manifests":                     "manifests",
+		"XDSConfig":                     "xds-config",
+		"XDSMaxStreams":                 "xds-max-streams",
+		"XDSMaxStreamsPerCredential":    "xds-max-streams-per-credential",
+		"MaxConnectionAge":              "max-connection-age",
+		"Kubernetes.Kubeconfig":         "kubeconfig",
+		"Kubernetes.InCluster":          "in-cluster",
+		"CANamespace":                   "ca-namespace",
+		"EnableNamespacesByDefault":     "enable-namespaces-by-default",
+		"WorkloadCertTTL":               "workload-cert-ttl",
+		"MaxWorkloadCertTTL":            "max-workload-cert-ttl",
+		"GRPCHostIdentities":            "grpc-host-identities",
+		"Secrets.ListenedNamespace":     "listened-namespace",
+		"Secrets.GracePeriodRatio":      "workload-cert-grace-period-ratio",
+		"Secrets.MinGracePeriod":        "workload-cert-min-grace-period",
+		"Secrets.AppendDNSNames":        "append-dns-names",
+		"Secrets.CustomDNSNames":        "custom-dns-names",
+		"Secrets.LivenessProbePath":     "liveness-probe-path",
+		"Secrets.LivenessProbeInterval": "liveness-probe-interval",
+	}
+}
+
+// caFields names the fields of controlplane.Config as a user of `meshid ca` sets them; NAMESPACE
+// sets --listened-namespace, as in Citadel.
+func caFields() cli.FieldNames {
+	return cli.FieldNames{Flags: caFieldFlags(), Env: map[string]string{"listened-namespace": "NAMESPACE"}}
 }
 
 // refusedAsCalled is cli.RefusedAsCalled with the control plane's refusals, which package cli,

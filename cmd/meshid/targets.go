@@ -40,12 +40,12 @@ manifests are reported on stderr and skipped.`,
 				return fmt.Errorf("-o %q: want table or json", output)
 			}
 			cfg.Logger = g.Logger()
-			return cfg.Validate()
+			return cli.RenderConfigErrors(cfg.Validate(), targetsFields())
 		},
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			report, err := controlplane.Targets(cmd.Context(), cfg)
 			if err != nil {
-				return refusedAsCalled(err)
+				return refusedAsCalled(cli.RenderConfigErrors(err, targetsFields()))
 			}
 			if output == "json" {
 				return writeTargetsJSON(cmd.OutOrStdout(), report)
@@ -59,6 +59,15 @@ manifests are reported on stderr and skipped.`,
 	f.BoolVar(&cfg.EnableNamespacesByDefault, "enable-namespaces-by-default", cfg.EnableNamespacesByDefault, "whether the CA instance serves namespaces that carry neither label")
 	f.StringVarP(&output, "output", "o", "table", "table or json")
 	return cmd
+}
+
+// targetsFields names the fields of controlplane.TargetsConfig as a user of `ca targets` sets them.
+func targetsFields() cli.FieldNames {
+	return cli.FieldNames{Flags: map[string]string{
+		"Manifests":                 "manifests",
+		"CANamespace":               "ca-namespace",
+		"EnableNamespacesByDefault": "enable-namespaces-by-default",
+	}}
 }
 
 // targetsJSON is the shape of `ca targets -o json`.

@@ -8,6 +8,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/ca/token"
 	"github.com/meshid/meshid/cmd/internal/cli"
 	"github.com/meshid/meshid/controlplane"
@@ -90,10 +91,10 @@ func loadMinter(keyPath, stateDir string) (*token.Minter, error) {
 	if stateDir == "" {
 		return nil, errors.New("give --key or --state-dir")
 	}
-	if err := controlplane.CheckStateDir(stateDir); err != nil {
+	if err := ca.CheckStateDir(stateDir); err != nil {
 		return nil, fmt.Errorf("--state-dir: %w", err)
 	}
-	minter, err := token.LoadMinter(controlplane.TokenKeyPath(stateDir))
+	minter, err := token.LoadMinter(ca.TokenKeyPath(stateDir))
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, fmt.Errorf("%w (start `meshid ca --state-dir %s` once to create it, or pass --key)", err, stateDir)
 	}

@@ -13,6 +13,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/ca/token"
 	"github.com/meshid/meshid/cmd/internal/cli"
 	"github.com/meshid/meshid/controlplane"
@@ -119,10 +120,10 @@ with the one it wrote to OUTPUT_CERTS, as long as that one has not expired.`,
 		RunE: func(*cobra.Command, []string) error {
 			if b.rootCert == "" {
 				// The trust bundle is the state dir's: read only from one of ours.
-				if err := controlplane.CheckStateDir(stateDir); err != nil {
+				if err := ca.CheckStateDir(stateDir); err != nil {
 					return cli.RefusedAsCalled(fmt.Errorf("--state-dir: %w", err))
 				}
-				b.rootCert = controlplane.RootCertPath(stateDir)
+				b.rootCert = ca.RootCertPath(stateDir)
 			}
 			minter, err := loadMinter(keyPath, stateDir)
 			if err != nil {

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/meshid/meshid/agent"
+	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/ca/token"
 	"github.com/meshid/meshid/controlplane"
 )
@@ -52,7 +53,7 @@ func Start(t testing.TB, cfg controlplane.Config) *controlplane.ControlPlane {
 // the control plane whose state dir is stateDir.
 func Token(t testing.TB, stateDir, ns, sa string, now time.Time, ttl time.Duration) string {
 	t.Helper()
-	minter, err := token.LoadMinter(controlplane.TokenKeyPath(stateDir))
+	minter, err := token.LoadMinter(ca.TokenKeyPath(stateDir))
 	if err != nil {
 		t.Fatal(err)
 	}

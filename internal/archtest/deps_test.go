@@ -18,14 +18,15 @@ const module = "github.com/meshid/meshid/"
 // import. The longest matching key applies. "internal/" means any internal helper.
 func allowed() map[string][]string {
 	return map[string][]string{
-		// sds/sdsclient: the SDS client of `certs`; ca/token: `meshid token`.
-		"cmd/": {"cmd/internal/", "agent", "controlplane", "ca/controller/kube", "ca/token", "sds/sdsclient", "internal/"},
+		// sds/sdsclient: the SDS client of `certs`; ca/token: `meshid token`; ca: the layout of
+		// the CA's state dir, where `meshid token` and `meshid vm` find the token key and roots.
+		"cmd/": {"cmd/internal/", "agent", "controlplane", "ca", "ca/controller/kube", "ca/token", "sds/sdsclient", "internal/"},
 		// The agent reaches an embedded control plane through a hook cmd/meshid supplies, so
 		// that meshid-agent links no CA.
 		"agent":                         {"sds", "secretmanager", "caclient", "xdsproxy", "internal/"},
 		"controlplane":                  {"ca", "ca/", "discovery", "internal/"},
-		"controlplane/controlplanetest": {"controlplane", "ca/token", "agent"},
-		"sds/sdsclient":                 {"internal/"}, // nothing of the server it tests
+		"controlplane/controlplanetest": {"controlplane", "ca", "ca/token", "agent"}, // ca: the token key's path
+		"sds/sdsclient":                 {"internal/"},                               // nothing of the server it tests
 		"sds/sdstest":                   {"sds/sdsclient"},
 		"ca/server":                     {"ca", "ca/token", "internal/"},
 		"ca/controller/":                {"ca", "ca/controller", "internal/"},

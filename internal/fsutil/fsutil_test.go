@@ -202,3 +202,24 @@ func TestTryLock(t *testing.T) {
 	}
 	again()
 }
+
+func TestIsDirIsRegular(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	file := filepath.Join(dir, "f")
+	if err := os.WriteFile(file, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	link := filepath.Join(dir, "link")
+	if err := os.Symlink(file, link); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		path         string
+		dir, regular bool
+	}{{dir, true, false}, {file, false, true}, {link, false, true}, {filepath.Join(dir, "missing"), false, false}} {
+		if IsDir(tc.path) != tc.dir || IsRegular(tc.path) != tc.regular {
+			t.Errorf("%s: IsDir %v, IsRegular %v; want %v, %v", tc.path, IsDir(tc.path), IsRegular(tc.path), tc.dir, tc.regular)
+		}
+	}
+}

@@ -2,6 +2,7 @@ package fsutil
 
 import (
 	"errors"
+	"log/slog"
 	"net"
 	"os"
 	"path/filepath"
@@ -111,5 +112,39 @@ func TestCheckSocketDir(t *testing.T) {
 	}
 	if err := CheckSocketDir(filepath.Join(shortDir(t), "missing")); err == nil {
 		t.Fatal("a missing directory passed")
+	}
+}
+
+// ListenAddr listens on TCP for HOST:PORT and on a private socket, in a directory it makes
+// private, for unix:///path; a directory others may write in is refused.
+func TestListenAddr(t *testing.T) {
+	t.Parallel()
+	log := slog.New(slog.DiscardHandler)
+	lis, socket, err := ListenAddr("127.0.0.1:0", log)
+	if err != nil || socket != nil || lis.Addr().Network() != "tcp" {
+		t.Fatalf("TCP: %v, %v, %v", lis, socket, err)
+	}
+	_ = lis.Close()
+
+	dir := shortDir(t)
+	path := filepath.Join(dir, "new", "ca.sock")
+	lis, socket, err = ListenAddr(UnixScheme+path, log)
+	if err != nil || socket == nil || lis.Addr().String() != path {
+		t.Fatalf("Unix: %v, %v, %v", lis, socket, err)
+	}
+	socket.Close()
+	if info, err := os.Stat(filepath.Dir(path)); err != nil || info.Mode().Perm() != PrivateDirMode {
+		t.Fatalf("the socket's directory: %v, %v", info, err)
+	}
+
+	shared := filepath.Join(dir, "shared")
+	if err := os.Mkdir(shared, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(shared, 0o777); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := ListenAddr(UnixScheme+filepath.Join(shared, "ca.sock"), log); !errors.Is(err, ErrSharedDir) {
+		t.Fatalf("a socket in a directory anyone may write in: %v, want ErrSharedDir", err)
 	}
 }

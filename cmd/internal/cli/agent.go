@@ -252,10 +252,10 @@ root is needed.`,
 				errs = append(errs, errors.New("--xds-debug-socket serves /debug/<type>, which --proxy-xds-debug-via-agent=false (PROXY_XDS_DEBUG_VIA_AGENT) turns off"))
 			}
 			cfg.Logger = log
-			return errors.Join(append(errs, renderConfigErrors(cfg.Validate()))...)
+			return errors.Join(append(errs, RenderConfigErrors(cfg.Validate(), agentFields()))...)
 		},
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			return RefusedAsCalled(run(cmd.Context(), cfg))
+			return RefusedAsCalled(RenderConfigErrors(run(cmd.Context(), cfg), agentFields()))
 		},
 	}
 	f := cmd.Flags()
@@ -350,56 +350,14 @@ func agentFieldFlags() map[string]string {
 	}
 }
 
-// fieldName names a field of agent.Config as a user sets it: "--ca-addr (CA_ADDR)", the
-// variable after the flag when there is one; a field with no flag keeps the agent's name.
-func fieldName(field string) (flag, env string) {
-	flag, ok := agentFieldFlags()[field]
-	if !ok {
-		return field, ""
-	}
+// agentFields names the fields of agent.Config as a user of the agent command sets them.
+func agentFields() FieldNames {
+	env := map[string]string{}
 	for _, b := range agentEnv() {
-		if b.flag == flag {
-			return "--" + flag, " (" + b.env + ")"
-		}
+		env[b.flag] = b.env
 	}
-	return "--" + flag, ""
+	return FieldNames{Flags: agentFieldFlags(), Env: env}
 }
-
-// renderConfigErrors renders what agent.Config.Validate returns, each *agent.FieldError with
-// the flag and the variable of its field; the agent names fields by their path in the Config,
-// and only cmd knows how a user sets them.
-func renderConfigErrors(err error) error {
-	if err == nil {
-		return nil
-	}
-	if joined, ok := err.(interface{ Unwrap() []error }); ok {
-		var out []error
-		for _, e := range joined.Unwrap() {
-			out = append(out, renderConfigErrors(e))
-		}
-		return errors.Join(out...)
-	}
-	var fe *agent.FieldError
-	if !errors.As(err, &fe) {
-		return err
-	}
-	// The variable after the value, when it is shown with a cause: --ca-addr "x" (CA_ADDR): why.
-	flag, env := fieldName(fe.Field)
-	detail := fe.Detail()
-	if value, ok := fe.Value.(string); ok {
-		return renderedError{msg: fmt.Sprintf("%s %q%s: %v", flag, value, env, fe.Err), err: err}
-	}
-	return renderedError{msg: flag + env + detail, err: err}
-}
-
-// renderedError is an error shown as msg, still wrapping what it renders.
-type renderedError struct {
-	msg string
-	err error
-}
-
-func (e renderedError) Error() string { return e.msg }
-func (e renderedError) Unwrap() error { return e.err }
 
 func envHelp(bindings []envBinding) string {
 	var b strings.Builder

@@ -1,5 +1,7 @@
 // Package cli holds what the meshid and meshid-agent binaries share: the root command with its
-// logging flags, the probe and version commands, and the process entry point.
+// logging flags, the probe and version commands, and the process entry point. It renders the
+// configuration refusals of agent and controlplane, which name fields by their path in a Config,
+// with each command's flags and variables (RenderConfigErrors, FieldNames).
 package cli
 
 import (

@@ -1,4 +1,4 @@
-package controlplane
+package fsutil_test
 
 import (
 	"context"
@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/testutil"
 )
 
@@ -20,10 +21,10 @@ func TestLivenessProbeTouchesWhileHealthy(t *testing.T) {
 	var healthy atomic.Bool
 	healthy.Store(true)
 	path := filepath.Join(t.TempDir(), "alive")
-	p := &livenessProbe{path: path, interval: time.Minute, healthy: healthy.Load, clock: clk, log: slog.New(slog.DiscardHandler)}
+	p := &fsutil.LivenessFile{Path: path, Interval: time.Minute, Healthy: healthy.Load, Clock: clk, Logger: slog.New(slog.DiscardHandler)}
 	ctx, cancel := context.WithCancel(t.Context())
 	done := make(chan error, 1)
-	go func() { done <- p.run(ctx) }()
+	go func() { done <- p.Run(ctx) }()
 	defer func() {
 		cancel()
 		if err := <-done; err != nil {

@@ -433,7 +433,11 @@ func TestParseKeySetRefusals(t *testing.T) {
 		t.Fatal(err)
 	}
 	enc := base64.RawURLEncoding.EncodeToString
-	ecPrivate := enc(ecKey.D.FillBytes(make([]byte, 32)))
+	ecScalar, err := ecKey.Bytes()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ecPrivate := enc(ecScalar)
 	rsaPrivate := jwkOf(t, rsaKey.Public(), "r", "")
 	rsaPrivate["d"], rsaPrivate["p"], rsaPrivate["q"] = enc(rsaKey.D.Bytes()), enc(rsaKey.Primes[0].Bytes()), enc(rsaKey.Primes[1].Bytes())
 	tests := []struct {

@@ -205,7 +205,7 @@ logged, each reason at most ten lines at once then one a second.`,
 // caFieldFlags maps each field of controlplane.Config, by its path, to the flag of `meshid ca`
 // that sets it.
 func caFieldFlags() map[string]string {
-	return map[string]string{
+	return map[string]string{ //nolint:gosec // flag names, not credentials
 		"StateDir":                      "state-dir",
 		"CACertsDir":                    "cacerts-dir",
 		"GRPCAddr":                      "grpc-addr",

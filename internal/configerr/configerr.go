@@ -103,11 +103,12 @@ func All(err error) []*FieldError {
 		if err == nil {
 			return
 		}
-		if fe, ok := err.(*FieldError); ok {
+		// One level at a time, not errors.As: every FieldError of a joined tree is wanted.
+		if fe, ok := err.(*FieldError); ok { //nolint:errorlint // see above
 			out = append(out, fe)
 			return // a FieldError's cause is rendered with it
 		}
-		switch u := err.(type) {
+		switch u := err.(type) { //nolint:errorlint // see above
 		case interface{ Unwrap() []error }:
 			for _, e := range u.Unwrap() {
 				walk(e)

@@ -1,6 +1,6 @@
 // Package discovery is the xDS discovery server `meshid ca` serves on its gRPC port, as istiod
-// does: go-control-plane's snapshot cache fed from the --xds-config file, one snapshot for each
-// namespace a client authenticates as.
+// does: go-control-plane's snapshot cache fed from the --xds-config file (without one, from
+// EmptyConfig), one snapshot for each namespace a client authenticates as.
 package discovery
 
 import (

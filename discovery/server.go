@@ -82,8 +82,9 @@ type ServerConfig struct {
 	OnReload func(error)
 }
 
-// Server serves Envoy's aggregated discovery service from the configuration file: each client
-// gets the snapshot of the namespace it authenticated as, pushed again when the file changes.
+// Server serves Envoy's aggregated discovery service from the configuration file, or without
+// one from EmptyConfig: each client gets the snapshot of the namespace it authenticated as,
+// pushed again when the file changes.
 type Server struct {
 	cfg     ServerConfig
 	log     *slog.Logger

@@ -1,6 +1,7 @@
 package agent_test
 
 import (
+	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
@@ -208,5 +209,80 @@ func TestXDSAfterTheTokenIsGone(t *testing.T) {
 	}
 	if got := names(t, stream, resource.ClusterType); len(got) != 1 || got[0] != "prod-backend" {
 		t.Errorf("without a token the agent got clusters %v, want [prod-backend]", got)
+	}
+}
+
+// emptyConfiguration asks, as Envoy does, for the listeners and the clusters through the agent's
+// XDS socket, by state of the world then by delta, and checks that each is answered with no
+// resource and a version (issue 26: not Unimplemented), and that an ACK is not answered again.
+func emptyConfiguration(t *testing.T, client discoveryv3.AggregatedDiscoveryServiceClient) {
+	t.Helper()
+	stream, err := client.StreamAggregatedResources(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	node := &corev3.Node{Id: "sidecar~10.0.0.1~demo.default~default.svc.cluster.local"}
+	for _, typeURL := range []string{resource.ListenerType, resource.ClusterType} {
+		if err := stream.Send(&discoveryv3.DiscoveryRequest{Node: node, TypeUrl: typeURL}); err != nil {
+			t.Fatal(err)
+		}
+		// After the listeners' ACK the next answer is the clusters', not the listeners' again.
+		resp, err := stream.Recv()
+		if err != nil || resp.GetTypeUrl() != typeURL || len(resp.GetResources()) != 0 || resp.GetVersionInfo() == "" {
+			t.Fatalf("%s through the proxy: %v, %v; want no resource, with a version", typeURL, resp, err)
+		}
+		if err := stream.Send(&discoveryv3.DiscoveryRequest{TypeUrl: typeURL, VersionInfo: resp.GetVersionInfo(), ResponseNonce: resp.GetNonce()}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	delta, err := client.DeltaAggregatedResources(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, typeURL := range []string{resource.ListenerType, resource.ClusterType} {
+		if err := delta.Send(&discoveryv3.DeltaDiscoveryRequest{Node: node, TypeUrl: typeURL}); err != nil {
+			t.Fatal(err)
+		}
+		resp, err := delta.Recv()
+		if err != nil || resp.GetTypeUrl() != typeURL || len(resp.GetResources()) != 0 || resp.GetSystemVersionInfo() == "" {
+			t.Fatalf("delta %s through the proxy: %v, %v; want no resource, with a version", typeURL, resp, err)
+		}
+		if err := delta.Send(&discoveryv3.DeltaDiscoveryRequest{TypeUrl: typeURL, ResponseNonce: resp.GetNonce()}); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// Issue 26: an agent whose CA runs without --xds-config gives Envoy an empty configuration, so
+// that Envoy is up with no listeners instead of retrying Unimplemented, and /debug/config_dump
+// answers (it answered 502).
+func TestXDSProxiedToACAWithoutConfig(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	cfg := e.config(t, e.tokenFile(t, "default", "demo"), nil)
+	a := newAgent(t, cfg)
+	runAgent(t, a)
+	emptyConfiguration(t, xdsClient(t, cfg))
+	if code, body := unixGet(t, a.XDSDebugSocket(), "/debug/config_dump"); code != http.StatusOK || !strings.Contains(body, "configs") {
+		t.Fatalf("/debug/config_dump: %d %s", code, body)
+	}
+}
+
+// The same with the embedded control plane and no xds.yaml in its state dir; its start log
+// says where the file goes, once.
+func TestXDSEmbeddedWithoutConfig(t *testing.T) {
+	t.Parallel()
+	logs := newLogSink(t)
+	cfg := testConfig(t, newFakeClock(), logs, nil)
+	a := newAgent(t, cfg)
+	runAgent(t, a)
+	emptyConfiguration(t, xdsClient(t, cfg))
+	if code, body := unixGet(t, a.XDSDebugSocket(), "/debug/config_dump"); code != http.StatusOK {
+		t.Fatalf("/debug/config_dump: %d %s", code, body)
+	}
+	said := logs.records(t, "no xds.yaml in the state dir: Envoy gets an empty configuration (no listeners, no clusters)")
+	want := filepath.Join(cfg.RootDir, agent.DefaultEmbeddedDir, controlplane.EmbeddedXDSConfig)
+	if len(said) != 1 || said[0]["path"] != want {
+		t.Fatalf("the start log said %v, want once with path %s", said, want)
 	}
 }

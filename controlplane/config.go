@@ -27,6 +27,7 @@ import (
 	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/hostport"
 	"github.com/meshid/meshid/internal/istio"
+	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/internal/pki"
 )
 
@@ -76,9 +77,13 @@ type Config struct {
 	MaxWorkloadCertTTL time.Duration
 	GRPCHostIdentities []string
 
-	// XDSConfig, when set, is the discovery server's configuration (--xds-config), served on the
-	// gRPC port beside the CA, as istiod does.
+	// XDSConfig is the discovery server's configuration (--xds-config), served on the gRPC port
+	// beside the CA, as istiod does; empty: Envoy gets an empty configuration (no listeners, no
+	// clusters), which it ACKs.
 	XDSConfig string
+	// embeddedXDSConfig is, in an embedded control plane, where its configuration would be:
+	// what the start log names when there is none.
+	embeddedXDSConfig string
 	// XDSMaxStreams bounds the discovery streams open at once, XDSMaxStreamsPerCredential those
 	// opened with one credential (--xds-max-streams, --xds-max-streams-per-credential).
 	XDSMaxStreams              int
@@ -121,6 +126,17 @@ type SecretsConfig struct {
 	LivenessProbeInterval time.Duration
 	// OnEvent, when set, is told of every reconcile.
 	OnEvent func(controller.SecretEvent)
+}
+
+// logNoXDSConfig says, once at start, that there is no discovery configuration and how to give
+// one.
+func (c *Config) logNoXDSConfig() {
+	if c.embeddedXDSConfig != "" {
+		c.Logger.Info("no xds.yaml in the state dir: Envoy gets an empty configuration (no listeners, no clusters)",
+			logkey.Path, c.embeddedXDSConfig)
+		return
+	}
+	c.Logger.Info("no --xds-config: Envoy gets an empty configuration (no listeners, no clusters)")
 }
 
 // DefaultConfig returns the configuration `meshid ca` starts from.

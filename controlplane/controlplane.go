@@ -80,7 +80,7 @@ type ControlPlane struct {
 	authority *ca.Authority
 	keys      *ca.KeyManager
 	work      controllers
-	discovery *discovery.Server   // nil without --xds-config
+	discovery *discovery.Server
 	newGRPC   func() *grpc.Server // builds grpc in Run: its stream workers are goroutines
 	grpc      *grpc.Server
 	monitor   *http.Server // nil without a monitoring address
@@ -208,7 +208,7 @@ func (l listeners) close() {
 type stores struct {
 	manifests *controller.Manifests // nil without --manifests
 	kube      *onKubernetes         // nil off Kubernetes
-	xds       *discovery.Config     // nil without --xds-config
+	xds       *discovery.Config     // empty without --xds-config
 }
 
 func newStores(cfg Config, reg prometheus.Registerer) (stores, error) {
@@ -228,6 +228,11 @@ func newStores(cfg Config, reg prometheus.Registerer) (stores, error) {
 		if st.xds, err = discovery.LoadConfig(cfg.XDSConfig); err != nil {
 			return stores{}, err
 		}
+	} else {
+		// Envoy gets an empty configuration rather than Unimplemented at every stream, which it
+		// would retry for ever with no listener up; said once here, not per stream.
+		st.xds = discovery.EmptyConfig()
+		cfg.logNoXDSConfig()
 	}
 	if cfg.Kubernetes.Enabled() {
 		if st.kube, err = newOnKubernetes(cfg, reg); err != nil {
@@ -345,9 +350,9 @@ func newControllers(cfg Config, st stores, authority *ca.Authority, reg promethe
 	return c, nil
 }
 
-// newServers builds what answers on the gRPC port: the CA protocol and, with --xds-config, the
-// discovery server, which authorizes its callers as the CA does. The gRPC server itself is made
-// by the returned function, in Run.
+// newServers builds what answers on the gRPC port: the CA protocol and the discovery server
+// (serving --xds-config, else an empty configuration), which authorizes its callers as the CA
+// does. The gRPC server itself is made by the returned function, in Run.
 func newServers(cfg Config, st stores, authority *ca.Authority, authenticators []caserver.Authenticator,
 	targeting *controller.Targeting, reg prometheus.Registerer) (func() *grpc.Server, *discovery.Server, error) {
 	metrics, err := caserver.NewMetrics(reg)
@@ -363,20 +368,18 @@ func newServers(cfg Config, st stores, authority *ca.Authority, authenticators [
 		Logger:         cfg.Logger.With(logkey.Component, "ca-server"),
 		Clock:          cfg.Clock,
 	})
-	var disco *discovery.Server
-	if st.xds != nil {
-		if disco, err = discovery.NewServer(discovery.ServerConfig{
-			ConfigPath:              cfg.XDSConfig,
-			Initial:                 st.xds,
-			Authorizer:              credentialNamespace{caServer},
-			MaxStreams:              cfg.XDSMaxStreams,
-			MaxStreamsPerCredential: cfg.XDSMaxStreamsPerCredential,
-			Clock:                   cfg.Clock,
-			Logger:                  cfg.Logger.With(logkey.Component, "discovery"),
-			Registerer:              reg,
-		}); err != nil {
-			return nil, nil, err
-		}
+	disco, err := discovery.NewServer(discovery.ServerConfig{
+		ConfigPath:              cfg.XDSConfig,
+		Initial:                 st.xds,
+		Authorizer:              credentialNamespace{caServer},
+		MaxStreams:              cfg.XDSMaxStreams,
+		MaxStreamsPerCredential: cfg.XDSMaxStreamsPerCredential,
+		Clock:                   cfg.Clock,
+		Logger:                  cfg.Logger.With(logkey.Component, "discovery"),
+		Registerer:              reg,
+	})
+	if err != nil {
+		return nil, nil, err
 	}
 	cfg.Logger.Info("CA serving certificate hosts", logkey.Hosts, serving.Hosts(), logkey.TrustDomain, cfg.TrustDomain)
 	transport := grpcTransport(cfg)
@@ -390,9 +393,7 @@ func newServers(cfg Config, st stores, authority *ca.Authority, authenticators [
 			ClientAuth: tls.RequestClientCert,
 		})))...)
 		pb.RegisterIstioCertificateServiceServer(grpcServer, caServer)
-		if disco != nil {
-			disco.Register(grpcServer)
-		}
+		disco.Register(grpcServer)
 		return grpcServer
 	}, disco, nil
 }
@@ -512,9 +513,7 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 		g.Go(func() error { return c.stores.manifests.Run(ctx) })
 	}
 	g.Go(func() error { return c.keys.Run(ctx) })
-	if c.discovery != nil {
-		g.Go(func() error { return c.discovery.Run(ctx) })
-	}
+	g.Go(func() error { return c.discovery.Run(ctx) })
 	if c.stores.kube != nil {
 		c.stores.kube.run(ctx, g, c.keys, c.work.leader, c.work.secrets)
 	} else if c.work.secrets != nil {

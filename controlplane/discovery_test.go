@@ -6,6 +6,7 @@ import (
 	"crypto/x509"
 	"errors"
 	"io"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
@@ -24,6 +25,7 @@ import (
 
 	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/controlplane/controlplanetest"
+	"github.com/meshid/meshid/discovery"
 	"github.com/meshid/meshid/internal/filewatch"
 	"github.com/meshid/meshid/internal/testutil"
 )
@@ -204,5 +206,80 @@ namespaces:
 	}
 	if _, err := clustersFor(t, cp.GRPCAddr(), rootFile, "not-a-token"); status.Code(err) != codes.Unauthenticated {
 		t.Errorf("a bad token: %v, want Unauthenticated", err)
+	}
+}
+
+// Issue 26: `meshid ca` without --xds-config serves Envoy an empty configuration instead of
+// Unimplemented, so that Envoy is up with no listeners rather than retrying for ever. LDS and
+// CDS are answered, by state of the world and by delta, with no resource and a version; the
+// ACK is not answered again; syncz lists the node; a stream without a credential is still
+// refused; the start log says so once.
+func TestDiscoveryWithoutXDSConfig(t *testing.T) {
+	t.Parallel()
+	logs := &testutil.SyncBuffer{}
+	cfg := testConfig(filepath.Join(t.TempDir(), "state"))
+	cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
+	cp := start(t, cfg)
+	rootFile := filepath.Join(cfg.StateDir, ca.RootCertFile)
+	tok := mint(t, cfg.StateDir, "default", "web")
+	client := adsClient(t, cp.GRPCAddr(), rootFile, nil, nil)
+
+	stream, cds, err := firstClusters(t, client, tok)
+	if err != nil {
+		t.Fatalf("an authenticated stream without --xds-config: %v", err)
+	}
+	version := cds.GetVersionInfo()
+	if len(cds.GetResources()) != 0 || version == "" || cds.GetNonce() == "" {
+		t.Fatalf("clusters: %d resources, version %q, nonce %q; want none, with a version", len(cds.GetResources()), version, cds.GetNonce())
+	}
+	// The ACK, then the listeners: the next answer is the listeners', not the clusters' again.
+	for _, req := range []*discoveryv3.DiscoveryRequest{
+		{TypeUrl: resource.ClusterType, VersionInfo: version, ResponseNonce: cds.GetNonce()},
+		{TypeUrl: resource.ListenerType},
+	} {
+		if err := stream.Send(req); err != nil {
+			t.Fatal(err)
+		}
+	}
+	lds, err := stream.Recv()
+	if err != nil || lds.GetTypeUrl() != resource.ListenerType || len(lds.GetResources()) != 0 || lds.GetVersionInfo() != version {
+		t.Fatalf("after the clusters' ACK: %v, %v; want the empty listeners, version %q", lds, err, version)
+	}
+	if err := stream.Send(&discoveryv3.DiscoveryRequest{TypeUrl: resource.ListenerType, VersionInfo: version, ResponseNonce: lds.GetNonce()}); err != nil {
+		t.Fatal(err)
+	}
+	if err := stream.Send(&discoveryv3.DiscoveryRequest{TypeUrl: discovery.DebugSyncz}); err != nil {
+		t.Fatal(err)
+	}
+	syncz, err := stream.Recv()
+	if err != nil || syncz.GetTypeUrl() != discovery.DebugSyncz || len(syncz.GetResources()) != 1 ||
+		!strings.Contains(string(syncz.GetResources()[0].GetValue()), "sidecar~10.0.0.1~web~web.svc.cluster.local") {
+		t.Fatalf("syncz: %v, %v; want the node", syncz, err)
+	}
+
+	ctx := metadata.AppendToOutgoingContext(t.Context(), "authorization", "Bearer "+tok)
+	delta, err := client.DeltaAggregatedResources(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, typeURL := range []string{resource.ListenerType, resource.ClusterType} {
+		if err := delta.Send(&discoveryv3.DeltaDiscoveryRequest{Node: &corev3.Node{Id: "sidecar"}, TypeUrl: typeURL}); err != nil {
+			t.Fatal(err)
+		}
+		resp, err := delta.Recv()
+		if err != nil || resp.GetTypeUrl() != typeURL || len(resp.GetResources()) != 0 || resp.GetSystemVersionInfo() != version || resp.GetNonce() == "" {
+			t.Fatalf("delta %s: %v, %v; want none, version %q", typeURL, resp, err, version)
+		}
+		if err := delta.Send(&discoveryv3.DeltaDiscoveryRequest{TypeUrl: typeURL, ResponseNonce: resp.GetNonce()}); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	if _, _, err := firstClusters(t, client, ""); status.Code(err) != codes.Unauthenticated {
+		t.Errorf("a stream without a credential: %v, want Unauthenticated", err)
+	}
+	const said = "no --xds-config: Envoy gets an empty configuration (no listeners, no clusters)"
+	if n := strings.Count(logs.String(), said); n != 1 {
+		t.Errorf("the start log says %q %d times, want once:\n%s", said, n, logs.String())
 	}
 }

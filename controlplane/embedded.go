@@ -42,7 +42,8 @@ const embeddedTokenTTL = 5 * time.Minute
 const EmbeddedManifestsDir = "manifests"
 
 // EmbeddedXDSConfig is where, in its state dir, an embedded control plane finds the discovery
-// configuration it serves the agent's xDS proxy, when the file exists.
+// configuration it serves the agent's xDS proxy, when the file exists; without it, Envoy gets an
+// empty configuration.
 const EmbeddedXDSConfig = "xds.yaml"
 
 // NewEmbedded builds the control plane for an agent; see New.
@@ -54,6 +55,8 @@ func NewEmbedded(e EmbeddedConfig) (*Embedded, error) {
 	}
 	if file := filepath.Join(e.StateDir, EmbeddedXDSConfig); fsutil.IsRegular(file) {
 		cfg.XDSConfig = file
+	} else {
+		cfg.embeddedXDSConfig = file
 	}
 	cfg.GRPCAddr = fsutil.UnixScheme + e.SocketPath
 	cfg.MonitoringAddr = ""

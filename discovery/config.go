@@ -1,6 +1,6 @@
 // Package discovery is the xDS discovery server `meshid ca` serves on its gRPC port, as istiod
-// does: go-control-plane's snapshot cache fed from the --xds-config file, one snapshot for each
-// namespace a client authenticates as.
+// does: go-control-plane's snapshot cache fed from the --xds-config file (without one, from
+// EmptyConfig), one snapshot for each namespace a client authenticates as.
 package discovery
 
 import (
@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"hash"
 	"maps"
 	"slices"
 
@@ -68,6 +69,19 @@ type Config struct {
 	defaults   resources
 	namespaces map[string]resources
 }
+
+// EmptyConfig is the configuration served without a file: every type, with no resource, under
+// the version an empty file has. Envoy ACKs it and runs with no listeners and no clusters.
+func EmptyConfig() *Config {
+	r := resources{byType: map[resource.Type][]types.Resource{}, version: contentVersion(sha256.New())}
+	for _, kind := range resourceKinds() {
+		r.byType[kind.typeURL] = []types.Resource{}
+	}
+	return &Config{defaults: r, namespaces: map[string]resources{}}
+}
+
+// contentVersion is the version of a set whose content digest has hashed.
+func contentVersion(digest hash.Hash) string { return hex.EncodeToString(digest.Sum(nil))[:16] }
 
 // For returns the set for the nodes of namespace.
 func (c *Config) For(namespace string) (map[resource.Type][]types.Resource, string) {
@@ -167,7 +181,7 @@ func parseResources(sections map[string]json.RawMessage, prefix, where string) (
 			return resources{}, fmt.Errorf("%s%s: unknown section; want listeners, clusters, routes, endpoints or namespaces", prefix, key)
 		}
 	}
-	r.version = hex.EncodeToString(digest.Sum(nil))[:16]
+	r.version = contentVersion(digest)
 	for _, kind := range resourceKinds() {
 		if err := checkAnswerSize(where, kind.typeURL, answers[kind.typeURL]); err != nil {
 			return resources{}, err

@@ -60,10 +60,12 @@ type Authorizer interface {
 
 // ServerConfig configures a Server.
 type ServerConfig struct {
-	// ConfigPath is the --xds-config file, watched and reloaded.
+	// ConfigPath is the --xds-config file, watched and reloaded; empty: there is none, nothing
+	// is watched, and Initial (else EmptyConfig) is served for good.
 	ConfigPath string
 	// Initial is the configuration LoadConfig read from ConfigPath, for a caller that checks
-	// the file before it builds the server; nil: NewServer loads it.
+	// the file before it builds the server; nil: NewServer loads it, or without a file takes
+	// EmptyConfig.
 	Initial    *Config
 	Authorizer Authorizer
 	// MaxStreams bounds the streams open at once (default DefaultMaxStreams), and
@@ -80,15 +82,16 @@ type ServerConfig struct {
 	OnReload func(error)
 }
 
-// Server serves Envoy's aggregated discovery service from the configuration file: each client
-// gets the snapshot of the namespace it authenticated as, pushed again when the file changes.
+// Server serves Envoy's aggregated discovery service from the configuration file, or without
+// one from EmptyConfig: each client gets the snapshot of the namespace it authenticated as,
+// pushed again when the file changes.
 type Server struct {
 	cfg     ServerConfig
 	log     *slog.Logger
 	cache   cache.SnapshotCache
 	xds     serverv3.Server
 	stop    context.CancelFunc // ends the open streams
-	watcher *filewatch.Watcher
+	watcher *filewatch.Watcher // nil without a file
 
 	mu         sync.Mutex
 	current    *Config
@@ -127,7 +130,11 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		log = slog.New(slog.DiscardHandler)
 	}
 	current := cfg.Initial
-	if current == nil {
+	switch {
+	case current != nil:
+	case cfg.ConfigPath == "":
+		current = EmptyConfig()
+	default:
 		var err error
 		if current, err = LoadConfig(cfg.ConfigPath); err != nil {
 			return nil, err
@@ -137,9 +144,11 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	w, err := filewatch.New(filewatch.Config{Paths: []string{cfg.ConfigPath}, Debounce: cfg.Debounce, Clock: cfg.Clock, Logger: log})
-	if err != nil {
-		return nil, err
+	var w *filewatch.Watcher
+	if cfg.ConfigPath != "" {
+		if w, err = filewatch.New(filewatch.Config{Paths: []string{cfg.ConfigPath}, Debounce: cfg.Debounce, Clock: cfg.Clock, Logger: log}); err != nil {
+			return nil, err
+		}
 	}
 	ctx, stop := context.WithCancel(context.Background())
 	s := &Server{
@@ -198,13 +207,29 @@ func (s *Server) Register(g *grpc.Server) {
 	discoveryv3.RegisterAggregatedDiscoveryServiceServer(g, admittedADS{s: s})
 }
 
-// Ready is closed once the file is watched: an edit from then on is reloaded.
-func (s *Server) Ready() <-chan struct{} { return s.watcher.Ready() }
+// Ready is closed once the file is watched: an edit from then on is reloaded. Without a file it
+// is closed from the start.
+func (s *Server) Ready() <-chan struct{} {
+	if s.watcher == nil {
+		return closedChannel()
+	}
+	return s.watcher.Ready()
+}
+
+func closedChannel() <-chan struct{} {
+	ch := make(chan struct{})
+	close(ch)
+	return ch
+}
 
 // Run reloads the configuration when its file changes, until ctx ends; then it ends the open
-// streams.
+// streams. Without a file there is nothing to reload: it waits for ctx.
 func (s *Server) Run(ctx context.Context) error {
 	defer s.stop()
+	if s.watcher == nil {
+		<-ctx.Done()
+		return nil
+	}
 	return s.watcher.Run(ctx, func([]string) { s.reload() })
 }
 

@@ -294,6 +294,46 @@ func TestNewServerRefusesAnInvalidFile(t *testing.T) {
 	}
 }
 
+// Without a file the server serves an empty configuration, as it would an empty file: every
+// type answered with no resource and a version, the ACK not answered again. Its Ready is
+// closed from the start (the harness waits for it): there is nothing to watch.
+func TestDiscoveryWithoutAFile(t *testing.T) {
+	t.Parallel()
+	h := startDiscoveryWith(t, "", func(c *discovery.ServerConfig) { c.ConfigPath = "" })
+	emptyFile, err := discovery.ParseConfig(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, want := emptyFile.For("default")
+	if _, version := discovery.EmptyConfig().For("default"); version != want {
+		t.Fatalf("the empty configuration has version %q, an empty file %q", version, want)
+	}
+
+	stream := h.ads("default", "")
+	names, resp := clusters(t, stream)
+	if len(names) != 0 || resp.GetVersionInfo() != want || resp.GetNonce() == "" {
+		t.Fatalf("clusters without a file: %v, version %q nonce %q; want none, version %q", names, resp.GetVersionInfo(), resp.GetNonce(), want)
+	}
+	// The ACK: the next answer on the stream is the listeners', not the clusters' again.
+	if err := stream.Send(&discoveryv3.DiscoveryRequest{TypeUrl: resource.ClusterType, VersionInfo: resp.GetVersionInfo(), ResponseNonce: resp.GetNonce()}); err != nil {
+		t.Fatal(err)
+	}
+	if err := stream.Send(&discoveryv3.DiscoveryRequest{TypeUrl: resource.ListenerType}); err != nil {
+		t.Fatal(err)
+	}
+	if lds, err := stream.Recv(); err != nil || lds.GetTypeUrl() != resource.ListenerType || len(lds.GetResources()) != 0 || lds.GetVersionInfo() != want {
+		t.Fatalf("after the clusters' ACK: %v, %v; want the empty listeners", lds, err)
+	}
+
+	// config_dump answers too, with no resource of any type.
+	if err := stream.Send(&discoveryv3.DiscoveryRequest{TypeUrl: discovery.DebugConfigDump}); err != nil {
+		t.Fatal(err)
+	}
+	if dump, err := stream.Recv(); err != nil || dump.GetTypeUrl() != discovery.DebugConfigDump || len(dump.GetResources()) != 1 {
+		t.Fatalf("config_dump without a file: %v, %v", dump, err)
+	}
+}
+
 // Delta xDS: the same sets, resource by resource.
 func TestDiscoveryDelta(t *testing.T) {
 	t.Parallel()

@@ -263,8 +263,8 @@ type caProcess struct {
 }
 
 // startCA runs `meshid ca` on loopback ports of its choosing, with the manifests and the xDS
-// configuration given, an empty --cacerts-dir, and a trust bundle that keeps a replaced root
-// for an hour.
+// configuration given (none: no --xds-config), an empty --cacerts-dir, and a trust bundle that
+// keeps a replaced root for an hour.
 func startCA(t *testing.T, manifests, xdsConfig string) *caProcess {
 	t.Helper()
 	dir := t.TempDir()
@@ -274,16 +274,19 @@ func startCA(t *testing.T, manifests, xdsConfig string) *caProcess {
 		cacerts:      testutil.NewSecretVolume(t, filepath.Join(dir, "cacerts")),
 	}
 	ca.writeManifests(t, manifests)
-	testutil.WriteFiles(t, dir, map[string][]byte{"xds.yaml": []byte(xdsConfig)})
-	ca.process = start(t, "meshid ca", "meshid", "ca",
+	args := []string{"ca",
 		"--state-dir", ca.stateDir,
 		"--grpc-addr", "127.0.0.1:0",
 		"--monitoring-addr", "127.0.0.1:0",
 		"--manifests", ca.manifestsDir,
-		"--xds-config", filepath.Join(dir, "xds.yaml"),
 		"--cacerts-dir", ca.cacerts.Dir,
 		"--trust-bundle-overlap", "1h",
-	)
+	}
+	if xdsConfig != "" {
+		testutil.WriteFiles(t, dir, map[string][]byte{"xds.yaml": []byte(xdsConfig)})
+		args = append(args, "--xds-config", filepath.Join(dir, "xds.yaml"))
+	}
+	ca.process = start(t, "meshid ca", "meshid", args...)
 	started := ca.awaitLog(t, "CA started", nil)
 	ca.addr, ca.monitoringAddr = started["address"].(string), started["monitoring_address"].(string)
 	return ca

@@ -99,8 +99,9 @@ On Kubernetes (--kubeconfig FILE, or --in-cluster in a pod), the API server repl
   - tokens are checked with TokenReview (audience --jwt-audience), besides --jwt-keys when given.
 The RBAC this needs is in deploy/kubernetes/rbac.yaml.
 
-With --xds-config, the gRPC port also serves Envoy's aggregated discovery service (state of
-the world and delta) from the file, as istiod does. A client authenticates as for a
+The gRPC port also serves Envoy's aggregated discovery service (state of the world and delta),
+as istiod does: from the --xds-config file, else an empty configuration, which Envoy ACKs and
+runs with no listeners and no clusters (logged once at start). A client authenticates as for a
 certificate, and its namespace must be one this instance serves (checked at the stream's open
 and at each request); the namespace of its credential picks the configuration. Every Envoy type
 go-control-plane knows is answered (empty where the file has none), and istio.io/debug/syncz and
@@ -135,13 +136,6 @@ logged, each reason at most ten lines at once then one a second.`,
 				for _, name := range secretFlags() {
 					if flags.Changed(name) {
 						return fmt.Errorf("--%s configures the secret controller, which runs only with a store of service accounts: --manifests, --kubeconfig or --in-cluster", name)
-					}
-				}
-			}
-			if cfg.XDSConfig == "" {
-				for _, name := range []string{"xds-max-streams", "xds-max-streams-per-credential"} {
-					if flags.Changed(name) {
-						return fmt.Errorf("--%s configures the discovery server, which runs only with --xds-config", name)
 					}
 				}
 			}
@@ -180,7 +174,7 @@ logged, each reason at most ten lines at once then one a second.`,
 	f.StringVar(&cfg.JWTAudience, "jwt-audience", cfg.JWTAudience, "audience tokens must carry")
 	f.StringVar(&cfg.JWTIssuer, "jwt-issuer", "", "issuer tokens must carry; empty accepts any")
 	f.StringVar(&cfg.Manifests, "manifests", "", "directory of Namespace and ServiceAccount manifests (*.yaml, *.yml, *.json; not its subdirectories), watched; their labels decide which namespaces this CA serves. It must exist but may be empty. Empty: no namespace is known")
-	f.StringVar(&cfg.XDSConfig, "xds-config", "", "serve Envoy's aggregated discovery service on the gRPC port from this file (YAML or JSON shaped like bootstrap's static_resources: listeners, clusters, routes, endpoints, and namespaces: {<ns>: {...}} replacing them for that namespace); watched, and a bad edit keeps the last good one")
+	f.StringVar(&cfg.XDSConfig, "xds-config", "", "serve Envoy's aggregated discovery service on the gRPC port from this file (YAML or JSON shaped like bootstrap's static_resources: listeners, clusters, routes, endpoints, and namespaces: {<ns>: {...}} replacing them for that namespace); watched, and a bad edit keeps the last good one. Empty: Envoy gets an empty configuration (no listeners, no clusters)")
 	f.IntVar(&cfg.XDSMaxStreams, "xds-max-streams", cfg.XDSMaxStreams, "most discovery streams open at once over every client; past it a stream is refused with ResourceExhausted")
 	f.IntVar(&cfg.XDSMaxStreamsPerCredential, "xds-max-streams-per-credential", cfg.XDSMaxStreamsPerCredential, "most discovery streams open at once with one token or client certificate (Envoy opens one per connection, an agent one more for its debug endpoint); past it ResourceExhausted")
 	f.DurationVar(&cfg.MaxConnectionAge, "max-connection-age", cfg.MaxConnectionAge, "a connection to --grpc-addr is told to go after this long (±10%), and closed 10s later, so that its client reconnects and shows its credential again: a stream opened with a token that has since expired, or a client certificate whose root's overlap has ended, ends within it")

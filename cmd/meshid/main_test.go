@@ -123,8 +123,6 @@ func TestBadInputIsRefusedBeforeRunning(t *testing.T) {
 		{"no discovery streams", []string{"ca", "--xds-max-streams", "0"}, "--xds-max-streams"},
 		{"no discovery streams per credential", []string{"ca", "--xds-max-streams-per-credential", "0"}, "--xds-max-streams-per-credential"},
 		{"no connection age", []string{"ca", "--max-connection-age", "0s"}, "--max-connection-age"},
-		{"discovery streams without discovery", []string{"ca", "--xds-max-streams", "50"}, "--xds-max-streams configures the discovery server"},
-		{"discovery streams per credential without discovery", []string{"ca", "--xds-max-streams-per-credential", "5"}, "which runs only with --xds-config"},
 		{"positional argument", []string{"ca", "extra"}, "unknown command"},
 		{"token without identity", []string{"token", "--state-dir", "/s"}, "--namespace and --service-account are required"},
 		{"token with bad ttl", []string{"token", "--namespace", "a", "--service-account", "b", "--ttl", "-1s"}, "--ttl"},

@@ -98,6 +98,16 @@ func TestCAXDSConfigFlag(t *testing.T) {
 	}
 }
 
+// Without --xds-config the discovery server still runs, on an empty configuration: its bounds
+// apply, so their flags are taken.
+func TestCAXDSBoundsWithoutAConfig(t *testing.T) {
+	t.Parallel()
+	cfg, err := executeEnv(t, nil, "ca", "--state-dir", "/s", "--xds-max-streams", "50", "--xds-max-streams-per-credential", "5")
+	if err != nil || cfg.XDSConfig != "" || cfg.XDSMaxStreams != 50 || cfg.XDSMaxStreamsPerCredential != 5 {
+		t.Fatalf("--xds-max-streams without --xds-config: %q %d %d, %v", cfg.XDSConfig, cfg.XDSMaxStreams, cfg.XDSMaxStreamsPerCredential, err)
+	}
+}
+
 // On Kubernetes the secret controller runs over the API: its flags and $NAMESPACE apply.
 func TestCAKubernetesFlags(t *testing.T) {
 	t.Parallel()

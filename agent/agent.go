@@ -22,6 +22,7 @@ import (
 	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc"
 
+	"github.com/meshid/meshid/agent/appprobe"
 	"github.com/meshid/meshid/caclient"
 	"github.com/meshid/meshid/internal/admission"
 	"github.com/meshid/meshid/internal/clock"
@@ -145,10 +146,19 @@ func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *p
 
 // buildServers opens the status server, and the debug servers asked for.
 func (a *Agent) buildServers(cfg Config, clk clock.Clock, log *slog.Logger, registry *prometheus.Registry) (err error) {
+	probers, err := appprobe.Parse(cfg.Servers.AppProbers)
+	if err != nil {
+		return &FieldError{Field: "Servers.AppProbers", Err: err}
+	}
+	appProbes, err := appprobe.New(appprobe.Config{Probers: probers, Registerer: registry, Clock: clk,
+		Logger: log.With(logkey.Component, "app-probes")})
+	if err != nil {
+		return err
+	}
 	if a.statusLis, err = net.Listen("tcp", cfg.Servers.StatusAddr); err != nil {
 		return fmt.Errorf("listen for status on %s: %w", cfg.Servers.StatusAddr, err)
 	}
-	a.status = &http.Server{Handler: a.statusHandler(registry), ReadHeaderTimeout: 10 * time.Second}
+	a.status = &http.Server{Handler: a.statusHandler(registry, appProbes), ReadHeaderTimeout: 10 * time.Second}
 	debug, err := newDebugBoundary(clk, log.With(logkey.Component, "debug"), registry)
 	if err != nil {
 		return err
@@ -645,8 +655,10 @@ func (a *Agent) ready() (bool, string) {
 	return a.secrets.Ready()
 }
 
-func (a *Agent) statusHandler(registry *prometheus.Registry) http.Handler {
+func (a *Agent) statusHandler(registry *prometheus.Registry, appProbes http.Handler) http.Handler {
 	mux := http.NewServeMux()
+	// The kubelet's probes of the workload's containers, as Istio's injector rewrites them.
+	mux.Handle("GET /app-health/", appProbes)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(registry, promhttp.HandlerOpts{Registry: registry}))
 	mux.HandleFunc("GET /healthz/ready", func(w http.ResponseWriter, _ *http.Request) {
 		if ok, why := a.ready(); !ok {

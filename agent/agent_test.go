@@ -427,6 +427,10 @@ func TestConfigValidateKeysErrorsByField(t *testing.T) {
 		{"XDS.MaxStreamsPerConnection", func(c *agent.Config) { c.XDS.MaxStreamsPerConnection = -1 }},
 		{"Servers.StatusAddr", func(c *agent.Config) { c.Servers.StatusAddr = "15020" }},
 		{"CA.Address", func(c *agent.Config) { c.CA.Address = "https://ca:15012" }},
+		{"Servers.AppProbers", func(c *agent.Config) { c.Servers.AppProbers = `{bad` }},
+		{"Servers.AppProbers", func(c *agent.Config) {
+			c.Servers.AppProbers = `{"/app-health/web/livez":{"tcpSocket":{"port":0}}}`
+		}},
 	} {
 		t.Run(tt.field, func(t *testing.T) {
 			t.Parallel()

@@ -17,6 +17,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/meshid/meshid/agent/appprobe"
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/configerr"
 	"github.com/meshid/meshid/internal/fsutil"
@@ -164,6 +165,9 @@ type OutputConfig struct {
 type ServersConfig struct {
 	StatusAddr string
 	DebugAddr  string // loopback only; empty disables it
+	// AppProbers is ISTIO_KUBE_APP_PROBERS: JSON of /app-health/<container>/{livez,readyz,startupz}
+	// paths and the probes of the application the status server runs for them (appprobe.Parse).
+	AppProbers string
 }
 
 // EmbedFunc starts a control plane in-process for an agent given no CA address.
@@ -315,6 +319,9 @@ func (c *Config) Validate() error {
 		errs = append(errs, &FieldError{Field: "SDS.SocketDir", Err: err})
 	}
 	errs = append(errs, c.checkAddresses()...)
+	if _, err := appprobe.Parse(c.Servers.AppProbers); err != nil {
+		errs = append(errs, &FieldError{Field: "Servers.AppProbers", Err: err})
+	}
 	if c.SDS.DrainDuration < 0 {
 		errs = append(errs, &FieldError{Field: "SDS.DrainDuration", Value: c.SDS.DrainDuration, Err: configerr.ErrMustNotBeNegative})
 	}

@@ -55,6 +55,7 @@ func agentEnv() []envBinding {
 		{"credential-fetcher-type", "CREDENTIAL_FETCHER_TYPE"},
 		{"credential-identity-provider", "CREDENTIAL_IDENTITY_PROVIDER"},
 		{"pilot-cert-provider", "PILOT_CERT_PROVIDER"},
+		{"istio-kube-app-probers", "ISTIO_KUBE_APP_PROBERS"},
 	}
 }
 
@@ -62,8 +63,8 @@ func agentEnv() []envBinding {
 // pilot-agent commonly set, and that meshid does not implement. The agent names those that are
 // set in one warning at start, rather than ignore them silently. Later work implements some:
 // the Envoy supervision and draining of the Envoy issue (ISTIO_BOOTSTRAP_OVERRIDE, the drain
-// variables, EXIT_ON_ZERO_ACTIVE_CONNECTIONS), the merged metrics and application probes of the
-// status port (ISTIO_PROMETHEUS_ANNOTATIONS, ISTIO_KUBE_APP_PROBERS), the GCE credential
+// variables, EXIT_ON_ZERO_ACTIVE_CONNECTIONS), the merged metrics of the status port
+// (ISTIO_PROMETHEUS_ANNOTATIONS), the GCE credential
 // fetcher of the providers issue (GCE_METADATA_HOST). meshid ignores the others on purpose: it
 // reads no mesh config (PROXY_CONFIG); it reads whatever token is at --token-path, first- or
 // third-party (JWT_POLICY); it proxies no DNS (ISTIO_META_DNS_*); its debug server is
@@ -77,7 +78,6 @@ func unimplementedIstioEnv() []string {
 		"TERMINATION_DRAIN_DURATION_SECONDS",
 		"EXIT_ON_ZERO_ACTIVE_CONNECTIONS",
 		"ISTIO_PROMETHEUS_ANNOTATIONS",
-		"ISTIO_KUBE_APP_PROBERS",
 		"GCE_METADATA_HOST",
 		"PROXY_CONFIG",
 		"JWT_POLICY",
@@ -173,7 +173,10 @@ named in one warning at start when set. A path given must exist (--credentials-d
 the defaults may be absent. Addresses are HOST:PORT. A refusal exits 2, before anything runs.
 
 The status server (--status-addr) answers /healthz/ready (200 once a valid certificate is
-held and Envoy's sockets lead to the agent) and /metrics; the debug server (--debug-addr,
+held and Envoy's sockets lead to the agent) and /metrics, and the kubelet's probes of the
+workload's containers as Istio's injector rewrites them, /app-health/<container>/{livez,readyz,
+startupz}: the agent runs the HTTP, TCP or gRPC probe of --istio-kube-app-probers on 127.0.0.1,
+which Envoy's mTLS does not guard, and answers what it found. The debug server (--debug-addr,
 loopback, answering only a Host that names loopback) answers /debug/secrets. Envoy's xDS (ADS,
 state of the world or delta) is proxied from --xds-socket to --discovery-addr (by default the
 CA, or the in-process control plane), authenticated as the CA client is; /debug/<type> (syncz,
@@ -302,6 +305,7 @@ root is needed.`,
 	f.BoolVar(&cfg.XDS.Proxy, "proxy-xds-via-agent", cfg.XDS.Proxy, "serve Envoy's ADS on --xds-socket and proxy it to the discovery server (PROXY_XDS_VIA_AGENT)")
 	f.BoolVar(&cfg.XDS.ProxyDebug, "proxy-xds-debug-via-agent", cfg.XDS.ProxyDebug, "answer /debug/<type> on --xds-debug-socket with the discovery server's istio.io/debug/<type> for this proxy (PROXY_XDS_DEBUG_VIA_AGENT)")
 	f.StringVar(&cfg.Servers.StatusAddr, "status-addr", cfg.Servers.StatusAddr, "listen address of /healthz/ready and /metrics")
+	f.StringVar(&cfg.Servers.AppProbers, "istio-kube-app-probers", "", `the workload's probes as Istio's injector writes them (ISTIO_KUBE_APP_PROBERS), JSON of path: probe, such as {"/app-health/web/livez":{"httpGet":{"path":"/healthz","port":8080},"timeoutSeconds":1}}; each path is answered on --status-addr by running its httpGet, tcpSocket or grpc probe on 127.0.0.1, at most 4 of a path at once`)
 	f.StringVar(&cfg.Servers.DebugAddr, "debug-addr", cfg.Servers.DebugAddr, "loopback listen address of /debug/secrets (and /debug/<type> with --xds-debug-tcp); answers only a Host naming loopback; empty disables it")
 	return cmd
 }
@@ -346,6 +350,7 @@ func agentFieldFlags() map[string]string {
 		"Output.KeyGroupRead":          "output-certs-group-read",
 		"Servers.StatusAddr":           "status-addr",
 		"Servers.DebugAddr":            "debug-addr",
+		"Servers.AppProbers":           "istio-kube-app-probers",
 		"RootDir":                      "root-dir",
 	}
 }

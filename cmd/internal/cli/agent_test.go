@@ -239,3 +239,37 @@ func TestAgentXDSProxyFlags(t *testing.T) {
 		}
 	}
 }
+
+// ISTIO_KUBE_APP_PROBERS reaches the status server's application probes; the flag wins over it,
+// and a probe the agent cannot run is refused (exit 2) naming the flag, the variable and the path.
+func TestAgentAppProbers(t *testing.T) {
+	t.Parallel()
+	env := map[string]string{"CA_ADDR": "127.0.0.1:15012", "POD_NAMESPACE": "default", "SERVICE_ACCOUNT": "demo",
+		"ISTIO_KUBE_APP_PROBERS": `{"/app-health/web/livez":{"tcpSocket":{"port":8080}}}`}
+	cfg, err := runAgentCommand(t, env)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Servers.AppProbers != env["ISTIO_KUBE_APP_PROBERS"] {
+		t.Fatalf("Servers.AppProbers = %q, want the variable", cfg.Servers.AppProbers)
+	}
+	flag := `{"/app-health/web/readyz":{"grpc":{"port":9090}}}`
+	if cfg, err = runAgentCommand(t, env, "--istio-kube-app-probers", flag); err != nil || cfg.Servers.AppProbers != flag {
+		t.Fatalf("the flag did not win: %q, %v", cfg.Servers.AppProbers, err)
+	}
+
+	for _, tc := range []struct{ name, value, want string }{
+		{"bad JSON", `{bad`, "--istio-kube-app-probers (ISTIO_KUBE_APP_PROBERS): not a JSON object"},
+		{"port", `{"/app-health/web/livez":{"httpGet":{"port":0}}}`, `--istio-kube-app-probers (ISTIO_KUBE_APP_PROBERS): "/app-health/web/livez": httpGet: 0 is out of range`},
+		{"path", `{"/livez":{"tcpSocket":{"port":1}}}`, `"/livez": want /app-health/<container>/livez`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			code, stderr := mainAgent(t, map[string]string{"CA_ADDR": "127.0.0.1:15012", "POD_NAMESPACE": "default", "SERVICE_ACCOUNT": "demo"},
+				"--istio-kube-app-probers", tc.value)
+			if code != ExitUsage || !strings.Contains(stderr, tc.want) {
+				t.Errorf("exit %d, want %d and %q:\n%s", code, ExitUsage, tc.want, stderr)
+			}
+		})
+	}
+}

@@ -195,6 +195,7 @@ func (h *Handler) probeHTTP(ctx context.Context, g *HTTPGet) (int, error) {
 	if err != nil {
 		return http.StatusInternalServerError, err
 	}
+	defer func() { _ = resp.Body.Close() }()
 	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, maxBody))
 	switch code := resp.StatusCode; {
 	case code >= 200 && code < 400:

@@ -150,7 +150,7 @@ func (a *Agent) buildServers(cfg Config, clk clock.Clock, log *slog.Logger, regi
 	if err != nil {
 		return &FieldError{Field: "Servers.AppProbers", Err: err}
 	}
-	appProbes, err := appprobe.New(appprobe.Config{Probers: probers, Registerer: registry, Clock: clk,
+	appProbes, err := appprobe.New(appprobe.Config{Probers: probers, Host: cfg.Identity.InstanceIP, Registerer: registry, Clock: clk,
 		Logger: log.With(logkey.Component, "app-probes")})
 	if err != nil {
 		return err

@@ -428,6 +428,7 @@ func TestConfigValidateKeysErrorsByField(t *testing.T) {
 		{"Servers.StatusAddr", func(c *agent.Config) { c.Servers.StatusAddr = "15020" }},
 		{"CA.Address", func(c *agent.Config) { c.CA.Address = "https://ca:15012" }},
 		{"Servers.AppProbers", func(c *agent.Config) { c.Servers.AppProbers = `{bad` }},
+		{"Identity.InstanceIP", func(c *agent.Config) { c.Identity.InstanceIP = "pod-1" }},
 		{"Servers.AppProbers", func(c *agent.Config) {
 			c.Servers.AppProbers = `{"/app-health/web/livez":{"tcpSocket":{"port":0}}}`
 		}},

@@ -39,3 +39,40 @@ func TestStatusServerAnswersApplicationProbes(t *testing.T) {
 		}
 	}
 }
+
+// Probes go to the workload's address (INSTANCE_IP), as Istio's agent sends them: an application
+// that listens on the pod IP alone is probed there, not on 127.0.0.1.
+func TestApplicationProbesGoToTheInstanceIP(t *testing.T) {
+	t.Parallel()
+	app, err := net.Listen("tcp", "127.0.0.2:0") // loopback, but not 127.0.0.1
+	if err != nil {
+		t.Skipf("no 127.0.0.2 to stand for a pod IP here: %v", err)
+	}
+	t.Cleanup(func() { _ = app.Close() })
+	go func() {
+		for {
+			c, err := app.Accept()
+			if err != nil {
+				return
+			}
+			_ = c.Close()
+		}
+	}()
+	_, port, err := net.SplitHostPort(app.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	probers := fmt.Sprintf(`{"/app-health/web/livez":{"tcpSocket":{"port":%s}}}`, port)
+	for _, tc := range []struct {
+		instanceIP string
+		want       int
+	}{{"127.0.0.2", http.StatusOK}, {"", http.StatusInternalServerError}} {
+		cfg := testConfig(t, newFakeClock(), nil, nil)
+		cfg.Servers.AppProbers, cfg.Identity.InstanceIP = probers, tc.instanceIP
+		a := newAgent(t, cfg)
+		runAgent(t, a)
+		if code, body := httpGet(t, "http://"+a.StatusAddr()+"/app-health/web/livez"); code != tc.want {
+			t.Errorf("INSTANCE_IP %q: GET /app-health/web/livez = %d %q, want %d", tc.instanceIP, code, body, tc.want)
+		}
+	}
+}

@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
@@ -84,6 +85,9 @@ type IdentityConfig struct {
 	TrustDomain    string
 	Namespace      string
 	ServiceAccount string
+	// InstanceIP is the workload's address (INSTANCE_IP, the pod IP on Kubernetes): application
+	// probes go there, as Istio's agent sends them; empty: 127.0.0.1.
+	InstanceIP string
 }
 
 // CAConfig is the CA the agent asks for its certificate.
@@ -321,6 +325,11 @@ func (c *Config) Validate() error {
 	errs = append(errs, c.checkAddresses()...)
 	if _, err := appprobe.Parse(c.Servers.AppProbers); err != nil {
 		errs = append(errs, &FieldError{Field: "Servers.AppProbers", Err: err})
+	}
+	if ip := c.Identity.InstanceIP; ip != "" {
+		if _, err := netip.ParseAddr(ip); err != nil {
+			errs = append(errs, &FieldError{Field: "Identity.InstanceIP", Value: ip, Err: errors.New("is not an IP address")})
+		}
 	}
 	if c.SDS.DrainDuration < 0 {
 		errs = append(errs, &FieldError{Field: "SDS.DrainDuration", Value: c.SDS.DrainDuration, Err: configerr.ErrMustNotBeNegative})

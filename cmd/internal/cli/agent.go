@@ -45,6 +45,7 @@ func agentEnv() []envBinding {
 		{"trust-domain", "TRUST_DOMAIN"},
 		{"namespace", "POD_NAMESPACE"},
 		{"service-account", "SERVICE_ACCOUNT"},
+		{"instance-ip", "INSTANCE_IP"},
 		{"cluster-id", "ISTIO_META_CLUSTER_ID"},
 		{"key-algorithm", "ECC_SIGNATURE_ALGORITHM"},
 		{"workload-rsa-key-size", "WORKLOAD_RSA_KEY_SIZE"},
@@ -305,7 +306,8 @@ root is needed.`,
 	f.BoolVar(&cfg.XDS.Proxy, "proxy-xds-via-agent", cfg.XDS.Proxy, "serve Envoy's ADS on --xds-socket and proxy it to the discovery server (PROXY_XDS_VIA_AGENT)")
 	f.BoolVar(&cfg.XDS.ProxyDebug, "proxy-xds-debug-via-agent", cfg.XDS.ProxyDebug, "answer /debug/<type> on --xds-debug-socket with the discovery server's istio.io/debug/<type> for this proxy (PROXY_XDS_DEBUG_VIA_AGENT)")
 	f.StringVar(&cfg.Servers.StatusAddr, "status-addr", cfg.Servers.StatusAddr, "listen address of /healthz/ready and /metrics")
-	f.StringVar(&cfg.Servers.AppProbers, "istio-kube-app-probers", "", `the workload's probes as Istio's injector writes them (ISTIO_KUBE_APP_PROBERS), JSON of path: probe, such as {"/app-health/web/livez":{"httpGet":{"path":"/healthz","port":8080},"timeoutSeconds":1}}; each path is answered on --status-addr by running its httpGet, tcpSocket or grpc probe on 127.0.0.1, at most 4 of a path at once`)
+	f.StringVar(&cfg.Servers.AppProbers, "istio-kube-app-probers", "", `the workload's probes as Istio's injector writes them (ISTIO_KUBE_APP_PROBERS), JSON of path: probe, such as {"/app-health/web/livez":{"httpGet":{"path":"/healthz","port":8080},"timeoutSeconds":1}}; each path is answered on --status-addr by running its httpGet, tcpSocket or grpc probe on --instance-ip (127.0.0.1 when empty), at most 4 of a path at once`)
+	f.StringVar(&cfg.Identity.InstanceIP, "instance-ip", "", "the workload's address (INSTANCE_IP, the pod IP on Kubernetes), where application probes go, as Istio's agent sends them; empty: 127.0.0.1")
 	f.StringVar(&cfg.Servers.DebugAddr, "debug-addr", cfg.Servers.DebugAddr, "loopback listen address of /debug/secrets (and /debug/<type> with --xds-debug-tcp); answers only a Host naming loopback; empty disables it")
 	return cmd
 }
@@ -317,6 +319,7 @@ func agentFieldFlags() map[string]string {
 		"Identity.TrustDomain":         "trust-domain",
 		"Identity.Namespace":           "namespace",
 		"Identity.ServiceAccount":      "service-account",
+		"Identity.InstanceIP":          "instance-ip",
 		"CA.Address":                   "ca-addr",
 		"CA.RootCert":                  "ca-root-cert",
 		"CA.ServerName":                "istiod-san",

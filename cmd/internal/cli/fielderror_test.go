@@ -195,6 +195,7 @@ func TestAgentFieldKeysHaveFlags(t *testing.T) {
 		{"Identity.Namespace", func(c *agent.Config) { c.Identity.Namespace = "" }, false},
 		{"Identity.ServiceAccount", func(c *agent.Config) { c.Identity.ServiceAccount = "" }, false},
 		{"Identity.TrustDomain", func(c *agent.Config) { c.Identity.TrustDomain = "Not Valid" }, false},
+		{"Identity.InstanceIP", func(c *agent.Config) { c.Identity.InstanceIP = "pod-1" }, false},
 		{"Output.KeyGroupRead", func(c *agent.Config) { c.Output.KeyGroupRead = true }, false},
 		{"SDS.SocketDir", func(c *agent.Config) { c.SDS.SocketDir = long }, false},
 		{"SDS.DrainDuration", func(c *agent.Config) { c.SDS.DrainDuration = -time.Second }, false},

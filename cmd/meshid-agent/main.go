@@ -24,6 +24,7 @@ it needs a CA at --ca-addr ("meshid agent" can run one in-process).`, g)
 		cli.NewAgentCommand(g, run, lookupEnv, nil),
 		cli.NewCertsCommand(),
 		cli.NewProbeCommand(),
+		cli.NewWaitCommand(),
 		cli.NewVersionCommand(),
 	)
 	return root

@@ -29,6 +29,7 @@ and keeps it fresh. "meshid agent" runs next to a workload and keeps its certifi
 		newVMCommand(g),
 		cli.NewCertsCommand(),
 		cli.NewProbeCommand(),
+		cli.NewWaitCommand(),
 		cli.NewVersionCommand(),
 	)
 	return root

@@ -3,6 +3,7 @@ package appprobe_test
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -17,6 +18,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/meshid/meshid/agent/appprobe"
+	"github.com/meshid/meshid/internal/testutil"
 )
 
 // wait bounds, in real time, how long a test waits for something that should come at once.
@@ -190,7 +192,9 @@ func TestTooManyProbesOfAPathAreRefused(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	h, err := appprobe.New(appprobe.Config{Probers: probers, MaxInFlight: 2, Registerer: reg})
+	var logs testutil.SyncBuffer
+	h, err := appprobe.New(appprobe.Config{Probers: probers, MaxInFlight: 2, Registerer: reg,
+		Logger: slog.New(slog.NewJSONHandler(&logs, nil))})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -210,6 +214,11 @@ func TestTooManyProbesOfAPathAreRefused(t *testing.T) {
 	}
 	if n := refusals(t, reg); n != 1 {
 		t.Errorf("meshid_agent_app_probe_refusals_total = %v, want 1", n)
+	}
+	// httptest's requests come from 192.0.2.1:1234.
+	if recs := logs.Records(t, "application probe refused: as many probes of this path are running already"); len(recs) != 1 ||
+		recs[0]["peer"] != "192.0.2.1:1234" || recs[0]["path"] != "/app-health/web/livez" {
+		t.Errorf("refusal logged as %v, want once with the peer and the path", recs)
 	}
 	cancel()
 	<-done

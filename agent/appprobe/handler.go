@@ -106,7 +106,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		h.refusals.WithLabelValues(r.URL.Path).Inc()
 		if ok, dropped := h.logs.Allow("busy"); ok {
 			h.log.Warn("application probe refused: as many probes of this path are running already",
-				logkey.Path, r.URL.Path, logkey.Dropped, dropped)
+				logkey.Peer, r.RemoteAddr, logkey.Path, r.URL.Path, logkey.Dropped, dropped)
 		}
 		http.Error(w, "too many probes of this path at once", http.StatusServiceUnavailable)
 		return

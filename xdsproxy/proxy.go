@@ -21,6 +21,7 @@ import (
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
 	"github.com/meshid/meshid/internal/admission"
@@ -98,6 +99,8 @@ type Proxy struct {
 	wg sync.WaitGroup
 	// stopping is set once Run's context has ended, for the log of the streams it ends.
 	stopping atomic.Bool
+	// config is what the proxy saw of Envoy's configuration, for the agent's readiness.
+	config configState
 
 	// debugAsks hands debug requests to Run's debug loop; debugStopped is closed when it ends.
 	debugAsks    chan debugAsk
@@ -204,6 +207,12 @@ func (p *Proxy) Run(ctx context.Context) error {
 // server took it); nil while it does.
 func (p *Proxy) SocketProblem() error { return p.socket.Problem() }
 
+// ConfigProblem says why Envoy has no configuration through the proxy: the upstream serves no ADS
+// (ErrUpstreamNoADS), or Envoy has not acknowledged clusters and listeners yet. Nil once it has,
+// for good: Envoy keeps its configuration when a stream ends. Before any Envoy stream, nil unless
+// expectEnvoy (the agent runs Envoy, so one will come).
+func (p *Proxy) ConfigProblem(expectEnvoy bool) error { return p.config.problem(expectEnvoy) }
+
 // adsServer serves Envoy's ADS streams, each by a stream of its own upstream.
 type adsServer struct {
 	discovery.UnimplementedAggregatedDiscoveryServiceServer
@@ -219,7 +228,9 @@ func (s adsServer) StreamAggregatedResources(down grpc.BidiStreamingServer[disco
 		func(ctx context.Context) (grpc.BidiStreamingClient[discovery.DiscoveryRequest, discovery.DiscoveryResponse], error) {
 			return s.p.upstream.StreamAggregatedResources(ctx, s.p.cfg.CallOptions...)
 		},
-		func(r *discovery.DiscoveryRequest) (string, string) { return r.GetNode().GetId(), r.GetTypeUrl() })
+		func(r *discovery.DiscoveryRequest) requestInfo {
+			return requestInfo{node: r.GetNode().GetId(), typeURL: r.GetTypeUrl(), nonce: r.GetResponseNonce(), nack: r.GetErrorDetail() != nil}
+		})
 }
 
 func (s adsServer) DeltaAggregatedResources(down grpc.BidiStreamingServer[discovery.DeltaDiscoveryRequest, discovery.DeltaDiscoveryResponse]) error {
@@ -231,22 +242,32 @@ func (s adsServer) DeltaAggregatedResources(down grpc.BidiStreamingServer[discov
 		func(ctx context.Context) (grpc.BidiStreamingClient[discovery.DeltaDiscoveryRequest, discovery.DeltaDiscoveryResponse], error) {
 			return s.p.upstream.DeltaAggregatedResources(ctx, s.p.cfg.CallOptions...)
 		},
-		func(r *discovery.DeltaDiscoveryRequest) (string, string) { return r.GetNode().GetId(), r.GetTypeUrl() })
+		func(r *discovery.DeltaDiscoveryRequest) requestInfo {
+			return requestInfo{node: r.GetNode().GetId(), typeURL: r.GetTypeUrl(), nonce: r.GetResponseNonce(), nack: r.GetErrorDetail() != nil}
+		})
+}
+
+// requestInfo is what the proxy reads of Envoy's request: its node and type for the log, and
+// whether it acknowledges a response (a nonce and no error) or refuses one.
+type requestInfo struct {
+	node, typeURL, nonce string
+	nack                 bool
 }
 
 // pipe proxies one Envoy stream (down) through a stream of its own upstream, opened by open, until
-// either end ends it. describe names a request's node and type, for the log.
+// either end ends it. describe reads a request (requestInfo).
 //
 // Concurrency: one goroutine per direction, each holding at most the one message it is passing
 // on. Unlike istio's handleStream, which queues Envoy's requests in a channel, nothing here
 // buffers: a slow reader at either end stops its writer's goroutine in Send, and gRPC's flow
 // control pushes back on the other end, so memory stays bounded per stream.
 func pipe[Req, Resp any](p *Proxy, protocol string, down grpc.BidiStreamingServer[Req, Resp],
-	open func(context.Context) (grpc.BidiStreamingClient[Req, Resp], error), describe func(*Req) (string, string),
+	open func(context.Context) (grpc.BidiStreamingClient[Req, Resp], error), describe func(*Req) requestInfo,
 ) error {
 	p.metrics.streams.Inc()
 	p.metrics.streamsTotal.Inc()
 	defer p.metrics.streams.Dec()
+	p.config.streamOpened()
 	info := &streamInfo{protocol: protocol, peer: admission.Peer(down.Context())}
 
 	// The upstream stream lives within Envoy's: when Envoy goes, it is cancelled.
@@ -273,7 +294,11 @@ func pipe[Req, Resp any](p *Proxy, protocol string, down grpc.BidiStreamingServe
 				cancel()
 				return
 			}
-			info.note(describe(req))
+			ri := describe(req)
+			info.note(ri.node, ri.typeURL)
+			if ri.nonce != "" {
+				p.config.answered(ri.typeURL, !ri.nack)
+			}
 			// Counted as taken from Envoy, before it is passed on, so that the count never
 			// lags behind what the other end has seen.
 			p.metrics.messages.WithLabelValues(directionRequest).Inc()
@@ -304,6 +329,7 @@ func pipe[Req, Resp any](p *Proxy, protocol string, down grpc.BidiStreamingServe
 		default:
 			return p.upstreamFailed(info, err)
 		}
+		p.config.upstreamServes()
 		p.metrics.messages.WithLabelValues(directionResponse).Inc()
 		if err := down.Send(resp); err != nil {
 			p.streamEnded(info, slog.LevelInfo, "Envoy closed the stream")
@@ -316,6 +342,9 @@ func pipe[Req, Resp any](p *Proxy, protocol string, down grpc.BidiStreamingServe
 // stream: the upstream's own code and message, so that Envoy reconnects, or sees the refusal.
 func (p *Proxy) upstreamFailed(info *streamInfo, err error) error {
 	st := status.Convert(err)
+	if st.Code() == codes.Unimplemented {
+		p.config.upstreamRefuses(st.Message())
+	}
 	p.metrics.upstreamErrors.WithLabelValues(st.Code().String()).Inc()
 	p.streamEnded(info, slog.LevelWarn, "upstream error", logkey.Code, st.Code().String(), logkey.Error, st.Message())
 	return st.Err()

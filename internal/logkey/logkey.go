@@ -81,3 +81,16 @@ const (
 	ConfigMap         = "configmap"
 	Variables         = "variables"
 )
+
+// Keys of Envoy's life under the agent.
+const (
+	PID                         = "pid"
+	Args                        = "args"
+	Signal                      = "signal"
+	Status                      = "status"
+	Grace                       = "grace"
+	Connections                 = "connections"
+	MinimumDrain                = "minimum_drain"
+	TerminationDrain            = "termination_drain"
+	ExitOnZeroActiveConnections = "exit_on_zero_active_connections"
+)

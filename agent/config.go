@@ -10,6 +10,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
 	"net"
 	"net/netip"
@@ -51,6 +52,9 @@ const (
 	DefaultGraceRatio             = istio.DefaultGraceRatio
 	DefaultGraceJitter            = istio.DefaultGraceRatioJitter
 	DefaultCAServerName           = istio.IstiodSAN
+	// Envoy's admin port and the port of its Prometheus stats, Istio's.
+	DefaultEnvoyAdminPort      = 15000
+	DefaultEnvoyPrometheusPort = 15090
 )
 
 // Config is everything an agent needs; cmd builds it from flags and environment and validates
@@ -64,6 +68,7 @@ type Config struct {
 	XDS         XDSConfig
 	Output      OutputConfig
 	Servers     ServersConfig
+	Envoy       EnvoyConfig
 	// RootDir prefixes every default path, so that a non-root user can run the agent anywhere.
 	RootDir string
 
@@ -88,6 +93,9 @@ type IdentityConfig struct {
 	// InstanceIP is the workload's address (INSTANCE_IP, the pod IP on Kubernetes): application
 	// probes go there, as Istio's agent sends them; empty: 127.0.0.1.
 	InstanceIP string
+	// PodName (POD_NAME) names the workload in Envoy's node; empty: the host's name, which is
+	// the pod's on Kubernetes.
+	PodName string
 }
 
 // CAConfig is the CA the agent asks for its certificate.
@@ -174,6 +182,19 @@ type ServersConfig struct {
 	AppProbers string
 }
 
+// EnvoyConfig is the Envoy the agent serves, as its bootstrap (Bootstrap) describes it.
+type EnvoyConfig struct {
+	// AdminPort is Envoy's admin port on 127.0.0.1 (Istio's proxyAdminPort); PrometheusPort, when
+	// not 0, the port of a listener on every address that serves Envoy's /stats/prometheus.
+	AdminPort      int
+	PrometheusPort int
+	// BootstrapOverride (ISTIO_BOOTSTRAP_OVERRIDE) is a file, JSON or YAML, merged over the
+	// bootstrap.
+	BootstrapOverride string
+	// Metadata is the node's metadata from the ISTIO_META_<KEY> variables, as KEY.
+	Metadata map[string]string
+}
+
 // EmbedFunc starts a control plane in-process for an agent given no CA address.
 type EmbedFunc func(EmbedConfig) (ControlPlane, error)
 
@@ -226,6 +247,7 @@ func DefaultConfig(rootDir string) Config {
 			MaxStreamsPerConnection: xdsproxy.DefaultMaxStreamsPerConnection,
 		},
 		Servers: ServersConfig{StatusAddr: DefaultStatusAddr, DebugAddr: DefaultDebugAddr},
+		Envoy:   EnvoyConfig{AdminPort: DefaultEnvoyAdminPort, PrometheusPort: DefaultEnvoyPrometheusPort},
 		RootDir: rootDir,
 	}
 }
@@ -341,6 +363,7 @@ func (c *Config) Validate() error {
 		errs = append(errs, &FieldError{Field: "SDS.MaxStreamsPerConnection", Value: c.SDS.MaxStreamsPerConnection, Err: configerr.ErrMustBePositive})
 	}
 	errs = append(errs, c.validateXDS()...)
+	errs = append(errs, c.validateEnvoy()...)
 	switch c.Certificate.KeyAlgorithm {
 	case pki.ECDSA:
 	case pki.RSA:
@@ -385,6 +408,53 @@ func (c *Config) validateXDS() []error {
 		}
 	}
 	return errs
+}
+
+// maxOverrideSize bounds the bootstrap override read: a bootstrap takes a few kilobytes.
+const maxOverrideSize = 1 << 20
+
+var (
+	errPort          = errors.New("must be a port, 1-65535")
+	errPortOrNone    = errors.New("must be a port, 1-65535, or 0 for none")
+	errOverrideLarge = fmt.Errorf("is larger than %d bytes", maxOverrideSize)
+)
+
+// validateEnvoy checks what the bootstrap is made of; the override file must be there now, as
+// every path given explicitly.
+func (c *Config) validateEnvoy() []error {
+	var errs []error
+	admin, stats := c.Envoy.AdminPort, c.Envoy.PrometheusPort
+	if admin < 1 || admin > 65535 {
+		errs = append(errs, &FieldError{Field: "Envoy.AdminPort", Value: admin, Err: errPort})
+	}
+	switch {
+	case stats < 0 || stats > 65535:
+		errs = append(errs, &FieldError{Field: "Envoy.PrometheusPort", Value: stats, Err: errPortOrNone})
+	case stats != 0 && stats == admin:
+		errs = append(errs, configerr.Errorf("Envoy.PrometheusPort", "{Envoy.PrometheusPort} %d is {Envoy.AdminPort} too: Envoy cannot listen twice on one port", stats))
+	}
+	if path := c.Envoy.BootstrapOverride; path != "" {
+		if err := checkOverrideFile(path); err != nil {
+			errs = append(errs, &FieldError{Field: "Envoy.BootstrapOverride", Value: path, Err: err})
+		}
+	}
+	return errs
+}
+
+// checkOverrideFile says what is wrong with a bootstrap override file, completing "PATH ...".
+func checkOverrideFile(path string) error {
+	info, err := os.Stat(path)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return errors.New("does not exist")
+	case err != nil:
+		return fmt.Errorf("cannot be read: %w", err)
+	case !info.Mode().IsRegular():
+		return fmt.Errorf("is not a regular file (%s)", info.Mode().Type())
+	case info.Size() > maxOverrideSize:
+		return errOverrideLarge
+	}
+	return nil
 }
 
 // checkAddresses refuses an address that is not HOST:PORT: without a port, gRPC would dial 443

@@ -80,9 +80,11 @@ func slim() []string {
 }
 
 // slimEnvoyTypes are the only Envoy and go-control-plane packages the slim agent may link: SDS,
-// the xDS proxy's ADS stubs, and what their messages are made of. go-control-plane's server,
-// cache and resource packages link every Envoy configuration type, whose descriptors cost each
-// sidecar memory and start-up time (BENCHMARKS.md, issue 15).
+// the xDS proxy's ADS stubs, the bootstrap's types (agent/envoy: the Bootstrap, its clusters and
+// listeners, the stats listener's connection manager and router, the clusters' HTTP/2 options),
+// and what their messages are made of. go-control-plane's server, cache and resource packages
+// link every Envoy configuration type, whose descriptors cost each sidecar memory and start-up
+// time (BENCHMARKS.md, issue 15).
 var slimEnvoyTypes = []string{
 	"github.com/envoyproxy/go-control-plane/envoy/annotations",
 	"github.com/envoyproxy/go-control-plane/envoy/config/core/v3",
@@ -92,6 +94,26 @@ var slimEnvoyTypes = []string{
 	"github.com/envoyproxy/go-control-plane/envoy/type/matcher/v3",
 	"github.com/envoyproxy/go-control-plane/envoy/type/v3",
 	"github.com/envoyproxy/protoc-gen-validate/validate",
+	// The bootstrap (issue 26).
+	"github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3",
+	"github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3",
+	"github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3",
+	"github.com/envoyproxy/go-control-plane/envoy/config/listener/v3",
+	"github.com/envoyproxy/go-control-plane/envoy/config/route/v3",
+	"github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/router/v3",
+	"github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3",
+	"github.com/envoyproxy/go-control-plane/envoy/extensions/upstreams/http/v3",
+	// ... and what they are made of.
+	"github.com/envoyproxy/go-control-plane/envoy/config/accesslog/v3",
+	"github.com/envoyproxy/go-control-plane/envoy/config/common/matcher/v3",
+	"github.com/envoyproxy/go-control-plane/envoy/config/common/mutation_rules/v3",
+	"github.com/envoyproxy/go-control-plane/envoy/config/metrics/v3",
+	"github.com/envoyproxy/go-control-plane/envoy/config/overload/v3",
+	"github.com/envoyproxy/go-control-plane/envoy/config/trace/v3",
+	"github.com/envoyproxy/go-control-plane/envoy/data/accesslog/v3",
+	"github.com/envoyproxy/go-control-plane/envoy/type/http/v3",
+	"github.com/envoyproxy/go-control-plane/envoy/type/metadata/v3",
+	"github.com/envoyproxy/go-control-plane/envoy/type/tracing/v3",
 }
 
 func isKubernetes(imp string) bool {

@@ -72,6 +72,10 @@ type Agent struct {
 	// xdsDebug serves /debug/<type> on xdsDebugSocket, next to the XDS socket.
 	xdsDebug       *http.Server
 	xdsDebugSocket *fsutil.Socket
+	// life is Envoy's supervision, when the agent runs Envoy, and /quitquitquit.
+	life *lifecycle
+	// shuttingDown fails readiness from the moment Run's context ends.
+	shuttingDown atomic.Bool
 }
 
 // New runs the decision flow (a live external SDS socket, else credential files, else a CA —
@@ -138,6 +142,17 @@ func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *p
 			held = a.secrets.TLSCertificate
 		}
 		if a.xds, a.xdsConn, err = newXDSProxy(cfg, a.embedded, held, clk, log, registry); err != nil {
+			return err
+		}
+	}
+	if a.life, err = newLifecycle(clk, log.With(logkey.Component, "lifecycle"), registry); err != nil {
+		return err
+	}
+	if cfg.Envoy.Path != "" {
+		if err := a.life.watchInService(a.secrets); err != nil {
+			return err
+		}
+		if a.life.envoy, err = newEnvoy(cfg, clk, log.With(logkey.Component, "envoy")); err != nil {
 			return err
 		}
 	}
@@ -544,20 +559,40 @@ func (a *Agent) XDSDebugSocket() string {
 // Secrets returns the secret manager; nil when an external server serves SDS.
 func (a *Agent) Secrets() *secretmanager.Manager { return a.secrets }
 
-// Run runs the agent until ctx ends, then stops: the SDS server stops accepting and ends its
-// streams after the drain duration; OUTPUT_CERTS are left as they are.
+// Run runs the agent until ctx ends, then stops: when it runs Envoy, it fails readiness at once,
+// drains Envoy and stops it, and its servers go on until Envoy has exited; then the SDS server
+// stops accepting and ends its streams after the drain duration. OUTPUT_CERTS are left as they
+// are. When it runs Envoy, Envoy's exit ends the agent too, with Envoy's status (an
+// *envoy.ExitError unless 0); /quitquitquit ends both at once.
 func (a *Agent) Run(ctx context.Context) error {
 	defer a.release()
-	g, ctx := errgroup.WithContext(ctx)
+	// The servers outlive ctx while Envoy drains: Envoy needs its certificates and configuration
+	// until it has exited.
+	serveCtx, stopServing := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopServing()
+	stopOnShutdown := context.AfterFunc(ctx, func() {
+		a.shuttingDown.Store(true)
+		if a.life.envoy == nil {
+			stopServing()
+		}
+	})
+	defer stopOnShutdown()
+	g, gctx := errgroup.WithContext(serveCtx)
+	if a.life.envoy != nil {
+		g.Go(func() error {
+			defer stopServing()
+			return a.life.envoy.Run(gctx, a.life.inService, ctx.Done())
+		})
+	}
 	if a.embedded != nil {
-		g.Go(func() error { return a.embedded.Run(ctx) })
+		g.Go(func() error { return a.embedded.Run(gctx) })
 	}
 	if a.secrets != nil {
-		g.Go(func() error { return a.secrets.Run(ctx) })
-		g.Go(func() error { return a.sds.Run(ctx) })
+		g.Go(func() error { return a.secrets.Run(gctx) })
+		g.Go(func() error { return a.sds.Run(gctx) })
 	}
 	if a.xds != nil {
-		g.Go(func() error { return a.xds.Run(ctx) })
+		g.Go(func() error { return a.xds.Run(gctx) })
 	}
 	var xdsDebugLis net.Listener
 	if a.xdsDebugSocket != nil {
@@ -581,9 +616,19 @@ func (a *Agent) Run(ctx context.Context) error {
 			return nil
 		})
 	}
-	// One goroutine closes them all: an idle sidecar pays a stack for each goroutine.
+	// One goroutine closes them all: an idle sidecar pays a stack for each goroutine. Without
+	// Envoy it also takes /quitquitquit, which the supervisor takes otherwise.
+	quit := a.life.quit
+	if a.life.envoy != nil {
+		quit = nil
+	}
 	g.Go(func() error {
-		<-ctx.Done()
+		select {
+		case <-gctx.Done():
+		case <-quit:
+			a.shuttingDown.Store(true)
+			stopServing()
+		}
 		var errs []error
 		for _, srv := range servers {
 			errs = append(errs, srv.Close())
@@ -600,6 +645,9 @@ func (a *Agent) Run(ctx context.Context) error {
 // release lets go of what outlives the servers: the CA and xDS connections and the embedded
 // state dir.
 func (a *Agent) release() {
+	if a.life != nil && a.life.stopWatching != nil {
+		a.life.stopWatching()
+	}
 	if a.ca != nil {
 		_ = a.ca.Close()
 	}
@@ -634,38 +682,12 @@ func (a *Agent) close() {
 	a.release()
 }
 
-// ready reports whether Envoy can get its certificate: a valid one held (and written to
-// OUTPUT_CERTS, when asked), or, when another server serves SDS, that server answering; and
-// whether Envoy reaches the agent: the paths of its sockets still lead to it.
-func (a *Agent) ready() (bool, string) {
-	if a.xds != nil {
-		if err := a.xds.SocketProblem(); err != nil {
-			return false, err.Error()
-		}
-	}
-	if a.source == SourceExternalSDS {
-		if fsutil.SocketServing(a.socketPath) {
-			return true, ""
-		}
-		return false, "the external SDS socket " + a.socketPath + " does not accept connections"
-	}
-	if err := a.sds.SocketProblem(); err != nil {
-		return false, err.Error()
-	}
-	return a.secrets.Ready()
-}
-
 func (a *Agent) statusHandler(registry *prometheus.Registry, appProbes http.Handler) http.Handler {
 	mux := http.NewServeMux()
 	// The kubelet's probes of the workload's containers, as Istio's injector rewrites them.
 	mux.Handle("GET /app-health/", appProbes)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(registry, promhttp.HandlerOpts{Registry: registry}))
-	mux.HandleFunc("GET /healthz/ready", func(w http.ResponseWriter, _ *http.Request) {
-		if ok, why := a.ready(); !ok {
-			http.Error(w, "not ready: "+why, http.StatusServiceUnavailable)
-			return
-		}
-		_, _ = fmt.Fprintln(w, "ready")
-	})
+	mux.HandleFunc("GET /healthz/ready", a.readyHandler)
+	mux.Handle("POST /quitquitquit", a.life.quitHandler())
 	return mux
 }

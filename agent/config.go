@@ -10,6 +10,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"log/slog"
 	"net"
@@ -20,6 +21,7 @@ import (
 	"time"
 
 	"github.com/meshid/meshid/agent/appprobe"
+	"github.com/meshid/meshid/agent/envoy"
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/configerr"
 	"github.com/meshid/meshid/internal/fsutil"
@@ -55,6 +57,9 @@ const (
 	// Envoy's admin port and the port of its Prometheus stats, Istio's.
 	DefaultEnvoyAdminPort      = 15000
 	DefaultEnvoyPrometheusPort = 15090
+	// DefaultEnvoyConcurrency is Envoy's worker threads, as Istio's mesh config sets them for a
+	// sidecar: two, not one per core of the node.
+	DefaultEnvoyConcurrency = 2
 )
 
 // Config is everything an agent needs; cmd builds it from flags and environment and validates
@@ -182,8 +187,28 @@ type ServersConfig struct {
 	AppProbers string
 }
 
-// EnvoyConfig is the Envoy the agent serves, as its bootstrap (Bootstrap) describes it.
+// EnvoyConfig is the Envoy the agent serves, as its bootstrap (Bootstrap) describes it, and,
+// with Path, the Envoy the agent starts and supervises.
 type EnvoyConfig struct {
+	// Path is Envoy's binary: the agent writes the bootstrap to BootstrapPath (default
+	// <root>/etc/istio/proxy/envoy-rev.json), starts Envoy once the workload certificate is in
+	// service, and ends with it. Empty: Envoy runs elsewhere.
+	Path          string
+	BootstrapPath string
+	// LogLevel and ComponentLogLevel are Envoy's -l and --component-log-level; Concurrency its
+	// worker threads (0: one per core); DrainDuration its --drain-time-s.
+	LogLevel, ComponentLogLevel string
+	Concurrency                 int
+	DrainDuration               time.Duration
+	// MinimumDrainDuration, TerminationDrainDuration and ExitOnZeroActiveConnections are Istio's
+	// MINIMUM_DRAIN_DURATION, TERMINATION_DRAIN_DURATION_SECONDS and
+	// EXIT_ON_ZERO_ACTIVE_CONNECTIONS: how the agent drains Envoy on SIGTERM (envoy.DrainConfig).
+	MinimumDrainDuration, TerminationDrainDuration time.Duration
+	ExitOnZeroActiveConnections                    bool
+	// Signals are forwarded to Envoy (SIGHUP, SIGUSR1); Stdout and Stderr receive Envoy's.
+	Signals        <-chan os.Signal
+	Stdout, Stderr io.Writer
+
 	// AdminPort is Envoy's admin port on 127.0.0.1 (Istio's proxyAdminPort); PrometheusPort, when
 	// not 0, the port of a listener on every address that serves Envoy's /stats/prometheus.
 	AdminPort      int
@@ -247,7 +272,16 @@ func DefaultConfig(rootDir string) Config {
 			MaxStreamsPerConnection: xdsproxy.DefaultMaxStreamsPerConnection,
 		},
 		Servers: ServersConfig{StatusAddr: DefaultStatusAddr, DebugAddr: DefaultDebugAddr},
-		Envoy:   EnvoyConfig{AdminPort: DefaultEnvoyAdminPort, PrometheusPort: DefaultEnvoyPrometheusPort},
+		Envoy: EnvoyConfig{
+			AdminPort:                DefaultEnvoyAdminPort,
+			PrometheusPort:           DefaultEnvoyPrometheusPort,
+			LogLevel:                 envoy.DefaultLogLevel,
+			ComponentLogLevel:        envoy.DefaultComponentLogLevel,
+			Concurrency:              DefaultEnvoyConcurrency,
+			DrainDuration:            envoy.DefaultDrainDuration,
+			MinimumDrainDuration:     envoy.DefaultMinimumDrainDuration,
+			TerminationDrainDuration: envoy.DefaultTerminationDrainDuration,
+		},
 		RootDir: rootDir,
 	}
 }
@@ -438,7 +472,43 @@ func (c *Config) validateEnvoy() []error {
 			errs = append(errs, &FieldError{Field: "Envoy.BootstrapOverride", Value: path, Err: err})
 		}
 	}
+	if path := c.Envoy.Path; path != "" {
+		if err := checkExecutable(path); err != nil {
+			errs = append(errs, &FieldError{Field: "Envoy.Path", Value: path, Err: err})
+		}
+	}
+	for _, d := range []struct {
+		field string
+		value time.Duration
+	}{
+		{"Envoy.DrainDuration", c.Envoy.DrainDuration},
+		{"Envoy.MinimumDrainDuration", c.Envoy.MinimumDrainDuration},
+		{"Envoy.TerminationDrainDuration", c.Envoy.TerminationDrainDuration},
+	} {
+		if d.value < 0 {
+			errs = append(errs, &FieldError{Field: d.field, Value: d.value, Err: errors.New("must not be negative")})
+		}
+	}
+	if c.Envoy.Concurrency < 0 {
+		errs = append(errs, &FieldError{Field: "Envoy.Concurrency", Value: c.Envoy.Concurrency, Err: errors.New("must be 0 (one per core) or more")})
+	}
 	return errs
+}
+
+// checkExecutable says what keeps path from being run, completing "PATH ...".
+func checkExecutable(path string) error {
+	info, err := os.Stat(path)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return errors.New("does not exist")
+	case err != nil:
+		return fmt.Errorf("cannot be read: %w", err)
+	case !info.Mode().IsRegular():
+		return fmt.Errorf("is not a regular file (%s)", info.Mode().Type())
+	case info.Mode().Perm()&0o111 == 0:
+		return errors.New("is not executable")
+	}
+	return nil
 }
 
 // checkOverrideFile says what is wrong with a bootstrap override file, completing "PATH ...".

@@ -107,12 +107,22 @@ func Main(root *cobra.Command) int {
 	markUsageErrors(root)
 	if err := root.ExecuteContext(ctx); err != nil {
 		_, _ = fmt.Fprintf(root.ErrOrStderr(), "%s: %s\n", root.Name(), err)
-		if errors.As(err, new(UsageError)) {
-			return ExitUsage
-		}
-		return 1
+		return exitCode(err)
 	}
 	return 0
+}
+
+// exitCode is the status a command's error ends the process with: 2 for a refusal as called, the
+// status of a child whose exit is the command's (Envoy's under the agent), else 1.
+func exitCode(err error) int {
+	var child interface{ ExitCode() int }
+	switch {
+	case errors.As(err, new(UsageError)):
+		return ExitUsage
+	case errors.As(err, &child) && child.ExitCode() > 0:
+		return child.ExitCode()
+	}
+	return 1
 }
 
 // ExitUsage is the exit code of a command refused as it was called, as flag parsers use it;

@@ -5,11 +5,13 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"syscall"
 	"testing"
 
 	"github.com/spf13/cobra"
 
 	"github.com/meshid/meshid/agent"
+	"github.com/meshid/meshid/agent/envoy"
 	"github.com/meshid/meshid/internal/fsutil"
 )
 
@@ -122,5 +124,20 @@ func TestRefusedAsCalled(t *testing.T) {
 				t.Errorf("stderr %q, want the error as it is", stderr.String())
 			}
 		})
+	}
+}
+
+// An error carrying a child's exit status (Envoy's, under the agent) ends the process with it,
+// so that the kubelet or systemd sees what Envoy said.
+func TestMainExitsWithAChildsStatus(t *testing.T) {
+	t.Parallel()
+	root := NewRoot("tool", "short", "long", &Globals{})
+	root.AddCommand(&cobra.Command{Use: "child", RunE: func(*cobra.Command, []string) error {
+		return fmt.Errorf("supervising: %w", &envoy.ExitError{Code: 137, Signal: syscall.SIGKILL})
+	}})
+	root.SetErr(&bytes.Buffer{})
+	root.SetArgs([]string{"child"})
+	if code := Main(root); code != 137 {
+		t.Fatalf("exit code %d, want Envoy's 137", code)
 	}
 }

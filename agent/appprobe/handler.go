@@ -1,9 +1,7 @@
 package appprobe
 
 import (
-	"bufio"
 	"context"
-	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -20,6 +18,7 @@ import (
 
 	"github.com/meshid/meshid/internal/admission"
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/localhttp"
 	"github.com/meshid/meshid/internal/logkey"
 )
 
@@ -146,10 +145,10 @@ func (h *Handler) addr(host string, port Port) string {
 	return net.JoinHostPort(host, strconv.Itoa(int(port)))
 }
 
-// probeHTTP writes one request on one connection and reads the answer's head with net/http's
-// parser: a probe of a local port needs none of http.Transport's pooling, proxies or HTTP/2, which
-// would add 400 kB to every sidecar (see cli.Probe). Nothing is followed: a redirect is a 3xx,
-// which passes, as the kubelet counts it.
+// probeHTTP sends one request on one connection of its own (localhttp): a probe of a local port
+// needs none of http.Transport's pooling, proxies or HTTP/2, which would add 400 kB to every
+// sidecar (see cli.Probe). Nothing is followed: a redirect is a 3xx, which passes, as the kubelet
+// counts it.
 func (h *Handler) probeHTTP(ctx context.Context, g *HTTPGet) (int, error) {
 	addr := h.addr(g.Host, g.Port)
 	scheme := strings.ToLower(g.Scheme)
@@ -164,7 +163,6 @@ func (h *Handler) probeHTTP(ctx context.Context, g *HTTPGet) (int, error) {
 	if err != nil {
 		return http.StatusInternalServerError, err
 	}
-	req.Close = true
 	req.Header.Set("User-Agent", "istio-probe/1.0")
 	for _, hd := range g.Headers {
 		if strings.EqualFold(hd.Name, "Host") {
@@ -173,30 +171,16 @@ func (h *Handler) probeHTTP(ctx context.Context, g *HTTPGet) (int, error) {
 		}
 		req.Header.Add(hd.Name, hd.Value)
 	}
-	var d net.Dialer
-	conn, err := d.DialContext(ctx, "tcp", addr)
+	var resp *http.Response
+	err = localhttp.Do(req, maxBody, func(r *http.Response) error {
+		// The answer's body is discarded, up to maxBody: the status is the answer.
+		_, _ = io.Copy(io.Discard, r.Body)
+		resp = r
+		return nil
+	})
 	if err != nil {
 		return http.StatusInternalServerError, err
 	}
-	// The connection ends with the probe, whether the application answers or not.
-	stop := context.AfterFunc(ctx, func() { _ = conn.Close() })
-	defer func() {
-		stop()
-		_ = conn.Close()
-	}()
-	if scheme == "https" {
-		//nolint:gosec // the kubelet does not verify the application's certificate either
-		conn = tls.Client(conn, &tls.Config{InsecureSkipVerify: true, ServerName: req.URL.Hostname()})
-	}
-	if err := req.Write(conn); err != nil {
-		return http.StatusInternalServerError, err
-	}
-	resp, err := http.ReadResponse(bufio.NewReader(conn), req)
-	if err != nil {
-		return http.StatusInternalServerError, err
-	}
-	defer func() { _ = resp.Body.Close() }()
-	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, maxBody))
 	switch code := resp.StatusCode; {
 	case code >= 200 && code < 400:
 		return code, nil

@@ -15,10 +15,12 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"time"
 
 	"github.com/meshid/meshid/agent/appprobe"
+	"github.com/meshid/meshid/agent/promstats"
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/configerr"
 	"github.com/meshid/meshid/internal/fsutil"
@@ -172,6 +174,9 @@ type ServersConfig struct {
 	// AppProbers is ISTIO_KUBE_APP_PROBERS: JSON of /app-health/<container>/{livez,readyz,startupz}
 	// paths and the probes of the application the status server runs for them (appprobe.Parse).
 	AppProbers string
+	// PrometheusAnnotations is ISTIO_PROMETHEUS_ANNOTATIONS: where the application serves the
+	// metrics that /stats/prometheus merges (promstats.ParseAnnotations); empty: none.
+	PrometheusAnnotations string
 }
 
 // EmbedFunc starts a control plane in-process for an agent given no CA address.
@@ -326,6 +331,9 @@ func (c *Config) Validate() error {
 	if _, err := appprobe.Parse(c.Servers.AppProbers); err != nil {
 		errs = append(errs, &FieldError{Field: "Servers.AppProbers", Err: err})
 	}
+	if err := c.checkPrometheusAnnotations(); err != nil {
+		errs = append(errs, err)
+	}
 	if ip := c.Identity.InstanceIP; ip != "" {
 		if _, err := netip.ParseAddr(ip); err != nil {
 			errs = append(errs, &FieldError{Field: "Identity.InstanceIP", Value: ip, Err: errors.New("is not an IP address")})
@@ -455,4 +463,17 @@ func (c *Config) checkFileResourceDirs() []error {
 		}
 	}
 	return errs
+}
+
+// checkPrometheusAnnotations refuses annotations that cannot be read, and, as Istio's agent does,
+// an application port that is the status port's: /stats/prometheus would scrape itself.
+func (c *Config) checkPrometheusAnnotations() error {
+	app, err := promstats.ParseAnnotations(c.Servers.PrometheusAnnotations)
+	if err != nil {
+		return &FieldError{Field: "Servers.PrometheusAnnotations", Err: err}
+	}
+	if _, port, err := net.SplitHostPort(c.Servers.StatusAddr); app != nil && err == nil && port == strconv.Itoa(app.Port) {
+		return configerr.Errorf("Servers.PrometheusAnnotations", "{Servers.PrometheusAnnotations}: port %d is {Servers.StatusAddr}'s: /stats/prometheus would scrape itself", app.Port)
+	}
+	return nil
 }

@@ -77,30 +77,27 @@ type Annotations struct {
 // "port":"..."}, each empty when the pod has no such annotation; scheme is the
 // prometheus.io/scheme convention, which Istio's injector does not pass.
 type annotationsJSON struct {
-	Scrape string   `json:"scrape"`
-	Path   string   `json:"path"`
-	Port   portJSON `json:"port"`
-	Scheme string   `json:"scheme"`
+	Scrape string          `json:"scrape"`
+	Path   string          `json:"path"`
+	Port   json.RawMessage `json:"port"`
+	Scheme string          `json:"scheme"`
 }
 
-// portJSON is a port given as a string, as Istio writes it, or as a number; 0 when empty.
-type portJSON int
-
-func (p *portJSON) UnmarshalJSON(b []byte) error {
-	s := string(b)
+// parsePort reads a port given as a string, as Istio writes it, or as a number; 0 when absent
+// or empty.
+func parsePort(raw json.RawMessage) (int, error) {
+	s := string(raw)
 	if unq, err := strconv.Unquote(s); err == nil {
 		s = unq
 	}
-	if s == "" {
-		*p = 0
-		return nil
+	if s == "" || s == "null" {
+		return 0, nil
 	}
 	n, err := strconv.Atoi(s)
 	if err != nil || n < 1 || n > 65535 {
-		return fmt.Errorf("%s: want a port number from 1 to 65535", b)
+		return 0, fmt.Errorf("port: %s: want a port number from 1 to 65535", raw)
 	}
-	*p = portJSON(n)
-	return nil
+	return n, nil
 }
 
 // ParseAnnotations reads ISTIO_PROMETHEUS_ANNOTATIONS. It returns nil, and no error, when s is
@@ -131,7 +128,11 @@ func ParseAnnotations(s string) (*Annotations, error) {
 			return nil, nil
 		}
 	}
-	a := &Annotations{Path: raw.Path, Port: int(raw.Port), Scheme: strings.ToLower(raw.Scheme)}
+	port, err := parsePort(raw.Port)
+	if err != nil {
+		return nil, err
+	}
+	a := &Annotations{Path: raw.Path, Port: port, Scheme: strings.ToLower(raw.Scheme)}
 	if a.Path == "" {
 		a.Path = defaultAppPath
 	}

@@ -175,7 +175,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if gatherErr != nil {
 		h.failed(SourceAgent, reasonGather, gatherErr)
 	}
-	families := make([]*dto.MetricFamily, 0, len(agentFamilies)+h.expected(results))
+	families := make([]*dto.MetricFamily, 0, len(agentFamilies)+familyCount(results))
 	seen := make(map[string]struct{}, cap(families))
 	for _, mf := range agentFamilies {
 		seen[mf.GetName()] = struct{}{}
@@ -219,7 +219,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
-func (h *Handler) expected(results []result) int {
+func familyCount(results []result) int {
 	n := 0
 	for _, r := range results {
 		n += len(r.families)

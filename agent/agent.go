@@ -23,6 +23,7 @@ import (
 	"google.golang.org/grpc"
 
 	"github.com/meshid/meshid/agent/appprobe"
+	"github.com/meshid/meshid/agent/promstats"
 	"github.com/meshid/meshid/caclient"
 	"github.com/meshid/meshid/internal/admission"
 	"github.com/meshid/meshid/internal/clock"
@@ -170,10 +171,19 @@ func (a *Agent) buildServers(cfg Config, clk clock.Clock, log *slog.Logger, regi
 	if err != nil {
 		return err
 	}
+	// Envoy's metrics are merged when the agent runs Envoy, and so knows its admin.
+	envoyAdmin := ""
+	if a.life.envoy != nil {
+		envoyAdmin = cfg.envoyAdminAddr()
+	}
+	stats, err := newPromStats(cfg, envoyAdmin, clk, log, registry)
+	if err != nil {
+		return err
+	}
 	if a.statusLis, err = net.Listen("tcp", cfg.Servers.StatusAddr); err != nil {
 		return fmt.Errorf("listen for status on %s: %w", cfg.Servers.StatusAddr, err)
 	}
-	a.status = &http.Server{Handler: a.statusHandler(registry, appProbes), ReadHeaderTimeout: 10 * time.Second}
+	a.status = &http.Server{Handler: a.statusHandler(registry, appProbes, stats), ReadHeaderTimeout: 10 * time.Second}
 	debug, err := newDebugBoundary(clk, log.With(logkey.Component, "debug"), registry)
 	if err != nil {
 		return err
@@ -682,11 +692,31 @@ func (a *Agent) close() {
 	a.release()
 }
 
-func (a *Agent) statusHandler(registry *prometheus.Registry, appProbes http.Handler) http.Handler {
+// newPromStats returns the handler of /stats/prometheus: the agent's registry, Envoy's admin at
+// envoyAdmin ("" for none) and the application of ISTIO_PROMETHEUS_ANNOTATIONS on INSTANCE_IP.
+func newPromStats(cfg Config, envoyAdmin string, clk clock.Clock, log *slog.Logger, registry *prometheus.Registry) (http.Handler, error) {
+	stats, err := promstats.New(promstats.Config{
+		Agent:           registry,
+		EnvoyAdmin:      envoyAdmin,
+		Application:     cfg.Servers.PrometheusAnnotations,
+		ApplicationHost: cfg.Identity.InstanceIP,
+		Clock:           clk,
+		Logger:          log.With(logkey.Component, "stats"),
+		Registerer:      registry,
+	})
+	if err != nil {
+		return nil, err
+	}
+	return stats, nil
+}
+
+func (a *Agent) statusHandler(registry *prometheus.Registry, appProbes, stats http.Handler) http.Handler {
 	mux := http.NewServeMux()
 	// The kubelet's probes of the workload's containers, as Istio's injector rewrites them.
 	mux.Handle("GET /app-health/", appProbes)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(registry, promhttp.HandlerOpts{Registry: registry}))
+	// One page of the agent's, Envoy's and the application's metrics, as Istio's agent serves it.
+	mux.Handle("GET /stats/prometheus", stats)
 	mux.HandleFunc("GET /healthz/ready", a.readyHandler)
 	mux.Handle("POST /quitquitquit", a.life.quitHandler())
 	return mux

@@ -17,11 +17,13 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"time"
 
 	"github.com/meshid/meshid/agent/appprobe"
 	"github.com/meshid/meshid/agent/envoy"
+	"github.com/meshid/meshid/agent/promstats"
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/configerr"
 	"github.com/meshid/meshid/internal/fsutil"
@@ -185,6 +187,9 @@ type ServersConfig struct {
 	// AppProbers is ISTIO_KUBE_APP_PROBERS: JSON of /app-health/<container>/{livez,readyz,startupz}
 	// paths and the probes of the application the status server runs for them (appprobe.Parse).
 	AppProbers string
+	// PrometheusAnnotations is ISTIO_PROMETHEUS_ANNOTATIONS: where the application serves the
+	// metrics that /stats/prometheus merges (promstats.ParseAnnotations); empty: none.
+	PrometheusAnnotations string
 }
 
 // EnvoyConfig is the Envoy the agent serves, as its bootstrap (Bootstrap) describes it, and,
@@ -381,6 +386,9 @@ func (c *Config) Validate() error {
 	errs = append(errs, c.checkAddresses()...)
 	if _, err := appprobe.Parse(c.Servers.AppProbers); err != nil {
 		errs = append(errs, &FieldError{Field: "Servers.AppProbers", Err: err})
+	}
+	if err := c.checkPrometheusAnnotations(); err != nil {
+		errs = append(errs, err)
 	}
 	if ip := c.Identity.InstanceIP; ip != "" {
 		if _, err := netip.ParseAddr(ip); err != nil {
@@ -595,4 +603,17 @@ func (c *Config) checkFileResourceDirs() []error {
 		}
 	}
 	return errs
+}
+
+// checkPrometheusAnnotations refuses annotations that cannot be read, and, as Istio's agent does,
+// an application port that is the status port's: /stats/prometheus would scrape itself.
+func (c *Config) checkPrometheusAnnotations() error {
+	app, err := promstats.ParseAnnotations(c.Servers.PrometheusAnnotations)
+	if err != nil {
+		return &FieldError{Field: "Servers.PrometheusAnnotations", Err: err}
+	}
+	if _, port, err := net.SplitHostPort(c.Servers.StatusAddr); app != nil && err == nil && port == strconv.Itoa(app.Port) {
+		return configerr.Errorf("Servers.PrometheusAnnotations", "{Servers.PrometheusAnnotations}: port %d is {Servers.StatusAddr}'s: /stats/prometheus would scrape itself", app.Port)
+	}
+	return nil
 }

@@ -23,9 +23,10 @@ func allowed() map[string][]string {
 		"cmd/": {"cmd/internal/", "agent", "controlplane", "ca", "ca/controller/kube", "ca/token", "sds/sdsclient", "internal/"},
 		// The agent reaches an embedded control plane through a hook cmd/meshid supplies, so
 		// that meshid-agent links no CA.
-		"agent":                         {"sds", "secretmanager", "caclient", "xdsproxy", "agent/appprobe", "agent/envoy", "internal/"},
+		"agent":                         {"sds", "secretmanager", "caclient", "xdsproxy", "agent/appprobe", "agent/envoy", "agent/promstats", "internal/"},
 		"agent/appprobe":                {"internal/"}, // the status port's application probes
 		"agent/envoy":                   {"internal/"}, // Envoy's bootstrap, process and admin
+		"agent/promstats":               {"internal/"}, // the status port's merged /stats/prometheus
 		"controlplane":                  {"ca", "ca/", "discovery", "internal/"},
 		"controlplane/controlplanetest": {"controlplane", "ca", "ca/token", "agent"}, // ca: the token key's path
 		"sds/sdsclient":                 {"internal/"},                               // nothing of the server it tests

@@ -57,6 +57,7 @@ func agentEnv() []envBinding {
 		{"credential-identity-provider", "CREDENTIAL_IDENTITY_PROVIDER"},
 		{"pilot-cert-provider", "PILOT_CERT_PROVIDER"},
 		{"istio-kube-app-probers", "ISTIO_KUBE_APP_PROBERS"},
+		{"istio-prometheus-annotations", "ISTIO_PROMETHEUS_ANNOTATIONS"},
 	}
 }
 
@@ -64,8 +65,7 @@ func agentEnv() []envBinding {
 // pilot-agent commonly set, and that meshid does not implement. The agent names those that are
 // set in one warning at start, rather than ignore them silently. Later work implements some:
 // the Envoy supervision and draining of the Envoy issue (ISTIO_BOOTSTRAP_OVERRIDE, the drain
-// variables, EXIT_ON_ZERO_ACTIVE_CONNECTIONS), the merged metrics of the status port
-// (ISTIO_PROMETHEUS_ANNOTATIONS), the GCE credential
+// variables, EXIT_ON_ZERO_ACTIVE_CONNECTIONS), the GCE credential
 // fetcher of the providers issue (GCE_METADATA_HOST). meshid ignores the others on purpose: it
 // reads no mesh config (PROXY_CONFIG); it reads whatever token is at --token-path, first- or
 // third-party (JWT_POLICY); it proxies no DNS (ISTIO_META_DNS_*); its debug server is
@@ -78,7 +78,6 @@ func unimplementedIstioEnv() []string {
 		"MINIMUM_DRAIN_DURATION",
 		"TERMINATION_DRAIN_DURATION_SECONDS",
 		"EXIT_ON_ZERO_ACTIVE_CONNECTIONS",
-		"ISTIO_PROMETHEUS_ANNOTATIONS",
 		"GCE_METADATA_HOST",
 		"PROXY_CONFIG",
 		"JWT_POLICY",
@@ -307,6 +306,7 @@ root is needed.`,
 	f.BoolVar(&cfg.XDS.ProxyDebug, "proxy-xds-debug-via-agent", cfg.XDS.ProxyDebug, "answer /debug/<type> on --xds-debug-socket with the discovery server's istio.io/debug/<type> for this proxy (PROXY_XDS_DEBUG_VIA_AGENT)")
 	f.StringVar(&cfg.Servers.StatusAddr, "status-addr", cfg.Servers.StatusAddr, "listen address of /healthz/ready and /metrics")
 	f.StringVar(&cfg.Servers.AppProbers, "istio-kube-app-probers", "", `the workload's probes as Istio's injector writes them (ISTIO_KUBE_APP_PROBERS), JSON of path: probe, such as {"/app-health/web/livez":{"httpGet":{"path":"/healthz","port":8080},"timeoutSeconds":1}}; each path is answered on --status-addr by running its httpGet, tcpSocket or grpc probe on --instance-ip (127.0.0.1 when empty), at most 4 of a path at once`)
+	f.StringVar(&cfg.Servers.PrometheusAnnotations, "istio-prometheus-annotations", "", `where the application serves its metrics, as Istio's injector writes the pod's prometheus.io annotations (ISTIO_PROMETHEUS_ANNOTATIONS), such as {"scrape":"true","path":"/metrics","port":"9090"} (path /metrics and port 80 when empty, "scheme":"https" too); GET /stats/prometheus on --status-addr merges them, scraped on --instance-ip (127.0.0.1 when empty), with the agent's and Envoy's`)
 	f.StringVar(&cfg.Identity.InstanceIP, "instance-ip", "", "the workload's address (INSTANCE_IP, the pod IP on Kubernetes), where application probes go, as Istio's agent sends them; empty: 127.0.0.1")
 	f.StringVar(&cfg.Servers.DebugAddr, "debug-addr", cfg.Servers.DebugAddr, "loopback listen address of /debug/secrets (and /debug/<type> with --xds-debug-tcp); answers only a Host naming loopback; empty disables it")
 	return cmd
@@ -355,6 +355,8 @@ func agentFieldFlags() map[string]string {
 		"Servers.DebugAddr":            "debug-addr",
 		"Servers.AppProbers":           "istio-kube-app-probers",
 		"RootDir":                      "root-dir",
+
+		"Servers.PrometheusAnnotations": "istio-prometheus-annotations",
 	}
 }
 

@@ -240,6 +240,40 @@ func TestAgentXDSProxyFlags(t *testing.T) {
 	}
 }
 
+// ISTIO_PROMETHEUS_ANNOTATIONS reaches /stats/prometheus; the flag wins over it, and annotations
+// the agent cannot use are refused (exit 2) naming the flag and the variable.
+func TestAgentPrometheusAnnotations(t *testing.T) {
+	t.Parallel()
+	env := map[string]string{"CA_ADDR": "127.0.0.1:15012", "POD_NAMESPACE": "default", "SERVICE_ACCOUNT": "demo",
+		"ISTIO_PROMETHEUS_ANNOTATIONS": `{"scrape":"true","path":"/metrics","port":"9090"}`}
+	cfg, err := runAgentCommand(t, env)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Servers.PrometheusAnnotations != env["ISTIO_PROMETHEUS_ANNOTATIONS"] {
+		t.Fatalf("Servers.PrometheusAnnotations = %q, want the variable", cfg.Servers.PrometheusAnnotations)
+	}
+	flag := `{"scrape":"true","port":"8080"}`
+	if cfg, err = runAgentCommand(t, env, "--istio-prometheus-annotations", flag); err != nil || cfg.Servers.PrometheusAnnotations != flag {
+		t.Fatalf("the flag did not win: %q, %v", cfg.Servers.PrometheusAnnotations, err)
+	}
+
+	for _, tc := range []struct{ name, value, want string }{
+		{"bad JSON", `{bad`, "--istio-prometheus-annotations (ISTIO_PROMETHEUS_ANNOTATIONS): want JSON"},
+		{"port", `{"port":"http"}`, `--istio-prometheus-annotations (ISTIO_PROMETHEUS_ANNOTATIONS): port: "http": want a port number`},
+		{"scrape", `{"scrape":"maybe"}`, `--istio-prometheus-annotations (ISTIO_PROMETHEUS_ANNOTATIONS): scrape: "maybe"`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			code, stderr := mainAgent(t, map[string]string{"CA_ADDR": "127.0.0.1:15012", "POD_NAMESPACE": "default", "SERVICE_ACCOUNT": "demo"},
+				"--istio-prometheus-annotations", tc.value)
+			if code != ExitUsage || !strings.Contains(stderr, tc.want) {
+				t.Errorf("exit %d, want %d and %q:\n%s", code, ExitUsage, tc.want, stderr)
+			}
+		})
+	}
+}
+
 // ISTIO_KUBE_APP_PROBERS reaches the status server's application probes; the flag wins over it,
 // and a probe the agent cannot run is refused (exit 2) naming the flag, the variable and the path.
 func TestAgentAppProbers(t *testing.T) {

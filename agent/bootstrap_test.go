@@ -151,7 +151,7 @@ func TestBootstrapRefusesABadOverride(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
 	for name, content := range map[string]string{
-		"unknown field": "admin: {adress: {}}\n",
+		"unknown field": "admin: {place: {}}\n",
 		"invalid":       "static_resources: {clusters: [{type: STATIC}]}\n",
 	} {
 		path := filepath.Join(dir, strings.ReplaceAll(name, " ", "-")+".yaml")

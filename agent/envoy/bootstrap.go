@@ -234,7 +234,7 @@ func checkBootstrapConfig(cfg BootstrapConfig) error {
 		errs = append(errs, fmt.Errorf("admin port %d: want 1-65535", cfg.AdminPort))
 	}
 	if cfg.PrometheusPort < 0 || cfg.PrometheusPort > 65535 {
-		errs = append(errs, fmt.Errorf("Prometheus port %d: want 0 (none) or 1-65535", cfg.PrometheusPort))
+		errs = append(errs, fmt.Errorf("stats (Prometheus) port %d: want 0 (none) or 1-65535", cfg.PrometheusPort))
 	}
 	return errors.Join(errs...)
 }

@@ -384,9 +384,8 @@ What meshid does not implement is refused, not ignored: CREDENTIAL_FETCHER_TYPE 
 (the token file at --token-path), PILOT_CERT_PROVIDER istiod only, CREDENTIAL_IDENTITY_PROVIDER
 nothing, CA_PROVIDER anything but GoogleCA. Istio's other variables that meshid does not
 implement (the drain durations, JWT_POLICY, PROXY_CONFIG, ...) are named in one warning at
-start when set. A path given must exist (--credentials-dir,
---prov-cert) and a root file hold a PEM certificate (--ca-root-cert, --xds-root-cert); only
-the defaults may be absent. Addresses are HOST:PORT. A refusal exits 2, before anything runs.
+start when set. A path given must exist (--credentials-dir, --prov-cert) and a root file hold
+a PEM certificate (--ca-root-cert, --xds-root-cert); only the defaults may be absent. Addresses are HOST:PORT. A refusal exits 2, before anything runs.
 
 The status server (--status-addr) answers /healthz/ready (200 once a valid certificate is
 held and Envoy's sockets lead to the agent) and /metrics, and the kubelet's probes of the

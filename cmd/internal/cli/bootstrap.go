@@ -45,12 +45,16 @@ checked with Envoy's validation rules before anything is written. It holds:
 over this one as Istio merges it: a value the file sets replaces the written one, a message is
 merged field by field, and a list (clusters, listeners) is appended to. A field Envoy does not
 know, a value of the wrong type or a merged bootstrap Envoy would refuse is an error naming the
-field, and nothing is written. A typed_config in the file may name only the types the
-bootstrap itself is made of (clusters, listeners, routes, the HTTP connection manager and
-router, HTTP protocol options, TLS, access logs, tracing, metrics and overload configs).
+field, and nothing is written. A typed_config in the file may name only the types this binary
+links: those of envoy.config.{bootstrap,cluster,core,endpoint,listener,route,trace,metrics,
+overload,accesslog}.v3, the HTTP connection manager, the router, the upstream HTTP protocol
+options and the TLS transport sockets; any other is refused as unknown.
 
 The bootstrap goes to stdout, or with -o to FILE, replaced atomically (mode 0644) in a
-directory that must exist. A refusal exits 2.`,
+directory that must exist. A refusal exits 2.
+
+Istio's variables are honoured as by the agent; a flag wins over its variable:
+` + envHelp(agentEnv()) + fmt.Sprintf("  %-34s %s", "ISTIO_META_<KEY>", "node metadata <KEY>, with the variable's value"),
 		Args: cobra.NoArgs,
 		PreRunE: func(cmd *cobra.Command, _ []string) error {
 			errs := o.resolve(cmd, g.Logger())

@@ -11,6 +11,7 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 
 	"github.com/meshid/meshid/agent"
+	"github.com/meshid/meshid/internal/testutil"
 )
 
 // mainBootstrap runs `meshid agent bootstrap` as the process does, through Main, with env as the
@@ -68,7 +69,7 @@ func sdsPipe(b *bootstrapv3.Bootstrap) string {
 
 func TestBootstrapToStdout(t *testing.T) {
 	t.Parallel()
-	root := t.TempDir()
+	root := testutil.ShortTempDir(t)
 	env := map[string]string{
 		"POD_NAME": "web-1", "POD_NAMESPACE": "shop", "SERVICE_ACCOUNT": "cart", "INSTANCE_IP": "10.0.0.9",
 		"CA_ADDR": "ca:15012", "ISTIO_META_FOO": "bar", "ISTIO_META_CLUSTER_ID": "east", "UNRELATED": "x",
@@ -109,7 +110,7 @@ func TestBootstrapToStdout(t *testing.T) {
 
 func TestBootstrapToFile(t *testing.T) {
 	t.Parallel()
-	dir := t.TempDir()
+	dir := testutil.ShortTempDir(t)
 	out := filepath.Join(dir, "envoy.json")
 	if err := os.WriteFile(out, []byte("old"), 0o600); err != nil {
 		t.Fatal(err)
@@ -151,7 +152,7 @@ func TestBootstrapToFile(t *testing.T) {
 
 func TestBootstrapOverride(t *testing.T) {
 	t.Parallel()
-	dir := t.TempDir()
+	dir := testutil.ShortTempDir(t)
 	good := filepath.Join(dir, "good.yaml")
 	bad := filepath.Join(dir, "bad.yaml")
 	other := filepath.Join(dir, "other.yaml")
@@ -203,7 +204,7 @@ func TestBootstrapRefusesBadPorts(t *testing.T) {
 		{"--envoy-prometheus-port", "70000"},
 		{"--envoy-prometheus-port", "15000"},
 	} {
-		code, _, stderr := mainBootstrap(t, nil, append([]string{"--root-dir", t.TempDir()}, args...)...)
+		code, _, stderr := mainBootstrap(t, nil, append([]string{"--root-dir", testutil.ShortTempDir(t)}, args...)...)
 		if code != ExitUsage || !strings.Contains(stderr, args[0]) {
 			t.Errorf("%v: exit %d; want %d naming %s:\n%s", args, code, ExitUsage, args[0], stderr)
 		}

@@ -13,6 +13,7 @@ import (
 
 	"github.com/meshid/meshid/agent"
 	"github.com/meshid/meshid/internal/configerr"
+	"github.com/meshid/meshid/internal/testutil"
 )
 
 func bootstrapOf(t *testing.T, cfg agent.Config) *bootstrapv3.Bootstrap {
@@ -48,8 +49,8 @@ func pipes(b *bootstrapv3.Bootstrap) map[string]string {
 // The bootstrap leads Envoy to the sockets an agent run with the same configuration listens on.
 func TestBootstrapResolvesTheAgentsSockets(t *testing.T) {
 	t.Parallel()
-	root := t.TempDir()
-	other := t.TempDir()
+	root := testutil.ShortTempDir(t)
+	other := testutil.ShortTempDir(t)
 	for _, tc := range []struct {
 		name     string
 		modify   func(*agent.Config)
@@ -85,7 +86,7 @@ func TestBootstrapResolvesTheAgentsSockets(t *testing.T) {
 
 func TestBootstrapNode(t *testing.T) {
 	t.Parallel()
-	cfg := agent.DefaultConfig(t.TempDir())
+	cfg := agent.DefaultConfig(testutil.ShortTempDir(t))
 	cfg.Identity.PodName = "web-1"
 	cfg.Envoy.Metadata = map[string]string{"FOO": "bar"}
 	// The embedded CA's workload is default/default; INSTANCE_IP defaults to loopback.
@@ -118,7 +119,7 @@ func TestBootstrapNode(t *testing.T) {
 
 func TestEnvoyConfigRefusals(t *testing.T) {
 	t.Parallel()
-	dir := t.TempDir()
+	dir := testutil.ShortTempDir(t)
 	large := filepath.Join(dir, "large.yaml")
 	if err := os.WriteFile(large, []byte(strings.Repeat("#", 1<<20+1)), 0o600); err != nil {
 		t.Fatal(err)
@@ -149,9 +150,9 @@ func TestEnvoyConfigRefusals(t *testing.T) {
 // mistake: cmd names the flag and the variable, and exits 2.
 func TestBootstrapRefusesABadOverride(t *testing.T) {
 	t.Parallel()
-	dir := t.TempDir()
+	dir := testutil.ShortTempDir(t)
 	for name, content := range map[string]string{
-		"unknown field": "admin: {adress: {}}\n",
+		"unknown field": "admin: {place: {}}\n",
 		"invalid":       "static_resources: {clusters: [{type: STATIC}]}\n",
 	} {
 		path := filepath.Join(dir, strings.ReplaceAll(name, " ", "-")+".yaml")

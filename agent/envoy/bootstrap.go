@@ -8,7 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
-	"strings"
+	"path/filepath"
 	"time"
 
 	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
@@ -224,17 +224,17 @@ func validateMessage(m protoreflect.Message, path string) error {
 
 func checkBootstrapConfig(cfg BootstrapConfig) error {
 	var errs []error
-	if cfg.SDSSocket == "" || !strings.HasPrefix(cfg.SDSSocket, "/") {
+	if !filepath.IsAbs(cfg.SDSSocket) {
 		errs = append(errs, fmt.Errorf("the SDS socket %q is not an absolute path", cfg.SDSSocket))
 	}
-	if cfg.XDSSocket != "" && !strings.HasPrefix(cfg.XDSSocket, "/") {
+	if cfg.XDSSocket != "" && !filepath.IsAbs(cfg.XDSSocket) {
 		errs = append(errs, fmt.Errorf("the XDS socket %q is not an absolute path", cfg.XDSSocket))
 	}
 	if cfg.AdminPort <= 0 || cfg.AdminPort > 65535 {
 		errs = append(errs, fmt.Errorf("admin port %d: want 1-65535", cfg.AdminPort))
 	}
 	if cfg.PrometheusPort < 0 || cfg.PrometheusPort > 65535 {
-		errs = append(errs, fmt.Errorf("Prometheus port %d: want 0 (none) or 1-65535", cfg.PrometheusPort))
+		errs = append(errs, fmt.Errorf("stats (Prometheus) port %d: want 0 (none) or 1-65535", cfg.PrometheusPort))
 	}
 	return errors.Join(errs...)
 }

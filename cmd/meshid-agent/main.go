@@ -1,5 +1,5 @@
-// Command meshid-agent is the slim sidecar binary: the agent, certs, probe and version, without
-// the CA and without any Kubernetes client.
+// Command meshid-agent is the slim sidecar binary: the agent, Envoy's bootstrap, certs, probe and
+// version, without the CA and without any Kubernetes client.
 package main
 
 import (
@@ -11,10 +11,12 @@ import (
 )
 
 func main() {
-	os.Exit(cli.Main(newRootCommand(cli.RunAgent, os.LookupEnv)))
+	os.Exit(cli.Main(newRootCommand(cli.RunAgent, os.LookupEnv, os.Environ)))
 }
 
-func newRootCommand(run cli.AgentRunner, lookupEnv func(string) (string, bool)) *cobra.Command {
+// newRootCommand returns meshid-agent's commands; lookupEnv reads one variable and environ lists
+// them all (os.LookupEnv and os.Environ; nil environ: none).
+func newRootCommand(run cli.AgentRunner, lookupEnv func(string) (string, bool), environ func() []string) *cobra.Command {
 	g := &cli.Globals{}
 	root := cli.NewRoot("meshid-agent", "The meshid workload agent",
 		`meshid-agent runs next to a workload and keeps its short-lived X.509 identity fresh.
@@ -22,6 +24,7 @@ It is the agent of meshid for sidecar images: it links no CA and no Kubernetes c
 it needs a CA at --ca-addr ("meshid agent" can run one in-process).`, g)
 	root.AddCommand(
 		cli.NewAgentCommand(g, run, lookupEnv, nil),
+		cli.NewBootstrapCommand(g, lookupEnv, environ, nil),
 		cli.NewCertsCommand(),
 		cli.NewProbeCommand(),
 		cli.NewWaitCommand(),

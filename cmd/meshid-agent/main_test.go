@@ -25,6 +25,10 @@ func TestLinksNoKubernetesClientAndNoCA(t *testing.T) {
 		t.Fatalf("go list: %v", err)
 	}
 	for _, dep := range strings.Fields(string(out)) {
+		// sigs.k8s.io/yaml is YAML read as JSON, no Kubernetes in it: the bootstrap override.
+		if dep == "sigs.k8s.io/yaml" {
+			continue
+		}
 		if strings.HasPrefix(dep, "k8s.io/") || strings.HasPrefix(dep, "sigs.k8s.io/") ||
 			dep == "github.com/meshid/meshid/ca" || strings.HasPrefix(dep, "github.com/meshid/meshid/ca/") ||
 			strings.HasPrefix(dep, "github.com/meshid/meshid/controlplane") || dep == "github.com/meshid/meshid/discovery" {
@@ -40,7 +44,7 @@ func TestCommands(t *testing.T) {
 		func(k string) (string, bool) {
 			v, ok := map[string]string{"CA_ADDR": "127.0.0.1:15012", "POD_NAMESPACE": "default", "SERVICE_ACCOUNT": "demo"}[k]
 			return v, ok
-		})
+		}, nil)
 	var out bytes.Buffer
 	root.SetOut(&out)
 	root.SetArgs([]string{"agent"})
@@ -51,7 +55,7 @@ func TestCommands(t *testing.T) {
 	for _, c := range root.Commands() {
 		names = append(names, c.Name())
 	}
-	for _, want := range []string{"agent", "certs", "probe", "version"} {
+	for _, want := range []string{"agent", "bootstrap", "certs", "probe", "version"} {
 		if !strings.Contains(strings.Join(names, " "), want) {
 			t.Errorf("meshid-agent lacks %q (has %v)", want, names)
 		}
@@ -67,7 +71,7 @@ func TestCommands(t *testing.T) {
 // CA to run in-process.
 func TestNoCAAddressWithoutCredentials(t *testing.T) {
 	t.Parallel()
-	root := newRootCommand(cli.RunAgent, func(string) (string, bool) { return "", false })
+	root := newRootCommand(cli.RunAgent, func(string) (string, bool) { return "", false }, nil)
 	var stderr bytes.Buffer
 	root.SetErr(&stderr)
 	root.SetArgs([]string{"agent", "--root-dir", testutil.ShortTempDir(t), "--status-addr", "127.0.0.1:0", "--debug-addr", ""})
@@ -81,7 +85,7 @@ func TestNoCAAddressWithoutCredentials(t *testing.T) {
 // it says so and exits 2, as for any other mistake in how it was called.
 func TestAgentWithoutACAExitsTwo(t *testing.T) {
 	t.Parallel()
-	root := newRootCommand(cli.RunAgent, func(string) (string, bool) { return "", false })
+	root := newRootCommand(cli.RunAgent, func(string) (string, bool) { return "", false }, nil)
 	var stderr bytes.Buffer
 	root.SetErr(&stderr)
 	root.SetArgs([]string{"agent", "--root-dir", testutil.ShortTempDir(t), "--status-addr", "127.0.0.1:0", "--debug-addr", ""})
@@ -156,7 +160,7 @@ func TestSidecarManifestConfiguresTheAgent(t *testing.T) {
 
 	var got agent.Config
 	root := newRootCommand(func(_ context.Context, cfg agent.Config) error { got = cfg; return nil },
-		func(k string) (string, bool) { v, ok := env[k]; return v, ok })
+		func(k string) (string, bool) { v, ok := env[k]; return v, ok }, nil)
 	var stderr bytes.Buffer
 	root.SetErr(&stderr)
 	root.SetArgs(found.Args)
@@ -184,5 +188,27 @@ func TestSidecarManifestConfiguresTheAgent(t *testing.T) {
 	}
 	if _, port, _ := strings.Cut(got.Servers.StatusAddr, ":"); len(found.Ports) != 1 || port != strconv.Itoa(found.Ports[0].ContainerPort) {
 		t.Errorf("status address %s, container ports %+v: the readiness probe would miss it", got.Servers.StatusAddr, found.Ports)
+	}
+}
+
+// `meshid-agent bootstrap` writes the bootstrap of the agent the same flags and variables
+// describe, ISTIO_META_* included.
+func TestBootstrapCommand(t *testing.T) {
+	t.Parallel()
+	env := map[string]string{"CA_ADDR": "ca:15012", "POD_NAMESPACE": "shop", "SERVICE_ACCOUNT": "cart", "ISTIO_META_FOO": "bar"}
+	root := newRootCommand(cli.RunAgent, func(k string) (string, bool) { v, ok := env[k]; return v, ok },
+		func() []string { return []string{"ISTIO_META_FOO=bar", "CA_ADDR=ca:15012"} })
+	var stdout, stderr bytes.Buffer
+	root.SetOut(&stdout)
+	root.SetErr(&stderr)
+	dir := t.TempDir()
+	root.SetArgs([]string{"bootstrap", "--root-dir", dir})
+	if err := root.ExecuteContext(t.Context()); err != nil {
+		t.Fatalf("%v\n%s", err, stderr.String())
+	}
+	for _, want := range []string{`"FOO": "bar"`, `"cluster": "cart.shop"`, `"path": "` + filepath.Join(dir, agent.DefaultXDSSocket) + `"`} {
+		if !strings.Contains(stdout.String(), want) {
+			t.Errorf("bootstrap lacks %s:\n%s", want, stdout.String())
+		}
 	}
 }

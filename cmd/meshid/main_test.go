@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -25,7 +26,7 @@ func execute(t *testing.T, args ...string) (controlplane.Config, string, string,
 	root := newRootCommand(func(_ context.Context, cfg controlplane.Config) error {
 		got = cfg
 		return nil
-	}, func(context.Context, agent.Config) error { return nil }, func(string) (string, bool) { return "", false })
+	}, func(context.Context, agent.Config) error { return nil }, func(string) (string, bool) { return "", false }, nil)
 	var stdout, stderr bytes.Buffer
 	root.SetOut(&stdout)
 	root.SetErr(&stderr)
@@ -287,5 +288,18 @@ func TestVersion(t *testing.T) {
 	_, stdout, _, err := execute(t, "version")
 	if err != nil || !strings.HasPrefix(stdout, "meshid ") {
 		t.Fatalf("version printed %q (%v)", stdout, err)
+	}
+}
+
+// `meshid agent bootstrap` writes the bootstrap of the agent the same flags describe.
+func TestAgentBootstrapCommand(t *testing.T) {
+	t.Parallel()
+	root := t.TempDir()
+	_, stdout, stderr, err := execute(t, "agent", "bootstrap", "--root-dir", root)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, stderr)
+	}
+	if !json.Valid([]byte(stdout)) || !strings.Contains(stdout, `"path": "`+filepath.Join(root, agent.DefaultSocketDir, "socket")+`"`) {
+		t.Errorf("not the bootstrap of an agent under %s:\n%s", root, stdout)
 	}
 }

@@ -27,7 +27,7 @@ func mainMeshid(t *testing.T, env map[string]string, args ...string) (int, strin
 		ctx, cancel := context.WithCancel(ctx)
 		cancel()
 		return cli.RunAgent(ctx, cfg)
-	}, func(k string) (string, bool) { v, ok := env[k]; return v, ok })
+	}, func(k string) (string, bool) { v, ok := env[k]; return v, ok }, nil)
 	var out bytes.Buffer
 	root.SetOut(&out)
 	root.SetErr(&out)

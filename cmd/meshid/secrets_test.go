@@ -23,7 +23,7 @@ func executeEnv(t *testing.T, env map[string]string, args ...string) (controlpla
 	}, func(context.Context, agent.Config) error { return nil }, func(k string) (string, bool) {
 		v, ok := env[k]
 		return v, ok
-	})
+	}, nil)
 	var out bytes.Buffer
 	root.SetOut(&out)
 	root.SetErr(&out)

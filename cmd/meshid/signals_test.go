@@ -30,7 +30,7 @@ func TestHelperProcess(t *testing.T) {
 			break
 		}
 	}
-	root := newRootCommand(runCA, cli.RunAgent, os.LookupEnv)
+	root := newRootCommand(runCA, cli.RunAgent, os.LookupEnv, os.Environ)
 	root.SetArgs(args)
 	os.Exit(cli.Main(root))
 }

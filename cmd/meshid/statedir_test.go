@@ -20,7 +20,7 @@ import (
 // code and what it printed on stderr.
 func mainExit(t *testing.T, args ...string) (int, string) {
 	t.Helper()
-	root := newRootCommand(runCA, func(context.Context, agent.Config) error { return nil }, func(string) (string, bool) { return "", false })
+	root := newRootCommand(runCA, func(context.Context, agent.Config) error { return nil }, func(string) (string, bool) { return "", false }, nil)
 	var stdout, stderr bytes.Buffer
 	root.SetOut(&stdout)
 	root.SetErr(&stderr)
@@ -131,7 +131,7 @@ func TestAgentRefusesAnEmbeddedStateDirNotOurs(t *testing.T) {
 	if err := os.Chmod(stateDir, 0o770); err != nil {
 		t.Fatal(err)
 	}
-	root := newRootCommand(runCA, cli.RunAgent, func(string) (string, bool) { return "", false })
+	root := newRootCommand(runCA, cli.RunAgent, func(string) (string, bool) { return "", false }, nil)
 	var stderr bytes.Buffer
 	root.SetOut(new(bytes.Buffer))
 	root.SetErr(&stderr)
@@ -176,7 +176,7 @@ func TestAgentRefusesOutputCertsNotOursOrInUse(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			root := newRootCommand(runCA, startAndStop, func(string) (string, bool) { return "", false })
+			root := newRootCommand(runCA, startAndStop, func(string) (string, bool) { return "", false }, nil)
 			var stderr bytes.Buffer
 			root.SetOut(new(bytes.Buffer))
 			root.SetErr(&stderr)

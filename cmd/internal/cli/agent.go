@@ -4,12 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
 
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 
 	"github.com/meshid/meshid/agent"
 	"github.com/meshid/meshid/internal/logkey"
@@ -58,14 +60,16 @@ func agentEnv() []envBinding {
 		{"pilot-cert-provider", "PILOT_CERT_PROVIDER"},
 		{"istio-kube-app-probers", "ISTIO_KUBE_APP_PROBERS"},
 		{"istio-prometheus-annotations", "ISTIO_PROMETHEUS_ANNOTATIONS"},
+		{"pod-name", "POD_NAME"},
+		{"bootstrap-override", "ISTIO_BOOTSTRAP_OVERRIDE"},
 	}
 }
 
 // unimplementedIstioEnv lists the variables that Istio's sidecar injector sets, or that users of
 // pilot-agent commonly set, and that meshid does not implement. The agent names those that are
 // set in one warning at start, rather than ignore them silently. Later work implements some:
-// the Envoy supervision and draining of the Envoy issue (ISTIO_BOOTSTRAP_OVERRIDE, the drain
-// variables, EXIT_ON_ZERO_ACTIVE_CONNECTIONS), the GCE credential
+// the Envoy supervision and draining of the Envoy issue (the drain variables,
+// EXIT_ON_ZERO_ACTIVE_CONNECTIONS), the GCE credential
 // fetcher of the providers issue (GCE_METADATA_HOST). meshid ignores the others on purpose: it
 // reads no mesh config (PROXY_CONFIG); it reads whatever token is at --token-path, first- or
 // third-party (JWT_POLICY); it proxies no DNS (ISTIO_META_DNS_*); its debug server is
@@ -74,7 +78,6 @@ func agentEnv() []envBinding {
 // in --workload-socket-dir (WORKLOAD_IDENTITY_SOCKET_FILE).
 func unimplementedIstioEnv() []string {
 	return []string{
-		"ISTIO_BOOTSTRAP_OVERRIDE",
 		"MINIMUM_DRAIN_DURATION",
 		"TERMINATION_DRAIN_DURATION_SECONDS",
 		"EXIT_ON_ZERO_ACTIVE_CONNECTIONS",
@@ -131,13 +134,226 @@ func checkIstioProviders(fetcher, identityProvider, pilotCertProvider string) []
 	return errs
 }
 
+// agentOptions are the agent's flags and variables, resolved into the agent.Config they describe:
+// the agent command runs it, the bootstrap command writes the bootstrap of the Envoy it serves.
+// One list of flags, so that the two always mean the same agent.
+type agentOptions struct {
+	cfg                                                                  agent.Config
+	keyAlgorithm, caProvider, socketMode, outputGroupRead                string
+	credentialFetcherType, credentialIdentityProvider, pilotCertProvider string
+
+	lookupEnv func(string) (string, bool)
+	environ   func() []string
+	// given are the flags set on the command line, before resolve sets flags from variables.
+	given map[string]bool
+}
+
+// newAgentOptions returns the options of an agent; lookupEnv reads one variable and environ lists
+// them all, KEY=value (os.LookupEnv and os.Environ in production; nil environ: none); embed
+// starts the control plane in-process when no CA is given (nil in a binary without a CA).
+func newAgentOptions(lookupEnv func(string) (string, bool), environ func() []string, embed agent.EmbedFunc) *agentOptions {
+	o := &agentOptions{cfg: agent.DefaultConfig(""), lookupEnv: lookupEnv, environ: environ}
+	o.cfg.CA.Embed = embed
+	return o
+}
+
+// bind defines the agent's flags on f.
+func (o *agentOptions) bind(f *pflag.FlagSet) {
+	embedded := o.cfg.CA.Embed != nil
+	f.StringVar(&o.cfg.RootDir, "root-dir", "", "prefix of every default path, so that a non-root user can run the agent anywhere")
+	caAddrHelp := "address of the CA, HOST:PORT (CA_ADDR); empty runs the control plane in-process"
+	if !embedded {
+		caAddrHelp = "address of the CA, HOST:PORT (CA_ADDR); required"
+	}
+	f.StringVar(&o.cfg.CA.Address, "ca-addr", "", caAddrHelp)
+	f.StringVar(&o.caProvider, "ca-provider", "Citadel", "CA protocol: Citadel (anything but GoogleCA means Citadel, as in Istio) (CA_PROVIDER); GoogleCA is refused")
+	f.StringVar(&o.credentialFetcherType, "credential-fetcher-type", "", "where the token comes from (CREDENTIAL_FETCHER_TYPE): JWT, Istio's name for the token file at --token-path, is all meshid does; GoogleComputeEngine is refused")
+	f.StringVar(&o.credentialIdentityProvider, "credential-identity-provider", "", "identity provider of a credential fetcher meshid does not support yet (CREDENTIAL_IDENTITY_PROVIDER); any value is refused")
+	f.StringVar(&o.pilotCertProvider, "pilot-cert-provider", "", "which roots verify the CA and the discovery server (PILOT_CERT_PROVIDER): istiod, what meshid does (--ca-root-cert, --xds-root-cert); kubernetes, custom and none are refused")
+	f.StringVar(&o.cfg.CA.RootCert, "ca-root-cert", "", "PEM roots that verify the CA (CA_ROOT_CA); default: <prov-cert>/root-cert.pem, else <root-dir>/var/run/secrets/istio/root-cert.pem")
+	f.StringVar(&o.cfg.CA.ServerName, "istiod-san", o.cfg.CA.ServerName, "name verified in the CA's certificate (ISTIOD_SAN)")
+	f.StringVar(&o.cfg.CA.TokenPath, "token-path", "", "service-account token presented to the CA, re-read at every request (default <root-dir>/var/run/secrets/tokens/istio-token)")
+	f.StringVar(&o.cfg.CA.ProvCert, "prov-cert", "", "directory of a provisioned key pair (cert-chain.pem, key.pem) for mTLS to the CA (PROV_CERT)")
+	f.StringVar(&o.cfg.Output.Dir, "output-certs", "", "directory that receives key.pem, cert-chain.pem and root-cert.pem on every renewal (OUTPUT_CERTS); made 0700 when missing, refused when another user owns it or can write in it, and locked by this agent while it runs")
+	f.StringVar(&o.outputGroupRead, "output-certs-group-read", "none", "what the agent's group may read in --output-certs: none, certs (directories 0750, cert-chain.pem and root-cert.pem 0640) or all (key.pem 0640 too)")
+	f.StringVar(&o.cfg.Identity.TrustDomain, "trust-domain", o.cfg.Identity.TrustDomain, "trust domain of the workload's SPIFFE ID (TRUST_DOMAIN)")
+	f.StringVar(&o.cfg.Identity.Namespace, "namespace", "", "namespace of the workload (POD_NAMESPACE)")
+	f.StringVar(&o.cfg.Identity.ServiceAccount, "service-account", "", "service account of the workload (SERVICE_ACCOUNT)")
+	f.StringVar(&o.cfg.CA.ClusterID, "cluster-id", "", "cluster ID sent to the CA (ISTIO_META_CLUSTER_ID)")
+	f.StringVar(&o.keyAlgorithm, "key-algorithm", string(pki.ECDSA), "workload key: ECDSA (P-256) or RSA (ECC_SIGNATURE_ALGORITHM)")
+	f.IntVar(&o.cfg.Certificate.RSAKeySize, "workload-rsa-key-size", o.cfg.Certificate.RSAKeySize, "RSA key size when --key-algorithm is RSA (WORKLOAD_RSA_KEY_SIZE)")
+	f.DurationVar(&o.cfg.Certificate.TTL, "secret-ttl", o.cfg.Certificate.TTL, "certificate lifetime asked of the CA (SECRET_TTL)")
+	f.Float64Var(&o.cfg.Certificate.GraceRatio, "grace-period-ratio", o.cfg.Certificate.GraceRatio, "renew when this share of the certificate's lifetime is left (SECRET_GRACE_PERIOD_RATIO)")
+	f.Float64Var(&o.cfg.Certificate.GraceRatioJitter, "grace-period-ratio-jitter", o.cfg.Certificate.GraceRatioJitter, "random ± spread of the ratio, so that workloads do not renew in step (SECRET_GRACE_PERIOD_RATIO_JITTER)")
+	f.StringVar(&o.cfg.SDS.SocketDir, "workload-socket-dir", "", "directory of the SDS socket (default <root-dir>/var/run/secrets/workload-spiffe-uds)")
+	f.StringVar(&o.socketMode, "socket-mode", "0660", "file mode of the SDS socket")
+	f.StringVar(&o.cfg.SDS.CredentialsDir, "credentials-dir", "", "directory whose cert-chain.pem, key.pem and root-cert.pem are served instead of a CA's (default <root-dir>/var/run/secrets/workload-spiffe-credentials)")
+	f.BoolVar(&o.cfg.SDS.FileMountedCerts, "file-mounted-certs", false, "serve <root-dir>/etc/certs/{cert-chain,key,root-cert}.pem and use no CA (FILE_MOUNTED_CERTS)")
+	f.StringSliceVar(&o.cfg.SDS.FileResourceDirs, "file-resource-dirs", nil, "directories that file-cert: and file-root: secrets may read (default: the credentials dir and <root-dir>/etc/certs)")
+	f.DurationVar(&o.cfg.SDS.DrainDuration, "drain-duration", 0, "how long SDS streams may go on after SIGTERM")
+	f.IntVar(&o.cfg.SDS.MaxStreams, "sds-max-streams", o.cfg.SDS.MaxStreams, "SDS streams and FetchSecrets calls open at once, over all connections, and open connections; past it a stream is refused (ResourceExhausted) and a connection closed. Envoy opens one stream per secret name: a sidecar a handful, a gateway one more per file-mounted certificate; each costs about 17 kB")
+	f.IntVar(&o.cfg.SDS.MaxStreamsPerConnection, "sds-max-streams-per-connection", o.cfg.SDS.MaxStreamsPerConnection, "SDS streams one connection may carry at once, told to the client (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS), which holds further ones back until one ends")
+	f.StringVar(&o.cfg.XDS.DiscoveryAddress, "discovery-addr", "", "discovery server Envoy's xDS is proxied to, HOST:PORT (Istio's discoveryAddress; CA_ADDR defaults to it); default: the CA's address, or the in-process control plane")
+	f.StringVar(&o.cfg.XDS.Socket, "xds-socket", "", "Unix socket Envoy's ADS connects to (default <root-dir>/etc/istio/proxy/XDS)")
+	f.StringVar(&o.cfg.XDS.RootCert, "xds-root-cert", "", "PEM roots that verify the discovery server (XDS_ROOT_CA); default: the CA's roots")
+	f.IntVar(&o.cfg.XDS.MaxStreams, "xds-proxy-max-streams", o.cfg.XDS.MaxStreams, "Envoy's ADS streams open at once through the xDS proxy, and open connections; past it a stream is refused (ResourceExhausted) and a connection closed. Envoy opens one ADS stream; each costs about 41 kB here and one stream upstream")
+	f.IntVar(&o.cfg.XDS.MaxStreamsPerConnection, "xds-proxy-max-streams-per-connection", o.cfg.XDS.MaxStreamsPerConnection, "ADS streams one connection to the xDS proxy may carry at once, told to the client (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS)")
+	f.StringVar(&o.cfg.XDS.DebugSocket, "xds-debug-socket", "", "Unix socket of /debug/<type>, with the XDS socket's mode (default: "+agent.XDSDebugSocketName+" next to --xds-socket)")
+	f.BoolVar(&o.cfg.XDS.DebugTCP, "xds-debug-tcp", false, "also answer /debug/<type> on --debug-addr: any local user, not only who may open the XDS socket, can then read this namespace's configuration and its other proxies")
+	f.BoolVar(&o.cfg.XDS.Proxy, "proxy-xds-via-agent", o.cfg.XDS.Proxy, "serve Envoy's ADS on --xds-socket and proxy it to the discovery server (PROXY_XDS_VIA_AGENT)")
+	f.BoolVar(&o.cfg.XDS.ProxyDebug, "proxy-xds-debug-via-agent", o.cfg.XDS.ProxyDebug, "answer /debug/<type> on --xds-debug-socket with the discovery server's istio.io/debug/<type> for this proxy (PROXY_XDS_DEBUG_VIA_AGENT)")
+	f.StringVar(&o.cfg.Servers.StatusAddr, "status-addr", o.cfg.Servers.StatusAddr, "listen address of /healthz/ready and /metrics")
+	f.StringVar(&o.cfg.Servers.AppProbers, "istio-kube-app-probers", "", `the workload's probes as Istio's injector writes them (ISTIO_KUBE_APP_PROBERS), JSON of path: probe, such as {"/app-health/web/livez":{"httpGet":{"path":"/healthz","port":8080},"timeoutSeconds":1}}; each path is answered on --status-addr by running its httpGet, tcpSocket or grpc probe on --instance-ip (127.0.0.1 when empty), at most 4 of a path at once`)
+	f.StringVar(&o.cfg.Servers.PrometheusAnnotations, "istio-prometheus-annotations", "", `where the application serves its metrics, as Istio's injector writes the pod's prometheus.io annotations (ISTIO_PROMETHEUS_ANNOTATIONS), such as {"scrape":"true","path":"/metrics","port":"9090"} (path /metrics and port 80 when empty, "scheme":"https" too); GET /stats/prometheus on --status-addr merges them, scraped on --instance-ip (127.0.0.1 when empty), with the agent's and Envoy's`)
+	f.StringVar(&o.cfg.Identity.InstanceIP, "instance-ip", "", "the workload's address (INSTANCE_IP, the pod IP on Kubernetes), where application probes go, as Istio's agent sends them; empty: 127.0.0.1")
+	f.StringVar(&o.cfg.Servers.DebugAddr, "debug-addr", o.cfg.Servers.DebugAddr, "loopback listen address of /debug/secrets (and /debug/<type> with --xds-debug-tcp); answers only a Host naming loopback; empty disables it")
+	f.StringVar(&o.cfg.Identity.PodName, "pod-name", "", "the workload's pod (POD_NAME), in Envoy's node id and metadata; empty: the host's name, which is the pod's on Kubernetes")
+	f.StringVar(&o.cfg.Envoy.BootstrapOverride, "bootstrap-override", "", "a bootstrap, JSON or YAML, merged over the one written (ISTIO_BOOTSTRAP_OVERRIDE), as Istio merges it: a value it sets replaces the written one, a list it gives is appended to")
+	f.IntVar(&o.cfg.Envoy.AdminPort, "envoy-admin-port", o.cfg.Envoy.AdminPort, "port of Envoy's admin, on 127.0.0.1 (Istio's proxyAdminPort)")
+	f.IntVar(&o.cfg.Envoy.PrometheusPort, "envoy-prometheus-port", o.cfg.Envoy.PrometheusPort, "port of Envoy's listener that serves its /stats/prometheus on every address, for Prometheus to scrape; 0: none")
+}
+
+// resolve merges the variables under the flags not given and resolves what the flags and
+// variables mean into o.cfg; it returns every problem at once, a newcomer fixes them in one go.
+// The caller validates o.cfg.
+func (o *agentOptions) resolve(cmd *cobra.Command, log *slog.Logger) []error {
+	if set := setVariables(unimplementedIstioEnv(), o.lookupEnv); len(set) > 0 {
+		log.Warn("set but not implemented by meshid; ignored", logkey.Variables, set)
+	}
+	var errs []error
+	flags := cmd.Flags()
+	o.given = map[string]bool{}
+	flags.Visit(func(f *pflag.Flag) { o.given[f.Name] = true })
+	for _, b := range agentEnv() {
+		if v, ok := o.lookupEnv(b.env); ok && v != "" && !flags.Changed(b.flag) {
+			if err := flags.Set(b.flag, v); err != nil {
+				errs = append(errs, fmt.Errorf("%s=%q: %w", b.env, v, err))
+			}
+		}
+	}
+	o.cfg.Envoy.Metadata = istioMeta(o.environ)
+	cfg := &o.cfg
+	alg, err := pki.ParseKeyAlgorithm(o.keyAlgorithm)
+	if err != nil {
+		errs = append(errs, fmt.Errorf("--key-algorithm (ECC_SIGNATURE_ALGORITHM): %w", err))
+	} else {
+		cfg.Certificate.KeyAlgorithm = alg
+	}
+	if strings.EqualFold(o.caProvider, "GoogleCA") {
+		errs = append(errs, fmt.Errorf("CA_PROVIDER=%s is not supported yet: meshid speaks Istio's CA protocol (Citadel)", o.caProvider))
+	}
+	errs = append(errs, checkIstioProviders(o.credentialFetcherType, o.credentialIdentityProvider, o.pilotCertProvider)...)
+	if cfg.RootDir != "" {
+		if abs, err := filepath.Abs(cfg.RootDir); err != nil {
+			errs = append(errs, fmt.Errorf("--root-dir: %w", err))
+		} else {
+			cfg.RootDir = abs
+		}
+	}
+	if !flags.Changed("token-path") {
+		cfg.CA.TokenPath = filepath.Join(rootOrSlash(cfg.RootDir), agent.DefaultTokenPath)
+	}
+	if mode, err := strconv.ParseUint(o.socketMode, 8, 32); err != nil || mode > 0o777 {
+		errs = append(errs, fmt.Errorf("--socket-mode %q: want an octal file mode such as 0660", o.socketMode))
+	} else {
+		cfg.SDS.SocketMode = os.FileMode(mode)
+	}
+	switch o.outputGroupRead {
+	case "none":
+	case "certs":
+		cfg.Output.GroupRead = true
+	case "all":
+		cfg.Output.GroupRead, cfg.Output.KeyGroupRead = true, true
+	default:
+		errs = append(errs, fmt.Errorf("--output-certs-group-read %q: want none, certs or all", o.outputGroupRead))
+	}
+	if o.outputGroupRead != "none" && cfg.Output.Dir == "" {
+		errs = append(errs, errors.New("--output-certs-group-read needs --output-certs (OUTPUT_CERTS)"))
+	}
+	if cfg.CA.Address == "" && cfg.XDS.DiscoveryAddress != "" {
+		cfg.CA.Address = cfg.XDS.DiscoveryAddress // CA_ADDR defaults to the discovery address, as in Istio
+	}
+	if !cfg.XDS.Proxy {
+		if flags.Changed("proxy-xds-debug-via-agent") && cfg.XDS.ProxyDebug {
+			errs = append(errs, errors.New("--proxy-xds-debug-via-agent (PROXY_XDS_DEBUG_VIA_AGENT) needs the xDS proxy: --proxy-xds-via-agent (PROXY_XDS_VIA_AGENT) is false"))
+		}
+		for _, name := range []string{"discovery-addr", "xds-socket", "xds-root-cert", "xds-debug-socket", "xds-debug-tcp",
+			"xds-proxy-max-streams", "xds-proxy-max-streams-per-connection"} {
+			if flags.Changed(name) {
+				errs = append(errs, fmt.Errorf("--%s configures the xDS proxy, which --proxy-xds-via-agent=false (PROXY_XDS_VIA_AGENT) turns off", name))
+			}
+		}
+		cfg.XDS.ProxyDebug = false
+	} else if !cfg.XDS.ProxyDebug && flags.Changed("xds-debug-socket") {
+		errs = append(errs, errors.New("--xds-debug-socket serves /debug/<type>, which --proxy-xds-debug-via-agent=false (PROXY_XDS_DEBUG_VIA_AGENT) turns off"))
+	}
+	cfg.Logger = log
+	return errs
+}
+
+// validate returns errs and o.cfg's refusals, rendered with the flags and variables, joined.
+func (o *agentOptions) validate(errs []error) error {
+	return errors.Join(append(errs, RenderConfigErrors(o.cfg.Validate(), agentFields()))...)
+}
+
+// istioMetaPrefix starts the variables whose rest is a key of Envoy's node metadata, as in Istio.
+const istioMetaPrefix = "ISTIO_META_"
+
+// istioMeta returns the ISTIO_META_<KEY>=v variables of environ as KEY: v.
+func istioMeta(environ func() []string) map[string]string {
+	meta := map[string]string{}
+	if environ == nil {
+		return meta
+	}
+	for _, kv := range environ() {
+		name, value, _ := strings.Cut(kv, "=")
+		if key, ok := strings.CutPrefix(name, istioMetaPrefix); ok && key != "" {
+			meta[key] = value
+		}
+	}
+	return meta
+}
+
+// envoyOnlyFlags shape only the bootstrap the bootstrap command writes.
+func envoyOnlyFlags() []string {
+	return []string{"pod-name", "bootstrap-override", "envoy-admin-port", "envoy-prometheus-port"}
+}
+
+// refuseEnvoyFlagsWithoutEnvoy refuses, in the agent command, the flags that only shape Envoy's
+// bootstrap: the agent starts no Envoy, so they would do nothing. ISTIO_BOOTSTRAP_OVERRIDE, which
+// a pod may set for a bootstrap written elsewhere, is named in a warning and dropped. To relax
+// when the agent starts Envoy itself (--envoy-path).
+func refuseEnvoyFlagsWithoutEnvoy(cmd *cobra.Command, o *agentOptions, log *slog.Logger) []error {
+	var errs []error
+	for _, name := range envoyOnlyFlags() {
+		if o.given[name] {
+			errs = append(errs, fmt.Errorf("--%s applies to the bootstrap `%s` writes; the agent does not start Envoy, so here it would do nothing", name, bootstrapCommandPath(cmd)))
+		}
+	}
+	if path := o.cfg.Envoy.BootstrapOverride; path != "" && !o.given["bootstrap-override"] {
+		log.Warn("ISTIO_BOOTSTRAP_OVERRIDE shapes the bootstrap the bootstrap command writes; this agent starts no Envoy: ignored",
+			logkey.Path, path)
+	}
+	o.cfg.Envoy.BootstrapOverride = ""
+	return errs
+}
+
+// bootstrapCommandPath names the bootstrap command of the binary agent belongs to: a
+// subcommand of agent (meshid agent bootstrap) or its sibling (meshid-agent bootstrap).
+func bootstrapCommandPath(agentCmd *cobra.Command) string {
+	for _, c := range agentCmd.Commands() {
+		if c.Name() == bootstrapUse {
+			return c.CommandPath()
+		}
+	}
+	return agentCmd.Root().CommandPath() + " " + bootstrapUse
+}
+
 // NewAgentCommand returns `agent`. lookupEnv reads the environment (os.LookupEnv in production);
 // embed starts the control plane in-process when no CA is given (nil in a binary without a CA).
 func NewAgentCommand(g *Globals, run AgentRunner, lookupEnv func(string) (string, bool), embed agent.EmbedFunc) *cobra.Command {
-	cfg := agent.DefaultConfig("")
-	cfg.CA.Embed = embed
-	var keyAlgorithm, caProvider, socketMode, outputGroupRead string
-	var credentialFetcherType, credentialIdentityProvider, pilotCertProvider string
+	// The agent reads no ISTIO_META_*: only the bootstrap carries them.
+	o := newAgentOptions(lookupEnv, nil, embed)
 	caSource := `  3. else a CA: the one at --ca-addr or, when none is given, a control plane run in-process
      under --root-dir (meshid agent --root-dir ./run needs nothing else).`
 	if embed == nil {
@@ -167,10 +383,9 @@ Istio's variables are honoured, so the agent is a drop-in; a flag wins over its 
 What meshid does not implement is refused, not ignored: CREDENTIAL_FETCHER_TYPE takes JWT only
 (the token file at --token-path), PILOT_CERT_PROVIDER istiod only, CREDENTIAL_IDENTITY_PROVIDER
 nothing, CA_PROVIDER anything but GoogleCA. Istio's other variables that meshid does not
-implement (ISTIO_BOOTSTRAP_OVERRIDE, the drain durations, JWT_POLICY, PROXY_CONFIG, ...) are
-named in one warning at start when set. A path given must exist (--credentials-dir,
---prov-cert) and a root file hold a PEM certificate (--ca-root-cert, --xds-root-cert); only
-the defaults may be absent. Addresses are HOST:PORT. A refusal exits 2, before anything runs.
+implement (the drain durations, JWT_POLICY, PROXY_CONFIG, ...) are named in one warning at
+start when set. A path given must exist (--credentials-dir, --prov-cert) and a root file hold
+a PEM certificate (--ca-root-cert, --xds-root-cert); only the defaults may be absent. Addresses are HOST:PORT. A refusal exits 2, before anything runs.
 
 The status server (--status-addr) answers /healthz/ready (200 once a valid certificate is
 held and Envoy's sockets lead to the agent) and /metrics, and the kubelet's probes of the
@@ -183,132 +398,24 @@ CA, or the in-process control plane), authenticated as the CA client is; /debug/
 config_dump) from the discovery server is answered on --xds-debug-socket, next to the XDS
 socket and with its mode (curl --unix-socket <socket> http://localhost/debug/config_dump), and
 on --debug-addr only with --xds-debug-tcp. Every default path lives under --root-dir, so no
-root is needed.`,
+root is needed.
+
+Envoy's bootstrap for this agent is written by the bootstrap command, which takes the same
+flags and variables. The agent does not start Envoy: the flags that only shape the bootstrap
+(--pod-name, --bootstrap-override, --envoy-admin-port, --envoy-prometheus-port) are refused
+here, and ISTIO_BOOTSTRAP_OVERRIDE is named in a warning and ignored.`,
 		Args: cobra.NoArgs,
 		PreRunE: func(cmd *cobra.Command, _ []string) error {
 			log := g.Logger()
-			if set := setVariables(unimplementedIstioEnv(), lookupEnv); len(set) > 0 {
-				log.Warn("set but not implemented by meshid; ignored", logkey.Variables, set)
-			}
-			// Every problem at once: a newcomer fixes them in one go.
-			var errs []error
-			flags := cmd.Flags()
-			for _, b := range agentEnv() {
-				if v, ok := lookupEnv(b.env); ok && v != "" && !flags.Changed(b.flag) {
-					if err := flags.Set(b.flag, v); err != nil {
-						errs = append(errs, fmt.Errorf("%s=%q: %w", b.env, v, err))
-					}
-				}
-			}
-			alg, err := pki.ParseKeyAlgorithm(keyAlgorithm)
-			if err != nil {
-				errs = append(errs, fmt.Errorf("--key-algorithm (ECC_SIGNATURE_ALGORITHM): %w", err))
-			} else {
-				cfg.Certificate.KeyAlgorithm = alg
-			}
-			if strings.EqualFold(caProvider, "GoogleCA") {
-				errs = append(errs, fmt.Errorf("CA_PROVIDER=%s is not supported yet: meshid speaks Istio's CA protocol (Citadel)", caProvider))
-			}
-			errs = append(errs, checkIstioProviders(credentialFetcherType, credentialIdentityProvider, pilotCertProvider)...)
-			if cfg.RootDir != "" {
-				if abs, err := filepath.Abs(cfg.RootDir); err != nil {
-					errs = append(errs, fmt.Errorf("--root-dir: %w", err))
-				} else {
-					cfg.RootDir = abs
-				}
-			}
-			if !flags.Changed("token-path") {
-				cfg.CA.TokenPath = filepath.Join(rootOrSlash(cfg.RootDir), agent.DefaultTokenPath)
-			}
-			if mode, err := strconv.ParseUint(socketMode, 8, 32); err != nil || mode > 0o777 {
-				errs = append(errs, fmt.Errorf("--socket-mode %q: want an octal file mode such as 0660", socketMode))
-			} else {
-				cfg.SDS.SocketMode = os.FileMode(mode)
-			}
-			switch outputGroupRead {
-			case "none":
-			case "certs":
-				cfg.Output.GroupRead = true
-			case "all":
-				cfg.Output.GroupRead, cfg.Output.KeyGroupRead = true, true
-			default:
-				errs = append(errs, fmt.Errorf("--output-certs-group-read %q: want none, certs or all", outputGroupRead))
-			}
-			if outputGroupRead != "none" && cfg.Output.Dir == "" {
-				errs = append(errs, errors.New("--output-certs-group-read needs --output-certs (OUTPUT_CERTS)"))
-			}
-			if cfg.CA.Address == "" && cfg.XDS.DiscoveryAddress != "" {
-				cfg.CA.Address = cfg.XDS.DiscoveryAddress // CA_ADDR defaults to the discovery address, as in Istio
-			}
-			if !cfg.XDS.Proxy {
-				if flags.Changed("proxy-xds-debug-via-agent") && cfg.XDS.ProxyDebug {
-					errs = append(errs, errors.New("--proxy-xds-debug-via-agent (PROXY_XDS_DEBUG_VIA_AGENT) needs the xDS proxy: --proxy-xds-via-agent (PROXY_XDS_VIA_AGENT) is false"))
-				}
-				for _, name := range []string{"discovery-addr", "xds-socket", "xds-root-cert", "xds-debug-socket", "xds-debug-tcp",
-					"xds-proxy-max-streams", "xds-proxy-max-streams-per-connection"} {
-					if flags.Changed(name) {
-						errs = append(errs, fmt.Errorf("--%s configures the xDS proxy, which --proxy-xds-via-agent=false (PROXY_XDS_VIA_AGENT) turns off", name))
-					}
-				}
-				cfg.XDS.ProxyDebug = false
-			} else if !cfg.XDS.ProxyDebug && flags.Changed("xds-debug-socket") {
-				errs = append(errs, errors.New("--xds-debug-socket serves /debug/<type>, which --proxy-xds-debug-via-agent=false (PROXY_XDS_DEBUG_VIA_AGENT) turns off"))
-			}
-			cfg.Logger = log
-			return errors.Join(append(errs, RenderConfigErrors(cfg.Validate(), agentFields()))...)
+			errs := o.resolve(cmd, log)
+			errs = append(errs, refuseEnvoyFlagsWithoutEnvoy(cmd, o, log)...)
+			return o.validate(errs)
 		},
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			return RefusedAsCalled(RenderConfigErrors(run(cmd.Context(), cfg), agentFields()))
+			return RefusedAsCalled(RenderConfigErrors(run(cmd.Context(), o.cfg), agentFields()))
 		},
 	}
-	f := cmd.Flags()
-	f.StringVar(&cfg.RootDir, "root-dir", "", "prefix of every default path, so that a non-root user can run the agent anywhere")
-	caAddrHelp := "address of the CA, HOST:PORT (CA_ADDR); empty runs the control plane in-process"
-	if embed == nil {
-		caAddrHelp = "address of the CA, HOST:PORT (CA_ADDR); required"
-	}
-	f.StringVar(&cfg.CA.Address, "ca-addr", "", caAddrHelp)
-	f.StringVar(&caProvider, "ca-provider", "Citadel", "CA protocol: Citadel (anything but GoogleCA means Citadel, as in Istio) (CA_PROVIDER); GoogleCA is refused")
-	f.StringVar(&credentialFetcherType, "credential-fetcher-type", "", "where the token comes from (CREDENTIAL_FETCHER_TYPE): JWT, Istio's name for the token file at --token-path, is all meshid does; GoogleComputeEngine is refused")
-	f.StringVar(&credentialIdentityProvider, "credential-identity-provider", "", "identity provider of a credential fetcher meshid does not support yet (CREDENTIAL_IDENTITY_PROVIDER); any value is refused")
-	f.StringVar(&pilotCertProvider, "pilot-cert-provider", "", "which roots verify the CA and the discovery server (PILOT_CERT_PROVIDER): istiod, what meshid does (--ca-root-cert, --xds-root-cert); kubernetes, custom and none are refused")
-	f.StringVar(&cfg.CA.RootCert, "ca-root-cert", "", "PEM roots that verify the CA (CA_ROOT_CA); default: <prov-cert>/root-cert.pem, else <root-dir>/var/run/secrets/istio/root-cert.pem")
-	f.StringVar(&cfg.CA.ServerName, "istiod-san", cfg.CA.ServerName, "name verified in the CA's certificate (ISTIOD_SAN)")
-	f.StringVar(&cfg.CA.TokenPath, "token-path", "", "service-account token presented to the CA, re-read at every request (default <root-dir>/var/run/secrets/tokens/istio-token)")
-	f.StringVar(&cfg.CA.ProvCert, "prov-cert", "", "directory of a provisioned key pair (cert-chain.pem, key.pem) for mTLS to the CA (PROV_CERT)")
-	f.StringVar(&cfg.Output.Dir, "output-certs", "", "directory that receives key.pem, cert-chain.pem and root-cert.pem on every renewal (OUTPUT_CERTS); made 0700 when missing, refused when another user owns it or can write in it, and locked by this agent while it runs")
-	f.StringVar(&outputGroupRead, "output-certs-group-read", "none", "what the agent's group may read in --output-certs: none, certs (directories 0750, cert-chain.pem and root-cert.pem 0640) or all (key.pem 0640 too)")
-	f.StringVar(&cfg.Identity.TrustDomain, "trust-domain", cfg.Identity.TrustDomain, "trust domain of the workload's SPIFFE ID (TRUST_DOMAIN)")
-	f.StringVar(&cfg.Identity.Namespace, "namespace", "", "namespace of the workload (POD_NAMESPACE)")
-	f.StringVar(&cfg.Identity.ServiceAccount, "service-account", "", "service account of the workload (SERVICE_ACCOUNT)")
-	f.StringVar(&cfg.CA.ClusterID, "cluster-id", "", "cluster ID sent to the CA (ISTIO_META_CLUSTER_ID)")
-	f.StringVar(&keyAlgorithm, "key-algorithm", string(pki.ECDSA), "workload key: ECDSA (P-256) or RSA (ECC_SIGNATURE_ALGORITHM)")
-	f.IntVar(&cfg.Certificate.RSAKeySize, "workload-rsa-key-size", cfg.Certificate.RSAKeySize, "RSA key size when --key-algorithm is RSA (WORKLOAD_RSA_KEY_SIZE)")
-	f.DurationVar(&cfg.Certificate.TTL, "secret-ttl", cfg.Certificate.TTL, "certificate lifetime asked of the CA (SECRET_TTL)")
-	f.Float64Var(&cfg.Certificate.GraceRatio, "grace-period-ratio", cfg.Certificate.GraceRatio, "renew when this share of the certificate's lifetime is left (SECRET_GRACE_PERIOD_RATIO)")
-	f.Float64Var(&cfg.Certificate.GraceRatioJitter, "grace-period-ratio-jitter", cfg.Certificate.GraceRatioJitter, "random ± spread of the ratio, so that workloads do not renew in step (SECRET_GRACE_PERIOD_RATIO_JITTER)")
-	f.StringVar(&cfg.SDS.SocketDir, "workload-socket-dir", "", "directory of the SDS socket (default <root-dir>/var/run/secrets/workload-spiffe-uds)")
-	f.StringVar(&socketMode, "socket-mode", "0660", "file mode of the SDS socket")
-	f.StringVar(&cfg.SDS.CredentialsDir, "credentials-dir", "", "directory whose cert-chain.pem, key.pem and root-cert.pem are served instead of a CA's (default <root-dir>/var/run/secrets/workload-spiffe-credentials)")
-	f.BoolVar(&cfg.SDS.FileMountedCerts, "file-mounted-certs", false, "serve <root-dir>/etc/certs/{cert-chain,key,root-cert}.pem and use no CA (FILE_MOUNTED_CERTS)")
-	f.StringSliceVar(&cfg.SDS.FileResourceDirs, "file-resource-dirs", nil, "directories that file-cert: and file-root: secrets may read (default: the credentials dir and <root-dir>/etc/certs)")
-	f.DurationVar(&cfg.SDS.DrainDuration, "drain-duration", 0, "how long SDS streams may go on after SIGTERM")
-	f.IntVar(&cfg.SDS.MaxStreams, "sds-max-streams", cfg.SDS.MaxStreams, "SDS streams and FetchSecrets calls open at once, over all connections, and open connections; past it a stream is refused (ResourceExhausted) and a connection closed. Envoy opens one stream per secret name: a sidecar a handful, a gateway one more per file-mounted certificate; each costs about 17 kB")
-	f.IntVar(&cfg.SDS.MaxStreamsPerConnection, "sds-max-streams-per-connection", cfg.SDS.MaxStreamsPerConnection, "SDS streams one connection may carry at once, told to the client (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS), which holds further ones back until one ends")
-	f.StringVar(&cfg.XDS.DiscoveryAddress, "discovery-addr", "", "discovery server Envoy's xDS is proxied to, HOST:PORT (Istio's discoveryAddress; CA_ADDR defaults to it); default: the CA's address, or the in-process control plane")
-	f.StringVar(&cfg.XDS.Socket, "xds-socket", "", "Unix socket Envoy's ADS connects to (default <root-dir>/etc/istio/proxy/XDS)")
-	f.StringVar(&cfg.XDS.RootCert, "xds-root-cert", "", "PEM roots that verify the discovery server (XDS_ROOT_CA); default: the CA's roots")
-	f.IntVar(&cfg.XDS.MaxStreams, "xds-proxy-max-streams", cfg.XDS.MaxStreams, "Envoy's ADS streams open at once through the xDS proxy, and open connections; past it a stream is refused (ResourceExhausted) and a connection closed. Envoy opens one ADS stream; each costs about 41 kB here and one stream upstream")
-	f.IntVar(&cfg.XDS.MaxStreamsPerConnection, "xds-proxy-max-streams-per-connection", cfg.XDS.MaxStreamsPerConnection, "ADS streams one connection to the xDS proxy may carry at once, told to the client (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS)")
-	f.StringVar(&cfg.XDS.DebugSocket, "xds-debug-socket", "", "Unix socket of /debug/<type>, with the XDS socket's mode (default: "+agent.XDSDebugSocketName+" next to --xds-socket)")
-	f.BoolVar(&cfg.XDS.DebugTCP, "xds-debug-tcp", false, "also answer /debug/<type> on --debug-addr: any local user, not only who may open the XDS socket, can then read this namespace's configuration and its other proxies")
-	f.BoolVar(&cfg.XDS.Proxy, "proxy-xds-via-agent", cfg.XDS.Proxy, "serve Envoy's ADS on --xds-socket and proxy it to the discovery server (PROXY_XDS_VIA_AGENT)")
-	f.BoolVar(&cfg.XDS.ProxyDebug, "proxy-xds-debug-via-agent", cfg.XDS.ProxyDebug, "answer /debug/<type> on --xds-debug-socket with the discovery server's istio.io/debug/<type> for this proxy (PROXY_XDS_DEBUG_VIA_AGENT)")
-	f.StringVar(&cfg.Servers.StatusAddr, "status-addr", cfg.Servers.StatusAddr, "listen address of /healthz/ready and /metrics")
-	f.StringVar(&cfg.Servers.AppProbers, "istio-kube-app-probers", "", `the workload's probes as Istio's injector writes them (ISTIO_KUBE_APP_PROBERS), JSON of path: probe, such as {"/app-health/web/livez":{"httpGet":{"path":"/healthz","port":8080},"timeoutSeconds":1}}; each path is answered on --status-addr by running its httpGet, tcpSocket or grpc probe on --instance-ip (127.0.0.1 when empty), at most 4 of a path at once`)
-	f.StringVar(&cfg.Servers.PrometheusAnnotations, "istio-prometheus-annotations", "", `where the application serves its metrics, as Istio's injector writes the pod's prometheus.io annotations (ISTIO_PROMETHEUS_ANNOTATIONS), such as {"scrape":"true","path":"/metrics","port":"9090"} (path /metrics and port 80 when empty, "scheme":"https" too); GET /stats/prometheus on --status-addr merges them, scraped on --instance-ip (127.0.0.1 when empty), with the agent's and Envoy's`)
-	f.StringVar(&cfg.Identity.InstanceIP, "instance-ip", "", "the workload's address (INSTANCE_IP, the pod IP on Kubernetes), where application probes go, as Istio's agent sends them; empty: 127.0.0.1")
-	f.StringVar(&cfg.Servers.DebugAddr, "debug-addr", cfg.Servers.DebugAddr, "loopback listen address of /debug/secrets (and /debug/<type> with --xds-debug-tcp); answers only a Host naming loopback; empty disables it")
+	o.bind(cmd.Flags())
 	return cmd
 }
 
@@ -320,6 +427,7 @@ func agentFieldFlags() map[string]string {
 		"Identity.Namespace":           "namespace",
 		"Identity.ServiceAccount":      "service-account",
 		"Identity.InstanceIP":          "instance-ip",
+		"Identity.PodName":             "pod-name",
 		"CA.Address":                   "ca-addr",
 		"CA.RootCert":                  "ca-root-cert",
 		"CA.ServerName":                "istiod-san",
@@ -354,6 +462,9 @@ func agentFieldFlags() map[string]string {
 		"Servers.StatusAddr":           "status-addr",
 		"Servers.DebugAddr":            "debug-addr",
 		"Servers.AppProbers":           "istio-kube-app-probers",
+		"Envoy.AdminPort":              "envoy-admin-port",
+		"Envoy.PrometheusPort":         "envoy-prometheus-port",
+		"Envoy.BootstrapOverride":      "bootstrap-override",
 		"RootDir":                      "root-dir",
 
 		"Servers.PrometheusAnnotations": "istio-prometheus-annotations",

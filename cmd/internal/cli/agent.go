@@ -6,9 +6,13 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"os/signal"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
+	"syscall"
+	"time"
 
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
@@ -62,14 +66,15 @@ func agentEnv() []envBinding {
 		{"istio-prometheus-annotations", "ISTIO_PROMETHEUS_ANNOTATIONS"},
 		{"pod-name", "POD_NAME"},
 		{"bootstrap-override", "ISTIO_BOOTSTRAP_OVERRIDE"},
+		{"minimum-drain-duration", "MINIMUM_DRAIN_DURATION"},
+		{"termination-drain-duration-seconds", "TERMINATION_DRAIN_DURATION_SECONDS"},
+		{"exit-on-zero-active-connections", "EXIT_ON_ZERO_ACTIVE_CONNECTIONS"},
 	}
 }
 
 // unimplementedIstioEnv lists the variables that Istio's sidecar injector sets, or that users of
 // pilot-agent commonly set, and that meshid does not implement. The agent names those that are
-// set in one warning at start, rather than ignore them silently. Later work implements some:
-// the Envoy supervision and draining of the Envoy issue (the drain variables,
-// EXIT_ON_ZERO_ACTIVE_CONNECTIONS), the GCE credential
+// set in one warning at start, rather than ignore them silently. Later work implements some: the GCE credential
 // fetcher of the providers issue (GCE_METADATA_HOST). meshid ignores the others on purpose: it
 // reads no mesh config (PROXY_CONFIG); it reads whatever token is at --token-path, first- or
 // third-party (JWT_POLICY); it proxies no DNS (ISTIO_META_DNS_*); its debug server is
@@ -78,9 +83,6 @@ func agentEnv() []envBinding {
 // in --workload-socket-dir (WORKLOAD_IDENTITY_SOCKET_FILE).
 func unimplementedIstioEnv() []string {
 	return []string{
-		"MINIMUM_DRAIN_DURATION",
-		"TERMINATION_DRAIN_DURATION_SECONDS",
-		"EXIT_ON_ZERO_ACTIVE_CONNECTIONS",
 		"GCE_METADATA_HOST",
 		"PROXY_CONFIG",
 		"JWT_POLICY",
@@ -202,7 +204,7 @@ func (o *agentOptions) bind(f *pflag.FlagSet) {
 	f.BoolVar(&o.cfg.XDS.DebugTCP, "xds-debug-tcp", false, "also answer /debug/<type> on --debug-addr: any local user, not only who may open the XDS socket, can then read this namespace's configuration and its other proxies")
 	f.BoolVar(&o.cfg.XDS.Proxy, "proxy-xds-via-agent", o.cfg.XDS.Proxy, "serve Envoy's ADS on --xds-socket and proxy it to the discovery server (PROXY_XDS_VIA_AGENT)")
 	f.BoolVar(&o.cfg.XDS.ProxyDebug, "proxy-xds-debug-via-agent", o.cfg.XDS.ProxyDebug, "answer /debug/<type> on --xds-debug-socket with the discovery server's istio.io/debug/<type> for this proxy (PROXY_XDS_DEBUG_VIA_AGENT)")
-	f.StringVar(&o.cfg.Servers.StatusAddr, "status-addr", o.cfg.Servers.StatusAddr, "listen address of /healthz/ready and /metrics")
+	f.StringVar(&o.cfg.Servers.StatusAddr, "status-addr", o.cfg.Servers.StatusAddr, "listen address of /healthz/ready, /metrics, /stats/prometheus, /app-health/ and POST /quitquitquit (loopback only)")
 	f.StringVar(&o.cfg.Servers.AppProbers, "istio-kube-app-probers", "", `the workload's probes as Istio's injector writes them (ISTIO_KUBE_APP_PROBERS), JSON of path: probe, such as {"/app-health/web/livez":{"httpGet":{"path":"/healthz","port":8080},"timeoutSeconds":1}}; each path is answered on --status-addr by running its httpGet, tcpSocket or grpc probe on --instance-ip (127.0.0.1 when empty), at most 4 of a path at once`)
 	f.StringVar(&o.cfg.Servers.PrometheusAnnotations, "istio-prometheus-annotations", "", `where the application serves its metrics, as Istio's injector writes the pod's prometheus.io annotations (ISTIO_PROMETHEUS_ANNOTATIONS), such as {"scrape":"true","path":"/metrics","port":"9090"} (path /metrics and port 80 when empty, "scheme":"https" too); GET /stats/prometheus on --status-addr merges them, scraped on --instance-ip (127.0.0.1 when empty), with the agent's and Envoy's`)
 	f.StringVar(&o.cfg.Identity.InstanceIP, "instance-ip", "", "the workload's address (INSTANCE_IP, the pod IP on Kubernetes), where application probes go, as Istio's agent sends them; empty: 127.0.0.1")
@@ -211,7 +213,37 @@ func (o *agentOptions) bind(f *pflag.FlagSet) {
 	f.StringVar(&o.cfg.Envoy.BootstrapOverride, "bootstrap-override", "", "a bootstrap, JSON or YAML, merged over the one written (ISTIO_BOOTSTRAP_OVERRIDE), as Istio merges it: a value it sets replaces the written one, a list it gives is appended to")
 	f.IntVar(&o.cfg.Envoy.AdminPort, "envoy-admin-port", o.cfg.Envoy.AdminPort, "port of Envoy's admin, on 127.0.0.1 (Istio's proxyAdminPort)")
 	f.IntVar(&o.cfg.Envoy.PrometheusPort, "envoy-prometheus-port", o.cfg.Envoy.PrometheusPort, "port of Envoy's listener that serves its /stats/prometheus on every address, for Prometheus to scrape; 0: none")
+	f.StringVar(&o.cfg.Envoy.Path, "envoy-path", "", "Envoy's binary: the agent writes its bootstrap to --envoy-bootstrap, starts it once the workload certificate is in service, drains it on SIGTERM and exits with it; empty: Envoy runs elsewhere")
+	f.StringVar(&o.cfg.Envoy.BootstrapPath, "envoy-bootstrap", "", "where the agent writes the bootstrap of the Envoy it starts (default <root-dir>/"+agent.DefaultBootstrapPath+")")
+	f.StringVar(&o.cfg.Envoy.LogLevel, "proxy-log-level", o.cfg.Envoy.LogLevel, "Envoy's log level (-l): trace, debug, info, warning, error, critical or off (Istio's --proxyLogLevel)")
+	f.StringVar(&o.cfg.Envoy.ComponentLogLevel, "proxy-component-log-level", o.cfg.Envoy.ComponentLogLevel, "Envoy's --component-log-level, such as misc:error,upstream:debug (Istio's --proxyComponentLogLevel)")
+	f.IntVar(&o.cfg.Envoy.Concurrency, "concurrency", o.cfg.Envoy.Concurrency, "Envoy's worker threads (--concurrency); 0: one per core of the machine, which on a node is more than a sidecar needs")
+	f.DurationVar(&o.cfg.Envoy.DrainDuration, "envoy-drain-duration", o.cfg.Envoy.DrainDuration, "how long Envoy takes to drain a listener it is told to (--drain-time-s; Istio's drainDuration)")
+	f.DurationVar(&o.cfg.Envoy.MinimumDrainDuration, "minimum-drain-duration", o.cfg.Envoy.MinimumDrainDuration, "on SIGTERM, how long the agent lets Envoy drain before it looks at Envoy's connections (MINIMUM_DRAIN_DURATION)")
+	f.Var(secondsValue{&o.cfg.Envoy.TerminationDrainDuration}, "termination-drain-duration-seconds", "on SIGTERM, seconds from the start of the drain after which the agent stops Envoy, whatever connections are left (TERMINATION_DRAIN_DURATION_SECONDS)")
+	f.BoolVar(&o.cfg.Envoy.ExitOnZeroActiveConnections, "exit-on-zero-active-connections", false, "on SIGTERM, stop Envoy as soon as it holds no downstream connection after the minimum drain, rather than at the termination drain (EXIT_ON_ZERO_ACTIVE_CONNECTIONS)")
 }
+
+// secondsValue is a duration given in whole seconds, as Istio's *_SECONDS variables are.
+type secondsValue struct{ d *time.Duration }
+
+func (v secondsValue) String() string {
+	if v.d == nil {
+		return "0"
+	}
+	return strconv.FormatInt(int64(*v.d/time.Second), 10)
+}
+
+func (v secondsValue) Set(s string) error {
+	n, err := strconv.ParseInt(s, 10, 32)
+	if err != nil || n < 0 {
+		return fmt.Errorf("%q: want a whole number of seconds, 0 or more", s)
+	}
+	*v.d = time.Duration(n) * time.Second
+	return nil
+}
+
+func (secondsValue) Type() string { return "seconds" }
 
 // resolve merges the variables under the flags not given and resolves what the flags and
 // variables mean into o.cfg; it returns every problem at once, a newcomer fixes them in one go.
@@ -314,25 +346,46 @@ func istioMeta(environ func() []string) map[string]string {
 	return meta
 }
 
-// envoyOnlyFlags shape only the bootstrap the bootstrap command writes.
+// envoyOnlyFlags shape only the bootstrap (the bootstrap command's, or the Envoy the agent
+// starts); envoyRunFlags only the Envoy the agent starts (--envoy-path).
 func envoyOnlyFlags() []string {
 	return []string{"pod-name", "bootstrap-override", "envoy-admin-port", "envoy-prometheus-port"}
 }
 
-// refuseEnvoyFlagsWithoutEnvoy refuses, in the agent command, the flags that only shape Envoy's
-// bootstrap: the agent starts no Envoy, so they would do nothing. ISTIO_BOOTSTRAP_OVERRIDE, which
-// a pod may set for a bootstrap written elsewhere, is named in a warning and dropped. To relax
-// when the agent starts Envoy itself (--envoy-path).
+func envoyRunFlags() []string {
+	return []string{"envoy-bootstrap", "proxy-log-level", "proxy-component-log-level", "concurrency", "envoy-drain-duration",
+		"minimum-drain-duration", "termination-drain-duration-seconds", "exit-on-zero-active-connections"}
+}
+
+// refuseEnvoyFlagsWithoutEnvoy refuses, in an agent that starts no Envoy (no --envoy-path), the
+// flags that shape only the bootstrap or the Envoy it would start: they would do nothing. The
+// variables among them, which a pod may set for an Envoy run elsewhere (Istio's injector sets the
+// drain ones), are named in one warning and dropped.
 func refuseEnvoyFlagsWithoutEnvoy(cmd *cobra.Command, o *agentOptions, log *slog.Logger) []error {
+	if o.cfg.Envoy.Path != "" {
+		return nil
+	}
 	var errs []error
 	for _, name := range envoyOnlyFlags() {
 		if o.given[name] {
-			errs = append(errs, fmt.Errorf("--%s applies to the bootstrap `%s` writes; the agent does not start Envoy, so here it would do nothing", name, bootstrapCommandPath(cmd)))
+			errs = append(errs, fmt.Errorf("--%s applies to the bootstrap `%s` writes, or to the Envoy the agent starts with --envoy-path; here it would do nothing", name, bootstrapCommandPath(cmd)))
 		}
 	}
-	if path := o.cfg.Envoy.BootstrapOverride; path != "" && !o.given["bootstrap-override"] {
-		log.Warn("ISTIO_BOOTSTRAP_OVERRIDE shapes the bootstrap the bootstrap command writes; this agent starts no Envoy: ignored",
-			logkey.Path, path)
+	for _, name := range envoyRunFlags() {
+		if o.given[name] {
+			errs = append(errs, fmt.Errorf("--%s applies to the Envoy the agent starts with --envoy-path; here it would do nothing", name))
+		}
+	}
+	var ignored []string
+	for _, b := range agentEnv() {
+		if slices.Contains(envoyRunFlags(), b.flag) || b.flag == "bootstrap-override" {
+			if v, ok := o.lookupEnv(b.env); ok && v != "" && !o.given[b.flag] {
+				ignored = append(ignored, b.env)
+			}
+		}
+	}
+	if len(ignored) > 0 {
+		log.Warn("set for the Envoy the agent starts with --envoy-path, which this agent does not start: ignored", logkey.Variables, ignored)
 	}
 	o.cfg.Envoy.BootstrapOverride = ""
 	return errs
@@ -383,27 +436,39 @@ Istio's variables are honoured, so the agent is a drop-in; a flag wins over its 
 What meshid does not implement is refused, not ignored: CREDENTIAL_FETCHER_TYPE takes JWT only
 (the token file at --token-path), PILOT_CERT_PROVIDER istiod only, CREDENTIAL_IDENTITY_PROVIDER
 nothing, CA_PROVIDER anything but GoogleCA. Istio's other variables that meshid does not
-implement (the drain durations, JWT_POLICY, PROXY_CONFIG, ...) are named in one warning at
+implement (JWT_POLICY, PROXY_CONFIG, ...) are named in one warning at
 start when set. A path given must exist (--credentials-dir, --prov-cert) and a root file hold
 a PEM certificate (--ca-root-cert, --xds-root-cert); only the defaults may be absent. Addresses are HOST:PORT. A refusal exits 2, before anything runs.
 
-The status server (--status-addr) answers /healthz/ready (200 once a valid certificate is
-held and Envoy's sockets lead to the agent) and /metrics, and the kubelet's probes of the
-workload's containers as Istio's injector rewrites them, /app-health/<container>/{livez,readyz,
-startupz}: the agent runs the HTTP, TCP or gRPC probe of --istio-kube-app-probers on 127.0.0.1,
-which Envoy's mTLS does not guard, and answers what it found. The debug server (--debug-addr,
-loopback, answering only a Host that names loopback) answers /debug/secrets. Envoy's xDS (ADS,
-state of the world or delta) is proxied from --xds-socket to --discovery-addr (by default the
-CA, or the in-process control plane), authenticated as the CA client is; /debug/<type> (syncz,
-config_dump) from the discovery server is answered on --xds-debug-socket, next to the XDS
-socket and with its mode (curl --unix-socket <socket> http://localhost/debug/config_dump), and
-on --debug-addr only with --xds-debug-tcp. Every default path lives under --root-dir, so no
-root is needed.
+The status server (--status-addr) answers /healthz/ready, 200 once the workload certificate is
+held (and written to --output-certs), Envoy's sockets lead to the agent, an Envoy connected to
+the xDS proxy has acknowledged clusters and listeners, and the Envoy the agent runs says LIVE;
+otherwise 503 naming every condition unmet. It answers /metrics (the agent's) and
+/stats/prometheus (the agent's, Envoy's and, with --istio-prometheus-annotations, the
+application's, merged), the kubelet's probes of the workload's containers as Istio's injector
+rewrites them, /app-health/<container>/{livez,readyz,startupz} (the agent runs the HTTP, TCP or
+gRPC probe of --istio-kube-app-probers on --instance-ip, which Envoy's mTLS does not guard),
+and POST /quitquitquit from loopback, which ends Envoy and the agent at once with status 0 (a
+Job's sidecar). The debug server (--debug-addr, loopback, answering only a Host that names
+loopback) answers /debug/secrets. Envoy's xDS (ADS, state of the world or delta) is proxied from
+--xds-socket to --discovery-addr (by default the CA, or the in-process control plane),
+authenticated as the CA client is; /debug/<type> (syncz, config_dump) from the discovery server
+is answered on --xds-debug-socket, next to the XDS socket and with its mode (curl
+--unix-socket <socket> http://localhost/debug/config_dump), and on --debug-addr only with
+--xds-debug-tcp. Every default path lives under --root-dir, so no root is needed.
 
-Envoy's bootstrap for this agent is written by the bootstrap command, which takes the same
-flags and variables. The agent does not start Envoy: the flags that only shape the bootstrap
-(--pod-name, --bootstrap-override, --envoy-admin-port, --envoy-prometheus-port) are refused
-here, and ISTIO_BOOTSTRAP_OVERRIDE is named in a warning and ignored.`,
+With --envoy-path the agent runs Envoy as its child, as Istio's agent does: it writes Envoy's
+bootstrap (that of the bootstrap command, with the same flags) to --envoy-bootstrap, starts
+Envoy once the workload certificate is in service, with --proxy-log-level,
+--proxy-component-log-level, --concurrency and --envoy-drain-duration, and passes it SIGHUP and
+SIGUSR1. Envoy's exit ends the agent with Envoy's status, so that the kubelet or systemd restarts
+the pair. On SIGTERM (or SIGINT) readiness fails at once, Envoy drains its inbound listeners,
+and the agent stops it after --minimum-drain-duration and then, with
+--exit-on-zero-active-connections, as soon as no downstream connection is left, or at
+--termination-drain-duration-seconds since the drain began; SDS and the xDS proxy serve until
+Envoy has exited. A second signal stops everything at once. Without --envoy-path Envoy runs
+elsewhere, with the bootstrap the bootstrap command writes: the flags of the Envoy the agent
+would run are refused, and their variables named in a warning and ignored.`,
 		Args: cobra.NoArgs,
 		PreRunE: func(cmd *cobra.Command, _ []string) error {
 			log := g.Logger()
@@ -412,6 +477,15 @@ here, and ISTIO_BOOTSTRAP_OVERRIDE is named in a warning and ignored.`,
 			return o.validate(errs)
 		},
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if o.cfg.Envoy.Path != "" {
+				// Envoy's output is the agent's, as a container's or a unit's; SIGHUP and SIGUSR1
+				// (reopen the logs) are Envoy's.
+				o.cfg.Envoy.Stdout, o.cfg.Envoy.Stderr = cmd.OutOrStdout(), cmd.ErrOrStderr()
+				signals := make(chan os.Signal, 1)
+				signal.Notify(signals, syscall.SIGHUP, syscall.SIGUSR1)
+				defer signal.Stop(signals)
+				o.cfg.Envoy.Signals = signals
+			}
 			return RefusedAsCalled(RenderConfigErrors(run(cmd.Context(), o.cfg), agentFields()))
 		},
 	}
@@ -423,49 +497,58 @@ here, and ISTIO_BOOTSTRAP_OVERRIDE is named in a warning and ignored.`,
 // variable, when there is one, is agentEnv's.
 func agentFieldFlags() map[string]string {
 	return map[string]string{
-		"Identity.TrustDomain":         "trust-domain",
-		"Identity.Namespace":           "namespace",
-		"Identity.ServiceAccount":      "service-account",
-		"Identity.InstanceIP":          "instance-ip",
-		"Identity.PodName":             "pod-name",
-		"CA.Address":                   "ca-addr",
-		"CA.RootCert":                  "ca-root-cert",
-		"CA.ServerName":                "istiod-san",
-		"CA.ClusterID":                 "cluster-id",
-		"CA.TokenPath":                 "token-path",
-		"CA.ProvCert":                  "prov-cert",
-		"Certificate.KeyAlgorithm":     "key-algorithm",
-		"Certificate.RSAKeySize":       "workload-rsa-key-size",
-		"Certificate.TTL":              "secret-ttl",
-		"Certificate.GraceRatio":       "grace-period-ratio",
-		"Certificate.GraceRatioJitter": "grace-period-ratio-jitter",
-		"SDS.SocketDir":                "workload-socket-dir",
-		"SDS.CredentialsDir":           "credentials-dir",
-		"SDS.FileMountedCerts":         "file-mounted-certs",
-		"SDS.SocketMode":               "socket-mode",
-		"SDS.FileResourceDirs":         "file-resource-dirs",
-		"SDS.DrainDuration":            "drain-duration",
-		"SDS.MaxStreams":               "sds-max-streams",
-		"SDS.MaxStreamsPerConnection":  "sds-max-streams-per-connection",
-		"XDS.DiscoveryAddress":         "discovery-addr",
-		"XDS.RootCert":                 "xds-root-cert",
-		"XDS.Proxy":                    "proxy-xds-via-agent",
-		"XDS.ProxyDebug":               "proxy-xds-debug-via-agent",
-		"XDS.Socket":                   "xds-socket",
-		"XDS.DebugSocket":              "xds-debug-socket",
-		"XDS.DebugTCP":                 "xds-debug-tcp",
-		"XDS.MaxStreams":               "xds-proxy-max-streams",
-		"XDS.MaxStreamsPerConnection":  "xds-proxy-max-streams-per-connection",
-		"Output.Dir":                   "output-certs",
-		"Output.GroupRead":             "output-certs-group-read",
-		"Output.KeyGroupRead":          "output-certs-group-read",
-		"Servers.StatusAddr":           "status-addr",
-		"Servers.DebugAddr":            "debug-addr",
-		"Servers.AppProbers":           "istio-kube-app-probers",
-		"Envoy.AdminPort":              "envoy-admin-port",
-		"Envoy.PrometheusPort":         "envoy-prometheus-port",
-		"Envoy.BootstrapOverride":      "bootstrap-override",
-		"RootDir":                      "root-dir",
+		"Identity.TrustDomain":              "trust-domain",
+		"Identity.Namespace":                "namespace",
+		"Identity.ServiceAccount":           "service-account",
+		"Identity.InstanceIP":               "instance-ip",
+		"Identity.PodName":                  "pod-name",
+		"Envoy.Path":                        "envoy-path",
+		"Envoy.BootstrapPath":               "envoy-bootstrap",
+		"Envoy.LogLevel":                    "proxy-log-level",
+		"Envoy.ComponentLogLevel":           "proxy-component-log-level",
+		"Envoy.Concurrency":                 "concurrency",
+		"Envoy.DrainDuration":               "envoy-drain-duration",
+		"Envoy.MinimumDrainDuration":        "minimum-drain-duration",
+		"Envoy.TerminationDrainDuration":    "termination-drain-duration-seconds",
+		"Envoy.ExitOnZeroActiveConnections": "exit-on-zero-active-connections",
+		"CA.Address":                        "ca-addr",
+		"CA.RootCert":                       "ca-root-cert",
+		"CA.ServerName":                     "istiod-san",
+		"CA.ClusterID":                      "cluster-id",
+		"CA.TokenPath":                      "token-path",
+		"CA.ProvCert":                       "prov-cert",
+		"Certificate.KeyAlgorithm":          "key-algorithm",
+		"Certificate.RSAKeySize":            "workload-rsa-key-size",
+		"Certificate.TTL":                   "secret-ttl",
+		"Certificate.GraceRatio":            "grace-period-ratio",
+		"Certificate.GraceRatioJitter":      "grace-period-ratio-jitter",
+		"SDS.SocketDir":                     "workload-socket-dir",
+		"SDS.CredentialsDir":                "credentials-dir",
+		"SDS.FileMountedCerts":              "file-mounted-certs",
+		"SDS.SocketMode":                    "socket-mode",
+		"SDS.FileResourceDirs":              "file-resource-dirs",
+		"SDS.DrainDuration":                 "drain-duration",
+		"SDS.MaxStreams":                    "sds-max-streams",
+		"SDS.MaxStreamsPerConnection":       "sds-max-streams-per-connection",
+		"XDS.DiscoveryAddress":              "discovery-addr",
+		"XDS.RootCert":                      "xds-root-cert",
+		"XDS.Proxy":                         "proxy-xds-via-agent",
+		"XDS.ProxyDebug":                    "proxy-xds-debug-via-agent",
+		"XDS.Socket":                        "xds-socket",
+		"XDS.DebugSocket":                   "xds-debug-socket",
+		"XDS.DebugTCP":                      "xds-debug-tcp",
+		"XDS.MaxStreams":                    "xds-proxy-max-streams",
+		"XDS.MaxStreamsPerConnection":       "xds-proxy-max-streams-per-connection",
+		"Output.Dir":                        "output-certs",
+		"Output.GroupRead":                  "output-certs-group-read",
+		"Output.KeyGroupRead":               "output-certs-group-read",
+		"Servers.StatusAddr":                "status-addr",
+		"Servers.DebugAddr":                 "debug-addr",
+		"Servers.AppProbers":                "istio-kube-app-probers",
+		"Envoy.AdminPort":                   "envoy-admin-port",
+		"Envoy.PrometheusPort":              "envoy-prometheus-port",
+		"Envoy.BootstrapOverride":           "bootstrap-override",
+		"RootDir":                           "root-dir",
 
 		"Servers.PrometheusAnnotations": "istio-prometheus-annotations",
 	}

@@ -3,6 +3,9 @@ package cli
 import (
 	"context"
 	"errors"
+	"maps"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -301,6 +304,62 @@ func TestAgentAppProbers(t *testing.T) {
 			t.Parallel()
 			code, stderr := mainAgent(t, map[string]string{"CA_ADDR": "127.0.0.1:15012", "POD_NAMESPACE": "default", "SERVICE_ACCOUNT": "demo"},
 				"--istio-kube-app-probers", tc.value)
+			if code != ExitUsage || !strings.Contains(stderr, tc.want) {
+				t.Errorf("exit %d, want %d and %q:\n%s", code, ExitUsage, tc.want, stderr)
+			}
+		})
+	}
+}
+
+// --envoy-path runs Envoy: its flags and Istio's drain variables reach the config; without it
+// each is refused, as a flag that would do nothing.
+func TestAgentEnvoyFlags(t *testing.T) {
+	t.Parallel()
+	envoyBin := filepath.Join(t.TempDir(), "envoy")
+	if err := os.WriteFile(envoyBin, []byte("#!/bin/sh\n"), 0o755); err != nil { //nolint:gosec // an executable
+		t.Fatal(err)
+	}
+	notExecutable := filepath.Join(t.TempDir(), "envoy.txt")
+	if err := os.WriteFile(notExecutable, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	env := map[string]string{"CA_ADDR": "127.0.0.1:15012", "POD_NAMESPACE": "default", "SERVICE_ACCOUNT": "demo",
+		"MINIMUM_DRAIN_DURATION": "10s", "TERMINATION_DRAIN_DURATION_SECONDS": "20", "EXIT_ON_ZERO_ACTIVE_CONNECTIONS": "true"}
+	cfg, err := runAgentCommand(t, env, "--envoy-path", envoyBin, "--concurrency", "4", "--proxy-log-level", "debug",
+		"--envoy-bootstrap", "/tmp/b.json", "--envoy-drain-duration", "30s", "--envoy-admin-port", "15100")
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := cfg.Envoy
+	if e.Path != envoyBin || e.Concurrency != 4 || e.LogLevel != "debug" || e.BootstrapPath != "/tmp/b.json" || e.DrainDuration != 30*time.Second ||
+		e.AdminPort != 15100 || e.MinimumDrainDuration != 10*time.Second || e.TerminationDrainDuration != 20*time.Second ||
+		!e.ExitOnZeroActiveConnections || e.Stdout == nil || e.Signals == nil {
+		t.Fatalf("Envoy config %+v", e)
+	}
+	if cfg, err := runAgentCommand(t, env, "--envoy-path", envoyBin, "--termination-drain-duration-seconds", "3"); err != nil || cfg.Envoy.TerminationDrainDuration != 3*time.Second {
+		t.Fatalf("the flag did not win over TERMINATION_DRAIN_DURATION_SECONDS: %v, %v", cfg.Envoy.TerminationDrainDuration, err)
+	}
+
+	base := map[string]string{"CA_ADDR": "127.0.0.1:15012", "POD_NAMESPACE": "default", "SERVICE_ACCOUNT": "demo"}
+	for _, tc := range []struct {
+		name string
+		env  map[string]string
+		args []string
+		want string
+	}{
+		{"seconds", map[string]string{"TERMINATION_DRAIN_DURATION_SECONDS": "5s"}, []string{"--envoy-path", envoyBin},
+			`TERMINATION_DRAIN_DURATION_SECONDS="5s": invalid argument "5s" for "--termination-drain-duration-seconds" flag: "5s": want a whole number of seconds`},
+		{"missing binary", nil, []string{"--envoy-path", "/nonexistent/envoy"}, `--envoy-path "/nonexistent/envoy": does not exist`},
+		{"not executable", nil, []string{"--envoy-path", notExecutable}, `--envoy-path "` + notExecutable + `": is not executable`},
+		{"concurrency", nil, []string{"--envoy-path", envoyBin, "--concurrency", "-1"}, "--concurrency -1 must be 0 (one per core) or more"},
+		{"without Envoy", nil, []string{"--concurrency", "2"}, "--concurrency applies to the Envoy the agent starts with --envoy-path; here it would do nothing"},
+		{"bootstrap without Envoy", nil, []string{"--envoy-admin-port", "15100"}, "--envoy-admin-port applies to the bootstrap"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			env := maps.Clone(base)
+			maps.Copy(env, tc.env)
+			code, stderr := mainAgent(t, env, tc.args...)
 			if code != ExitUsage || !strings.Contains(stderr, tc.want) {
 				t.Errorf("exit %d, want %d and %q:\n%s", code, ExitUsage, tc.want, stderr)
 			}

@@ -222,14 +222,15 @@ func TestAgentWarnsOfIstioVariablesItIgnores(t *testing.T) {
 
 	// Only the variables that are set, with a value, and also when the agent is refused.
 	env = map[string]string{"ISTIO_BOOTSTRAP_OVERRIDE": "/etc/istio/custom-bootstrap/custom_bootstrap.json", "JWT_POLICY": "third-party-jwt",
-		"ECC_CURVE": "", "CA_ADDR": "127.0.0.1"}
+		"ECC_CURVE": "", "CA_ADDR": "127.0.0.1", "MINIMUM_DRAIN_DURATION": "10s", "EXIT_ON_ZERO_ACTIVE_CONNECTIONS": "true"}
 	code, stderr = mainAgent(t, env)
 	if code != ExitUsage || !strings.Contains(stderr, warning+" variables=[JWT_POLICY]") {
 		t.Errorf("exit code %d; want %d and a warning naming JWT_POLICY only:\n%s", code, ExitUsage, stderr)
 	}
-	// The agent starts no Envoy: ISTIO_BOOTSTRAP_OVERRIDE is for the bootstrap command, and said so.
-	if n := strings.Count(stderr, `level=WARN msg="ISTIO_BOOTSTRAP_OVERRIDE shapes the bootstrap the bootstrap command writes; this agent starts no Envoy: ignored" path=/etc/istio/custom-bootstrap/custom_bootstrap.json`); n != 1 {
-		t.Errorf("%d warnings about ISTIO_BOOTSTRAP_OVERRIDE, want one:\n%s", n, stderr)
+	// The agent starts no Envoy: the bootstrap's and the drain's variables do nothing, and that is
+	// said once.
+	if n := strings.Count(stderr, `level=WARN msg="set for the Envoy the agent starts with --envoy-path, which this agent does not start: ignored" variables="[ISTIO_BOOTSTRAP_OVERRIDE MINIMUM_DRAIN_DURATION EXIT_ON_ZERO_ACTIVE_CONNECTIONS]"`); n != 1 {
+		t.Errorf("%d warnings about the Envoy variables, want one:\n%s", n, stderr)
 	}
 	if code, stderr = mainAgent(t, map[string]string{"CA_ADDR": "127.0.0.1:15012", "POD_NAMESPACE": "default", "SERVICE_ACCOUNT": "demo"}); code != 0 || strings.Contains(stderr, "level=WARN") {
 		t.Errorf("exit code %d, a warning with no such variable set:\n%s", code, stderr)
@@ -244,8 +245,7 @@ func TestAgentWarnsOfIstioVariablesItIgnores(t *testing.T) {
 			t.Errorf("%s is bound to --%s and listed as not implemented", b.env, b.flag)
 		}
 	}
-	for _, name := range []string{"MINIMUM_DRAIN_DURATION", "TERMINATION_DRAIN_DURATION_SECONDS",
-		"EXIT_ON_ZERO_ACTIVE_CONNECTIONS", "GCE_METADATA_HOST", "PROXY_CONFIG",
+	for _, name := range []string{"GCE_METADATA_HOST", "PROXY_CONFIG",
 		"JWT_POLICY", "ISTIO_META_DNS_CAPTURE", "ISTIO_META_DNS_AUTO_ALLOCATE", "PROXY_XDS_DEBUG_VIA_AGENT_PORT", "ECC_CURVE",
 		"ISTIO_META_CERT_SIGNER", "WORKLOAD_IDENTITY_SOCKET_FILE"} {
 		if !listed[name] {

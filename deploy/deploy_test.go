@@ -58,16 +58,22 @@ func readDemo(t *testing.T, name string) []byte {
 // every typed_config resolved against the registered types.
 func loadBootstrap(t *testing.T) *bootstrapv3.Bootstrap {
 	t.Helper()
-	data, err := yaml.YAMLToJSON(readDemo(t, "envoy.yaml"))
+	return validateBootstrap(t, "envoy.yaml", readDemo(t, "envoy.yaml"))
+}
+
+// validateBootstrap decodes an Envoy bootstrap in YAML and validates it, as loadBootstrap.
+func validateBootstrap(t *testing.T, what string, yamlData []byte) *bootstrapv3.Bootstrap {
+	t.Helper()
+	data, err := yaml.YAMLToJSON(yamlData)
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("%s: %v", what, err)
 	}
 	var b bootstrapv3.Bootstrap
 	if err := (protojson.UnmarshalOptions{}).Unmarshal(data, &b); err != nil {
-		t.Fatalf("envoy.yaml does not decode as a Bootstrap: %v", err)
+		t.Fatalf("%s does not decode as a Bootstrap: %v", what, err)
 	}
 	if err := b.ValidateAll(); err != nil {
-		t.Fatalf("envoy.yaml: %v", err)
+		t.Fatalf("%s: %v", what, err)
 	}
 	return &b
 }

@@ -22,10 +22,10 @@ const repoRoot = ".."
 // stage is what the checks need of one stage of the Dockerfile.
 type stage struct {
 	name, from string
-	copied     []string // destinations of COPY
+	copied     []string          // destinations of COPY
 	chowned    map[string]string // destination of COPY --chown → its owner
-	user       string   // the last USER
-	entrypoint string   // raw arguments of ENTRYPOINT and CMD
+	user       string            // the last USER
+	entrypoint string            // raw arguments of ENTRYPOINT and CMD
 	cmd        string
 	runs       []string
 }

@@ -1,7 +1,9 @@
-// Package deploy_test checks what can be checked of the docker-compose demo in deploy/compose
-// without a container engine: Envoy's bootstrap against go-control-plane's types and validation,
-// the discovery configuration and the manifests with meshid's own loaders, the compose file's
-// structure, and the Dockerfile's instructions and build.
+// Package deploy_test checks what can be checked of deploy/ without a container engine: the
+// docker-compose demo (Envoy's bootstrap against go-control-plane's types and validation, the
+// discovery configuration and the manifests with meshid's own loaders, the compose file's
+// structure), the Dockerfile's instructions and build, the Kubernetes manifests (decoded as their
+// kinds, applied in kubectl's order on a real API server with -tags external), and make images
+// and make manifests with a stand-in for docker.
 package deploy_test
 
 import (

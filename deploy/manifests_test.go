@@ -138,38 +138,55 @@ var clusterScoped = map[string]bool{"Namespace": true, "ClusterRole": true, "Clu
 
 // Every manifest decodes as its kind, and `kubectl apply -f DIR` of each directory on a fresh
 // cluster creates every namespace before the objects in it (the API server's NamespaceLifecycle
-// admission refuses the others; the external test applies them for real).
+// admission refuses the others; the external test applies them for real); so does
+// `kubectl apply -R -f deploy/kubernetes/`, which walks the subdirectories in lexical order too.
 func TestKubernetesManifestsApplyInOrder(t *testing.T) {
 	t.Parallel()
 	for _, dir := range kubeDirs {
-		created := map[string]bool{}
-		for _, file := range kubectlFiles(t, dir) {
-			for _, d := range readDocs(t, file) {
-				if d.meta.APIVersion == "" || d.meta.Kind == "" || d.meta.Metadata.Name == "" {
-					t.Errorf("%s: apiVersion %q, kind %q, name %q: kubectl refuses it", d, d.meta.APIVersion, d.meta.Kind, d.meta.Metadata.Name)
-					continue
+		checkApplyOrder(t, "kubectl apply -f "+dir, kubectlFiles(t, dir))
+	}
+	var all []string
+	err := filepath.WalkDir(kubeDirs[0], func(path string, d os.DirEntry, err error) error {
+		if err == nil && !d.IsDir() && slices.Contains([]string{".json", ".yaml", ".yml"}, filepath.Ext(path)) {
+			all = append(all, path)
+		}
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkApplyOrder(t, "kubectl apply -R -f "+kubeDirs[0], all)
+}
+
+func checkApplyOrder(t *testing.T, what string, files []string) {
+	t.Helper()
+	created := map[string]bool{}
+	for _, file := range files {
+		for _, d := range readDocs(t, file) {
+			if d.meta.APIVersion == "" || d.meta.Kind == "" || d.meta.Metadata.Name == "" {
+				t.Errorf("%s: apiVersion %q, kind %q, name %q: kubectl refuses it", d, d.meta.APIVersion, d.meta.Kind, d.meta.Metadata.Name)
+				continue
+			}
+			obj := strictObject(d.meta.Kind)
+			if obj == nil {
+				t.Errorf("%s: kind %s is not one this test checks; add it", d, d.meta.Kind)
+				continue
+			}
+			if err := yaml.UnmarshalStrict(d.json, obj); err != nil {
+				t.Errorf("%s: %v", d, err)
+			}
+			ns := d.meta.Metadata.Namespace
+			switch {
+			case d.meta.Kind == "Namespace":
+				created[d.meta.Metadata.Name] = true
+			case clusterScoped[d.meta.Kind]:
+				if ns != "" {
+					t.Errorf("%s: %s %s is cluster-scoped but names namespace %s", d, d.meta.Kind, d.meta.Metadata.Name, ns)
 				}
-				obj := strictObject(d.meta.Kind)
-				if obj == nil {
-					t.Errorf("%s: kind %s is not one this test checks; add it", d, d.meta.Kind)
-					continue
-				}
-				if err := yaml.UnmarshalStrict(d.json, obj); err != nil {
-					t.Errorf("%s: %v", d, err)
-				}
-				ns := d.meta.Metadata.Namespace
-				switch {
-				case d.meta.Kind == "Namespace":
-					created[d.meta.Metadata.Name] = true
-				case clusterScoped[d.meta.Kind]:
-					if ns != "" {
-						t.Errorf("%s: %s %s is cluster-scoped but names namespace %s", d, d.meta.Kind, d.meta.Metadata.Name, ns)
-					}
-				case ns == "":
-					t.Errorf("%s: %s %s names no namespace: it would land in the user's current one", d, d.meta.Kind, d.meta.Metadata.Name)
-				case !created[ns]:
-					t.Errorf("%s: %s %s is in namespace %s, which kubectl apply -f %s has not created yet", d, d.meta.Kind, d.meta.Metadata.Name, ns, dir)
-				}
+			case ns == "":
+				t.Errorf("%s: %s %s names no namespace: it would land in the user's current one", d, d.meta.Kind, d.meta.Metadata.Name)
+			case !created[ns]:
+				t.Errorf("%s: %s %s is in namespace %s, which %s has not created yet", d, d.meta.Kind, d.meta.Metadata.Name, ns, what)
 			}
 		}
 	}

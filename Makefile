@@ -13,6 +13,12 @@ FUZZTIME  ?= 30s
 FUZZMINIMIZETIME ?= 100x
 BENCHTIME ?= 3s
 BENCHOUT  ?= bench.out
+# The images' names (make images, make manifests): $(REGISTRY)/meshid{,-agent,-proxy}:$(TAG).
+REGISTRY  ?= ghcr.io/meshid
+TAG       ?= $(VERSION)
+PUSH      ?= 0
+DOCKER    ?= docker
+MANIFESTS ?= deploy/kubernetes
 
 # Fuzz targets, as package:Target.
 FUZZ_TARGETS := ./ca:FuzzCheckCSR ./ca:FuzzLoadCACerts ./ca/token:FuzzVerify \
@@ -20,12 +26,21 @@ FUZZ_TARGETS := ./ca:FuzzCheckCSR ./ca:FuzzLoadCACerts ./ca/token:FuzzVerify \
                 ./discovery:FuzzParseConfig ./ca/controller:FuzzManifestFile ./ca/token:FuzzParseKeySet \
                 ./internal/pki:FuzzParseCertificates ./internal/pki:FuzzParsePrivateKey ./internal/pki:FuzzParsePublicKeys
 
-.PHONY: all build test vet race bench fuzz lint clean kube-env istio-env chaos
+.PHONY: all build test vet race bench fuzz lint clean kube-env istio-env chaos images manifests
 
 all: build
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -tags '$(TAGS)' -ldflags '$(LDFLAGS)' -o $(BIN)/ ./cmd/...
+
+# The Dockerfile's three images (meshid, agent, proxy) under $(REGISTRY) and $(TAG); PUSH=1 pushes
+# them once all three built. DOCKER=podman works too.
+images:
+	@REGISTRY='$(REGISTRY)' TAG='$(TAG)' PUSH='$(PUSH)' DOCKER='$(DOCKER)' VERSION='$(VERSION)' hack/images.sh
+
+# The manifests of $(MANIFESTS) with those image names, for kubectl apply -f -.
+manifests:
+	@REGISTRY='$(REGISTRY)' TAG='$(TAG)' VERSION='$(VERSION)' hack/manifests.sh $(MANIFESTS)
 
 vet:
 	$(GO) vet -tags external $(PKGS)

@@ -120,7 +120,7 @@ func eventually(t *testing.T, what string, cond func() bool) {
 func TestTwoReplicasOnKubernetes(t *testing.T) {
 	t.Parallel()
 	deploy := filepath.Join("..", "deploy", "kubernetes")
-	kubeEnv.Apply(t, false, filepath.Join(deploy, "namespace.yaml"), filepath.Join(deploy, "rbac.yaml"))
+	kubeEnv.Apply(t, false, filepath.Join(deploy, "00-namespace.yaml"), filepath.Join(deploy, "rbac.yaml"))
 	kubeEnv.Apply(t, true, filepath.Join(deploy, "ca.yaml"))
 	core := kubeEnv.Core()
 	leases, err := coordinationv1client.NewForConfig(kubeEnv.Admin)

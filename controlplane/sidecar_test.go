@@ -24,7 +24,7 @@ import (
 func TestSidecarManifestOnKubernetes(t *testing.T) {
 	t.Parallel()
 	dir := filepath.Join("..", "deploy", "kubernetes", "sidecar")
-	kubeEnv.Apply(t, false, filepath.Join(dir, "namespace.yaml"))
+	kubeEnv.Apply(t, false, filepath.Join(dir, "00-namespace.yaml"))
 	var deployment appsv1.Deployment
 	var bootstrap corev1.ConfigMap
 	for _, obj := range kubeEnv.Apply(t, true, filepath.Join(dir, "demo.yaml")) {

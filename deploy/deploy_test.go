@@ -1,7 +1,9 @@
-// Package deploy_test checks what can be checked of the docker-compose demo in deploy/compose
-// without a container engine: Envoy's bootstrap against go-control-plane's types and validation,
-// the discovery configuration and the manifests with meshid's own loaders, the compose file's
-// structure, and the Dockerfile's instructions and build.
+// Package deploy_test checks what can be checked of deploy/ without a container engine: the
+// docker-compose demo (Envoy's bootstrap against go-control-plane's types and validation, the
+// discovery configuration and the manifests with meshid's own loaders, the compose file's
+// structure), the Dockerfile's instructions and build, the Kubernetes manifests (decoded as their
+// kinds, applied in kubectl's order on a real API server with -tags external), and make images
+// and make manifests with a stand-in for docker.
 package deploy_test
 
 import (
@@ -58,16 +60,22 @@ func readDemo(t *testing.T, name string) []byte {
 // every typed_config resolved against the registered types.
 func loadBootstrap(t *testing.T) *bootstrapv3.Bootstrap {
 	t.Helper()
-	data, err := yaml.YAMLToJSON(readDemo(t, "envoy.yaml"))
+	return validateBootstrap(t, "envoy.yaml", readDemo(t, "envoy.yaml"))
+}
+
+// validateBootstrap decodes an Envoy bootstrap in YAML and validates it, as loadBootstrap.
+func validateBootstrap(t *testing.T, what string, yamlData []byte) *bootstrapv3.Bootstrap {
+	t.Helper()
+	data, err := yaml.YAMLToJSON(yamlData)
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("%s: %v", what, err)
 	}
 	var b bootstrapv3.Bootstrap
 	if err := (protojson.UnmarshalOptions{}).Unmarshal(data, &b); err != nil {
-		t.Fatalf("envoy.yaml does not decode as a Bootstrap: %v", err)
+		t.Fatalf("%s does not decode as a Bootstrap: %v", what, err)
 	}
 	if err := b.ValidateAll(); err != nil {
-		t.Fatalf("envoy.yaml: %v", err)
+		t.Fatalf("%s: %v", what, err)
 	}
 	return &b
 }

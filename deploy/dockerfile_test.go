@@ -22,10 +22,10 @@ const repoRoot = ".."
 // stage is what the checks need of one stage of the Dockerfile.
 type stage struct {
 	name, from string
-	copied     []string // destinations of COPY
-	chowned    []string // destinations of COPY --chown=65532:65532
-	user       string   // the last USER
-	entrypoint string   // raw arguments of ENTRYPOINT and CMD
+	copied     []string          // destinations of COPY
+	chowned    map[string]string // destination of COPY --chown → its owner
+	user       string            // the last USER
+	entrypoint string            // raw arguments of ENTRYPOINT and CMD
 	cmd        string
 	runs       []string
 }
@@ -65,7 +65,7 @@ func loadDockerfile(t *testing.T) dockerfile {
 		switch strings.ToUpper(word) {
 		case "FROM":
 			f := strings.Fields(args)
-			cur = &stage{from: f[0], name: strconv.Itoa(len(df.order))}
+			cur = &stage{from: f[0], name: strconv.Itoa(len(df.order)), chowned: map[string]string{}}
 			if len(f) == 3 && strings.EqualFold(f[1], "AS") {
 				cur.name = f[2]
 			}
@@ -85,8 +85,8 @@ func loadDockerfile(t *testing.T) dockerfile {
 			var srcs []string
 			for _, a := range f[:len(f)-1] {
 				switch {
-				case a == "--chown=65532:65532":
-					cur.chowned = append(cur.chowned, dest)
+				case strings.HasPrefix(a, "--chown="):
+					cur.chowned[dest] = strings.TrimPrefix(a, "--chown=")
 				case strings.HasPrefix(a, "--from="):
 					from = strings.TrimPrefix(a, "--from=")
 				case strings.HasPrefix(a, "--"):
@@ -168,11 +168,47 @@ func TestDockerfile(t *testing.T) {
 			t.Errorf("target %s runs %s, which it does not copy in (%v)", target, argv[0], s.copied)
 		}
 	}
+	checkProxyStage(t, df.stages["proxy"])
 	// What the test below builds is what the image builds.
 	build := strings.Join(df.stages["build"].runs, "\n")
 	for _, want := range []string{"CGO_ENABLED=0", "go build -trimpath -tags grpcnotrace", "meshid meshid-agent", "./cmd/$cmd"} {
 		if !strings.Contains(build, want) {
 			t.Errorf("the build stage no longer runs %q; keep TestDockerBinaries in step", want)
+		}
+	}
+}
+
+// The proxy target is Envoy's official image running the agent, which runs Envoy: as Envoy's
+// non-root user, who owns the directories the agent writes the bootstrap and its sockets in.
+func checkProxyStage(t *testing.T, s *stage) {
+	t.Helper()
+	if s == nil {
+		t.Error("no stage proxy")
+		return
+	}
+	if !strings.HasPrefix(s.from, "envoyproxy/envoy:v") {
+		t.Errorf("target proxy runs on %s, want Envoy's official image at a release tag", s.from)
+	}
+	if u, _, _ := strings.Cut(s.user, ":"); u == "" || u == "root" || u == "0" {
+		t.Errorf("target proxy: USER %q, want Envoy's non-root user", s.user)
+	}
+	var argv []string
+	if err := json.Unmarshal([]byte(s.entrypoint), &argv); err != nil {
+		t.Errorf("target proxy: ENTRYPOINT %s is not in exec form (a JSON list)", s.entrypoint)
+	}
+	want := []string{"/usr/local/bin/meshid-agent", "agent", "--envoy-path", "/usr/local/bin/envoy"}
+	if !slices.Equal(argv, want) {
+		t.Errorf("target proxy: ENTRYPOINT %q, want %q", argv, want)
+	}
+	if !slices.Contains(s.copied, want[0]) {
+		t.Errorf("target proxy runs %s, which it does not copy in (%v)", want[0], s.copied)
+	}
+	if s.cmd != "" {
+		t.Errorf("target proxy: CMD %s would be arguments to the agent", s.cmd)
+	}
+	for _, dir := range []string{"/var/run/secrets/workload-spiffe-uds", "/etc/istio/proxy"} {
+		if s.chowned[dir] != s.user+":"+s.user {
+			t.Errorf("target proxy: %s is owned by %q, want the image's user %s", dir, s.chowned[dir], s.user)
 		}
 	}
 }
@@ -192,7 +228,7 @@ func TestDockerImagesOwnTheDemoVolumes(t *testing.T) {
 			continue // TestComposeStructure reports it
 		}
 		for _, m := range svc.Volumes {
-			if m.Type == "volume" && !m.ReadOnly && !slices.Contains(s.chowned, m.Target) {
+			if m.Type == "volume" && !m.ReadOnly && s.chowned[m.Target] != s.user {
 				t.Errorf("%s writes to volume %s at %s, which the %s image does not give to its user", name, m.Source, m.Target, svc.Build.Target)
 			}
 		}

@@ -26,7 +26,7 @@ import (
 func FuzzManifestFile(f *testing.F) {
 	for _, path := range []string{
 		filepath.Join("..", "..", "deploy", "compose", "manifests", "namespaces.yaml"),
-		filepath.Join("..", "..", "deploy", "kubernetes", "namespace.yaml"),
+		filepath.Join("..", "..", "deploy", "kubernetes", "00-namespace.yaml"),
 	} {
 		data, err := os.ReadFile(path)
 		if err != nil {

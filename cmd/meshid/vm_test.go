@@ -5,8 +5,10 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"maps"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -85,8 +87,16 @@ func TestVMUnitAndBundleConfigureTheAgent(t *testing.T) {
 		"--ca-addr", "ca.example.com:15012", "--out", out); err != nil {
 		t.Fatalf("%v\n%s", err, stderr)
 	}
-	env := envFile(t, filepath.Join(out, "agent.env"))
-	args := unitExecStart(t, filepath.Join("..", "..", "deploy", "vm", "meshid-agent.service"))
+	unitPath := filepath.Join("..", "..", "deploy", "vm", "meshid-agent.service")
+	unit := unitSettings(t, unitPath)
+	// Environment= of the unit, then the bundle's EnvironmentFile=, which wins as in systemd.
+	env := map[string]string{}
+	for _, kv := range unit["Environment"] {
+		k, v, _ := strings.Cut(kv, "=")
+		env[k] = v
+	}
+	maps.Copy(env, envFile(t, filepath.Join(out, "agent.env")))
+	args := unitExecStart(t, unitPath)
 	if args[0] != "/usr/local/bin/meshid-agent" {
 		t.Fatalf("ExecStart runs %s, want the slim agent", args[0])
 	}
@@ -102,6 +112,20 @@ func TestVMUnitAndBundleConfigureTheAgent(t *testing.T) {
 	if err := root.ExecuteContext(t.Context()); err != nil {
 		t.Fatalf("meshid-agent refuses the unit's command line with the bundle's environment: %v\n%s", err, stderr.String())
 	}
+	if strings.Contains(stderr.String(), "not implemented") {
+		t.Errorf("the agent ignores variables the unit sets:\n%s", stderr.String())
+	}
+	agentCmd, _, err := root.Find([]string{"agent"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The agent runs Envoy, and writes its bootstrap where ProtectSystem=strict lets it write.
+	for flag, want := range map[string]string{"envoy-path": "/usr/local/bin/envoy", "envoy-bootstrap": "/run/meshid/envoy-rev.json"} {
+		if f := agentCmd.Flags().Lookup(flag); f == nil || f.Value.String() != want {
+			t.Errorf("--%s: %v, want %s", flag, f, want)
+		}
+	}
+	checkVMUnitStop(t, unit, env)
 	for what, pair := range map[string][2]string{
 		"CA address":      {got.CA.Address, "ca.example.com:15012"},
 		"CA root":         {got.CA.RootCert, "/etc/meshid/root-cert.pem"},
@@ -140,6 +164,50 @@ func TestVMBootstrapRefusesBadInput(t *testing.T) {
 			t.Errorf("%v: %v, want an error saying %q", tc.args[2:], err, tc.want)
 		}
 	}
+}
+
+// checkVMUnitStop checks that systemd stops the agent as the agent stops Envoy: SIGTERM to the
+// agent alone (which drains Envoy, its child, then stops it), and no SIGKILL before the longest
+// drain is over.
+func checkVMUnitStop(t *testing.T, unit map[string][]string, env map[string]string) {
+	t.Helper()
+	if !slices.Equal(unit["KillMode"], []string{"mixed"}) {
+		t.Errorf("KillMode=%v, want mixed: SIGTERM to the agent only, which stops Envoy after the drain", unit["KillMode"])
+	}
+	minDrain, err := time.ParseDuration(env["MINIMUM_DRAIN_DURATION"])
+	if err != nil {
+		t.Fatalf("MINIMUM_DRAIN_DURATION: %v", err)
+	}
+	seconds, err := strconv.Atoi(env["TERMINATION_DRAIN_DURATION_SECONDS"])
+	if err != nil {
+		t.Fatalf("TERMINATION_DRAIN_DURATION_SECONDS: %v", err)
+	}
+	if len(unit["TimeoutStopSec"]) != 1 {
+		t.Fatalf("TimeoutStopSec=%v, want one value", unit["TimeoutStopSec"])
+	}
+	stop, err := time.ParseDuration(unit["TimeoutStopSec"][0])
+	if err != nil {
+		t.Fatalf("TimeoutStopSec: %v", err)
+	}
+	if drain := max(minDrain, time.Duration(seconds)*time.Second); stop <= drain {
+		t.Errorf("TimeoutStopSec=%s: systemd kills Envoy before its drain (%s) is over", stop, drain)
+	}
+}
+
+// unitSettings returns a unit's one-line Key=Value settings, each key's values in order.
+func unitSettings(t *testing.T, path string) map[string][]string {
+	t.Helper()
+	settings := map[string][]string{}
+	for _, line := range strings.Split(readFile(t, path), "\n") {
+		line = strings.TrimSpace(line)
+		if line == "" || strings.HasPrefix(line, "#") || strings.HasPrefix(line, "[") || strings.HasSuffix(line, `\`) {
+			continue
+		}
+		if k, v, ok := strings.Cut(line, "="); ok {
+			settings[k] = append(settings[k], v)
+		}
+	}
+	return settings
 }
 
 // envFile reads KEY=VALUE lines as systemd's EnvironmentFile= does (no quotes are used).

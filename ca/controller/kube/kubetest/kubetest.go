@@ -321,20 +321,30 @@ func Kubeconfig(t testing.TB, dir string, cfg *rest.Config) string {
 // them but stores nothing.
 func (e *Env) Apply(t testing.TB, dryRun bool, files ...string) []*unstructured.Unstructured {
 	t.Helper()
-	dc, err := discovery.NewDiscoveryClientForConfig(e.Admin)
+	applied, err := e.TryApply(dryRun, files...)
 	if err != nil {
 		t.Fatal(err)
+	}
+	return applied
+}
+
+// TryApply is Apply returning the first error instead of failing the test, for tests that expect
+// the API server to refuse an object; what it applied before the error stays applied.
+func (e *Env) TryApply(dryRun bool, files ...string) ([]*unstructured.Unstructured, error) {
+	dc, err := discovery.NewDiscoveryClientForConfig(e.Admin)
+	if err != nil {
+		return nil, err
 	}
 	mapper := restmapper.NewDeferredDiscoveryRESTMapper(memory.NewMemCacheClient(dc))
 	dyn, err := dynamic.NewForConfig(e.Admin)
 	if err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
 	var applied []*unstructured.Unstructured
 	for _, file := range files {
 		data, err := os.ReadFile(file)
 		if err != nil {
-			t.Fatal(err)
+			return applied, err
 		}
 		decoder := utilyaml.NewYAMLOrJSONDecoder(bytes.NewReader(data), 4096)
 		for {
@@ -343,7 +353,7 @@ func (e *Env) Apply(t testing.TB, dryRun bool, files ...string) []*unstructured.
 				if errors.Is(err, io.EOF) {
 					break
 				}
-				t.Fatalf("%s: %v", file, err)
+				return applied, fmt.Errorf("%s: %w", file, err)
 			}
 			if len(obj.Object) == 0 {
 				continue
@@ -351,7 +361,7 @@ func (e *Env) Apply(t testing.TB, dryRun bool, files ...string) []*unstructured.
 			gvk := obj.GroupVersionKind()
 			mapping, err := mapper.RESTMapping(schema.GroupKind{Group: gvk.Group, Kind: gvk.Kind}, gvk.Version)
 			if err != nil {
-				t.Fatalf("%s: %s: %v", file, gvk, err)
+				return applied, fmt.Errorf("%s: %s: %w", file, gvk, err)
 			}
 			var ri dynamic.ResourceInterface = dyn.Resource(mapping.Resource)
 			if mapping.Scope.Name() == "namespace" {
@@ -359,7 +369,7 @@ func (e *Env) Apply(t testing.TB, dryRun bool, files ...string) []*unstructured.
 			}
 			body, err := obj.MarshalJSON()
 			if err != nil {
-				t.Fatal(err)
+				return applied, err
 			}
 			opts := metav1.PatchOptions{FieldManager: "kubetest", Force: new(true)}
 			if dryRun {
@@ -367,12 +377,12 @@ func (e *Env) Apply(t testing.TB, dryRun bool, files ...string) []*unstructured.
 			}
 			out, err := ri.Patch(context.Background(), obj.GetName(), types.ApplyPatchType, body, opts)
 			if err != nil {
-				t.Fatalf("%s: apply %s %s/%s: %v", file, gvk.Kind, obj.GetNamespace(), obj.GetName(), err)
+				return applied, fmt.Errorf("%s: apply %s %s/%s: %w", file, gvk.Kind, obj.GetNamespace(), obj.GetName(), err)
 			}
 			applied = append(applied, out)
 		}
 	}
-	return applied
+	return applied, nil
 }
 
 func freePorts(n int) ([]int, error) {

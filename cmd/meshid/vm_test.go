@@ -108,7 +108,12 @@ func TestVMUnitAndBundleConfigureTheAgent(t *testing.T) {
 		func(k string) (string, bool) { v, ok := env[k]; return v, ok }, nil))
 	var stderr bytes.Buffer
 	root.SetErr(&stderr)
-	root.SetArgs(args[1:])
+	// The unit's Envoy is the VM's; here a stand-in, so that the command line is checked as it is.
+	local, envoyPath := testutil.StandInFor(t, "envoy-path", args[1:])
+	if envoyPath != "/usr/local/bin/envoy" {
+		t.Errorf("--envoy-path %s, want /usr/local/bin/envoy", envoyPath)
+	}
+	root.SetArgs(local)
 	if err := root.ExecuteContext(t.Context()); err != nil {
 		t.Fatalf("meshid-agent refuses the unit's command line with the bundle's environment: %v\n%s", err, stderr.String())
 	}
@@ -120,7 +125,7 @@ func TestVMUnitAndBundleConfigureTheAgent(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The agent runs Envoy, and writes its bootstrap where ProtectSystem=strict lets it write.
-	for flag, want := range map[string]string{"envoy-path": "/usr/local/bin/envoy", "envoy-bootstrap": "/run/meshid/envoy-rev.json"} {
+	for flag, want := range map[string]string{"envoy-bootstrap": "/run/meshid/envoy-rev.json"} {
 		if f := agentCmd.Flags().Lookup(flag); f == nil || f.Value.String() != want {
 			t.Errorf("--%s: %v, want %s", flag, f, want)
 		}

@@ -42,7 +42,7 @@ func (s *server) bindLocked(cfgs map[string]*listenerv3.Listener) error {
 	var errs []error
 	for name, cfg := range cfgs {
 		addr := listenAddr(cfg)
-		if _, ok := s.listeners[name]; ok || addr == "" || s.drained[name] {
+		if _, ok := s.listeners[name]; ok || addr == "" || s.drained[name] || s.stopped {
 			continue
 		}
 		ln, err := net.Listen("tcp", addr)
@@ -87,6 +87,11 @@ func (s *server) accept(bl *boundListener) {
 			return
 		}
 		s.mu.Lock()
+		if s.stopped {
+			s.mu.Unlock()
+			_ = c.Close()
+			return
+		}
 		s.heldConns[c] = struct{}{}
 		s.mu.Unlock()
 		s.stats.inc(bl.prefix + "downstream_cx_total")

@@ -27,6 +27,14 @@ func run(args []string, stderr io.Writer) int {
 		_, _ = fmt.Fprint(stderr, usage)
 		return 0
 	}
+	var file *logFile
+	if opts.logPath != "" {
+		if file, err = openLogFile(opts.logPath); err != nil {
+			_, _ = fmt.Fprintln(stderr, err)
+			return 1
+		}
+		stderr = file
+	}
 	log := newLogger(stderr, opts.logLevel)
 	boot, err := loadBootstrap(opts.configPath, opts.allowUnknownStaticFields)
 	if err != nil {
@@ -58,6 +66,12 @@ func run(args []string, stderr io.Writer) int {
 				log.Info("exiting")
 				return 0
 			case syscall.SIGUSR1:
+				if file != nil {
+					if err := file.reopen(); err != nil {
+						log.Error("cannot reopen the log file", keyError, err)
+						continue
+					}
+				}
 				log.Info("caught SIGUSR1: reopening logs")
 			default:
 				log.Info("caught SIGHUP: ignored")

@@ -46,8 +46,11 @@ type server struct {
 
 	wg sync.WaitGroup
 
-	mu           sync.Mutex
-	ctx          context.Context // the run's, for the SDS streams started as references appear
+	mu  sync.Mutex
+	ctx context.Context // the run's, for the SDS streams started as references appear
+	// stopped is set once Run is shutting down: nothing binds, accepts or subscribes after it, so
+	// that the wait for every goroutine ends.
+	stopped      bool
 	adsConnected bool
 	initDone     bool
 	healthFailed bool
@@ -160,6 +163,7 @@ func (s *server) Run(ctx context.Context) error {
 	_ = admin.Shutdown(shutdownCtx)
 	cancel()
 	s.mu.Lock()
+	s.stopped = true
 	for _, l := range s.listeners {
 		_ = l.ln.Close()
 	}
@@ -333,7 +337,7 @@ func (s *server) reconcileSecretsLocked() {
 		if r.source == sourceADS || r.source == sourceStatic {
 			continue
 		}
-		if _, ok := s.sdsStreams[r]; ok || s.ctx == nil {
+		if _, ok := s.sdsStreams[r]; ok || s.ctx == nil || s.stopped {
 			continue
 		}
 		ctx, cancel := context.WithCancel(s.ctx)

@@ -1,0 +1,121 @@
+package envoytest_test
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	endpointv3 "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
+	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
+	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
+	routerv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/router/v3"
+	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
+	discoveryv3 "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
+	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	"github.com/meshid/meshid/internal/envoytest"
+)
+
+func adsSource() *corev3.ConfigSource {
+	return &corev3.ConfigSource{ResourceApiVersion: corev3.ApiVersion_V3, ConfigSourceSpecifier: &corev3.ConfigSource_Ads{Ads: &corev3.AggregatedConfigSource{}}}
+}
+
+func TestFollowsRoutesEndpointsAndSecretRotation(t *testing.T) {
+	t.Parallel()
+	cp := newControlPlane(t)
+	p := envoytest.Start(t, "-c", envoytest.WriteBootstrap(t, envoytest.NewBootstrap(t, nodeID, cp.ads, cp.sds)))
+
+	res := mesh(t)
+	res[resource.ClusterType] = append(res[resource.ClusterType], &clusterv3.Cluster{
+		Name:                 "eds",
+		ClusterDiscoveryType: &clusterv3.Cluster_Type{Type: clusterv3.Cluster_EDS},
+		ConnectTimeout:       durationpb.New(time.Second),
+		EdsClusterConfig:     &clusterv3.Cluster_EdsClusterConfig{EdsConfig: adsSource(), ServiceName: "eds-service"},
+	})
+	hcm := &hcmv3.HttpConnectionManager{
+		StatPrefix:     "http",
+		RouteSpecifier: &hcmv3.HttpConnectionManager_Rds{Rds: &hcmv3.Rds{ConfigSource: adsSource(), RouteConfigName: "routes"}},
+		HttpFilters: []*hcmv3.HttpFilter{{
+			Name: "envoy.filters.http.router", ConfigType: &hcmv3.HttpFilter_TypedConfig{TypedConfig: mustAny(t, &routerv3.Router{})},
+		}},
+	}
+	httpListener := tcpListener(t, "http", corev3.TrafficDirection_OUTBOUND, false)
+	httpListener.FilterChains[0].Filters = []*listenerv3.Filter{{
+		Name: "envoy.filters.network.http_connection_manager", ConfigType: &listenerv3.Filter_TypedConfig{TypedConfig: mustAny(t, hcm)},
+	}}
+	res[resource.ListenerType] = append(res[resource.ListenerType], httpListener)
+	res[resource.RouteType] = []types.Resource{&routev3.RouteConfiguration{Name: "routes"}}
+	res[resource.EndpointType] = []types.Resource{&endpointv3.ClusterLoadAssignment{ClusterName: "eds-service"}}
+	cp.set(t, "1", res)
+	waitState(t, p.Admin, "LIVE")
+
+	// The routes and endpoints the listeners and clusters name are asked of ADS, by name, and ACKed.
+	for typ, name := range map[string]string{resource.RouteType: "routes", resource.EndpointType: "eds-service"} {
+		envoytest.Eventually(t, wait, func() error {
+			var named []*discoveryv3.DiscoveryRequest
+			for _, r := range cp.requests(adsMethod, typ) {
+				if slices.Equal(r.GetResourceNames(), []string{name}) {
+					named = append(named, r)
+				}
+			}
+			return acked(named, "1")
+		})
+	}
+
+	// A rotated certificate is taken and ACKed on its stream.
+	res[resource.SecretType] = secrets(t)
+	cp.set(t, "2", res)
+	waitStat(t, p.Admin, "sds.default.update_success", 2)
+	envoytest.Eventually(t, wait, func() error {
+		var mine []*discoveryv3.DiscoveryRequest
+		for _, r := range cp.requests(sdsMethod, resource.SecretType) {
+			if slices.Equal(r.GetResourceNames(), []string{"default"}) {
+				mine = append(mine, r)
+			}
+		}
+		return acked(mine, "2")
+	})
+}
+
+func TestLogPathReopenedOnSIGUSR1(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	logPath := filepath.Join(dir, "envoy.log")
+	path := filepath.Join(dir, "envoy.yaml")
+	if err := os.WriteFile(path, []byte("admin: {address: {socket_address: {address: 127.0.0.1, port_value: 0}}}\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	p := envoytest.Start(t, "-c", path, "--log-path", logPath)
+	waitState(t, p.Admin, "LIVE")
+	// As a log rotator does: move the file away, then ask for a new one.
+	if err := os.Rename(logPath, logPath+".1"); err != nil {
+		t.Fatal(err)
+	}
+	p.Signal(t, syscall.SIGUSR1)
+	envoytest.Eventually(t, wait, func() error {
+		b, err := os.ReadFile(logPath)
+		if err != nil {
+			return err
+		}
+		if !strings.Contains(string(b), "reopening logs") {
+			return fmt.Errorf("new log file %q", b)
+		}
+		return nil
+	})
+	old, err := os.ReadFile(logPath + ".1")
+	if err != nil || !strings.Contains(string(old), "admin address") || strings.Contains(string(old), "reopening logs") {
+		t.Errorf("the rotated file %q (%v): want the lines before SIGUSR1 only", old, err)
+	}
+	if p.Stderr() != "" {
+		t.Errorf("logged to stderr with --log-path: %q", p.Stderr())
+	}
+}

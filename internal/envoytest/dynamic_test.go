@@ -2,6 +2,7 @@ package envoytest_test
 
 import (
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"slices"
@@ -48,7 +49,7 @@ func TestFollowsRoutesEndpointsAndSecretRotation(t *testing.T) {
 			Name: "envoy.filters.http.router", ConfigType: &hcmv3.HttpFilter_TypedConfig{TypedConfig: mustAny(t, &routerv3.Router{})},
 		}},
 	}
-	httpListener := tcpListener(t, "http", corev3.TrafficDirection_OUTBOUND, false)
+	httpListener := tcpListener(t, "http", corev3.TrafficDirection_OUTBOUND, false, corev3.ApiConfigSource_GRPC)
 	httpListener.FilterChains[0].Filters = []*listenerv3.Filter{{
 		Name: "envoy.filters.network.http_connection_manager", ConfigType: &listenerv3.Filter_TypedConfig{TypedConfig: mustAny(t, hcm)},
 	}}
@@ -118,4 +119,75 @@ func TestLogPathReopenedOnSIGUSR1(t *testing.T) {
 	if p.Stderr() != "" {
 		t.Errorf("logged to stderr with --log-path: %q", p.Stderr())
 	}
+}
+
+func TestIncrementalXDS(t *testing.T) {
+	t.Parallel()
+	cp := newControlPlane(t)
+	boot := envoytest.NewBootstrap(t, nodeID, cp.ads, cp.sds)
+	boot.DynamicResources.AdsConfig.ApiType = corev3.ApiConfigSource_DELTA_GRPC
+	p := envoytest.Start(t, "-c", envoytest.WriteBootstrap(t, boot))
+	res := meshOver(t, corev3.ApiConfigSource_DELTA_GRPC)
+	cp.set(t, "1", res)
+	waitState(t, p.Admin, "LIVE")
+
+	// The node on each stream's first request only; every response ACKed by its nonce.
+	for _, method := range []string{"/DeltaAggregatedResources", "/DeltaSecrets"} {
+		envoytest.Eventually(t, wait, func() error {
+			reqs := cp.deltas(method)
+			for _, r := range reqs {
+				if r.GetResponseNonce() != "" && r.GetErrorDetail() == nil {
+					return nil
+				}
+			}
+			return fmt.Errorf("%s: no ACK among %v", method, reqs)
+		})
+	}
+	// One ADS stream; one SDS stream per secret. The node on each stream's first request only.
+	withNode := map[string]int{}
+	for _, method := range []string{"/DeltaAggregatedResources", "/DeltaSecrets"} {
+		for _, r := range cp.deltas(method) {
+			if r.GetNode() != nil {
+				if r.GetNode().GetId() != nodeID {
+					t.Errorf("%s: node %v", method, r.GetNode())
+				}
+				withNode[method]++
+			}
+		}
+	}
+	if withNode["/DeltaAggregatedResources"] != 1 || withNode["/DeltaSecrets"] != 2 {
+		t.Errorf("requests with the node: %v, want one per stream (1 ADS, 2 SDS)", withNode)
+	}
+
+	// A removed listener is closed; a listener that fails its checks is NACKed and the rest kept.
+	out := listenerAddr(t, p.Admin, "outbound")
+	bad := tcpListener(t, "bad", corev3.TrafficDirection_OUTBOUND, false, corev3.ApiConfigSource_GRPC)
+	bad.FilterChains[0].Filters[0].Name = "" // a filter must have a name
+	res[resource.ListenerType] = []types.Resource{res[resource.ListenerType][0], bad}
+	cp.set(t, "2", res)
+	envoytest.Eventually(t, wait, func() error {
+		for _, r := range cp.deltas("/DeltaAggregatedResources") {
+			if r.GetTypeUrl() == resource.ListenerType && r.GetErrorDetail() != nil {
+				return nil
+			}
+		}
+		return fmt.Errorf("no NACK of the listeners yet")
+	})
+	res[resource.ListenerType] = res[resource.ListenerType][:1]
+	cp.set(t, "3", res)
+	envoytest.Eventually(t, wait, func() error {
+		ls, err := p.Admin.Listeners(ctx(t))
+		if err != nil {
+			return err
+		}
+		if n := len(ls.GetListenerStatuses()); n != 1 || ls.GetListenerStatuses()[0].GetName() != "inbound" {
+			return fmt.Errorf("listeners %v, want inbound only", ls)
+		}
+		return nil
+	})
+	if c, err := net.Dial("tcp", out); err == nil {
+		_ = c.Close()
+		t.Errorf("the removed outbound listener still accepts")
+	}
+	waitStat(t, p.Admin, "listener_manager.lds.update_success", 2)
 }

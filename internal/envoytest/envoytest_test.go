@@ -2,6 +2,7 @@ package envoytest_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"net"
 	"net/http"
@@ -60,6 +61,7 @@ type controlPlane struct {
 type recorded struct {
 	method string
 	req    *discoveryv3.DiscoveryRequest
+	delta  *discoveryv3.DeltaDiscoveryRequest
 }
 
 type recordingStream struct {
@@ -70,12 +72,20 @@ type recordingStream struct {
 
 func (r *recordingStream) RecvMsg(m any) error {
 	err := r.ServerStream.RecvMsg(m)
-	if req, ok := m.(*discoveryv3.DiscoveryRequest); ok && err == nil {
-		// A copy as it came: the server fills in the node of later requests.
-		r.cp.mu.Lock()
-		r.cp.reqs = append(r.cp.reqs, recorded{method: r.method, req: proto.Clone(req).(*discoveryv3.DiscoveryRequest)})
-		r.cp.mu.Unlock()
+	if err != nil {
+		return err
 	}
+	// A copy as it came: the server fills in the node of later requests.
+	rec := recorded{method: r.method}
+	switch req := m.(type) {
+	case *discoveryv3.DiscoveryRequest:
+		rec.req = proto.Clone(req).(*discoveryv3.DiscoveryRequest)
+	case *discoveryv3.DeltaDiscoveryRequest:
+		rec.delta = proto.Clone(req).(*discoveryv3.DeltaDiscoveryRequest)
+	}
+	r.cp.mu.Lock()
+	r.cp.reqs = append(r.cp.reqs, rec)
+	r.cp.mu.Unlock()
 	return err
 }
 
@@ -143,7 +153,7 @@ func (cp *controlPlane) requests(method, typeURL string) []*discoveryv3.Discover
 	defer cp.mu.Unlock()
 	var out []*discoveryv3.DiscoveryRequest
 	for _, r := range cp.reqs {
-		if strings.HasSuffix(r.method, method) && r.req.GetTypeUrl() == typeURL {
+		if r.req != nil && strings.HasSuffix(r.method, method) && r.req.GetTypeUrl() == typeURL {
 			out = append(out, r.req)
 		}
 	}
@@ -155,8 +165,21 @@ func (cp *controlPlane) all(method string) []*discoveryv3.DiscoveryRequest {
 	defer cp.mu.Unlock()
 	var out []*discoveryv3.DiscoveryRequest
 	for _, r := range cp.reqs {
-		if strings.HasSuffix(r.method, method) {
+		if r.req != nil && strings.HasSuffix(r.method, method) {
 			out = append(out, r.req)
+		}
+	}
+	return out
+}
+
+// deltas are the incremental requests received so far on streams of method.
+func (cp *controlPlane) deltas(method string) []*discoveryv3.DeltaDiscoveryRequest {
+	cp.mu.Lock()
+	defer cp.mu.Unlock()
+	var out []*discoveryv3.DeltaDiscoveryRequest
+	for _, r := range cp.reqs {
+		if r.delta != nil && strings.HasSuffix(r.method, method) {
+			out = append(out, r.delta)
 		}
 	}
 	return out
@@ -167,10 +190,13 @@ const (
 	sdsMethod = "/StreamSecrets"
 )
 
-func sdsSecret(name string) *tlsv3.SdsSecretConfig {
+// sdsSecret names a secret of the sds-grpc cluster, taken with api (GRPC or DELTA_GRPC).
+func sdsSecret(name string, api corev3.ApiConfigSource_ApiType) *tlsv3.SdsSecretConfig {
+	src := envoytest.GRPCSource(envoytest.SDSCluster)
+	src.ApiType = api
 	return &tlsv3.SdsSecretConfig{Name: name, SdsConfig: &corev3.ConfigSource{
 		ResourceApiVersion:    corev3.ApiVersion_V3,
-		ConfigSourceSpecifier: &corev3.ConfigSource_ApiConfigSource{ApiConfigSource: envoytest.GRPCSource(envoytest.SDSCluster)},
+		ConfigSourceSpecifier: &corev3.ConfigSource_ApiConfigSource{ApiConfigSource: src},
 	}}
 }
 
@@ -183,17 +209,17 @@ func mustAny(t *testing.T, m proto.Message) *anypb.Any {
 	return a
 }
 
-func mtlsContext() *tlsv3.CommonTlsContext {
+func mtlsContext(api corev3.ApiConfigSource_ApiType) *tlsv3.CommonTlsContext {
 	return &tlsv3.CommonTlsContext{
-		TlsCertificateSdsSecretConfigs: []*tlsv3.SdsSecretConfig{sdsSecret("default")},
+		TlsCertificateSdsSecretConfigs: []*tlsv3.SdsSecretConfig{sdsSecret("default", api)},
 		ValidationContextType: &tlsv3.CommonTlsContext_CombinedValidationContext{CombinedValidationContext: &tlsv3.CommonTlsContext_CombinedCertificateValidationContext{
 			DefaultValidationContext:         &tlsv3.CertificateValidationContext{},
-			ValidationContextSdsSecretConfig: sdsSecret("ROOTCA"),
+			ValidationContextSdsSecretConfig: sdsSecret("ROOTCA", api),
 		}},
 	}
 }
 
-func backendCluster(t *testing.T, timeout time.Duration) *clusterv3.Cluster {
+func backendCluster(t *testing.T, timeout time.Duration, api corev3.ApiConfigSource_ApiType) *clusterv3.Cluster {
 	t.Helper()
 	return &clusterv3.Cluster{
 		Name:                 "backend",
@@ -207,12 +233,13 @@ func backendCluster(t *testing.T, timeout time.Duration) *clusterv3.Cluster {
 			}}}},
 		}}},
 		TransportSocket: &corev3.TransportSocket{Name: "envoy.transport_sockets.tls", ConfigType: &corev3.TransportSocket_TypedConfig{
-			TypedConfig: mustAny(t, &tlsv3.UpstreamTlsContext{CommonTlsContext: mtlsContext()}),
+			TypedConfig: mustAny(t, &tlsv3.UpstreamTlsContext{CommonTlsContext: mtlsContext(api)}),
 		}},
 	}
 }
 
-func tcpListener(t *testing.T, name string, dir corev3.TrafficDirection, tls bool) *listenerv3.Listener {
+// tcpListener is a TCP proxy listener on 127.0.0.1:0; with tls, its certificates come over SDS.
+func tcpListener(t *testing.T, name string, dir corev3.TrafficDirection, tls bool, api corev3.ApiConfigSource_ApiType) *listenerv3.Listener {
 	t.Helper()
 	fc := &listenerv3.FilterChain{Filters: []*listenerv3.Filter{{
 		Name: "envoy.filters.network.tcp_proxy",
@@ -223,7 +250,7 @@ func tcpListener(t *testing.T, name string, dir corev3.TrafficDirection, tls boo
 	}}}
 	if tls {
 		fc.TransportSocket = &corev3.TransportSocket{Name: "envoy.transport_sockets.tls", ConfigType: &corev3.TransportSocket_TypedConfig{
-			TypedConfig: mustAny(t, &tlsv3.DownstreamTlsContext{CommonTlsContext: mtlsContext()}),
+			TypedConfig: mustAny(t, &tlsv3.DownstreamTlsContext{CommonTlsContext: mtlsContext(api)}),
 		}}
 	}
 	return &listenerv3.Listener{
@@ -257,11 +284,17 @@ func secrets(t *testing.T) []types.Resource {
 // outbound plain one, and the two secrets they name.
 func mesh(t *testing.T) map[resource.Type][]types.Resource {
 	t.Helper()
+	return meshOver(t, corev3.ApiConfigSource_GRPC)
+}
+
+// meshOver is mesh with its secrets taken over api.
+func meshOver(t *testing.T, api corev3.ApiConfigSource_ApiType) map[resource.Type][]types.Resource {
+	t.Helper()
 	return map[resource.Type][]types.Resource{
-		resource.ClusterType: {backendCluster(t, time.Second)},
+		resource.ClusterType: {backendCluster(t, time.Second, api)},
 		resource.ListenerType: {
-			tcpListener(t, "inbound", corev3.TrafficDirection_INBOUND, true),
-			tcpListener(t, "outbound", corev3.TrafficDirection_OUTBOUND, false),
+			tcpListener(t, "inbound", corev3.TrafficDirection_INBOUND, true, api),
+			tcpListener(t, "outbound", corev3.TrafficDirection_OUTBOUND, false, api),
 		},
 		resource.SecretType: secrets(t),
 	}
@@ -408,20 +441,19 @@ func TestReachesLiveWithListenersClustersAndSecrets(t *testing.T) {
 		envoytest.Eventually(t, wait, func() error { return acked(cp.requests(adsMethod, typ), "1") })
 	}
 	// One SDS stream per secret, each ACKed, each with the node (sds_config does not ask otherwise).
-	sds := cp.requests(sdsMethod, resource.SecretType)
 	for _, name := range []string{"default", "ROOTCA"} {
-		var mine []*discoveryv3.DiscoveryRequest
-		for _, r := range sds {
-			if slices.Equal(r.GetResourceNames(), []string{name}) {
-				mine = append(mine, r)
-				if r.GetNode().GetId() != nodeID {
-					t.Errorf("SDS request for %s without the node: %v", name, r)
+		envoytest.Eventually(t, wait, func() error {
+			var mine []*discoveryv3.DiscoveryRequest
+			for _, r := range cp.requests(sdsMethod, resource.SecretType) {
+				if slices.Equal(r.GetResourceNames(), []string{name}) {
+					if r.GetNode().GetId() != nodeID {
+						t.Fatalf("SDS request for %s without the node: %v", name, r)
+					}
+					mine = append(mine, r)
 				}
 			}
-		}
-		if err := acked(mine, "1"); err != nil {
-			t.Errorf("secret %s: %v", name, err)
-		}
+			return acked(mine, "1")
+		})
 	}
 
 	info, err := p.Admin.ServerInfo(ctx(t))
@@ -448,7 +480,7 @@ func TestNACKsAnInvalidResource(t *testing.T) {
 	cp := newControlPlane(t)
 	p := envoytest.Start(t, "-c", envoytest.WriteBootstrap(t, envoytest.NewBootstrap(t, nodeID, cp.ads, cp.sds)))
 	bad := mesh(t)
-	bad[resource.ClusterType] = []types.Resource{backendCluster(t, -time.Second)} // connect_timeout must be > 0
+	bad[resource.ClusterType] = []types.Resource{backendCluster(t, -time.Second, corev3.ApiConfigSource_GRPC)} // connect_timeout must be > 0
 	cp.set(t, "1", bad)
 
 	var nack *discoveryv3.DiscoveryRequest
@@ -481,9 +513,7 @@ func TestNACKsAnInvalidResource(t *testing.T) {
 
 	cp.set(t, "2", mesh(t))
 	waitState(t, p.Admin, "LIVE")
-	if err := acked(cp.requests(adsMethod, resource.ClusterType), "2"); err != nil {
-		t.Error(err)
-	}
+	envoytest.Eventually(t, wait, func() error { return acked(cp.requests(adsMethod, resource.ClusterType), "2") })
 }
 
 func TestGracefulDrainHoldsConnectionsAndRefusesNew(t *testing.T) {
@@ -688,7 +718,8 @@ func TestServerInfoReflectsTheCommandLine(t *testing.T) {
 	}
 	// The JSON is Envoy's: field names as in the proto, the state named even when LIVE (zero).
 	_, raw, err := q.Admin.Do(ctx(t), http.MethodGet, "/server_info")
-	if err != nil || !strings.Contains(raw, `"state": "LIVE"`) || !strings.Contains(raw, `"command_line_options"`) {
+	var fields map[string]any
+	if err != nil || json.Unmarshal([]byte(raw), &fields) != nil || fields["state"] != "LIVE" || fields["command_line_options"] == nil {
 		t.Errorf("/server_info JSON %q: want proto field names and the state", raw)
 	}
 	if err := protojson.Unmarshal([]byte(raw), &adminv3.ServerInfo{}); err != nil {
@@ -785,7 +816,7 @@ func TestReconnectsToTheControlPlane(t *testing.T) {
 		cp.mu.Lock()
 		defer cp.mu.Unlock()
 		for _, r := range cp.reqs[before:] {
-			if strings.HasSuffix(r.method, adsMethod) && r.req.GetTypeUrl() == resource.ClusterType &&
+			if r.req != nil && strings.HasSuffix(r.method, adsMethod) && r.req.GetTypeUrl() == resource.ClusterType &&
 				r.req.GetVersionInfo() == "1" && r.req.GetResponseNonce() == "" && r.req.GetNode().GetId() == nodeID {
 				return nil
 			}

@@ -1,6 +1,8 @@
 package main
 
 import (
+	"bytes"
+	"encoding/json"
 	"fmt"
 	"net"
 	"net/http"
@@ -66,13 +68,19 @@ func text(w http.ResponseWriter, code int, body string) {
 }
 
 func jsonBody(w http.ResponseWriter, m proto.Message) {
-	b, err := protojson.MarshalOptions{Multiline: true, UseProtoNames: true, EmitUnpopulated: true}.Marshal(m)
+	b, err := protojson.MarshalOptions{UseProtoNames: true, EmitUnpopulated: true}.Marshal(m)
+	var out bytes.Buffer
+	if err == nil {
+		// protojson varies its spacing on purpose; Envoy's admin prints the same JSON each time.
+		err = json.Indent(&out, b, "", "  ")
+	}
 	if err != nil {
 		text(w, http.StatusInternalServerError, err.Error()+"\n")
 		return
 	}
+	out.WriteByte('\n')
 	w.Header().Set("Content-Type", "application/json")
-	_, _ = w.Write(append(b, '\n'))
+	_, _ = w.Write(out.Bytes())
 }
 
 func (s *server) handleReady(w http.ResponseWriter, _ *http.Request) {

@@ -71,8 +71,10 @@ func node(b *bootstrapv3.Bootstrap, o *options) *corev3.Node {
 // which must be a static cluster with one endpoint (a pipe or a socket address), or a Google gRPC
 // target URI.
 func apiTarget(b *bootstrapv3.Bootstrap, src *corev3.ApiConfigSource) (string, error) {
-	if src.GetApiType() != corev3.ApiConfigSource_GRPC && src.GetApiType() != corev3.ApiConfigSource_AGGREGATED_GRPC {
-		return "", fmt.Errorf("the stand-in serves only gRPC config sources, not %s", src.GetApiType())
+	switch src.GetApiType() {
+	case corev3.ApiConfigSource_GRPC, corev3.ApiConfigSource_AGGREGATED_GRPC, corev3.ApiConfigSource_DELTA_GRPC, corev3.ApiConfigSource_AGGREGATED_DELTA_GRPC:
+	default:
+		return "", fmt.Errorf("the stand-in takes only gRPC config sources, not %s", src.GetApiType())
 	}
 	svcs := src.GetGrpcServices()
 	if len(svcs) != 1 {
@@ -107,4 +109,9 @@ func clusterTarget(b *bootstrapv3.Bootstrap, name string) (string, error) {
 		return "", fmt.Errorf("static cluster '%s' has no endpoint address", name)
 	}
 	return "", fmt.Errorf("envoy.config.core.v3.ApiConfigSource must have a statically defined non-EDS cluster: '%s' does not exist, was added via api, or is an EDS cluster", name)
+}
+
+// isDelta tells whether a config source asks for incremental xDS.
+func isDelta(src *corev3.ApiConfigSource) bool {
+	return src.GetApiType() == corev3.ApiConfigSource_DELTA_GRPC || src.GetApiType() == corev3.ApiConfigSource_AGGREGATED_DELTA_GRPC
 }

@@ -21,6 +21,7 @@ type sdsRef struct {
 	// source is the SDS cluster's gRPC target, sourceADS or sourceStatic.
 	source    string
 	nodeFirst bool
+	delta     bool
 }
 
 const (
@@ -56,7 +57,8 @@ func (r *secretRefs) add(sc *tlsv3.SdsSecretConfig) error {
 		if err != nil {
 			return fmt.Errorf("secret %s: %w", sc.GetName(), err)
 		}
-		r.refs[sdsRef{name: sc.GetName(), source: target, nodeFirst: src.GetApiConfigSource().GetSetNodeOnFirstMessageOnly()}] = struct{}{}
+		api := src.GetApiConfigSource()
+		r.refs[sdsRef{name: sc.GetName(), source: target, nodeFirst: api.GetSetNodeOnFirstMessageOnly(), delta: isDelta(api)}] = struct{}{}
 	default:
 		return fmt.Errorf("secret %s: the stand-in takes SDS over gRPC or ADS only", sc.GetName())
 	}

@@ -25,6 +25,7 @@ import (
 	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/protobuf/types/known/anypb"
 )
 
 // version is what the stand-in says it is, in Envoy's shape (hash/version/status/build/TLS).
@@ -144,6 +145,15 @@ func (s *server) Run(ctx context.Context) error {
 			},
 			sub:       adsSubscriber{s},
 			connected: s.adsUp,
+		}
+		if isDelta(ads) {
+			c.openDelta = func(ctx context.Context) (deltaStream, error) {
+				conn, err := s.conn(target)
+				if err != nil {
+					return nil, err
+				}
+				return discoveryv3.NewAggregatedDiscoveryServiceClient(conn).DeltaAggregatedResources(ctx)
+			}
 		}
 		s.wg.Go(func() { c.run(ctx) })
 	} else {
@@ -355,6 +365,15 @@ func (s *server) reconcileSecretsLocked() {
 			},
 			sub: &sdsSubscriber{s: s, ref: r},
 		}
+		if r.delta {
+			c.openDelta = func(ctx context.Context) (deltaStream, error) {
+				conn, err := s.conn(r.source)
+				if err != nil {
+					return nil, err
+				}
+				return secretv3.NewSecretDiscoveryServiceClient(conn).DeltaSecrets(ctx)
+			}
+		}
 		s.stats.declare(false, "sds."+r.name+".update_success", "sds."+r.name+".update_rejected")
 		s.wg.Go(func() { c.run(ctx) })
 	}
@@ -371,12 +390,10 @@ func (u *sdsSubscriber) wanted() []want {
 }
 
 func (u *sdsSubscriber) apply(resp *discoveryv3.DiscoveryResponse) error {
-	secret, err := u.check(resp)
+	secret, err := u.decode(resp)
 	if err != nil {
-		u.s.stats.inc("sds." + u.ref.name + ".update_rejected")
 		return err
 	}
-	u.s.stats.inc("sds." + u.ref.name + ".update_success")
 	u.s.mu.Lock()
 	defer u.s.mu.Unlock()
 	if _, ok := u.s.sdsStreams[u.ref]; !ok {
@@ -388,7 +405,29 @@ func (u *sdsSubscriber) apply(resp *discoveryv3.DiscoveryResponse) error {
 	return nil
 }
 
-func (u *sdsSubscriber) check(resp *discoveryv3.DiscoveryResponse) (*tlsv3.Secret, error) {
+func (u *sdsSubscriber) done(_ string, err error) {
+	if err != nil {
+		u.s.stats.inc("sds." + u.ref.name + ".update_rejected")
+		return
+	}
+	u.s.stats.inc("sds." + u.ref.name + ".update_success")
+}
+
+func (u *sdsSubscriber) check(typeURL string, a *anypb.Any) error {
+	if typeURL != resource.SecretType {
+		return fmt.Errorf("unexpected type %s on an SDS stream", typeURL)
+	}
+	secret := &tlsv3.Secret{}
+	if err := unmarshalValid(a, secret); err != nil {
+		return err
+	}
+	if secret.GetName() != u.ref.name {
+		return fmt.Errorf("unexpected SDS secret (expecting %s): %s", u.ref.name, secret.GetName())
+	}
+	return nil
+}
+
+func (u *sdsSubscriber) decode(resp *discoveryv3.DiscoveryResponse) (*tlsv3.Secret, error) {
 	if resp.GetTypeUrl() != resource.SecretType {
 		return nil, fmt.Errorf("unexpected type %s on an SDS stream", resp.GetTypeUrl())
 	}
@@ -436,27 +475,64 @@ func (a adsSubscriber) wanted() []want {
 	return w
 }
 
+// done counts CDS's and LDS's updates under Envoy's names.
+func (a adsSubscriber) done(typeURL string, err error) {
+	prefix := ""
+	switch typeURL {
+	case resource.ClusterType:
+		prefix = "cluster_manager.cds."
+	case resource.ListenerType:
+		prefix = "listener_manager.lds."
+	default:
+		return
+	}
+	a.s.stats.inc(prefix + "update_attempt")
+	if err != nil {
+		a.s.stats.inc(prefix + "update_rejected")
+		return
+	}
+	a.s.stats.inc(prefix + "update_success")
+}
+
+func (a adsSubscriber) check(typeURL string, r *anypb.Any) error {
+	if r.GetTypeUrl() != typeURL {
+		return fmt.Errorf("resource of type %s in a %s response", r.GetTypeUrl(), typeURL)
+	}
+	refs := newSecretRefs(a.s.boot)
+	switch typeURL {
+	case resource.ClusterType:
+		c := &clusterv3.Cluster{}
+		if err := unmarshalValid(r, c); err != nil {
+			return err
+		}
+		return refs.cluster(c)
+	case resource.ListenerType:
+		l := &listenerv3.Listener{}
+		if err := unmarshalValid(r, l); err != nil {
+			return err
+		}
+		if err := refs.listener(l); err != nil {
+			return err
+		}
+		_, err := routeNames(l)
+		return err
+	case resource.RouteType:
+		return unmarshalValid(r, &routev3.RouteConfiguration{})
+	case resource.EndpointType:
+		return unmarshalValid(r, &endpointv3.ClusterLoadAssignment{})
+	case resource.SecretType:
+		return unmarshalValid(r, &tlsv3.Secret{})
+	}
+	return fmt.Errorf("unexpected type %s on the ADS stream", typeURL)
+}
+
 func (a adsSubscriber) apply(resp *discoveryv3.DiscoveryResponse) error {
 	s := a.s
 	switch resp.GetTypeUrl() {
 	case resource.ClusterType:
-		s.stats.inc("cluster_manager.cds.update_attempt")
-		err := s.applyClusters(resp)
-		if err != nil {
-			s.stats.inc("cluster_manager.cds.update_rejected")
-			return err
-		}
-		s.stats.inc("cluster_manager.cds.update_success")
-		return nil
+		return s.applyClusters(resp)
 	case resource.ListenerType:
-		s.stats.inc("listener_manager.lds.update_attempt")
-		err := s.applyListeners(resp)
-		if err != nil {
-			s.stats.inc("listener_manager.lds.update_rejected")
-			return err
-		}
-		s.stats.inc("listener_manager.lds.update_success")
-		return nil
+		return s.applyListeners(resp)
 	case resource.RouteType:
 		routes := map[string]*routev3.RouteConfiguration{}
 		if err := decodeAll(resp, routes, func() *routev3.RouteConfiguration { return &routev3.RouteConfiguration{} }); err != nil {

@@ -191,3 +191,41 @@ func TestIncrementalXDS(t *testing.T) {
 	}
 	waitStat(t, p.Admin, "listener_manager.lds.update_success", 2)
 }
+
+func TestPreInitializingUntilTheControlPlaneAnswers(t *testing.T) {
+	t.Parallel()
+	cp := newControlPlane(t)
+	cp.set(t, "1", mesh(t))
+	cp.stop() // nothing listens on its sockets until serve
+	p := envoytest.Start(t, "-c", envoytest.WriteBootstrap(t, envoytest.NewBootstrap(t, nodeID, cp.ads, cp.sds)))
+	envoytest.Eventually(t, wait, func() error {
+		if !strings.Contains(p.Stderr(), "config stream closed") {
+			return fmt.Errorf("no failed stream logged yet")
+		}
+		return nil
+	})
+	if state, ok, err := p.Admin.Ready(ctx(t)); err != nil || ok || state != "PRE_INITIALIZING" {
+		t.Errorf("/ready with no control plane = %s %v %v, want 503 PRE_INITIALIZING", state, ok, err)
+	}
+	cp.serve(t)
+	waitState(t, p.Admin, "LIVE")
+}
+
+func TestHealthcheckFailAndOK(t *testing.T) {
+	t.Parallel()
+	_, p := startLive(t)
+	for _, step := range []struct{ path, state string }{
+		{"/healthcheck/fail", "DRAINING"},
+		{"/healthcheck/ok", "LIVE"},
+	} {
+		if code, _, err := p.Admin.Post(ctx(t), step.path); err != nil || code != 200 {
+			t.Fatalf("POST %s = %d %v", step.path, code, err)
+		}
+		if state, _, err := p.Admin.Ready(ctx(t)); err != nil || state != step.state {
+			t.Errorf("/ready after %s = %s %v, want %s", step.path, state, err, step.state)
+		}
+	}
+	if code, _, err := p.Admin.Do(ctx(t), "GET", "/healthcheck/fail"); err != nil || code != 405 {
+		t.Errorf("GET /healthcheck/fail = %d %v, want 405", code, err)
+	}
+}

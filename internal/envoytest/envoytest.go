@@ -191,6 +191,7 @@ type Process struct {
 	// Admin is its admin, at the address it wrote to --admin-address-path.
 	Admin *Admin
 
+	stdout *syncBuffer
 	stderr *syncBuffer
 	done   chan struct{}
 	err    error
@@ -219,11 +220,13 @@ func Start(tb testing.TB, args ...string) *Process {
 }
 
 // Run runs the stand-in with args until it exits (or timeout passes, which fails the test) and
-// returns its exit code and stderr: for a command line or bootstrap that must be refused.
+// returns its exit code and what it printed, stdout then stderr: for a command line or bootstrap
+// that must be refused, or for --mode validate, which checks a bootstrap as Envoy does and exits.
 func Run(tb testing.TB, timeout time.Duration, args ...string) (int, string) {
 	tb.Helper()
 	p := start(tb, args...)
-	return p.Wait(tb, timeout), p.Stderr()
+	code := p.Wait(tb, timeout)
+	return code, p.Stdout() + p.Stderr()
 }
 
 func start(tb testing.TB, args ...string) *Process {
@@ -231,8 +234,8 @@ func start(tb testing.TB, args ...string) *Process {
 	bin := Build(tb)
 	args = append(args, "--admin-address-path", filepath.Join(tb.TempDir(), "admin-address"))
 	cmd := exec.Command(bin, args...) //nolint:gosec // the stand-in just built, with the test's arguments
-	p := &Process{Cmd: cmd, stderr: &syncBuffer{}, done: make(chan struct{})}
-	p.Cmd.Stderr = p.stderr
+	p := &Process{Cmd: cmd, stdout: &syncBuffer{}, stderr: &syncBuffer{}, done: make(chan struct{})}
+	p.Cmd.Stdout, p.Cmd.Stderr = p.stdout, p.stderr
 	if err := p.Cmd.Start(); err != nil {
 		tb.Fatalf("start envoy stand-in: %v", err)
 	}
@@ -281,6 +284,9 @@ func (p *Process) Wait(tb testing.TB, timeout time.Duration) int {
 
 // Stderr is what the stand-in has logged so far.
 func (p *Process) Stderr() string { return p.stderr.String() }
+
+// Stdout is what the stand-in has printed so far (--mode validate's verdict).
+func (p *Process) Stdout() string { return p.stdout.String() }
 
 type syncBuffer struct {
 	mu sync.Mutex

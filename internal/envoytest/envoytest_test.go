@@ -679,6 +679,19 @@ func TestRefusesAnInvalidBootstrap(t *testing.T) {
 		})
 	}
 
+	// --mode validate checks a bootstrap as Envoy does, and exits.
+	good := envoytest.WriteBootstrap(t, envoytest.NewBootstrap(t, nodeID, "/a.sock", "/s.sock"))
+	if exit, out := envoytest.Run(t, wait, "--mode", "validate", "-c", good); exit != 0 || !strings.Contains(out, "' OK") {
+		t.Errorf("--mode validate of a good bootstrap: exit %d, %q", exit, out)
+	}
+	if exit, out := envoytest.Run(t, wait, "--mode", "validate", "-c", envoytest.WriteBootstrap(t, badTimeout)); exit != 1 || !strings.Contains(out, "ConnectTimeout") {
+		t.Errorf("--mode validate of a bad bootstrap: exit %d, %q", exit, out)
+	}
+	// --config-yaml is checked too, once merged over the file.
+	if exit, out := envoytest.Run(t, wait, "--mode", "validate", "-c", good, "--config-yaml", "admin: {address: {socket_address: {port_value: 70000}}}"); exit != 1 || !strings.Contains(out, "PortValue") {
+		t.Errorf("--mode validate with a bad --config-yaml: exit %d, %q", exit, out)
+	}
+
 	// --allow-unknown-static-fields takes what the same file is refused for without it.
 	p := envoytest.Start(t, "-c", write("lenient.json", `{"no_such_field": 1, "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}}}`), "--allow-unknown-static-fields")
 	waitState(t, p.Admin, "LIVE")
@@ -704,6 +717,16 @@ func TestServerInfoReflectsTheCommandLine(t *testing.T) {
 	}
 	if info.GetHotRestartVersion() != "disabled" || info.GetNode().GetCluster() != "overridden" || info.GetNode().GetId() != nodeID {
 		t.Errorf("server_info %v: want hot restart disabled and the cluster overridden", info)
+	}
+
+	// --config-yaml is merged over the file, as Istio's agent passes a user's bootstrap override.
+	_, m := startLive(t, "--config-yaml", "node: {metadata: {OVERRIDE: \"yes\"}}")
+	merged, err := m.Admin.ServerInfo(ctx(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if merged.GetNode().GetId() != nodeID || merged.GetNode().GetMetadata().GetFields()["OVERRIDE"].GetStringValue() != "yes" {
+		t.Errorf("node %v: want the file's id and the --config-yaml metadata", merged.GetNode())
 	}
 
 	// Defaults are Envoy's.

@@ -20,23 +20,38 @@ import (
 // loadBootstrap reads the bootstrap as Envoy does: JSON, or YAML for a .yaml or .yml file, into
 // Envoy's own proto, then checks it with the proto's constraints and with the references between
 // its parts that Envoy checks at start.
-func loadBootstrap(path string, allowUnknown bool) (*bootstrapv3.Bootstrap, error) {
-	if path == "" {
+// --config-yaml, when given, is merged over the file as protobuf merges messages (repeated
+// fields appended), as Envoy does.
+func loadBootstrap(path, overlay string, allowUnknown bool) (*bootstrapv3.Bootstrap, error) {
+	if path == "" && overlay == "" {
 		return nil, errors.New("at least one of --config-path or --config-yaml should be non-empty")
 	}
-	raw, err := os.ReadFile(path)
-	if err != nil {
-		return nil, fmt.Errorf("unable to read file: %w", err)
-	}
-	switch strings.ToLower(filepath.Ext(path)) {
-	case ".yaml", ".yml":
-		if raw, err = yaml.YAMLToJSON(raw); err != nil {
-			return nil, fmt.Errorf("unable to convert YAML as JSON: %w", err)
+	b := &bootstrapv3.Bootstrap{}
+	if path != "" {
+		raw, err := os.ReadFile(path)
+		if err != nil {
+			return nil, fmt.Errorf("unable to read file: %w", err)
+		}
+		switch strings.ToLower(filepath.Ext(path)) {
+		case ".yaml", ".yml":
+			if raw, err = yaml.YAMLToJSON(raw); err != nil {
+				return nil, fmt.Errorf("unable to convert YAML as JSON: %w", err)
+			}
+		}
+		if err := (protojson.UnmarshalOptions{DiscardUnknown: allowUnknown}).Unmarshal(raw, b); err != nil {
+			return nil, fmt.Errorf("unable to parse JSON as proto: %w", err)
 		}
 	}
-	b := &bootstrapv3.Bootstrap{}
-	if err := (protojson.UnmarshalOptions{DiscardUnknown: allowUnknown}).Unmarshal(raw, b); err != nil {
-		return nil, fmt.Errorf("unable to parse JSON as proto: %w", err)
+	if overlay != "" {
+		raw, err := yaml.YAMLToJSON([]byte(overlay))
+		if err != nil {
+			return nil, fmt.Errorf("--config-yaml: unable to convert YAML as JSON: %w", err)
+		}
+		over := &bootstrapv3.Bootstrap{}
+		if err := (protojson.UnmarshalOptions{DiscardUnknown: allowUnknown}).Unmarshal(raw, over); err != nil {
+			return nil, fmt.Errorf("--config-yaml: unable to parse JSON as proto: %w", err)
+		}
+		proto.Merge(b, over)
 	}
 	if err := b.ValidateAll(); err != nil {
 		return nil, fmt.Errorf("proto constraint validation failed (%w)", err)

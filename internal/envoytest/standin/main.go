@@ -14,10 +14,10 @@ import (
 )
 
 func main() {
-	os.Exit(run(os.Args[1:], os.Stderr))
+	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
 }
 
-func run(args []string, stderr io.Writer) int {
+func run(args []string, stdout, stderr io.Writer) int {
 	opts, err := parseOptions(args)
 	if err != nil {
 		_, _ = fmt.Fprintf(stderr, "PARSE ERROR: %v\n\n%s", err, usage)
@@ -36,10 +36,14 @@ func run(args []string, stderr io.Writer) int {
 		stderr = file
 	}
 	log := newLogger(stderr, opts.logLevel)
-	boot, err := loadBootstrap(opts.configPath, opts.allowUnknownStaticFields)
+	boot, err := loadBootstrap(opts.configPath, opts.configYAML, opts.allowUnknownStaticFields)
 	if err != nil {
 		log.Error("error initializing configuration", keyPath, opts.configPath, keyError, err)
 		return 1
+	}
+	if opts.mode == "validate" {
+		_, _ = fmt.Fprintf(stdout, "configuration '%s' OK\n", opts.configPath)
+		return 0
 	}
 	log.Info("initializing epoch 0", "concurrency", opts.concurrency, "drain_time_s", opts.drainTimeS, "drain_strategy", opts.drainStrategy)
 

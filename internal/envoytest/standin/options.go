@@ -18,6 +18,11 @@ import (
 // Envoy's (source/server/options_impl.cc).
 type options struct {
 	configPath               string
+	configYAML               string
+	mode                     string
+	logFormatEscaped         bool
+	skipDeprecatedLogs       bool
+	useDynamicBaseID         bool
 	logLevel                 string
 	componentLogLevel        string
 	logFormat                string
@@ -56,6 +61,8 @@ func parseOptions(args []string) (*options, error) {
 		}
 	}
 	str(&o.configPath, "", "c", "config-path")
+	str(&o.configYAML, "", "config-yaml")
+	str(&o.mode, "serve", "mode")
 	str(&o.logLevel, "info", "l", "log-level")
 	str(&o.componentLogLevel, "", "component-log-level")
 	str(&o.logFormat, "[%Y-%m-%d %T.%e][%t][%l][%n] [%g:%#] %v", "log-format")
@@ -76,6 +83,9 @@ func parseOptions(args []string) (*options, error) {
 	fs.Uint64Var(&o.baseID, "base-id", 0, "")
 	fs.BoolVar(&o.disableHotRestart, "disable-hot-restart", false, "")
 	fs.BoolVar(&o.allowUnknownStaticFields, "allow-unknown-static-fields", false, "")
+	fs.BoolVar(&o.logFormatEscaped, "log-format-escaped", false, "")
+	fs.BoolVar(&o.skipDeprecatedLogs, "skip-deprecated-logs", false, "")
+	fs.BoolVar(&o.useDynamicBaseID, "use-dynamic-base-id", false, "")
 	fs.BoolVar(&o.help, "h", false, "")
 	fs.BoolVar(&o.help, "help", false, "")
 	if err := fs.Parse(args); err != nil {
@@ -97,6 +107,11 @@ func parseOptions(args []string) (*options, error) {
 				return nil, fmt.Errorf("error: component log level not correctly specified %q", pair)
 			}
 		}
+	}
+	switch o.mode {
+	case "serve", "validate":
+	default:
+		return nil, fmt.Errorf("error: unknown mode %q: the stand-in knows serve and validate", o.mode)
 	}
 	switch o.drainStrategy {
 	case "gradual", "immediate":
@@ -143,6 +158,10 @@ func (o *options) commandLine() *adminv3.CommandLineOptions {
 		BaseId:                   o.baseID,
 		Concurrency:              uint32(o.concurrency),
 		ConfigPath:               o.configPath,
+		ConfigYaml:               o.configYAML,
+		UseDynamicBaseId:         o.useDynamicBaseID,
+		LogFormatEscaped:         o.logFormatEscaped,
+		SkipDeprecatedLogs:       o.skipDeprecatedLogs,
 		AllowUnknownStaticFields: o.allowUnknownStaticFields,
 		AdminAddressPath:         o.adminAddressPath,
 		LogLevel:                 o.logLevel,
@@ -155,9 +174,11 @@ func (o *options) commandLine() *adminv3.CommandLineOptions {
 		FileFlushInterval:        durationpb.New(time.Duration(o.fileFlushIntervalMsec) * time.Millisecond),
 		DrainTime:                durationpb.New(time.Duration(o.drainTimeS) * time.Second),
 		ParentShutdownTime:       durationpb.New(time.Duration(o.parentShutdownTimeS) * time.Second),
-		Mode:                     adminv3.CommandLineOptions_Serve,
 		DisableHotRestart:        o.disableHotRestart,
 		RestartEpoch:             uint32(o.restartEpoch),
+	}
+	if o.mode == "validate" {
+		c.Mode = adminv3.CommandLineOptions_Validate
 	}
 	if o.drainStrategy == "immediate" {
 		c.DrainStrategy = adminv3.CommandLineOptions_Immediate
@@ -168,11 +189,12 @@ func (o *options) commandLine() *adminv3.CommandLineOptions {
 	return c
 }
 
-const usage = `USAGE: envoy -c <string> [--concurrency <uint>] [-l <string>] [--component-log-level <string>]
+const usage = `USAGE: envoy -c <string> [--config-yaml <string>] [--mode <serve|validate>] [--concurrency <uint>] [-l <string>] [--component-log-level <string>]
   [--log-format <string>] [--log-path <string>] [--drain-time-s <uint>] [--parent-shutdown-time-s <uint>]
   [--drain-strategy <gradual|immediate>] [--local-address-ip-version <v4|v6>] [--disable-hot-restart]
   [--allow-unknown-static-fields] [--file-flush-interval-msec <uint>] [--service-node <string>]
   [--service-cluster <string>] [--service-zone <string>] [--admin-address-path <string>]
-  [--restart-epoch <uint>] [--base-id <uint>]
+  [--restart-epoch <uint>] [--base-id <uint>] [--use-dynamic-base-id] [--log-format-escaped]
+  [--skip-deprecated-logs]
 (the meshid test stand-in for Envoy)
 `

@@ -2,7 +2,22 @@
 // binary can be installed: Build gives the path of a program that takes Envoy's command line and
 // bootstrap, its configuration over ADS and its certificates over SDS, binds the listeners it is
 // given, serves the admin endpoints an agent uses and exits on the signals Envoy exits on; Admin
-// talks to its admin as the agent does.
+// talks to its admin as the agent does. An agent runs it as its Envoy:
+//
+//	meshid agent --envoy-path <envoytest.Build(t)> ...
+//
+// What it does as Envoy does: the flags Envoy and Istio's agent use (an unknown one is a PARSE
+// ERROR, exit 1); the bootstrap read and checked with ValidateAll (exit 1 naming the field), or
+// only checked with --mode validate; ADS and SDS, state of the world or incremental, with ACKs,
+// NACKs and reconnection; PRE_INITIALIZING, INITIALIZING, LIVE and DRAINING; LDS listeners bound
+// and their connections held and counted; the admin's /ready, /server_info, /stats,
+// /stats/prometheus, /listeners, /drain_listeners, /healthcheck/fail|ok and /quitquitquit; exit 0
+// on SIGTERM and SIGINT, SIGUSR1 reopening --log-path.
+//
+// Where it differs: it serves no traffic (a connection is accepted and held, nothing proxied);
+// static listeners are not bound; a graceful drain closes the listeners at once instead of after
+// the drain time; LIVE waits for CDS and LDS to be accepted, where Envoy also goes on after a
+// rejected first update; its admin refusals are counted as standin.admin_refused.
 package envoytest
 
 import (
@@ -15,6 +30,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -32,20 +48,52 @@ const Package = "github.com/meshid/meshid/internal/envoytest/standin"
 // every package that starts an Envoy needs the same binary.
 var builds = sync.OnceValues(build) //nolint:gochecknoglobals // a once-per-process build cache
 
+// buildDirPrefix names the build directories, with the building process's id after it.
+const buildDirPrefix = "meshid-envoy-standin-"
+
 func build() (string, error) {
-	// Not t.TempDir: the binary outlives the test that happened to build it.
-	dir, err := os.MkdirTemp("", "meshid-envoy-standin")
+	removeOrphanBuilds()
+	// Not t.TempDir: the binary outlives the test that happened to build it. The directory
+	// outlives the process too; the next build removes it (removeOrphanBuilds).
+	dir, err := os.MkdirTemp("", buildDirPrefix+strconv.Itoa(os.Getpid())+"-")
 	if err != nil {
 		return "", fmt.Errorf("envoy stand-in: %w", err)
 	}
 	bin := filepath.Join(dir, "envoy")
 	cmd := exec.Command("go", "build", "-o", bin, Package) //nolint:gosec // this module's own package
-	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOFLAGS="+withoutRace(os.Getenv("GOFLAGS")))
 	if out, err := cmd.CombinedOutput(); err != nil {
 		_ = os.RemoveAll(dir)
 		return "", fmt.Errorf("go build %s: %w: %s", Package, err, out)
 	}
 	return bin, nil
+}
+
+// withoutRace drops -race from GOFLAGS: the stand-in is a fixture, not the code under test, and
+// is built once whatever the test's flags.
+func withoutRace(goflags string) string {
+	var keep []string
+	for _, f := range strings.Fields(goflags) {
+		if f != "-race" && f != "--race" && f != "-race=true" {
+			keep = append(keep, f)
+		}
+	}
+	return strings.Join(keep, " ")
+}
+
+// removeOrphanBuilds removes the build directories of test processes that have ended.
+func removeOrphanBuilds() {
+	dirs, _ := filepath.Glob(filepath.Join(os.TempDir(), buildDirPrefix+"*"))
+	for _, dir := range dirs {
+		pid, _, ok := strings.Cut(strings.TrimPrefix(filepath.Base(dir), buildDirPrefix), "-")
+		n, err := strconv.Atoi(pid)
+		if !ok || err != nil || n <= 0 {
+			continue
+		}
+		if errors.Is(syscall.Kill(n, 0), syscall.ESRCH) {
+			_ = os.RemoveAll(dir)
+		}
+	}
 }
 
 // Build builds the stand-in once per test process (without -race, whatever the test's flags) and

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	adminv3 "github.com/envoyproxy/go-control-plane/envoy/admin/v3"
 	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	endpointv3 "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
@@ -18,6 +19,7 @@ import (
 	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
 	routerv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/router/v3"
 	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
+	tlsv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/transport_sockets/tls/v3"
 	discoveryv3 "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
 	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
@@ -70,6 +72,53 @@ func TestFollowsRoutesEndpointsAndSecretRotation(t *testing.T) {
 			}
 			return acked(named, "1")
 		})
+	}
+
+	// /config_dump shows what was accepted, the private key redacted.
+	dump, err := p.Admin.ConfigDump(ctx(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, c := range dump.GetConfigs() {
+		m, err := c.UnmarshalNew()
+		if err != nil {
+			t.Fatal(err)
+		}
+		switch d := m.(type) {
+		case *adminv3.ClustersConfigDump:
+			for _, dc := range d.GetDynamicActiveClusters() {
+				cl := &clusterv3.Cluster{}
+				if err := dc.GetCluster().UnmarshalTo(cl); err != nil {
+					t.Fatal(err)
+				}
+				got = append(got, "cluster "+cl.GetName()+" "+dc.GetVersionInfo())
+			}
+		case *adminv3.ListenersConfigDump:
+			for _, dl := range d.GetDynamicListeners() {
+				got = append(got, "listener "+dl.GetName()+" "+dl.GetActiveState().GetVersionInfo())
+			}
+		case *adminv3.RoutesConfigDump:
+			got = append(got, fmt.Sprintf("routes %d", len(d.GetDynamicRouteConfigs())))
+		case *adminv3.EndpointsConfigDump:
+			got = append(got, fmt.Sprintf("endpoints %d", len(d.GetDynamicEndpointConfigs())))
+		case *adminv3.SecretsConfigDump:
+			for _, ds := range d.GetDynamicActiveSecrets() {
+				sec := &tlsv3.Secret{}
+				if err := ds.GetSecret().UnmarshalTo(sec); err != nil {
+					t.Fatal(err)
+				}
+				got = append(got, "secret "+ds.GetName()+" "+ds.GetVersionInfo())
+				if k := sec.GetTlsCertificate().GetPrivateKey(); k != nil && k.GetInlineString() != "[redacted]" {
+					t.Errorf("/config_dump shows the private key of %s: %v", ds.GetName(), k)
+				}
+			}
+		}
+	}
+	slices.Sort(got)
+	want := []string{"cluster backend 1", "cluster eds 1", "endpoints 1", "listener http 1", "listener inbound 1", "listener outbound 1", "routes 1", "secret ROOTCA 1", "secret default 1"}
+	if !slices.Equal(got, want) {
+		t.Errorf("/config_dump holds %v, want %v", got, want)
 	}
 
 	// A rotated certificate is taken and ACKed on its stream.

@@ -11,7 +11,7 @@
 // only checked with --mode validate; ADS and SDS, state of the world or incremental, with ACKs,
 // NACKs and reconnection; PRE_INITIALIZING, INITIALIZING, LIVE and DRAINING; LDS listeners bound
 // and their connections held and counted; the admin's /ready, /server_info, /stats,
-// /stats/prometheus, /listeners, /drain_listeners, /healthcheck/fail|ok and /quitquitquit; exit 0
+// /stats/prometheus, /listeners, /config_dump, /drain_listeners, /healthcheck/fail|ok and /quitquitquit; exit 0
 // on SIGTERM and SIGINT, SIGUSR1 reopening --log-path.
 //
 // Where it differs: it serves no traffic (a connection is accepted and held, nothing proxied);
@@ -205,6 +205,19 @@ func (a *Admin) Listeners(ctx context.Context) (*adminv3.Listeners, error) {
 		return nil, fmt.Errorf("admin /listeners: %w", err)
 	}
 	return ls, nil
+}
+
+// ConfigDump is the admin's /config_dump (with include_eds).
+func (a *Admin) ConfigDump(ctx context.Context) (*adminv3.ConfigDump, error) {
+	body, err := a.get(ctx, "/config_dump?include_eds")
+	if err != nil {
+		return nil, err
+	}
+	dump := &adminv3.ConfigDump{}
+	if err := protojson.Unmarshal([]byte(body), dump); err != nil {
+		return nil, fmt.Errorf("admin /config_dump: %w", err)
+	}
+	return dump, nil
 }
 
 // Stats is the admin's /stats (text), as a map from stat name to value.

@@ -31,6 +31,7 @@ func (s *server) adminHandler() http.Handler {
 		"/stats":            {handle: s.handleStats},
 		"/stats/prometheus": {handle: s.handlePrometheus},
 		"/listeners":        {handle: s.handleListeners},
+		"/config_dump":      {handle: s.handleConfigDump},
 		"/drain_listeners":  {mutates: true, handle: s.handleDrain},
 		"/healthcheck/fail": {mutates: true, handle: s.handleHealthcheck(true)},
 		"/healthcheck/ok":   {mutates: true, handle: s.handleHealthcheck(false)},
@@ -39,7 +40,7 @@ func (s *server) adminHandler() http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		e, ok := endpoints[r.URL.Path]
 		if !ok {
-			s.refuse(w, r, http.StatusNotFound, "invalid path. admin commands are: /ready /server_info /stats /stats/prometheus /listeners /drain_listeners /healthcheck/fail /healthcheck/ok /quitquitquit")
+			s.refuse(w, r, http.StatusNotFound, "invalid path. admin commands are: /ready /server_info /stats /stats/prometheus /listeners /config_dump /drain_listeners /healthcheck/fail /healthcheck/ok /quitquitquit")
 			return
 		}
 		if e.mutates && r.Method != http.MethodPost {

@@ -28,6 +28,14 @@ import (
 	"google.golang.org/protobuf/types/known/anypb"
 )
 
+// The types whose versions /config_dump shows.
+const (
+	typeCluster  = resource.ClusterType
+	typeListener = resource.ListenerType
+	typeRoute    = resource.RouteType
+	typeEndpoint = resource.EndpointType
+)
+
 // version is what the stand-in says it is, in Envoy's shape (hash/version/status/build/TLS).
 const version = "0000000000000000000000000000000000000000/1.36.0-meshid-standin/Clean/RELEASE/BoringSSL"
 
@@ -68,35 +76,40 @@ type server struct {
 	clusterRefs  map[sdsRef]struct{}
 	listenerRefs map[sdsRef]struct{}
 	secrets      map[sdsRef]*tlsv3.Secret
-	sdsStreams   map[sdsRef]context.CancelFunc
-	conns        map[string]*grpc.ClientConn
-	listeners    map[string]*boundListener
-	drained      map[string]bool
-	heldConns    map[net.Conn]struct{}
+	// versions are the versions accepted, by type; secretVersions by secret.
+	versions       map[string]string
+	secretVersions map[sdsRef]string
+	sdsStreams     map[sdsRef]context.CancelFunc
+	conns          map[string]*grpc.ClientConn
+	listeners      map[string]*boundListener
+	drained        map[string]bool
+	heldConns      map[net.Conn]struct{}
 }
 
 func newServer(log *slog.Logger, o *options, b *bootstrapv3.Bootstrap) *server {
 	s := &server{
-		log:          log,
-		opts:         o,
-		boot:         b,
-		node:         node(b, o),
-		stats:        newStats(),
-		started:      time.Now(),
-		quit:         make(chan struct{}),
-		clusters:     map[string]*clusterv3.Cluster{},
-		listenerCfg:  map[string]*listenerv3.Listener{},
-		routes:       map[string]*routev3.RouteConfiguration{},
-		endpoints:    map[string]*endpointv3.ClusterLoadAssignment{},
-		staticRefs:   map[sdsRef]struct{}{},
-		clusterRefs:  map[sdsRef]struct{}{},
-		listenerRefs: map[sdsRef]struct{}{},
-		secrets:      map[sdsRef]*tlsv3.Secret{},
-		sdsStreams:   map[sdsRef]context.CancelFunc{},
-		conns:        map[string]*grpc.ClientConn{},
-		listeners:    map[string]*boundListener{},
-		drained:      map[string]bool{},
-		heldConns:    map[net.Conn]struct{}{},
+		log:            log,
+		opts:           o,
+		boot:           b,
+		node:           node(b, o),
+		stats:          newStats(),
+		started:        time.Now(),
+		quit:           make(chan struct{}),
+		clusters:       map[string]*clusterv3.Cluster{},
+		listenerCfg:    map[string]*listenerv3.Listener{},
+		routes:         map[string]*routev3.RouteConfiguration{},
+		endpoints:      map[string]*endpointv3.ClusterLoadAssignment{},
+		staticRefs:     map[sdsRef]struct{}{},
+		clusterRefs:    map[sdsRef]struct{}{},
+		listenerRefs:   map[sdsRef]struct{}{},
+		secrets:        map[sdsRef]*tlsv3.Secret{},
+		versions:       map[string]string{},
+		secretVersions: map[sdsRef]string{},
+		sdsStreams:     map[sdsRef]context.CancelFunc{},
+		conns:          map[string]*grpc.ClientConn{},
+		listeners:      map[string]*boundListener{},
+		drained:        map[string]bool{},
+		heldConns:      map[net.Conn]struct{}{},
 	}
 	s.stats.declare(false,
 		"cluster_manager.cds.update_attempt", "cluster_manager.cds.update_success", "cluster_manager.cds.update_rejected",
@@ -400,6 +413,7 @@ func (u *sdsSubscriber) apply(resp *discoveryv3.DiscoveryResponse) error {
 		return nil // no longer named: the stream is ending
 	}
 	u.s.secrets[u.ref] = secret
+	u.s.secretVersions[u.ref] = resp.GetVersionInfo()
 	u.s.log.Info("secret received", keyName, u.ref.name, keyVersion, resp.GetVersionInfo())
 	u.s.updateStateLocked()
 	return nil
@@ -543,6 +557,7 @@ func (a adsSubscriber) apply(resp *discoveryv3.DiscoveryResponse) error {
 		for n, r := range routes {
 			s.routes[n] = r
 		}
+		s.versions[typeRoute] = resp.GetVersionInfo()
 		return nil
 	case resource.EndpointType:
 		eps := map[string]loadAssignment{}
@@ -554,6 +569,7 @@ func (a adsSubscriber) apply(resp *discoveryv3.DiscoveryResponse) error {
 		for n, e := range eps {
 			s.endpoints[n] = e.ClusterLoadAssignment
 		}
+		s.versions[typeEndpoint] = resp.GetVersionInfo()
 		return nil
 	case resource.SecretType:
 		secrets := map[string]*tlsv3.Secret{}
@@ -564,6 +580,7 @@ func (a adsSubscriber) apply(resp *discoveryv3.DiscoveryResponse) error {
 		defer s.mu.Unlock()
 		for n, sec := range secrets {
 			s.secrets[sdsRef{name: n, source: sourceADS}] = sec
+			s.secretVersions[sdsRef{name: n, source: sourceADS}] = resp.GetVersionInfo()
 		}
 		s.updateStateLocked()
 		return nil
@@ -626,6 +643,7 @@ func (s *server) applyClusters(resp *discoveryv3.DiscoveryResponse) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.clusters = clusters
+	s.versions[typeCluster] = resp.GetVersionInfo()
 	s.clusterRefs = refs.refs
 	s.edsNames = eds
 	s.cdsAcked = true
@@ -666,6 +684,7 @@ func (s *server) applyListeners(resp *discoveryv3.DiscoveryResponse) error {
 		return bindErr
 	}
 	s.ldsAcked = true
+	s.versions[typeListener] = resp.GetVersionInfo()
 	s.reconcileSecretsLocked()
 	s.updateStateLocked()
 	s.log.Info("lds: add/update listeners", "count", len(listeners), keyVersion, resp.GetVersionInfo())

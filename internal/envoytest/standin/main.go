@@ -18,6 +18,12 @@ func main() {
 }
 
 func run(args []string, stdout, stderr io.Writer) int {
+	// Caught from the start, so that a SIGTERM sent while starting ends the process as one sent
+	// later does.
+	sigs := make(chan os.Signal, 4)
+	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGUSR1, syscall.SIGHUP)
+	defer signal.Stop(sigs)
+
 	opts, err := parseOptions(args)
 	if err != nil {
 		_, _ = fmt.Fprintf(stderr, "PARSE ERROR: %v\n\n%s", err, usage)
@@ -46,10 +52,6 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return 0
 	}
 	log.Info("initializing epoch 0", "concurrency", opts.concurrency, "drain_time_s", opts.drainTimeS, "drain_strategy", opts.drainStrategy)
-
-	sigs := make(chan os.Signal, 4)
-	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGUSR1, syscall.SIGHUP)
-	defer signal.Stop(sigs)
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()

@@ -354,6 +354,7 @@ func (s *server) reconcileSecretsLocked() {
 	for r := range s.secrets {
 		if _, ok := all[r]; !ok {
 			delete(s.secrets, r)
+			delete(s.secretVersions, r)
 		}
 	}
 	for r := range all {

@@ -49,6 +49,10 @@ func allowed() map[string][]string {
 		"internal/clock":  {},
 		"internal/logkey": {},
 		"internal/":       {"internal/clock", "internal/logkey"},
+		// The Envoy stand-in for tests and its helpers: a program on Envoy's protos, nothing of
+		// the module, so that it behaves as Envoy and not as meshid's own code would.
+		"internal/envoytest":         {},
+		"internal/envoytest/standin": {},
 		// A server's admission names the process at the other end of a Unix connection as the
 		// socket helpers do.
 		"internal/admission": {"internal/clock", "internal/logkey", "internal/fsutil"},

@@ -7,3 +7,11 @@ func CARootCert(c Config) string { return c.caRootCert() }
 
 // QuitHandler exposes /quitquitquit's handler, for requests from peers a test cannot be.
 func (a *Agent) QuitHandler() http.Handler { return a.life.quitHandler() }
+
+// EnvoyPID is the pid of the Envoy the agent runs, 0 when none runs.
+func (a *Agent) EnvoyPID() int {
+	if a.life.envoy == nil {
+		return 0
+	}
+	return a.life.envoy.PID()
+}

@@ -68,6 +68,8 @@ type Handler struct {
 	// pages holds the buffers Envoy's pages are read into, kept from one scrape to the next:
 	// a page is read whole before it is written, and is about the same size each time.
 	pages sync.Pool
+	// writers holds the buffered writers of the merged page, kept the same way.
+	writers sync.Pool
 
 	mu         sync.Mutex
 	lastLogged map[string]time.Time // by source: when its last failure was logged
@@ -107,7 +109,7 @@ func New(cfg Config) (*Handler, error) {
 		}, []string{"source", "reason"}),
 		conflicts: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "meshid", Subsystem: "agent", Name: "scrape_conflicts_total",
-			Help: "Metric families of a source left out of a /stats/prometheus scrape because a source before it (agent, then envoy, then application) had a family of that name.",
+			Help: "Metric families of a source left out of a /stats/prometheus scrape because a source before it (agent, then envoy, then application) had a family claiming one of its names: the family's name, a histogram's or summary's _bucket, _sum and _count, a counter's name with or without _total.",
 		}, []string{"source"}),
 		refusals: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: "meshid", Subsystem: "agent", Name: "scrape_refusals_total",
@@ -127,6 +129,7 @@ func New(cfg Config) (*Handler, error) {
 		}
 	}
 	h.pages.New = func() any { return new(bytes.Buffer) }
+	h.writers.New = func() any { return bufio.NewWriterSize(nil, 32<<10) }
 	if cfg.Registerer != nil {
 		for _, c := range []prometheus.Collector{h.failures, h.conflicts, h.refusals} {
 			if err := cfg.Registerer.Register(c); err != nil {
@@ -242,7 +245,12 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 
 	w.Header().Set("Content-Type", string(expfmt.FmtText))
-	bw := bufio.NewWriterSize(w, 32<<10)
+	bw := h.writers.Get().(*bufio.Writer)
+	bw.Reset(w)
+	defer func() {
+		bw.Reset(nil) // not to hold on to w
+		h.writers.Put(bw)
+	}()
 	err := writeFamilies(bw, agentFamilies)
 	for i, res := range results {
 		if err == nil && res.page != nil {
@@ -330,7 +338,7 @@ func (h *Handler) fetch(ctx context.Context, s source) result {
 	if err == nil {
 		return result{families: families, page: page}
 	}
-	h.release(page)
+	// page, if any, is not given back: a read past the bound has grown it to MaxBytes.
 	var status *statusError
 	var parse expfmt.ParseError
 	reason := reasonConnect

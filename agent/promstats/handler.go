@@ -148,9 +148,11 @@ type result struct {
 }
 
 // ServeHTTP answers one scrape: the sources are fetched at once, each bounded by the timeout
-// (the same for all, from the scrape's start), the request's context and the size bound; what
-// parsed is merged and written; what did not is counted and left out. The answer is 200 unless
-// too many scrapes are being served.
+// (the same for all, from the scrape's start), the request's context and the size bound. The
+// agent's families are written, then Envoy's page as it came less the families that claim a name
+// the agent's have, then the application's parsed families less those that claim a name written
+// before. A source that failed, or whose page is not whole, is counted and left out. The answer is
+// 200 unless too many scrapes are being served.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	select {
 	case h.slots <- struct{}{}:

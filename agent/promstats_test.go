@@ -46,10 +46,14 @@ func TestStatusServerMergesMetrics(t *testing.T) {
 		if err != nil {
 			t.Fatalf("the page does not parse: %v", err)
 		}
-		for _, name := range []string{"go_goroutines", "meshid_agent_scrape_refusals_total"} {
+		for _, name := range []string{"meshid_agent_go_goroutines", "meshid_agent_scrape_refusals_total"} {
 			if _, ok := families[name]; !ok {
 				t.Errorf("annotations %q: the agent's %s is not on the page", annotations, name)
 			}
+		}
+		// /stats/prometheus prefixes the agent's runtime families; /metrics keeps their names.
+		if code, metrics := httpGet(t, "http://"+a.StatusAddr()+"/metrics"); code != http.StatusOK || !strings.Contains(metrics, "\ngo_goroutines ") {
+			t.Errorf("GET /metrics = %d without go_goroutines", code)
 		}
 		orders, ok := families["app_orders_total"]
 		if ok != (annotations != "") {

@@ -3,6 +3,7 @@ package promstats_test
 import (
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -59,7 +60,7 @@ func envoyStats(clusters int) string {
 
 // BenchmarkStatsPrometheus measures one /stats/prometheus scrape merging a sidecar's Envoy page
 // (60 clusters, about 4,000 lines, from an admin server on loopback) with the agent's own metrics,
-// against serving the agent's /metrics alone.
+// against serving the agent's /metrics alone, and with a Go application's page as well.
 func BenchmarkStatsPrometheus(b *testing.B) {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -68,16 +69,26 @@ func BenchmarkStatsPrometheus(b *testing.B) {
 		_, _ = io.WriteString(w, stats)
 	}))
 	b.Cleanup(envoy.Close)
+	// A Go application's page: its own runtime and process families, and a few of its own.
+	appReg := prometheus.NewRegistry()
+	appReg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	app := httptest.NewServer(promhttp.HandlerFor(appReg, promhttp.HandlerOpts{}))
+	b.Cleanup(app.Close)
+	_, appPort, err := net.SplitHostPort(app.Listener.Addr().String())
+	if err != nil {
+		b.Fatal(err)
+	}
 	b.Logf("Envoy page: %d lines, %d bytes", strings.Count(stats, "\n"), len(stats))
 
 	serve := func(b *testing.B, h http.Handler) {
 		b.Helper()
 		b.ReportAllocs()
+		req := httptest.NewRequest(http.MethodGet, "/stats/prometheus", nil)
 		for b.Loop() {
-			rec := httptest.NewRecorder()
-			h.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/stats/prometheus", nil))
-			if rec.Code != http.StatusOK {
-				b.Fatalf("answered %d", rec.Code)
+			w := discard{header: http.Header{}}
+			h.ServeHTTP(&w, req)
+			if w.code != 0 && w.code != http.StatusOK || w.n == 0 {
+				b.Fatalf("answered %d, %d bytes", w.code, w.n)
 			}
 		}
 	}
@@ -91,4 +102,29 @@ func BenchmarkStatsPrometheus(b *testing.B) {
 		}
 		serve(b, h)
 	})
+	b.Run("merged_agent_envoy_application", func(b *testing.B) {
+		h, err := promstats.New(promstats.Config{Agent: reg, EnvoyAdmin: envoy.Listener.Addr().String(),
+			Application: `{"scrape":"true","path":"/metrics","port":"` + appPort + `"}`})
+		if err != nil {
+			b.Fatal(err)
+		}
+		serve(b, h)
+	})
 }
+
+// discard is a ResponseWriter that keeps only the status and the length of the page, so that
+// what is measured is the handler, not a recorder's copy of the page.
+type discard struct {
+	header http.Header
+	code   int
+	n      int
+}
+
+func (d *discard) Header() http.Header { return d.header }
+
+func (d *discard) Write(p []byte) (int, error) {
+	d.n += len(p)
+	return len(p), nil
+}
+
+func (d *discard) WriteHeader(code int) { d.code = code }

@@ -30,11 +30,11 @@ const (
 	// scrape timeout is 10s: a source answering within 5s leaves the agent's page time to travel.
 	DefaultTimeout = 5 * time.Second
 	// DefaultMaxBytes bounds each source's page. A sidecar's Envoy writes 0.1 to 2 MB; 16 MiB leaves
-	// room for a large mesh, and caps what one scrape may make the agent parse and hold.
+	// room for a large mesh, and caps what one scrape may make the agent read and hold.
 	DefaultMaxBytes = 16 << 20
 	// DefaultMaxInFlight bounds the scrapes served at once: Prometheus scrapes a pod once per
-	// interval, a second one covers a second Prometheus or an overlap; each holds up to two
-	// parsed pages.
+	// interval, a second one covers a second Prometheus or an overlap; each holds Envoy's page
+	// and the application's, parsed.
 	DefaultMaxInFlight = 2
 )
 

@@ -2,12 +2,14 @@ package promstats
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net/http"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -44,6 +46,10 @@ const (
 // minute, not one per scrape.
 const failureLogEvery = time.Minute
 
+// agentPrefix is put before the agent's Go runtime and process families (go_*, process_*) in the
+// merged page, so that a Go application's own come through, as Istio's agent does with istio_agent_.
+const agentPrefix = "meshid_agent_"
+
 // accept asks for the text format, which every exporter serves and the merged page is written in.
 const accept = "text/plain;version=0.0.4;q=1,*/*;q=0.1"
 
@@ -59,6 +65,11 @@ type Handler struct {
 	slots    chan struct{}
 	log      *slog.Logger
 	busyLogs *admission.LogLimiter
+	// pages holds the buffers Envoy's pages are read into, kept from one scrape to the next:
+	// a page is read whole before it is written, and is about the same size each time.
+	pages sync.Pool
+	// writers holds the buffered writers of the merged page, kept the same way.
+	writers sync.Pool
 
 	mu         sync.Mutex
 	lastLogged map[string]time.Time // by source: when its last failure was logged
@@ -71,6 +82,9 @@ type Handler struct {
 
 type source struct {
 	name, url string
+	// trusted: the page is read whole and written through less the families an earlier source
+	// has (Envoy's, which is large and local), not parsed as the application's is.
+	trusted bool
 }
 
 // New returns the Handler of cfg, or why cfg cannot work.
@@ -95,7 +109,7 @@ func New(cfg Config) (*Handler, error) {
 		}, []string{"source", "reason"}),
 		conflicts: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "meshid", Subsystem: "agent", Name: "scrape_conflicts_total",
-			Help: "Metric families of a source left out of a /stats/prometheus scrape because a source before it (agent, then envoy, then application) had a family of that name.",
+			Help: "Metric families of a source left out of a /stats/prometheus scrape because a source before it (agent, then envoy, then application) had a family claiming one of its names: the family's name, a histogram's or summary's _bucket, _sum and _count, a counter's name with or without _total.",
 		}, []string{"source"}),
 		refusals: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: "meshid", Subsystem: "agent", Name: "scrape_refusals_total",
@@ -103,10 +117,10 @@ func New(cfg Config) (*Handler, error) {
 		}),
 	}
 	if cfg.EnvoyAdmin != "" {
-		h.sources = append(h.sources, source{SourceEnvoy, "http://" + cfg.EnvoyAdmin + "/stats/prometheus"})
+		h.sources = append(h.sources, source{SourceEnvoy, "http://" + cfg.EnvoyAdmin + "/stats/prometheus", true})
 	}
 	if app != nil {
-		h.sources = append(h.sources, source{SourceApplication, app.url(cfg.ApplicationHost)})
+		h.sources = append(h.sources, source{SourceApplication, app.url(cfg.ApplicationHost), false})
 	}
 	for _, s := range h.sources {
 		h.conflicts.WithLabelValues(s.name) // present at 0
@@ -114,6 +128,8 @@ func New(cfg Config) (*Handler, error) {
 			h.failures.WithLabelValues(s.name, r)
 		}
 	}
+	h.pages.New = func() any { return new(bytes.Buffer) }
+	h.writers.New = func() any { return bufio.NewWriterSize(nil, 32<<10) }
 	if cfg.Registerer != nil {
 		for _, c := range []prometheus.Collector{h.failures, h.conflicts, h.refusals} {
 			if err := cfg.Registerer.Register(c); err != nil {
@@ -125,15 +141,18 @@ func New(cfg Config) (*Handler, error) {
 }
 
 type result struct {
-	families map[string]*dto.MetricFamily
+	families map[string]*dto.MetricFamily // an untrusted source's page, parsed
+	page     *bytes.Buffer                // a trusted source's page, whole, from h.pages
 	reason   string
 	err      error
 }
 
 // ServeHTTP answers one scrape: the sources are fetched at once, each bounded by the timeout
-// (the same for all, from the scrape's start), the request's context and the size bound; what
-// parsed is merged and written; what did not is counted and left out. The answer is 200 unless
-// too many scrapes are being served.
+// (the same for all, from the scrape's start), the request's context and the size bound. The
+// agent's families are written, then Envoy's page as it came less the families that claim a name
+// the agent's have, then the application's parsed families less those that claim a name written
+// before. A source that failed, or whose page is not whole, is counted and left out. The answer is
+// 200 unless too many scrapes are being served.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	select {
 	case h.slots <- struct{}{}:
@@ -175,56 +194,120 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if gatherErr != nil {
 		h.failed(SourceAgent, reasonGather, gatherErr)
 	}
-	families := make([]*dto.MetricFamily, 0, len(agentFamilies)+familyCount(results))
-	seen := make(map[string]struct{}, cap(families))
+	// The agent's families first, then Envoy's, then the application's, as Istio's agent writes
+	// them; a name claimed before keeps its first family: what the agent measures itself and what
+	// Envoy reports are the mesh's own, and an application cannot shadow them.
+	agentFamilies = renameRuntime(agentFamilies)
+	taken := make(map[string]struct{}, 2*len(agentFamilies))
+	var scratch []string
 	for _, mf := range agentFamilies {
-		seen[mf.GetName()] = struct{}{}
-		families = append(families, mf)
+		scratch = claims(scratch[:0], mf.GetName(), mf.GetType())
+		for _, c := range scratch {
+			taken[c] = struct{}{}
+		}
 	}
+	kept := make([][]*dto.MetricFamily, len(results))
+	spans := make([][]span, len(results))
 	for i, res := range results {
+		if res.err == nil && res.page != nil {
+			f, err := filterPage(res.page.Bytes(), taken)
+			if err != nil {
+				res.err, res.reason = err, reasonParse
+			} else {
+				spans[i] = f.spans
+				h.conflicts.WithLabelValues(h.sources[i].name).Add(float64(f.conflicts))
+				for _, c := range f.claims {
+					taken[c] = struct{}{}
+				}
+			}
+		}
 		if res.err != nil {
 			h.failed(h.sources[i].name, res.reason, res.err)
+			h.release(res.page)
+			results[i].page = nil
 			continue
 		}
-		// The agent's families first, then Envoy's, then the application's, as Istio's agent
-		// writes them; a name seen before keeps its first family: what the agent measures itself
-		// and what Envoy reports are the mesh's own, and an application cannot shadow them.
+		if res.page != nil {
+			continue
+		}
 		names := make([]string, 0, len(res.families))
 		for name := range res.families {
 			names = append(names, name)
 		}
 		slices.Sort(names)
 		for _, name := range names {
-			if _, dup := seen[name]; dup {
+			mf := res.families[name]
+			var dup bool
+			if scratch, dup = claimed(taken, scratch, name, mf.GetType()); dup {
 				h.conflicts.WithLabelValues(h.sources[i].name).Inc()
 				continue
 			}
-			seen[name] = struct{}{}
-			families = append(families, res.families[name])
+			kept[i] = append(kept[i], mf)
 		}
 	}
 
 	w.Header().Set("Content-Type", string(expfmt.FmtText))
-	bw := bufio.NewWriterSize(w, 32<<10)
-	for _, mf := range families {
-		if _, err := expfmt.MetricFamilyToText(bw, mf); err != nil {
-			// The scraper went away, or a family of the agent's own cannot be written; what was
-			// written stands.
-			h.log.Debug("/stats/prometheus: writing the page failed", logkey.Error, err)
-			return
+	bw := h.writers.Get().(*bufio.Writer)
+	bw.Reset(w)
+	defer func() {
+		bw.Reset(nil) // not to hold on to w
+		h.writers.Put(bw)
+	}()
+	err := writeFamilies(bw, agentFamilies)
+	for i, res := range results {
+		if err == nil && res.page != nil {
+			for _, sp := range spans[i] {
+				if _, err = bw.Write(res.page.Bytes()[sp.from:sp.to]); err != nil {
+					break
+				}
+			}
+		}
+		h.release(res.page)
+		if err == nil {
+			err = writeFamilies(bw, kept[i])
 		}
 	}
-	if err := bw.Flush(); err != nil {
+	if err == nil {
+		err = bw.Flush()
+	}
+	if err != nil {
+		// The scraper went away, or a family of the agent's own cannot be written; what was
+		// written stands.
 		h.log.Debug("/stats/prometheus: writing the page failed", logkey.Error, err)
 	}
 }
 
-func familyCount(results []result) int {
-	n := 0
-	for _, r := range results {
-		n += len(r.families)
+func writeFamilies(w *bufio.Writer, families []*dto.MetricFamily) error {
+	for _, mf := range families {
+		if _, err := expfmt.MetricFamilyToText(w, mf); err != nil {
+			return err
+		}
 	}
-	return n
+	return nil
+}
+
+// renameRuntime returns the agent's families with its Go runtime and process families renamed
+// with agentPrefix; the families Gather returned are left as they are.
+func renameRuntime(families []*dto.MetricFamily) []*dto.MetricFamily {
+	out := make([]*dto.MetricFamily, len(families))
+	for i, mf := range families {
+		name := mf.GetName()
+		if !strings.HasPrefix(name, "go_") && !strings.HasPrefix(name, "process_") {
+			out[i] = mf
+			continue
+		}
+		name = agentPrefix + name
+		out[i] = &dto.MetricFamily{Name: &name, Help: mf.Help, Type: mf.Type, Unit: mf.Unit, Metric: mf.Metric}
+	}
+	return out
+}
+
+// release gives a trusted page's buffer back for the next scrape.
+func (h *Handler) release(page *bytes.Buffer) {
+	if page != nil {
+		page.Reset()
+		h.pages.Put(page)
+	}
 }
 
 // fetch reads one source's page.
@@ -236,9 +319,16 @@ func (h *Handler) fetch(ctx context.Context, s source) result {
 	req.Header.Set("Accept", accept)
 	req.Header.Set("User-Agent", "meshid-agent")
 	var families map[string]*dto.MetricFamily
+	var page *bytes.Buffer
 	err = localhttp.Do(req, h.maxBytes, func(resp *http.Response) error {
 		if resp.StatusCode != http.StatusOK {
 			return &statusError{resp.Status}
+		}
+		if s.trusted {
+			// Whole or not at all: what was read of a page cut short is not written.
+			page = h.pages.Get().(*bytes.Buffer)
+			_, err := page.ReadFrom(resp.Body)
+			return err
 		}
 		// Legacy names only: the page is written in text format 0.0.4, whose grammar has no
 		// quoted UTF-8 names, so that every Prometheus reads it.
@@ -248,8 +338,9 @@ func (h *Handler) fetch(ctx context.Context, s source) result {
 		return err
 	})
 	if err == nil {
-		return result{families: families}
+		return result{families: families, page: page}
 	}
+	// page, if any, is not given back: a read past the bound has grown it to MaxBytes.
 	var status *statusError
 	var parse expfmt.ParseError
 	reason := reasonConnect

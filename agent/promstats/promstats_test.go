@@ -532,3 +532,162 @@ func TestApplicationHost(t *testing.T) {
 		}
 	}
 }
+
+// In the merged page the agent's Go runtime and process families are meshid_agent_go_* and
+// meshid_agent_process_*, so that a Go application's own go_* and process_* come through; the
+// agent's registry keeps the plain names, which its /metrics serves.
+func TestTheAgentsRuntimeFamiliesArePrefixed(t *testing.T) {
+	t.Parallel()
+	reg := agentRegistry(t)
+	goroutines := prometheus.NewGauge(prometheus.GaugeOpts{Name: "go_goroutines", Help: "The agent's goroutines."})
+	goroutines.Set(30)
+	fds := prometheus.NewGauge(prometheus.GaugeOpts{Name: "process_open_fds", Help: "The agent's open files."})
+	fds.Set(9)
+	reg.MustRegister(goroutines, fds)
+	app := page(t, "/metrics", appPage+"# HELP go_goroutines The application's goroutines.\n# TYPE go_goroutines gauge\ngo_goroutines 12\n"+
+		"# TYPE process_open_fds gauge\nprocess_open_fds 4\n")
+	metrics := prometheus.NewRegistry()
+	h := newHandler(t, promstats.Config{Agent: reg, Application: annotations(port(t, addr(app)), "/metrics"), Registerer: metrics})
+	_, families := scrape(t, h)
+	for name, want := range map[string]float64{
+		"go_goroutines":                 12,
+		"process_open_fds":              4,
+		"meshid_agent_go_goroutines":    30,
+		"meshid_agent_process_open_fds": 9,
+		"meshid_agent_test_total":       3,
+		"app_orders_total":              42,
+	} {
+		if got := value(t, families, name); got != want {
+			t.Errorf("%s = %v, want %v", name, got, want)
+		}
+	}
+	if got := families["meshid_agent_go_goroutines"].GetHelp(); got != "The agent's goroutines." {
+		t.Errorf("meshid_agent_go_goroutines has help %q, want the agent's", got)
+	}
+	if got := promtest.ToFloat64(conflicts(t, metrics, "application")); got != 0 {
+		t.Errorf("conflicts{application} = %v, want 0", got)
+	}
+	if n, err := promtest.GatherAndCount(reg, "go_goroutines", "process_open_fds", "meshid_agent_go_goroutines"); err != nil || n != 2 {
+		t.Errorf("the agent's registry has %d of go_goroutines and process_open_fds (%v), want both under their own names", n, err)
+	}
+}
+
+// A family of Envoy's that claims a name the agent's families write (its name, a histogram's
+// _bucket, _sum or _count, a counter's name with or without _total) is left out of the page and
+// counted once, its HELP and TYPE lines with it; the rest of Envoy's page is written as it came,
+// scrape after scrape.
+func TestEnvoysFamiliesThatTheAgentHasAreLeftOut(t *testing.T) {
+	t.Parallel()
+	reg := agentRegistry(t) // meshid_agent_test_total, a counter at 3
+	latency := prometheus.NewHistogram(prometheus.HistogramOpts{Name: "meshid_agent_latency_seconds", Help: "h", Buckets: []float64{1}})
+	latency.Observe(0.5)
+	reg.MustRegister(latency)
+	envoy := page(t, "/stats/prometheus", `# HELP meshid_agent_test_total Envoy's counter of the same name.
+# TYPE meshid_agent_test_total counter
+meshid_agent_test_total 99
+# TYPE envoy_server_live gauge
+envoy_server_live 1
+# TYPE meshid_agent_latency_seconds_count gauge
+meshid_agent_latency_seconds_count 5
+meshid_agent_test 7
+# TYPE envoy_cluster_upstream_cx_total counter
+envoy_cluster_upstream_cx_total{envoy_cluster_name="a"} 5
+envoy_cluster_upstream_cx_total{envoy_cluster_name="b"} 6
+`)
+	metrics := prometheus.NewRegistry()
+	h := newHandler(t, promstats.Config{Agent: reg, EnvoyAdmin: addr(envoy), Registerer: metrics})
+	const scrapes = 3
+	for range scrapes {
+		_, families := scrape(t, h)
+		for name, want := range map[string]float64{
+			"meshid_agent_test_total":         3,
+			"meshid_agent_latency_seconds":    1,
+			"envoy_server_live":               1,
+			"envoy_cluster_upstream_cx_total": 5,
+		} {
+			if got := value(t, families, name); got != want {
+				t.Errorf("%s = %v, want %v", name, got, want)
+			}
+		}
+		if len(families) != 4 {
+			t.Errorf("the page has %d families, want the agent's 2 and Envoy's 2", len(families))
+		}
+		if got := families["meshid_agent_test_total"].GetHelp(); got != "A counter of the agent's." {
+			t.Errorf("meshid_agent_test_total has help %q, want the agent's", got)
+		}
+		if n := len(families["envoy_cluster_upstream_cx_total"].GetMetric()); n != 2 {
+			t.Errorf("envoy_cluster_upstream_cx_total has %d series, want 2", n)
+		}
+	}
+	if got := promtest.ToFloat64(conflicts(t, metrics, "envoy")); got != 3*scrapes {
+		t.Errorf("conflicts{envoy} = %v, want Envoy's 3 families counted at each of %d scrapes", got, scrapes)
+	}
+}
+
+// An application's family that claims one of Envoy's names, a histogram's _count or a counter's
+// name without _total among them, is left out and counted.
+func TestApplicationFamiliesThatEnvoyHasAreLeftOut(t *testing.T) {
+	t.Parallel()
+	envoy := page(t, "/stats/prometheus", envoyPage)
+	app := page(t, "/metrics", appPage+"# TYPE envoy_cluster_upstream_rq_time_count gauge\nenvoy_cluster_upstream_rq_time_count 0\n"+
+		"# TYPE envoy_cluster_upstream_cx gauge\nenvoy_cluster_upstream_cx 0\n")
+	metrics := prometheus.NewRegistry()
+	h := newHandler(t, promstats.Config{EnvoyAdmin: addr(envoy), Application: annotations(port(t, addr(app)), "/metrics"), Registerer: metrics})
+	_, families := scrape(t, h)
+	if value(t, families, "envoy_cluster_upstream_rq_time") != 3 || value(t, families, "app_orders_total") != 42 {
+		t.Error("Envoy's histogram or the application's own family is missing")
+	}
+	if _, ok := families["envoy_cluster_upstream_cx"]; ok {
+		t.Error("the application's envoy_cluster_upstream_cx is in the page")
+	}
+	if got := promtest.ToFloat64(conflicts(t, metrics, "application")); got != 2 {
+		t.Errorf("conflicts{application} = %v, want 2", got)
+	}
+}
+
+// An Envoy page that is not whole (cut within its last line, over MaxBytes) or not the text
+// format is left out whole, counted and logged; the agent's and the application's families are
+// served.
+func TestABrokenEnvoyPageIsLeftOutWhole(t *testing.T) {
+	t.Parallel()
+	const maxBytes = 1 << 10
+	for _, tc := range []struct {
+		name, reason, page string
+	}{
+		{"no final newline", "parse", strings.TrimSuffix(envoyPage, "\n")},
+		{"cut within a value", "parse", envoyPage + "envoy_server_uptime 8640"},
+		{"too large", "too_large", envoyPage + strings.Repeat("envoy_server_live 1\n", maxBytes/20)},
+		{"not the text format", "parse", envoyPage + "<html>\n"},
+		{"a quoted name", "parse", envoyPage + "{\"envoy.server.live\"} 1\n"},
+		{"an unknown type", "parse", envoyPage + "# TYPE envoy_x countre\nenvoy_x 1\n"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			envoy := page(t, "/stats/prometheus", tc.page)
+			app := page(t, "/metrics", appPage)
+			reg := prometheus.NewRegistry()
+			var logs testutil.SyncBuffer
+			h := newHandler(t, promstats.Config{EnvoyAdmin: addr(envoy), Application: annotations(port(t, addr(app)), "/metrics"),
+				MaxBytes: maxBytes, Registerer: reg, Logger: slog.New(slog.NewJSONHandler(&logs, nil))})
+			code, families := scrape(t, h)
+			if code != http.StatusOK {
+				t.Fatalf("GET /stats/prometheus = %d, want 200", code)
+			}
+			for name := range families {
+				if strings.HasPrefix(name, "envoy_") {
+					t.Errorf("Envoy's %s is in the page", name)
+				}
+			}
+			if value(t, families, "app_orders_total") != 42 || value(t, families, "meshid_agent_test_total") != 3 {
+				t.Error("the other sources are missing")
+			}
+			if got := promtest.ToFloat64(failures(t, reg, "envoy", tc.reason)); got != 1 {
+				t.Errorf("failures{envoy,%s} = %v, want 1", tc.reason, got)
+			}
+			recs := logs.Records(t, "/stats/prometheus: a source was left out of the scrape")
+			if len(recs) != 1 || recs[0]["source"] != "envoy" || recs[0]["reason"] != tc.reason {
+				t.Errorf("logged %v, want one line naming Envoy and %s", recs, tc.reason)
+			}
+		})
+	}
+}

@@ -129,7 +129,7 @@ func newEnvoy(cfg Config, clk clock.Clock, log *slog.Logger) (*envoy.Supervisor,
 		return nil, err
 	}
 	path := cfg.bootstrapPath()
-	if err := fsutil.WriteFileAtomic(path, bootstrap, 0o644); err != nil { //nolint:gosec // no secret in it: Envoy reads it
+	if err := fsutil.WriteFileAtomic(path, bootstrap, fsutil.PublicFileMode); err != nil {
 		return nil, &FieldError{Field: "Envoy.BootstrapPath", Err: err}
 	}
 	log.Info("wrote Envoy's bootstrap", logkey.Path, path)
@@ -176,12 +176,11 @@ func (a *Agent) unmet(ctx context.Context) []string {
 			why = append(why, err.Error())
 		}
 	}
-	switch {
-	case a.source == SourceExternalSDS:
+	if a.source == SourceExternalSDS {
 		if !fsutil.SocketServing(a.socketPath) {
 			why = append(why, "the external SDS socket "+a.socketPath+" does not accept connections")
 		}
-	default:
+	} else {
 		if err := a.sds.SocketProblem(); err != nil {
 			why = append(why, err.Error())
 		}

@@ -82,8 +82,10 @@ func buildAndRun(m *testing.M) int {
 type process struct {
 	label string
 	pid   int
-	// exited is closed when the process has ended and been waited for.
+	// exited is closed when the process has ended and been waited for; code is then its exit
+	// status (-1: killed by a signal).
 	exited chan struct{}
+	code   int
 
 	mu      sync.Mutex
 	output  bytes.Buffer
@@ -121,6 +123,7 @@ func startPath(t *testing.T, label, path string, configure func(*exec.Cmd), args
 	go p.read(r)
 	go func() {
 		_ = cmd.Wait()
+		p.code = cmd.ProcessState.ExitCode()
 		close(p.exited)
 	}()
 	t.Cleanup(func() {

@@ -632,6 +632,16 @@ func TestSignals(t *testing.T) {
 	}
 }
 
+func TestVersionAndHelp(t *testing.T) {
+	t.Parallel()
+	if exit, out := envoytest.Run(t, wait, "--version"); exit != 0 || !strings.Contains(out, "envoy  version: ") {
+		t.Errorf("--version: exit %d, %q", exit, out)
+	}
+	if exit, out := envoytest.Run(t, wait, "--help"); exit != 0 || !strings.Contains(out, "USAGE: envoy") {
+		t.Errorf("--help: exit %d, %q", exit, out)
+	}
+}
+
 func TestRefusesABadCommandLine(t *testing.T) {
 	t.Parallel()
 	boot := envoytest.WriteBootstrap(t, envoytest.NewBootstrap(t, nodeID, "/nonexistent/ads.sock", "/nonexistent/sds.sock"))

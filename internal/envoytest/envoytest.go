@@ -16,8 +16,10 @@
 //
 // Where it differs: it serves no traffic (a connection is accepted and held, nothing proxied);
 // static listeners are not bound; a graceful drain closes the listeners at once instead of after
-// the drain time; LIVE waits for CDS and LDS to be accepted, where Envoy also goes on after a
-// rejected first update; its admin refusals are counted as standin.admin_refused.
+// the drain time; LIVE waits for CDS and LDS to be accepted and for every secret, where Envoy
+// also goes on after a rejected first update or an initial_fetch_timeout (15s by default); a
+// state-of-the-world update with one bad resource is refused whole (an incremental one resource
+// by resource, as Envoy); its admin refusals are counted as standin.admin_refused.
 package envoytest
 
 import (

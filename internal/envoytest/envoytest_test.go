@@ -382,8 +382,16 @@ func TestReachesLiveWithListenersClustersAndSecrets(t *testing.T) {
 		t.Fatalf("/ready before configuration = %d %q, %v; want 503 INITIALIZING", code, body, err)
 	}
 
+	// Istio's agent reads readiness from the stats too: workers_started is written once LIVE.
+	if _, body, err := p.Admin.Do(ctx(t), http.MethodGet, `/stats?usedonly&filter=^(server\.state|listener_manager\.workers_started)$`); err != nil || body != "server.state: 3\n" {
+		t.Errorf("/stats?usedonly before configuration = %q %v, want the state INITIALIZING (3) alone", body, err)
+	}
+
 	cp.set(t, "1", mesh(t))
 	waitState(t, p.Admin, "LIVE")
+	if _, body, err := p.Admin.Do(ctx(t), http.MethodGet, `/stats?usedonly&filter=^(server\.state|listener_manager\.workers_started)$`); err != nil || body != "listener_manager.workers_started: 1\nserver.state: 0\n" {
+		t.Errorf("/stats?usedonly once LIVE = %q %v", body, err)
+	}
 
 	ls, err := p.Admin.Listeners(ctx(t))
 	if err != nil {
@@ -621,6 +629,16 @@ func TestSignals(t *testing.T) {
 				t.Errorf("stderr does not say %q:\n%s", tc.logs, p.Stderr())
 			}
 		})
+	}
+}
+
+func TestVersionAndHelp(t *testing.T) {
+	t.Parallel()
+	if exit, out := envoytest.Run(t, wait, "--version"); exit != 0 || !strings.Contains(out, "envoy  version: ") {
+		t.Errorf("--version: exit %d, %q", exit, out)
+	}
+	if exit, out := envoytest.Run(t, wait, "--help"); exit != 0 || !strings.Contains(out, "USAGE: envoy") {
+		t.Errorf("--help: exit %d, %q", exit, out)
 	}
 }
 

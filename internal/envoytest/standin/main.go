@@ -30,7 +30,11 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return 1
 	}
 	if opts.help {
-		_, _ = fmt.Fprint(stderr, usage)
+		_, _ = fmt.Fprint(stdout, usage)
+		return 0
+	}
+	if opts.version {
+		_, _ = fmt.Fprintf(stdout, "\nenvoy  version: %s\n\n", version)
 		return 0
 	}
 	var file *logFile

@@ -42,6 +42,7 @@ type options struct {
 	restartEpoch             u32
 	baseID                   uint64
 	help                     bool
+	version                  bool
 }
 
 // logLevels are the levels Envoy's -l and --component-log-level accept.
@@ -88,13 +89,14 @@ func parseOptions(args []string) (*options, error) {
 	fs.BoolVar(&o.useDynamicBaseID, "use-dynamic-base-id", false, "")
 	fs.BoolVar(&o.help, "h", false, "")
 	fs.BoolVar(&o.help, "help", false, "")
+	fs.BoolVar(&o.version, "version", false, "")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
 	if fs.NArg() > 0 {
 		return nil, fmt.Errorf("couldn't find match for argument %q", fs.Arg(0))
 	}
-	if o.help {
+	if o.help || o.version {
 		return o, nil
 	}
 	if !validLevel(o.logLevel) {
@@ -195,6 +197,6 @@ const usage = `USAGE: envoy -c <string> [--config-yaml <string>] [--mode <serve|
   [--allow-unknown-static-fields] [--file-flush-interval-msec <uint>] [--service-node <string>]
   [--service-cluster <string>] [--service-zone <string>] [--admin-address-path <string>]
   [--restart-epoch <uint>] [--base-id <uint>] [--use-dynamic-base-id] [--log-format-escaped]
-  [--skip-deprecated-logs]
+  [--skip-deprecated-logs] [--version] [-h|--help]
 (the meshid test stand-in for Envoy)
 `

@@ -294,6 +294,8 @@ func (s *server) updateStateLocked() {
 	if !s.initDone && s.adsConnected && s.cdsAcked && s.ldsAcked && s.secretsReadyLocked() {
 		s.initDone = true
 		s.log.Info("all dependencies initialized. starting workers")
+		// Set only now, so that /stats?usedonly lists it only once LIVE, as Istio's agent reads it.
+		s.stats.set("listener_manager.workers_started", 1)
 	}
 	st := s.stateLocked()
 	s.stats.set("server.state", int64(st))

@@ -1,9 +1,19 @@
 package agent
 
-import "net/http"
+import (
+	"log/slog"
+	"net/http"
+
+	"github.com/meshid/meshid/agent/envoy"
+)
 
 // CARootCert exposes the CA root lookup to the tests.
 func CARootCert(c Config) string { return c.caRootCert() }
 
 // QuitHandler exposes /quitquitquit's handler, for requests from peers a test cannot be.
 func (a *Agent) QuitHandler() http.Handler { return a.life.quitHandler() }
+
+// WriteBootstrap exposes what the agent that runs Envoy writes and passes it.
+func WriteBootstrap(c Config) (envoy.Options, error) {
+	return writeBootstrap(c, slog.New(slog.DiscardHandler))
+}

@@ -97,7 +97,7 @@ func Bootstrap(ctx context.Context, cfg Config) (EnvoyBootstrap, error) {
 		return EnvoyBootstrap{}, refused{&FieldError{Field: "Envoy.BootstrapOverride", Err: err}}
 	}
 	if err != nil {
-		return EnvoyBootstrap{}, fmt.Errorf("Envoy's bootstrap: %w", err)
+		return EnvoyBootstrap{}, fmt.Errorf("check the bootstrap: %w", err)
 	}
 	return EnvoyBootstrap{Bootstrap: merged}, nil
 }

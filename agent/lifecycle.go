@@ -150,7 +150,7 @@ func writeBootstrap(cfg Config, log *slog.Logger) (envoy.Options, error) {
 		return envoy.Options{}, err
 	}
 	path := cfg.bootstrapPath()
-	if err := fsutil.WriteFileAtomic(path, bootstrap.Bootstrap, 0o644); err != nil { //nolint:gosec // no secret in it: Envoy reads it
+	if err := fsutil.WriteFileAtomic(path, bootstrap.Bootstrap, 0o644); err != nil { // 0644: no secret in it, Envoy reads it
 		return envoy.Options{}, &FieldError{Field: "Envoy.BootstrapPath", Err: err}
 	}
 	log.Info("wrote Envoy's bootstrap", logkey.Path, path)

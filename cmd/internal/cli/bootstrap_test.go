@@ -282,7 +282,9 @@ func TestSlimBootstrapRefusesAnOverride(t *testing.T) {
 	out := filepath.Join(dir, "envoy.json")
 	withVar := map[string]string{"ISTIO_BOOTSTRAP_OVERRIDE": override}
 	for name, run := range map[string]func() (int, string, string){
-		"flag":     func() (int, string, string) { return mainSlimBootstrap(t, nil, "--root-dir", dir, "--bootstrap-override", override) },
+		"flag": func() (int, string, string) {
+			return mainSlimBootstrap(t, nil, "--root-dir", dir, "--bootstrap-override", override)
+		},
 		"variable": func() (int, string, string) { return mainSlimBootstrap(t, withVar, "--root-dir", dir, "-o", out) },
 	} {
 		code, stdout, stderr := run()

@@ -1,6 +1,7 @@
 package agent_test
 
 import (
+	"bytes"
 	"errors"
 	"os"
 	"path/filepath"
@@ -12,6 +13,7 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 
 	"github.com/meshid/meshid/agent"
+	"github.com/meshid/meshid/agent/envoy/bootstrapcheck"
 	"github.com/meshid/meshid/internal/configerr"
 	"github.com/meshid/meshid/internal/testutil"
 )
@@ -21,16 +23,24 @@ func bootstrapOf(t *testing.T, cfg agent.Config) *bootstrapv3.Bootstrap {
 	if err := cfg.Validate(); err != nil {
 		t.Fatalf("Validate: %v", err)
 	}
-	data, err := agent.Bootstrap(t.Context(), cfg)
+	eb, err := agent.Bootstrap(t.Context(), cfg)
 	if err != nil {
 		t.Fatalf("Bootstrap: %v", err)
+	}
+	if len(eb.Override) > 0 {
+		t.Fatalf("the override given apart: %s", eb.Override)
+	}
+	return parseChecked(t, eb.Bootstrap)
+}
+
+func parseChecked(t *testing.T, data []byte) *bootstrapv3.Bootstrap {
+	t.Helper()
+	if err := bootstrapcheck.Check(data); err != nil {
+		t.Fatalf("bootstrapcheck.Check: %v\n%s", err, data)
 	}
 	var b bootstrapv3.Bootstrap
 	if err := protojson.Unmarshal(data, &b); err != nil {
 		t.Fatalf("the bootstrap does not parse: %v", err)
-	}
-	if err := b.ValidateAll(); err != nil {
-		t.Fatalf("ValidateAll: %v", err)
 	}
 	return &b
 }
@@ -146,8 +156,8 @@ func TestEnvoyConfigRefusals(t *testing.T) {
 	}
 }
 
-// An override that does not parse or makes the bootstrap invalid is refused as the field's
-// mistake: cmd names the flag and the variable, and exits 2.
+// With CheckBootstrap (meshid), an override that does not parse or makes the bootstrap invalid is
+// refused as the field's mistake: cmd names the flag and the variable, and exits 2.
 func TestBootstrapRefusesABadOverride(t *testing.T) {
 	t.Parallel()
 	dir := testutil.ShortTempDir(t)
@@ -160,7 +170,7 @@ func TestBootstrapRefusesABadOverride(t *testing.T) {
 			t.Fatal(err)
 		}
 		cfg := agent.DefaultConfig(dir)
-		cfg.Envoy.BootstrapOverride = path
+		cfg.Envoy.BootstrapOverride, cfg.Envoy.CheckBootstrap = path, bootstrapcheck.Merge
 		if err := cfg.Validate(); err != nil {
 			t.Fatalf("%s: Validate: %v", name, err)
 		}
@@ -179,8 +189,110 @@ func TestBootstrapRefusesABadOverride(t *testing.T) {
 		t.Fatal(err)
 	}
 	cfg := agent.DefaultConfig(dir)
-	cfg.Envoy.BootstrapOverride = path
+	cfg.Envoy.BootstrapOverride, cfg.Envoy.CheckBootstrap = path, bootstrapcheck.Merge
 	if port := bootstrapOf(t, cfg).GetAdmin().GetAddress().GetSocketAddress().GetPortValue(); port != 15555 {
 		t.Errorf("admin port %d, want the override's 15555", port)
+	}
+}
+
+// Without CheckBootstrap (meshid-agent), the bootstrap is the one built, and the override's text,
+// as the file holds it, is given apart for Envoy to merge (--config-yaml): as long as a command
+// line can carry it.
+func TestBootstrapWithoutCheckGivesTheOverrideApart(t *testing.T) {
+	t.Parallel()
+	dir := testutil.ShortTempDir(t)
+	write := func(name, content string) string {
+		path := filepath.Join(dir, name)
+		if err := os.WriteFile(path, []byte(content), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return path
+	}
+	base, err := agent.Bootstrap(t.Context(), agent.DefaultConfig(dir))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Not checked here: Envoy parses it, and says what is wrong with it when it starts.
+	const text = "admin: {address: {socket_address: {port_value: 16000}}}\nstatic_resources: {clusters: [{name: x, conect_timeout: 1s}]}\n"
+	cfg := agent.DefaultConfig(dir)
+	cfg.Envoy.BootstrapOverride = write("override.yaml", text)
+	eb, err := agent.Bootstrap(t.Context(), cfg)
+	if err != nil {
+		t.Fatalf("Bootstrap: %v", err)
+	}
+	if !bytes.Equal(eb.Bootstrap, base.Bootstrap) || string(eb.Override) != text {
+		t.Errorf("bootstrap\n%s\noverride %q; want the one built and the file's text", eb.Bootstrap, eb.Override)
+	}
+	parseChecked(t, eb.Bootstrap)
+
+	// An empty file is no override, as for meshid.
+	cfg.Envoy.BootstrapOverride = write("empty.yaml", "")
+	if eb, err := agent.Bootstrap(t.Context(), cfg); err != nil || len(eb.Override) != 0 {
+		t.Errorf("empty override: %v, override %q", err, eb.Override)
+	}
+
+	for name, tc := range map[string]struct{ content, want string }{
+		"too long for a command line": {"# " + strings.Repeat("x", 128<<10), "--config-yaml"},
+		"NUL":                         {"admin: {}\x00\n", "NUL"},
+	} {
+		cfg.Envoy.BootstrapOverride = write(strings.ReplaceAll(name, " ", "-"), tc.content)
+		if err := cfg.Validate(); err != nil {
+			t.Fatalf("%s: Validate: %v", name, err)
+		}
+		_, err := agent.Bootstrap(t.Context(), cfg)
+		if !slices.Equal(configerr.Fields(err), []string{"Envoy.BootstrapOverride"}) || !errors.Is(err, agent.ErrConfigRefused) ||
+			!strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: Bootstrap = %v, want a refusal of Envoy.BootstrapOverride saying %q", name, err, tc.want)
+		}
+	}
+	// The longest a command line carries is given.
+	cfg.Envoy.BootstrapOverride = write("longest.yaml", "#"+strings.Repeat("x", 128<<10-2))
+	if eb, err := agent.Bootstrap(t.Context(), cfg); err != nil || len(eb.Override) != 128<<10-1 {
+		t.Errorf("override of 128 KiB - 1: %v, %d bytes given", err, len(eb.Override))
+	}
+}
+
+// A bootstrap the check refuses for another reason than the override is the agent's own
+// failure, not the user's.
+func TestBootstrapCheckFailureIsNotTheUsers(t *testing.T) {
+	t.Parallel()
+	cfg := agent.DefaultConfig(testutil.ShortTempDir(t))
+	cfg.Envoy.CheckBootstrap = func([]byte, []byte, string) ([]byte, error) { return nil, errors.New("built wrong") }
+	_, err := agent.Bootstrap(t.Context(), cfg)
+	if err == nil || errors.Is(err, agent.ErrConfigRefused) || !strings.Contains(err.Error(), "built wrong") {
+		t.Errorf("Bootstrap = %v, want the check's error, not a refusal", err)
+	}
+}
+
+// The agent that runs Envoy writes the bootstrap merged when it can merge (meshid), and otherwise
+// the one built, with the override on Envoy's command line (meshid-agent).
+func TestAgentRunningEnvoyGivesItTheOverride(t *testing.T) {
+	t.Parallel()
+	dir := testutil.ShortTempDir(t)
+	override := filepath.Join(dir, "override.json")
+	const text = `{"admin": {"address": {"socketAddress": {"portValue": 16000}}}}`
+	if err := os.WriteFile(override, []byte(text), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for name, check := range map[string]agent.BootstrapCheckFunc{"meshid": bootstrapcheck.Merge, "meshid-agent": nil} {
+		cfg := agent.DefaultConfig(dir)
+		cfg.Envoy.BootstrapPath = filepath.Join(dir, name+".json")
+		cfg.Envoy.BootstrapOverride, cfg.Envoy.CheckBootstrap = override, check
+		opts, err := agent.WriteBootstrap(cfg)
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		data, err := os.ReadFile(opts.BootstrapPath)
+		if err != nil {
+			t.Fatal(err)
+		}
+		port := parseChecked(t, data).GetAdmin().GetAddress().GetSocketAddress().GetPortValue()
+		args := strings.Join(opts.Args(), " ")
+		if check != nil && (port != 16000 || strings.Contains(args, "--config-yaml")) {
+			t.Errorf("%s: admin port %d, args %q; want the override merged into the file", name, port, args)
+		}
+		if check == nil && (port != agent.DefaultEnvoyAdminPort || !strings.Contains(args, "--config-yaml "+text)) {
+			t.Errorf("%s: admin port %d, args %q; want the bootstrap built and --config-yaml with the override", name, port, args)
+		}
 	}
 }

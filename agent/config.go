@@ -219,11 +219,20 @@ type EnvoyConfig struct {
 	AdminPort      int
 	PrometheusPort int
 	// BootstrapOverride (ISTIO_BOOTSTRAP_OVERRIDE) is a file, JSON or YAML, merged over the
-	// bootstrap.
+	// bootstrap: by CheckBootstrap when set, else by Envoy (--config-yaml).
 	BootstrapOverride string
+	// CheckBootstrap checks the bootstrap with Envoy's types and merges the override over it;
+	// cmd/meshid supplies it (bootstrapcheck.Merge). Nil in meshid-agent, which leaves Envoy's
+	// types out to stay small: the bootstrap is written as built.
+	CheckBootstrap BootstrapCheckFunc
 	// Metadata is the node's metadata from the ISTIO_META_<KEY> variables, as KEY.
 	Metadata map[string]string
 }
+
+// BootstrapCheckFunc checks bootstrap and returns it with override (JSON or YAML, read from
+// overridePath; empty: none) merged over it; an error caused by the override wraps
+// envoy.ErrOverride.
+type BootstrapCheckFunc func(bootstrap, override []byte, overridePath string) ([]byte, error)
 
 // EmbedFunc starts a control plane in-process for an agent given no CA address.
 type EmbedFunc func(EmbedConfig) (ControlPlane, error)

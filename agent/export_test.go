@@ -1,6 +1,11 @@
 package agent
 
-import "net/http"
+import (
+	"log/slog"
+	"net/http"
+
+	"github.com/meshid/meshid/agent/envoy"
+)
 
 // CARootCert exposes the CA root lookup to the tests.
 func CARootCert(c Config) string { return c.caRootCert() }
@@ -14,4 +19,9 @@ func (a *Agent) EnvoyPID() int {
 		return 0
 	}
 	return a.life.envoy.PID()
+}
+
+// WriteBootstrap exposes what the agent that runs Envoy writes and passes it.
+func WriteBootstrap(c Config) (envoy.Options, error) {
+	return writeBootstrap(c, slog.New(slog.DiscardHandler))
 }

@@ -124,19 +124,13 @@ func loopbackPeer(remoteAddr string) bool {
 
 // newEnvoy writes Envoy's bootstrap and makes the supervisor that will run it.
 func newEnvoy(cfg Config, clk clock.Clock, log *slog.Logger) (*envoy.Supervisor, error) {
-	bootstrap, err := Bootstrap(context.Background(), cfg)
+	opts, err := writeBootstrap(cfg, log)
 	if err != nil {
 		return nil, err
 	}
-	path := cfg.bootstrapPath()
-	if err := fsutil.WriteFileAtomic(path, bootstrap, fsutil.PublicFileMode); err != nil {
-		return nil, &FieldError{Field: "Envoy.BootstrapPath", Err: err}
-	}
-	log.Info("wrote Envoy's bootstrap", logkey.Path, path)
 	e := cfg.Envoy
 	return envoy.NewSupervisor(envoy.SupervisorConfig{
-		Options: envoy.Options{Path: e.Path, BootstrapPath: path, LogLevel: e.LogLevel, ComponentLogLevel: e.ComponentLogLevel,
-			Concurrency: e.Concurrency, DrainDuration: e.DrainDuration},
+		Options: opts,
 		Drain: envoy.DrainConfig{Minimum: e.MinimumDrainDuration, Termination: e.TerminationDrainDuration,
 			ExitOnZeroActiveConnections: e.ExitOnZeroActiveConnections},
 		Admin:   envoy.NewAdmin(cfg.envoyAdminAddr(), e.PrometheusPort),
@@ -146,6 +140,27 @@ func newEnvoy(cfg Config, clk clock.Clock, log *slog.Logger) (*envoy.Supervisor,
 		Clock:   clk,
 		Logger:  log,
 	})
+}
+
+// writeBootstrap writes Envoy's bootstrap and returns Envoy's command line: the override goes on
+// it (--config-yaml) when this binary cannot merge it into the file.
+func writeBootstrap(cfg Config, log *slog.Logger) (envoy.Options, error) {
+	bootstrap, err := Bootstrap(context.Background(), cfg)
+	if err != nil {
+		return envoy.Options{}, err
+	}
+	path := cfg.bootstrapPath()
+	if err := fsutil.WriteFileAtomic(path, bootstrap.Bootstrap, fsutil.PublicFileMode); err != nil { // no secret in it: Envoy reads it
+		return envoy.Options{}, &FieldError{Field: "Envoy.BootstrapPath", Err: err}
+	}
+	log.Info("wrote Envoy's bootstrap", logkey.Path, path)
+	if len(bootstrap.Override) > 0 {
+		log.Info("Envoy merges the bootstrap override itself (--config-yaml): this binary leaves Envoy's types out",
+			logkey.Path, cfg.Envoy.BootstrapOverride)
+	}
+	e := cfg.Envoy
+	return envoy.Options{Path: e.Path, BootstrapPath: path, ConfigYAML: string(bootstrap.Override),
+		LogLevel: e.LogLevel, ComponentLogLevel: e.ComponentLogLevel, Concurrency: e.Concurrency, DrainDuration: e.DrainDuration}, nil
 }
 
 func (c *Config) bootstrapPath() string {

@@ -1,6 +1,9 @@
-// Package envoy is what the agent knows of Envoy: the bootstrap it gives Envoy, built from
-// go-control-plane's types and checked with ValidateAll before anyone reads it.
 package envoy
+
+// The bootstrap is written from the small structs below, not from go-control-plane's types:
+// those, with their validation code, would add 6 MB to every sidecar's binary and 5 MB to its
+// memory. What it writes is what protojson writes for the same Bootstrap (field names, order,
+// escapes), and its tests check it with Envoy's types (bootstrapcheck).
 
 import (
 	"bytes"
@@ -9,24 +12,9 @@ import (
 	"fmt"
 	"maps"
 	"path/filepath"
-	"time"
-
-	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
-	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
-	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
-	endpointv3 "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
-	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
-	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
-	routerv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/router/v3"
-	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
-	upstreamhttpv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/upstreams/http/v3"
-	"google.golang.org/protobuf/encoding/protojson"
-	"google.golang.org/protobuf/proto"
-	"google.golang.org/protobuf/reflect/protoreflect"
-	"google.golang.org/protobuf/types/known/anypb"
-	"google.golang.org/protobuf/types/known/durationpb"
-	"google.golang.org/protobuf/types/known/structpb"
-	"sigs.k8s.io/yaml"
+	"slices"
+	"strconv"
+	"unicode/utf8"
 )
 
 // Names of the static clusters and the listener of the bootstrap, as Istio's bootstrap names
@@ -54,8 +42,9 @@ const (
 // ClusterDomain is the DNS domain of the node's id: Kubernetes' default, as Istio's sidecars use.
 const ClusterDomain = "cluster.local"
 
-// connectTimeout is the static clusters' connect timeout: each leads to a local socket.
-const connectTimeout = time.Second
+// connectTimeout is the static clusters' connect timeout, as protojson writes a Duration: each
+// leads to a local socket.
+const connectTimeout = "1s"
 
 // Node is the node Envoy presents to its xDS and SDS servers.
 type Node struct {
@@ -111,115 +100,29 @@ type BootstrapConfig struct {
 	// 15090).
 	AdminPort      int
 	PrometheusPort int
-	// Override, when not empty, is a Bootstrap in JSON or YAML merged over the one built, as
-	// Istio's ISTIO_BOOTSTRAP_OVERRIDE is; OverridePath names it in errors.
-	Override     []byte
-	OverridePath string
 }
 
-// ErrOverride marks a bootstrap refused because of its override: the override does not parse,
-// or the bootstrap merged with it fails validation.
+// ErrOverride marks a bootstrap refused because of its override (ISTIO_BOOTSTRAP_OVERRIDE): the
+// override does not parse, or the bootstrap merged with it fails Envoy's validation. The checks
+// that merge an override (bootstrapcheck.Merge) wrap it, so that the agent tells the user's
+// mistake from its own.
 var ErrOverride = errors.New("invalid bootstrap override")
 
-// Bootstrap builds the bootstrap of cfg, merges cfg.Override over it with proto.Merge (a scalar
-// the override sets replaces the built one, a repeated field is appended to, a message is merged
-// field by field: Istio's semantics), and checks the result with ValidateAll.
-func Bootstrap(cfg BootstrapConfig) (*bootstrapv3.Bootstrap, error) {
+// Bootstrap returns the bootstrap of cfg as indented JSON, the same bytes for the same cfg, as
+// protojson writes Envoy's Bootstrap: Envoy reads it with -c.
+func Bootstrap(cfg BootstrapConfig) ([]byte, error) {
 	if err := checkBootstrapConfig(cfg); err != nil {
 		return nil, err
 	}
-	b, err := buildBootstrap(cfg)
-	if err != nil {
-		return nil, err
+	var out bytes.Buffer
+	enc := json.NewEncoder(&out)
+	// protojson escapes no HTML characters; text escapes the rest as protojson does.
+	enc.SetEscapeHTML(false)
+	enc.SetIndent("", "  ")
+	if err := enc.Encode(buildBootstrap(cfg)); err != nil {
+		return nil, fmt.Errorf("marshal bootstrap: %w", err)
 	}
-	// What is built alone must be valid: a failure here is this package's, not the user's.
-	if err := validate(b); err != nil {
-		return nil, fmt.Errorf("the built bootstrap is invalid: %w", err)
-	}
-	if len(cfg.Override) == 0 {
-		return b, nil
-	}
-	override, err := parseOverride(cfg.Override)
-	if err != nil {
-		return nil, overrideError{path: cfg.OverridePath, err: err}
-	}
-	proto.Merge(b, override)
-	if err := validate(b); err != nil {
-		return nil, overrideError{path: cfg.OverridePath, err: fmt.Errorf("merged over the bootstrap: %w", err)}
-	}
-	return b, nil
-}
-
-// overrideError is a refused override, naming its file; it wraps ErrOverride.
-type overrideError struct {
-	path string
-	err  error
-}
-
-func (e overrideError) Error() string {
-	return fmt.Sprintf("%s %s: %s", ErrOverride, e.path, e.err)
-}
-
-func (e overrideError) Unwrap() []error { return []error{ErrOverride, e.err} }
-
-// validate checks b with ValidateAll, and the content of each of its Any fields (typed_config
-// and the like) with its own type's, since ValidateAll does not look into an Any.
-func validate(b *bootstrapv3.Bootstrap) error {
-	if err := b.ValidateAll(); err != nil {
-		return err
-	}
-	return validateFields(b.ProtoReflect(), "Bootstrap")
-}
-
-// validator is what go-control-plane's generated messages have.
-type validator interface{ ValidateAll() error }
-
-// validateFields checks every Any reachable from m; path names m in errors, with the fields'
-// names as the file spells them.
-func validateFields(m protoreflect.Message, path string) error {
-	var errs []error
-	m.Range(func(fd protoreflect.FieldDescriptor, v protoreflect.Value) bool {
-		name := path + "." + string(fd.Name())
-		switch {
-		case fd.IsMap():
-			if fd.MapValue().Message() == nil {
-				return true
-			}
-			v.Map().Range(func(k protoreflect.MapKey, mv protoreflect.Value) bool {
-				errs = append(errs, validateMessage(mv.Message(), fmt.Sprintf("%s[%q]", name, k.String())))
-				return true
-			})
-		case fd.IsList():
-			if fd.Message() == nil {
-				return true
-			}
-			for i := range v.List().Len() {
-				errs = append(errs, validateMessage(v.List().Get(i).Message(), fmt.Sprintf("%s[%d]", name, i)))
-			}
-		case fd.Message() != nil:
-			errs = append(errs, validateMessage(v.Message(), name))
-		}
-		return true
-	})
-	return errors.Join(errs...)
-}
-
-func validateMessage(m protoreflect.Message, path string) error {
-	a, ok := m.Interface().(*anypb.Any)
-	if !ok {
-		return validateFields(m, path)
-	}
-	inner, err := a.UnmarshalNew()
-	if err != nil {
-		return fmt.Errorf("%s: %w", path, err)
-	}
-	path += "(" + string(inner.ProtoReflect().Descriptor().FullName()) + ")"
-	if v, ok := inner.(validator); ok {
-		if err := v.ValidateAll(); err != nil {
-			return fmt.Errorf("%s: %w", path, err)
-		}
-	}
-	return validateFields(inner.ProtoReflect(), path)
+	return out.Bytes(), nil
 }
 
 func checkBootstrapConfig(cfg BootstrapConfig) error {
@@ -236,213 +139,291 @@ func checkBootstrapConfig(cfg BootstrapConfig) error {
 	if cfg.PrometheusPort < 0 || cfg.PrometheusPort > 65535 {
 		errs = append(errs, fmt.Errorf("stats (Prometheus) port %d: want 0 (none) or 1-65535", cfg.PrometheusPort))
 	}
+	// A proto string is UTF-8: Envoy refuses a bootstrap with any other.
+	for what, s := range map[string]string{"node id": cfg.Node.ID, "node cluster": cfg.Node.Cluster,
+		"SDS socket": cfg.SDSSocket, "XDS socket": cfg.XDSSocket} {
+		if !utf8.ValidString(s) {
+			errs = append(errs, fmt.Errorf("the %s %q is not UTF-8", what, s))
+		}
+	}
+	for _, k := range slices.Sorted(maps.Keys(cfg.Node.Metadata)) {
+		if !utf8.ValidString(k) || !utf8.ValidString(cfg.Node.Metadata[k]) {
+			errs = append(errs, fmt.Errorf("node metadata %q: %q is not UTF-8", k, cfg.Node.Metadata[k]))
+		}
+	}
 	return errors.Join(errs...)
 }
 
-// parseOverride reads a Bootstrap from JSON or YAML (read as JSON), refusing unknown fields.
-// Its typed_config and other Any fields can name only the types linked in this binary: those
-// the bootstrap itself uses, and the ones they are made of.
-func parseOverride(data []byte) (*bootstrapv3.Bootstrap, error) {
-	jsonData := data
-	yamlForm := !json.Valid(data)
-	if yamlForm {
-		var err error
-		if jsonData, err = yaml.YAMLToJSON(data); err != nil {
-			return nil, fmt.Errorf("neither JSON nor YAML: %w", err)
-		}
+// The JSON of the part of Envoy's Bootstrap that the agent writes. Fields are in the proto's
+// declaration order, named as protojson names them, and left out where protojson leaves them out.
+type (
+	bootstrapJSON struct {
+		Node             nodeJSON              `json:"node"`
+		StaticResources  staticResourcesJSON   `json:"staticResources"`
+		DynamicResources *dynamicResourcesJSON `json:"dynamicResources,omitempty"`
+		Admin            adminJSON             `json:"admin"`
 	}
-	var b bootstrapv3.Bootstrap
-	if err := (protojson.UnmarshalOptions{}).Unmarshal(jsonData, &b); err != nil {
-		if yamlForm {
-			// protojson's positions are in the JSON the YAML was turned into.
-			return nil, fmt.Errorf("%w (its line:column is in the file turned into JSON)", err)
-		}
-		return nil, err
+	nodeJSON struct {
+		ID       text     `json:"id,omitempty"`
+		Cluster  text     `json:"cluster,omitempty"`
+		Metadata metadata `json:"metadata"`
 	}
-	return &b, nil
-}
+	staticResourcesJSON struct {
+		Listeners []listenerJSON `json:"listeners,omitempty"`
+		Clusters  []clusterJSON  `json:"clusters"`
+	}
+	clusterJSON struct {
+		Name           text               `json:"name"`
+		Type           string             `json:"type"`
+		ConnectTimeout string             `json:"connectTimeout"`
+		LoadAssignment loadAssignmentJSON `json:"loadAssignment"`
+		// TypedExtensionProtocolOptions: by extension name.
+		TypedExtensionProtocolOptions map[string]protocolOptionsJSON `json:"typedExtensionProtocolOptions,omitempty"`
+	}
+	loadAssignmentJSON struct {
+		ClusterName text                `json:"clusterName"`
+		Endpoints   []localityEndpoints `json:"endpoints"`
+	}
+	localityEndpoints struct {
+		LbEndpoints []lbEndpointJSON `json:"lbEndpoints"`
+	}
+	lbEndpointJSON struct {
+		Endpoint struct {
+			Address addressJSON `json:"address"`
+		} `json:"endpoint"`
+	}
+	addressJSON struct {
+		SocketAddress *socketAddressJSON `json:"socketAddress,omitempty"`
+		Pipe          *pipeJSON          `json:"pipe,omitempty"`
+	}
+	socketAddressJSON struct {
+		Address   string `json:"address"`
+		PortValue int    `json:"portValue"`
+	}
+	pipeJSON struct {
+		Path text `json:"path"`
+	}
+	// protocolOptionsJSON is an Any of envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+	// that asks for HTTP/2.
+	protocolOptionsJSON struct {
+		Type               string `json:"@type"`
+		ExplicitHTTPConfig struct {
+			HTTP2ProtocolOptions struct{} `json:"http2ProtocolOptions"`
+		} `json:"explicitHttpConfig"`
+	}
+	dynamicResourcesJSON struct {
+		LdsConfig configSourceJSON    `json:"ldsConfig"`
+		CdsConfig configSourceJSON    `json:"cdsConfig"`
+		AdsConfig apiConfigSourceJSON `json:"adsConfig"`
+	}
+	configSourceJSON struct {
+		Ads                struct{} `json:"ads"`
+		ResourceAPIVersion string   `json:"resourceApiVersion"`
+	}
+	apiConfigSourceJSON struct {
+		APIType                   string            `json:"apiType"`
+		TransportAPIVersion       string            `json:"transportApiVersion"`
+		GrpcServices              []grpcServiceJSON `json:"grpcServices"`
+		SetNodeOnFirstMessageOnly bool              `json:"setNodeOnFirstMessageOnly"`
+	}
+	grpcServiceJSON struct {
+		EnvoyGrpc struct {
+			ClusterName string `json:"clusterName"`
+		} `json:"envoyGrpc"`
+	}
+	adminJSON struct {
+		Address addressJSON `json:"address"`
+	}
+	listenerJSON struct {
+		Name         string            `json:"name"`
+		Address      addressJSON       `json:"address"`
+		FilterChains []filterChainJSON `json:"filterChains"`
+	}
+	filterChainJSON struct {
+		Filters []filterJSON `json:"filters"`
+	}
+	filterJSON struct {
+		Name        string  `json:"name"`
+		TypedConfig hcmJSON `json:"typedConfig"`
+	}
+	// hcmJSON is an Any of the HTTP connection manager: codec_type AUTO is its default, which
+	// protojson leaves out.
+	hcmJSON struct {
+		Type        string           `json:"@type"`
+		StatPrefix  string           `json:"statPrefix"`
+		RouteConfig routeConfigJSON  `json:"routeConfig"`
+		HTTPFilters []httpFilterJSON `json:"httpFilters"`
+	}
+	routeConfigJSON struct {
+		VirtualHosts []virtualHostJSON `json:"virtualHosts"`
+	}
+	virtualHostJSON struct {
+		Name    string      `json:"name"`
+		Domains []string    `json:"domains"`
+		Routes  []routeJSON `json:"routes"`
+	}
+	routeJSON struct {
+		Match struct {
+			Prefix string `json:"prefix"`
+		} `json:"match"`
+		Route struct {
+			Cluster string `json:"cluster"`
+		} `json:"route"`
+	}
+	httpFilterJSON struct {
+		Name        string `json:"name"`
+		TypedConfig struct {
+			Type string `json:"@type"`
+		} `json:"typedConfig"`
+	}
+)
 
-func buildBootstrap(cfg BootstrapConfig) (*bootstrapv3.Bootstrap, error) {
-	meta, err := metadataStruct(cfg.Node.Metadata)
-	if err != nil {
-		return nil, err
-	}
-	h2, err := http2Options()
-	if err != nil {
-		return nil, err
-	}
-	b := &bootstrapv3.Bootstrap{
-		Node: &corev3.Node{Id: cfg.Node.ID, Cluster: cfg.Node.Cluster, Metadata: meta},
-		Admin: &bootstrapv3.Admin{
-			Address: socketAddress("127.0.0.1", cfg.AdminPort),
-		},
-		StaticResources: &bootstrapv3.Bootstrap_StaticResources{
-			Clusters: []*clusterv3.Cluster{pipeCluster(SDSClusterName, cfg.SDSSocket, h2)},
+// Type URLs and enum values as protojson writes them.
+const (
+	typeURLPrefix          = "type.googleapis.com/"
+	httpProtocolOptionsKey = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+	hcmType                = "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+	routerType             = "envoy.extensions.filters.http.router.v3.Router"
+	clusterStatic          = "STATIC"
+	apiVersionV3           = "V3"
+	apiTypeGRPC            = "GRPC"
+)
+
+func buildBootstrap(cfg BootstrapConfig) bootstrapJSON {
+	b := bootstrapJSON{
+		Node:  nodeJSON{ID: text(cfg.Node.ID), Cluster: text(cfg.Node.Cluster), Metadata: metadata(cfg.Node.Metadata)},
+		Admin: adminJSON{Address: socketAddress("127.0.0.1", cfg.AdminPort)},
+		StaticResources: staticResourcesJSON{
+			Clusters: []clusterJSON{pipeCluster(SDSClusterName, cfg.SDSSocket)},
 		},
 	}
 	if cfg.XDSSocket != "" {
-		b.StaticResources.Clusters = append(b.StaticResources.Clusters, pipeCluster(XDSClusterName, cfg.XDSSocket, h2))
-		ads := &corev3.ConfigSource{
-			ConfigSourceSpecifier: &corev3.ConfigSource_Ads{Ads: &corev3.AggregatedConfigSource{}},
-			ResourceApiVersion:    corev3.ApiVersion_V3,
-		}
-		b.DynamicResources = &bootstrapv3.Bootstrap_DynamicResources{
-			AdsConfig: &corev3.ApiConfigSource{
-				ApiType:             corev3.ApiConfigSource_GRPC,
-				TransportApiVersion: corev3.ApiVersion_V3,
-				GrpcServices: []*corev3.GrpcService{{
-					TargetSpecifier: &corev3.GrpcService_EnvoyGrpc_{EnvoyGrpc: &corev3.GrpcService_EnvoyGrpc{ClusterName: XDSClusterName}},
-				}},
+		b.StaticResources.Clusters = append(b.StaticResources.Clusters, pipeCluster(XDSClusterName, cfg.XDSSocket))
+		ads := configSourceJSON{ResourceAPIVersion: apiVersionV3}
+		grpc := grpcServiceJSON{}
+		grpc.EnvoyGrpc.ClusterName = XDSClusterName
+		b.DynamicResources = &dynamicResourcesJSON{
+			LdsConfig: ads,
+			CdsConfig: ads,
+			AdsConfig: apiConfigSourceJSON{
+				APIType:                   apiTypeGRPC,
+				TransportAPIVersion:       apiVersionV3,
+				GrpcServices:              []grpcServiceJSON{grpc},
 				SetNodeOnFirstMessageOnly: true,
 			},
-			CdsConfig: ads,
-			LdsConfig: proto.Clone(ads).(*corev3.ConfigSource),
 		}
 	}
 	if cfg.PrometheusPort > 0 {
-		listener, err := statsListener(cfg.PrometheusPort)
-		if err != nil {
-			return nil, err
-		}
-		b.StaticResources.Clusters = append(b.StaticResources.Clusters, &clusterv3.Cluster{
-			Name:                 StatsClusterName,
-			ClusterDiscoveryType: &clusterv3.Cluster_Type{Type: clusterv3.Cluster_STATIC},
-			ConnectTimeout:       durationpb.New(connectTimeout),
-			LoadAssignment:       loadAssignment(StatsClusterName, socketAddress("127.0.0.1", cfg.AdminPort)),
+		b.StaticResources.Clusters = append(b.StaticResources.Clusters, clusterJSON{
+			Name:           StatsClusterName,
+			Type:           clusterStatic,
+			ConnectTimeout: connectTimeout,
+			LoadAssignment: loadAssignment(StatsClusterName, socketAddress("127.0.0.1", cfg.AdminPort)),
 		})
-		b.StaticResources.Listeners = append(b.StaticResources.Listeners, listener)
+		b.StaticResources.Listeners = append(b.StaticResources.Listeners, statsListener(cfg.PrometheusPort))
 	}
-	return b, nil
+	return b
 }
 
-// metadataStruct is the node's metadata as Envoy takes it: a Struct of strings.
-func metadataStruct(meta map[string]string) (*structpb.Struct, error) {
-	fields := make(map[string]any, len(meta))
-	for k, v := range meta {
-		fields[k] = v
-	}
-	s, err := structpb.NewStruct(fields)
-	if err != nil {
-		return nil, fmt.Errorf("node metadata: %w", err)
-	}
-	return s, nil
-}
-
-// http2Options are the typed_extension_protocol_options that make a cluster speak HTTP/2, as
-// gRPC needs.
-func http2Options() (map[string]*anypb.Any, error) {
-	opts, err := anypb.New(&upstreamhttpv3.HttpProtocolOptions{
-		UpstreamProtocolOptions: &upstreamhttpv3.HttpProtocolOptions_ExplicitHttpConfig_{
-			ExplicitHttpConfig: &upstreamhttpv3.HttpProtocolOptions_ExplicitHttpConfig{
-				ProtocolConfig: &upstreamhttpv3.HttpProtocolOptions_ExplicitHttpConfig_Http2ProtocolOptions{
-					Http2ProtocolOptions: &corev3.Http2ProtocolOptions{},
-				},
-			},
-		},
-	})
-	if err != nil {
-		return nil, fmt.Errorf("HTTP/2 protocol options: %w", err)
-	}
-	return map[string]*anypb.Any{"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": opts}, nil
-}
-
-// pipeCluster is a static gRPC cluster on the Unix socket at path.
-func pipeCluster(name, path string, h2 map[string]*anypb.Any) *clusterv3.Cluster {
-	return &clusterv3.Cluster{
-		Name:                 name,
-		ClusterDiscoveryType: &clusterv3.Cluster_Type{Type: clusterv3.Cluster_STATIC},
-		ConnectTimeout:       durationpb.New(connectTimeout),
-		LoadAssignment: loadAssignment(name, &corev3.Address{
-			Address: &corev3.Address_Pipe{Pipe: &corev3.Pipe{Path: path}},
-		}),
-		// Each cluster its own copy: a later proto.Merge must not change both through one map.
-		TypedExtensionProtocolOptions: cloneAnys(h2),
+// pipeCluster is a static gRPC cluster on the Unix socket at path: it speaks HTTP/2, as gRPC
+// needs.
+func pipeCluster(name, path string) clusterJSON {
+	h2 := protocolOptionsJSON{Type: typeURLPrefix + httpProtocolOptionsKey}
+	return clusterJSON{
+		Name:                          text(name),
+		Type:                          clusterStatic,
+		ConnectTimeout:                connectTimeout,
+		LoadAssignment:                loadAssignment(name, addressJSON{Pipe: &pipeJSON{Path: text(path)}}),
+		TypedExtensionProtocolOptions: map[string]protocolOptionsJSON{httpProtocolOptionsKey: h2},
 	}
 }
 
-func cloneAnys(m map[string]*anypb.Any) map[string]*anypb.Any {
-	out := make(map[string]*anypb.Any, len(m))
-	for k, v := range m {
-		out[k] = proto.Clone(v).(*anypb.Any)
-	}
-	return out
-}
-
-func loadAssignment(cluster string, addr *corev3.Address) *endpointv3.ClusterLoadAssignment {
-	return &endpointv3.ClusterLoadAssignment{
-		ClusterName: cluster,
-		Endpoints: []*endpointv3.LocalityLbEndpoints{{
-			LbEndpoints: []*endpointv3.LbEndpoint{{
-				HostIdentifier: &endpointv3.LbEndpoint_Endpoint{Endpoint: &endpointv3.Endpoint{Address: addr}},
-			}},
-		}},
+func loadAssignment(cluster string, addr addressJSON) loadAssignmentJSON {
+	var ep lbEndpointJSON
+	ep.Endpoint.Address = addr
+	return loadAssignmentJSON{
+		ClusterName: text(cluster),
+		Endpoints:   []localityEndpoints{{LbEndpoints: []lbEndpointJSON{ep}}},
 	}
 }
 
-func socketAddress(host string, port int) *corev3.Address {
-	return &corev3.Address{Address: &corev3.Address_SocketAddress{SocketAddress: &corev3.SocketAddress{
-		Address:       host,
-		PortSpecifier: &corev3.SocketAddress_PortValue{PortValue: uint32(port)}, //nolint:gosec // checked to be 0-65535
-	}}}
+func socketAddress(host string, port int) addressJSON {
+	return addressJSON{SocketAddress: &socketAddressJSON{Address: host, PortValue: port}}
 }
 
 // statsListener serves /stats/prometheus on 0.0.0.0:port from the admin, as Istio's bootstrap
 // does: Prometheus scrapes the pod's IP, and the admin stays on loopback.
-func statsListener(port int) (*listenerv3.Listener, error) {
-	routerAny, err := anypb.New(&routerv3.Router{})
-	if err != nil {
-		return nil, fmt.Errorf("stats listener's router: %w", err)
-	}
-	hcm := &hcmv3.HttpConnectionManager{
-		CodecType:  hcmv3.HttpConnectionManager_AUTO,
+func statsListener(port int) listenerJSON {
+	var route routeJSON
+	route.Match.Prefix = StatsPath
+	route.Route.Cluster = StatsClusterName
+	router := httpFilterJSON{Name: "envoy.filters.http.router"}
+	router.TypedConfig.Type = typeURLPrefix + routerType
+	hcm := hcmJSON{
+		Type:       typeURLPrefix + hcmType,
 		StatPrefix: "stats",
-		RouteSpecifier: &hcmv3.HttpConnectionManager_RouteConfig{RouteConfig: &routev3.RouteConfiguration{
-			VirtualHosts: []*routev3.VirtualHost{{
-				Name:    "backend",
-				Domains: []string{"*"},
-				Routes: []*routev3.Route{{
-					Match: &routev3.RouteMatch{PathSpecifier: &routev3.RouteMatch_Prefix{Prefix: StatsPath}},
-					Action: &routev3.Route_Route{Route: &routev3.RouteAction{
-						ClusterSpecifier: &routev3.RouteAction_Cluster{Cluster: StatsClusterName},
-					}},
-				}},
-			}},
-		}},
-		HttpFilters: []*hcmv3.HttpFilter{{
-			Name:       "envoy.filters.http.router",
-			ConfigType: &hcmv3.HttpFilter_TypedConfig{TypedConfig: routerAny},
-		}},
+		RouteConfig: routeConfigJSON{VirtualHosts: []virtualHostJSON{{
+			Name: "backend", Domains: []string{"*"}, Routes: []routeJSON{route},
+		}}},
+		HTTPFilters: []httpFilterJSON{router},
 	}
-	hcmAny, err := anypb.New(hcm)
-	if err != nil {
-		return nil, fmt.Errorf("stats listener's connection manager: %w", err)
-	}
-	return &listenerv3.Listener{
+	return listenerJSON{
 		Name:    StatsListenerName,
 		Address: socketAddress("0.0.0.0", port),
-		FilterChains: []*listenerv3.FilterChain{{
-			Filters: []*listenerv3.Filter{{
-				Name:       "envoy.filters.network.http_connection_manager",
-				ConfigType: &listenerv3.Filter_TypedConfig{TypedConfig: hcmAny},
-			}},
-		}},
-	}, nil
+		FilterChains: []filterChainJSON{{Filters: []filterJSON{{
+			Name: "envoy.filters.network.http_connection_manager", TypedConfig: hcm,
+		}}}},
+	}
 }
 
-// MarshalBootstrap returns b as indented JSON, the same bytes for the same bootstrap: protojson
-// orders fields and map keys but varies its whitespace on purpose, so it is indented again here.
-func MarshalBootstrap(b *bootstrapv3.Bootstrap) ([]byte, error) {
-	data, err := protojson.Marshal(b)
-	if err != nil {
-		return nil, fmt.Errorf("marshal bootstrap: %w", err)
+// text is a string of the workload's (a path, a pod's name), written as protojson writes it:
+// encoding/json would escape U+2028 and U+2029, which protojson leaves.
+type text string
+
+func (s text) MarshalJSON() ([]byte, error) { return appendText(nil, string(s)), nil }
+
+// metadata is the node's metadata, a Struct of strings, with its keys in order.
+type metadata map[string]string
+
+func (m metadata) MarshalJSON() ([]byte, error) {
+	out := []byte{'{'}
+	for i, k := range slices.Sorted(maps.Keys(m)) {
+		if i > 0 {
+			out = append(out, ',')
+		}
+		out = append(appendText(out, k), ':')
+		out = appendText(out, m[k])
 	}
-	var compact, out bytes.Buffer
-	if err := json.Compact(&compact, data); err != nil {
-		return nil, fmt.Errorf("compact bootstrap: %w", err)
+	return append(out, '}'), nil
+}
+
+// appendText appends s, UTF-8 (checkBootstrapConfig), as a JSON string escaped as protojson
+// escapes: the quote, the backslash and the control characters, nothing else.
+func appendText(out []byte, s string) []byte {
+	out = append(out, '"')
+	for _, r := range s {
+		switch {
+		case r == '"' || r == '\\':
+			out = append(out, '\\', byte(r))
+		case r >= ' ':
+			out = utf8.AppendRune(out, r)
+		case r == '\b':
+			out = append(out, `\b`...)
+		case r == '\f':
+			out = append(out, `\f`...)
+		case r == '\n':
+			out = append(out, `\n`...)
+		case r == '\r':
+			out = append(out, `\r`...)
+		case r == '\t':
+			out = append(out, `\t`...)
+		default:
+			out = append(out, `\u00`...)
+			if r < 0x10 {
+				out = append(out, '0')
+			}
+			out = strconv.AppendInt(out, int64(r), 16)
+		}
 	}
-	if err := json.Indent(&out, compact.Bytes(), "", "  "); err != nil {
-		return nil, fmt.Errorf("indent bootstrap: %w", err)
-	}
-	out.WriteByte('\n')
-	return out.Bytes(), nil
+	return append(out, '"')
 }

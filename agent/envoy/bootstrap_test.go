@@ -2,6 +2,7 @@ package envoy_test
 
 import (
 	"bytes"
+	"encoding/json"
 	"errors"
 	"strings"
 	"testing"
@@ -16,6 +17,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/meshid/meshid/agent/envoy"
+	"github.com/meshid/meshid/agent/envoy/bootstrapcheck"
 )
 
 func testConfig() envoy.BootstrapConfig {
@@ -31,13 +33,21 @@ func testConfig() envoy.BootstrapConfig {
 	}
 }
 
+// build writes cfg's bootstrap, checks it with Envoy's types and validation, and reads it back.
 func build(t *testing.T, cfg envoy.BootstrapConfig) *bootstrapv3.Bootstrap {
 	t.Helper()
-	b, err := envoy.Bootstrap(cfg)
+	data, err := envoy.Bootstrap(cfg)
 	if err != nil {
 		t.Fatalf("Bootstrap: %v", err)
 	}
-	return b
+	if err := bootstrapcheck.Check(data); err != nil {
+		t.Fatalf("bootstrapcheck.Check: %v\n%s", err, data)
+	}
+	var b bootstrapv3.Bootstrap
+	if err := protojson.Unmarshal(data, &b); err != nil {
+		t.Fatal(err)
+	}
+	return &b
 }
 
 func cluster(b *bootstrapv3.Bootstrap, name string) *clusterv3.Cluster {
@@ -53,37 +63,98 @@ func endpointAddress(c *clusterv3.Cluster) *corev3.Address {
 	return c.GetLoadAssignment().GetEndpoints()[0].GetLbEndpoints()[0].GetEndpoint().GetAddress()
 }
 
-// What is written is what Envoy reads: the JSON parses back into the same Bootstrap with Envoy's
-// protos, and passes ValidateAll.
-func TestBootstrapRoundTrips(t *testing.T) {
+// protojsonOf is b as protojson writes it, indented as Bootstrap indents.
+func protojsonOf(t *testing.T, b *bootstrapv3.Bootstrap) []byte {
+	t.Helper()
+	data, err := protojson.Marshal(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var compact, out bytes.Buffer
+	if err := json.Compact(&compact, data); err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Indent(&out, compact.Bytes(), "", "  "); err != nil {
+		t.Fatal(err)
+	}
+	out.WriteByte('\n')
+	return out.Bytes()
+}
+
+// Every variant of the bootstrap passes Envoy's validation, and is, byte for byte, what
+// protojson writes for the Bootstrap it parses into: no field is lost or misnamed on the way,
+// and strings are escaped as protojson escapes them.
+func TestBootstrapIsEnvoysBootstrap(t *testing.T) {
 	t.Parallel()
+	variant := func(mutate func(*envoy.BootstrapConfig)) envoy.BootstrapConfig {
+		c := testConfig()
+		mutate(&c)
+		return c
+	}
 	for name, cfg := range map[string]envoy.BootstrapConfig{
-		"full": testConfig(),
-		"no xds, no stats": func() envoy.BootstrapConfig {
-			c := testConfig()
-			c.XDSSocket, c.PrometheusPort = "", 0
-			return c
-		}(),
+		"full":                     testConfig(),
+		"no xds":                   variant(func(c *envoy.BootstrapConfig) { c.XDSSocket = "" }),
+		"no stats":                 variant(func(c *envoy.BootstrapConfig) { c.PrometheusPort = 0 }),
+		"no xds, no stats":         variant(func(c *envoy.BootstrapConfig) { c.XDSSocket, c.PrometheusPort = "", 0 }),
+		"extreme ports":            variant(func(c *envoy.BootstrapConfig) { c.AdminPort, c.PrometheusPort = 65535, 1 }),
+		"no metadata, no identity": {SDSSocket: "/s", AdminPort: 1},
+		"odd metadata": variant(func(c *envoy.BootstrapConfig) {
+			c.Node.Metadata = map[string]string{
+				"": "empty key", "EMPTY": "", "<html>&": "</script>", "quote\"": "back\\slash",
+				"ctl": "\x00\x01\b\f\n\r\t\x1f\x7f", "sep": "\u2028\u2029", "uni": "é日本\U0001F600\ufffd",
+				"json": `{"a": [1, 2]}`,
+			}
+		}),
+		"odd node": variant(func(c *envoy.BootstrapConfig) {
+			c.Node = envoy.SidecarNode(envoy.Workload{InstanceIP: "fe80::1%eth0", PodName: "p\"o<d>\n", Namespace: "n s", ServiceAccount: "s\\a"})
+		}),
+		"odd paths": variant(func(c *envoy.BootstrapConfig) {
+			c.SDSSocket, c.XDSSocket = "/tmp/a dir/ü \"q\"/socket", "/run/x\\y/\u2028/XDS\t"
+		}),
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
-			b := build(t, cfg)
-			data, err := envoy.MarshalBootstrap(b)
+			data, err := envoy.Bootstrap(cfg)
 			if err != nil {
+				t.Fatalf("Bootstrap: %v", err)
+			}
+			if err := bootstrapcheck.Check(data); err != nil {
+				t.Fatalf("bootstrapcheck.Check: %v\n%s", err, data)
+			}
+			var b bootstrapv3.Bootstrap
+			if err := protojson.Unmarshal(data, &b); err != nil {
 				t.Fatal(err)
 			}
-			var back bootstrapv3.Bootstrap
-			if err := protojson.Unmarshal(data, &back); err != nil {
-				t.Fatalf("the bootstrap does not parse as a Bootstrap: %v\n%s", err, data)
+			if want := protojsonOf(t, &b); !bytes.Equal(data, want) {
+				t.Errorf("Bootstrap wrote\n%s\nprotojson writes\n%s", data, want)
 			}
-			if err := back.ValidateAll(); err != nil {
-				t.Fatalf("ValidateAll: %v", err)
+			if b.GetNode().GetId() != cfg.Node.ID || b.GetNode().GetCluster() != cfg.Node.Cluster {
+				t.Errorf("node %q cluster %q, want %q %q", b.GetNode().GetId(), b.GetNode().GetCluster(), cfg.Node.ID, cfg.Node.Cluster)
 			}
-			if !proto.Equal(&back, b) {
-				t.Errorf("round trip changed the bootstrap:\n%s", data)
+			fields := b.GetNode().GetMetadata().GetFields()
+			if len(fields) != len(cfg.Node.Metadata) {
+				t.Errorf("%d metadata fields, want %d", len(fields), len(cfg.Node.Metadata))
+			}
+			for k, v := range cfg.Node.Metadata {
+				if fields[k].GetStringValue() != v {
+					t.Errorf("metadata %q = %v, want %q", k, fields[k], v)
+				}
+			}
+			if got := pipePaths(&b); got[envoy.SDSClusterName] != cfg.SDSSocket || got[envoy.XDSClusterName] != cfg.XDSSocket {
+				t.Errorf("pipes %q, want SDS %q and XDS %q", got, cfg.SDSSocket, cfg.XDSSocket)
 			}
 		})
 	}
+}
+
+func pipePaths(b *bootstrapv3.Bootstrap) map[string]string {
+	out := map[string]string{}
+	for _, c := range b.GetStaticResources().GetClusters() {
+		if p := endpointAddress(c).GetPipe(); p != nil {
+			out[c.GetName()] = p.GetPath()
+		}
+	}
+	return out
 }
 
 func TestBootstrapSocketsAndADS(t *testing.T) {
@@ -228,102 +299,6 @@ func TestSidecarNode(t *testing.T) {
 	}
 }
 
-// The override is merged as Istio merges ISTIO_BOOTSTRAP_OVERRIDE: a scalar replaces, a repeated
-// field is appended to.
-func TestBootstrapOverrideMerges(t *testing.T) {
-	t.Parallel()
-	for name, override := range map[string]string{
-		"yaml": `
-admin:
-  address: {socket_address: {port_value: 16000}}
-node:
-  metadata: {EXTRA: "yes"}
-static_resources:
-  clusters:
-  - name: zipkin
-    type: STRICT_DNS
-    connect_timeout: 2s
-    load_assignment:
-      cluster_name: zipkin
-      endpoints:
-      - lb_endpoints:
-        - endpoint: {address: {socket_address: {address: zipkin.istio-system, port_value: 9411}}}
-`,
-		"json": `{"admin": {"address": {"socketAddress": {"portValue": 16000}}},
-"node": {"metadata": {"EXTRA": "yes"}},
-"staticResources": {"clusters": [{"name": "zipkin", "type": "STRICT_DNS", "connectTimeout": "2s"}]}}`,
-	} {
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			cfg := testConfig()
-			base := build(t, cfg)
-			cfg.Override, cfg.OverridePath = []byte(override), "/etc/override."+name
-			b := build(t, cfg)
-			admin := b.GetAdmin().GetAddress().GetSocketAddress()
-			if admin.GetPortValue() != 16000 || admin.GetAddress() != "127.0.0.1" {
-				t.Errorf("admin on %s:%d, want 127.0.0.1:16000 (the port replaced, the address kept)", admin.GetAddress(), admin.GetPortValue())
-			}
-			got, was := b.GetStaticResources().GetClusters(), base.GetStaticResources().GetClusters()
-			if len(got) != len(was)+1 || got[len(got)-1].GetName() != "zipkin" {
-				t.Fatalf("clusters %d, last %q; want the %d built and zipkin appended", len(got), got[len(got)-1].GetName(), len(was))
-			}
-			for i := range was {
-				if !proto.Equal(got[i], was[i]) {
-					t.Errorf("built cluster %s changed by the override", was[i].GetName())
-				}
-			}
-			meta := b.GetNode().GetMetadata().GetFields()
-			if meta["EXTRA"].GetStringValue() != "yes" || meta["NAMESPACE"].GetStringValue() != "shop" {
-				t.Errorf("node metadata %v: want EXTRA added and NAMESPACE kept", meta)
-			}
-		})
-	}
-}
-
-func TestBootstrapOverrideRefused(t *testing.T) {
-	t.Parallel()
-	for _, tc := range []struct {
-		name, override string
-		want           []string // in the message, besides the file
-	}{
-		{"unknown field", "admin: {address: {socket_address: {port_value: 1}}}\nstatic_resources:\n  clusters:\n  - name: x\n    conect_timeout: 1s\n", []string{`unknown field "conect_timeout"`}},
-		{"unknown field, JSON", `{"admni": {}}`, []string{`unknown field "admni"`}},
-		{"bad enum", "static_resources:\n  clusters:\n  - name: x\n    type: STATICX\n", []string{"field type", "STATICX"}},
-		{"wrong type", `{"admin": {"address": {"socket_address": {"port_value": "x"}}}}`, []string{"portValue"}},
-		{"bad yaml", "static_resources: [clusters\n", []string{"YAML", "line 1"}},
-		{"cluster without a name", "static_resources:\n  clusters:\n  - type: STATIC\n", []string{"Clusters[3]", "Cluster.Name"}},
-		{"invalid typed_config", `
-static_resources:
-  listeners:
-  - name: l
-    filter_chains:
-    - filters:
-      - name: hcm
-        typed_config:
-          '@type': type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: ""
-`, []string{"static_resources.listeners[1].filter_chains[0].filters[0].typed_config", "HttpConnectionManager.StatPrefix"}},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			t.Parallel()
-			cfg := testConfig()
-			cfg.Override, cfg.OverridePath = []byte(tc.override), "/etc/istio/custom-bootstrap.yaml"
-			b, err := envoy.Bootstrap(cfg)
-			if err == nil {
-				t.Fatalf("Bootstrap accepted the override: %v", b)
-			}
-			if !errors.Is(err, envoy.ErrOverride) {
-				t.Errorf("error %v does not wrap ErrOverride", err)
-			}
-			for _, want := range append([]string{cfg.OverridePath}, tc.want...) {
-				if !strings.Contains(err.Error(), want) {
-					t.Errorf("error %q does not name %q", err, want)
-				}
-			}
-		})
-	}
-}
-
 func TestBootstrapRefusesBadConfig(t *testing.T) {
 	t.Parallel()
 	for name, mutate := range map[string]func(*envoy.BootstrapConfig){
@@ -333,11 +308,17 @@ func TestBootstrapRefusesBadConfig(t *testing.T) {
 		"admin port 0":        func(c *envoy.BootstrapConfig) { c.AdminPort = 0 },
 		"admin port too big":  func(c *envoy.BootstrapConfig) { c.AdminPort = 65536 },
 		"stats port negative": func(c *envoy.BootstrapConfig) { c.PrometheusPort = -1 },
+		"stats port too big":  func(c *envoy.BootstrapConfig) { c.PrometheusPort = 65536 },
+		// Envoy refuses a bootstrap whose strings are not UTF-8.
+		"node id not UTF-8":        func(c *envoy.BootstrapConfig) { c.Node.ID = "a\xffb" },
+		"metadata key not UTF-8":   func(c *envoy.BootstrapConfig) { c.Node.Metadata["\xc3"] = "v" },
+		"metadata value not UTF-8": func(c *envoy.BootstrapConfig) { c.Node.Metadata["K"] = "\xc3(" },
+		"socket not UTF-8":         func(c *envoy.BootstrapConfig) { c.SDSSocket = "/run/\xfe/socket" },
 	} {
 		cfg := testConfig()
 		mutate(&cfg)
-		if _, err := envoy.Bootstrap(cfg); err == nil {
-			t.Errorf("%s: accepted", name)
+		if data, err := envoy.Bootstrap(cfg); err == nil {
+			t.Errorf("%s: accepted:\n%s", name, data)
 		} else if errors.Is(err, envoy.ErrOverride) {
 			t.Errorf("%s: %v blames the override", name, err)
 		}
@@ -345,18 +326,18 @@ func TestBootstrapRefusesBadConfig(t *testing.T) {
 }
 
 // The same configuration gives the same bytes, whatever the order of a map's iteration.
-func TestMarshalBootstrapDeterministic(t *testing.T) {
+func TestBootstrapDeterministic(t *testing.T) {
 	t.Parallel()
 	cfg := testConfig()
 	for i := range 20 {
 		cfg.Node.Metadata["K"+strings.Repeat("x", i)] = "v"
 	}
-	first, err := envoy.MarshalBootstrap(build(t, cfg))
+	first, err := envoy.Bootstrap(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
 	for range 20 {
-		again, err := envoy.MarshalBootstrap(build(t, cfg))
+		again, err := envoy.Bootstrap(cfg)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -41,6 +41,9 @@ const (
 type Options struct {
 	Path          string
 	BootstrapPath string
+	// ConfigYAML, when not empty, is a bootstrap (YAML or JSON) that Envoy merges over the one at
+	// BootstrapPath (--config-yaml): the override, when the agent cannot merge it itself.
+	ConfigYAML string
 	// LogLevel and ComponentLogLevel are Envoy's -l and --component-log-level.
 	LogLevel, ComponentLogLevel string
 	// Concurrency is Envoy's worker threads; 0 leaves Envoy's default (one per core).
@@ -62,6 +65,9 @@ func (o Options) Args() []string {
 		"--disable-hot-restart",
 		"--allow-unknown-static-fields",
 		"-l", o.LogLevel,
+	}
+	if o.ConfigYAML != "" {
+		args = append(args, "--config-yaml", o.ConfigYAML)
 	}
 	if o.ComponentLogLevel != "" {
 		args = append(args, "--component-log-level", o.ComponentLogLevel)

@@ -23,8 +23,9 @@ func newRootCommand(run cli.AgentRunner, lookupEnv func(string) (string, bool), 
 It is the agent of meshid for sidecar images: it links no CA and no Kubernetes client, so
 it needs a CA at --ca-addr ("meshid agent" can run one in-process).`, g)
 	root.AddCommand(
-		cli.NewAgentCommand(g, run, lookupEnv, nil),
-		cli.NewBootstrapCommand(g, lookupEnv, environ, nil),
+		// No embedded CA, and no Envoy types to merge a bootstrap override with.
+		cli.NewAgentCommand(g, run, lookupEnv, nil, nil),
+		cli.NewBootstrapCommand(g, lookupEnv, environ, nil, nil),
 		cli.NewCertsCommand(),
 		cli.NewProbeCommand(),
 		cli.NewWaitCommand(),

@@ -17,7 +17,8 @@ import (
 	"github.com/meshid/meshid/internal/testutil"
 )
 
-// The sidecar binary must stay small: it links no Kubernetes client, no CA and no discovery server.
+// The sidecar binary must stay small: it links no Kubernetes client (nor sigs.k8s.io/yaml, which
+// only meshid's bootstrap override needs), no CA and no discovery server.
 func TestLinksNoKubernetesClientAndNoCA(t *testing.T) {
 	t.Parallel()
 	out, err := exec.Command("go", "list", "-deps", "github.com/meshid/meshid/cmd/meshid-agent").Output()
@@ -25,10 +26,6 @@ func TestLinksNoKubernetesClientAndNoCA(t *testing.T) {
 		t.Fatalf("go list: %v", err)
 	}
 	for _, dep := range strings.Fields(string(out)) {
-		// sigs.k8s.io/yaml is YAML read as JSON, no Kubernetes in it: the bootstrap override.
-		if dep == "sigs.k8s.io/yaml" {
-			continue
-		}
 		if strings.HasPrefix(dep, "k8s.io/") || strings.HasPrefix(dep, "sigs.k8s.io/") ||
 			dep == "github.com/meshid/meshid/ca" || strings.HasPrefix(dep, "github.com/meshid/meshid/ca/") ||
 			strings.HasPrefix(dep, "github.com/meshid/meshid/controlplane") || dep == "github.com/meshid/meshid/discovery" {
@@ -209,6 +206,31 @@ func TestBootstrapCommand(t *testing.T) {
 	for _, want := range []string{`"FOO": "bar"`, `"cluster": "cart.shop"`, `"path": "` + filepath.Join(dir, agent.DefaultXDSSocket) + `"`} {
 		if !strings.Contains(stdout.String(), want) {
 			t.Errorf("bootstrap lacks %s:\n%s", want, stdout.String())
+		}
+	}
+}
+
+// meshid-agent links no Envoy types to merge a bootstrap override with: `meshid-agent bootstrap`
+// refuses one (exit 2) and says what merges it.
+func TestBootstrapCommandRefusesAnOverride(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	override := filepath.Join(dir, "override.yaml")
+	if err := os.WriteFile(override, []byte("admin: {address: {socket_address: {port_value: 16000}}}\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	env := map[string]string{"CA_ADDR": "ca:15012", "ISTIO_BOOTSTRAP_OVERRIDE": override}
+	root := newRootCommand(cli.RunAgent, func(k string) (string, bool) { v, ok := env[k]; return v, ok }, nil)
+	var stdout, stderr bytes.Buffer
+	root.SetOut(&stdout)
+	root.SetErr(&stderr)
+	root.SetArgs([]string{"bootstrap", "--root-dir", dir})
+	if code := cli.Main(root); code != cli.ExitUsage || stdout.Len() != 0 {
+		t.Fatalf("exit %d, stdout %q; want %d and nothing written", code, stdout.String(), cli.ExitUsage)
+	}
+	for _, want := range []string{"meshid-agent leaves Envoy's configuration types out", "`meshid agent bootstrap`", "--envoy-path"} {
+		if !strings.Contains(stderr.String(), want) {
+			t.Errorf("stderr does not say %q:\n%s", want, stderr.String())
 		}
 	}
 }

@@ -7,6 +7,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/meshid/meshid/agent/envoy/bootstrapcheck"
 	"github.com/meshid/meshid/cmd/internal/cli"
 )
 
@@ -25,8 +26,8 @@ bootstrap" writes the bootstrap of the Envoy it serves);
 "meshid ca" runs a Citadel-style CA that Istio's agents can use;
 "meshid token" mints Kubernetes-style service-account tokens for VMs and demos, and
 "meshid vm bootstrap" writes everything one VM needs.`, g)
-	agentCmd := cli.NewAgentCommand(g, agentRun, lookupEnv, embedControlPlane)
-	agentCmd.AddCommand(cli.NewBootstrapCommand(g, lookupEnv, environ, embedControlPlane))
+	agentCmd := cli.NewAgentCommand(g, agentRun, lookupEnv, embedControlPlane, bootstrapcheck.Merge)
+	agentCmd.AddCommand(cli.NewBootstrapCommand(g, lookupEnv, environ, embedControlPlane, bootstrapcheck.Merge))
 	root.AddCommand(
 		agentCmd,
 		newCACommand(g, ca, lookupEnv),

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/meshid/meshid/agent"
+	"github.com/meshid/meshid/agent/envoy/bootstrapcheck"
 	"github.com/meshid/meshid/ca/token"
 	"github.com/meshid/meshid/controlplane"
 	"github.com/meshid/meshid/internal/pki"
@@ -301,5 +302,33 @@ func TestAgentBootstrapCommand(t *testing.T) {
 	}
 	if !json.Valid([]byte(stdout)) || !strings.Contains(stdout, `"path": "`+filepath.Join(root, agent.DefaultSocketDir, "socket")+`"`) {
 		t.Errorf("not the bootstrap of an agent under %s:\n%s", root, stdout)
+	}
+
+	// meshid links Envoy's types: it merges an override, and checks the result.
+	override := filepath.Join(root, "override.yaml")
+	if err := os.WriteFile(override, []byte("admin: {address: {socket_address: {port_value: 16000}}}\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	_, stdout, stderr, err = execute(t, "agent", "bootstrap", "--root-dir", root, "--bootstrap-override", override)
+	if err != nil || !strings.Contains(stdout, `"portValue": 16000`) {
+		t.Errorf("--bootstrap-override not merged (%v):\n%s\n%s", err, stdout, stderr)
+	}
+	if err := bootstrapcheck.Check([]byte(stdout)); err != nil {
+		t.Errorf("the merged bootstrap: %v", err)
+	}
+}
+
+// The agent meshid runs merges the override of the Envoy it starts itself.
+func TestAgentMergesTheBootstrapOverride(t *testing.T) {
+	t.Parallel()
+	var got agent.Config
+	root := newRootCommand(nil, func(_ context.Context, cfg agent.Config) error { got = cfg; return nil },
+		func(string) (string, bool) { return "", false }, nil)
+	root.SetArgs([]string{"agent", "--root-dir", t.TempDir(), "--status-addr", "127.0.0.1:0"})
+	if err := root.ExecuteContext(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if got.Envoy.CheckBootstrap == nil {
+		t.Error("the agent's Envoy.CheckBootstrap is nil: an Envoy it runs would be given the override unmerged")
 	}
 }

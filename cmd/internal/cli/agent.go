@@ -152,10 +152,12 @@ type agentOptions struct {
 
 // newAgentOptions returns the options of an agent; lookupEnv reads one variable and environ lists
 // them all, KEY=value (os.LookupEnv and os.Environ in production; nil environ: none); embed
-// starts the control plane in-process when no CA is given (nil in a binary without a CA).
-func newAgentOptions(lookupEnv func(string) (string, bool), environ func() []string, embed agent.EmbedFunc) *agentOptions {
+// starts the control plane in-process when no CA is given (nil in a binary without a CA); check
+// checks Envoy's bootstrap and merges the override (nil in a binary without Envoy's types).
+func newAgentOptions(lookupEnv func(string) (string, bool), environ func() []string, embed agent.EmbedFunc, check agent.BootstrapCheckFunc) *agentOptions {
 	o := &agentOptions{cfg: agent.DefaultConfig(""), lookupEnv: lookupEnv, environ: environ}
 	o.cfg.CA.Embed = embed
+	o.cfg.Envoy.CheckBootstrap = check
 	return o
 }
 
@@ -403,10 +405,12 @@ func bootstrapCommandPath(agentCmd *cobra.Command) string {
 }
 
 // NewAgentCommand returns `agent`. lookupEnv reads the environment (os.LookupEnv in production);
-// embed starts the control plane in-process when no CA is given (nil in a binary without a CA).
-func NewAgentCommand(g *Globals, run AgentRunner, lookupEnv func(string) (string, bool), embed agent.EmbedFunc) *cobra.Command {
+// embed starts the control plane in-process when no CA is given (nil in a binary without a CA);
+// check merges the bootstrap override of the Envoy the agent runs (nil in a binary without
+// Envoy's types: Envoy merges it).
+func NewAgentCommand(g *Globals, run AgentRunner, lookupEnv func(string) (string, bool), embed agent.EmbedFunc, check agent.BootstrapCheckFunc) *cobra.Command {
 	// The agent reads no ISTIO_META_*: only the bootstrap carries them.
-	o := newAgentOptions(lookupEnv, nil, embed)
+	o := newAgentOptions(lookupEnv, nil, embed, check)
 	caSource := `  3. else a CA: the one at --ca-addr or, when none is given, a control plane run in-process
      under --root-dir (meshid agent --root-dir ./run needs nothing else).`
 	if embed == nil {

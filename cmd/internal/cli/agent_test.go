@@ -37,7 +37,7 @@ func runAgentCommandWith(t *testing.T, embed agent.EmbedFunc, env map[string]str
 	root.AddCommand(NewAgentCommand(g, func(_ context.Context, cfg agent.Config) error {
 		got = cfg
 		return nil
-	}, func(k string) (string, bool) { v, ok := env[k]; return v, ok }, embed))
+	}, func(k string) (string, bool) { v, ok := env[k]; return v, ok }, embed, nil))
 	root.SetArgs(append([]string{"agent"}, args...))
 	err := root.ExecuteContext(t.Context())
 	return got, err

@@ -11,6 +11,7 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 
 	"github.com/meshid/meshid/agent"
+	"github.com/meshid/meshid/agent/envoy/bootstrapcheck"
 	"github.com/meshid/meshid/internal/testutil"
 )
 
@@ -35,8 +36,8 @@ func mainMeshidAgent(t *testing.T, env map[string]string, args ...string) (code 
 		}
 		return kvs
 	}
-	agentCmd := NewAgentCommand(g, nil, lookupEnv, stubEmbed)
-	agentCmd.AddCommand(NewBootstrapCommand(g, lookupEnv, environ, stubEmbed))
+	agentCmd := NewAgentCommand(g, nil, lookupEnv, stubEmbed, bootstrapcheck.Merge)
+	agentCmd.AddCommand(NewBootstrapCommand(g, lookupEnv, environ, stubEmbed, bootstrapcheck.Merge))
 	root.AddCommand(agentCmd)
 	var out, errOut bytes.Buffer
 	root.SetOut(&out)
@@ -236,5 +237,68 @@ func TestAgentRefusesBootstrapOnlyFlags(t *testing.T) {
 	env := map[string]string{"CA_ADDR": "127.0.0.1:15012", "POD_NAMESPACE": "default", "SERVICE_ACCOUNT": "demo", "POD_NAME": "web-1"}
 	if code, stderr := mainAgent(t, env); code != 0 {
 		t.Errorf("POD_NAME set: exit %d:\n%s", code, stderr)
+	}
+}
+
+// mainSlimBootstrap runs `meshid-agent bootstrap`, the binary without Envoy's types, as the
+// process does.
+func mainSlimBootstrap(t *testing.T, env map[string]string, args ...string) (code int, stdout, stderr string) {
+	t.Helper()
+	g := &Globals{}
+	root := NewRoot("meshid-agent", "", "", g)
+	lookupEnv := func(k string) (string, bool) { v, ok := env[k]; return v, ok }
+	root.AddCommand(NewBootstrapCommand(g, lookupEnv, nil, nil, nil))
+	var out, errOut bytes.Buffer
+	root.SetOut(&out)
+	root.SetErr(&errOut)
+	root.SetArgs(append([]string{"bootstrap"}, args...))
+	code = Main(root)
+	return code, out.String(), errOut.String()
+}
+
+// The slim binary writes the same bootstrap as meshid, but cannot merge an override: it refuses
+// one, saying what can.
+func TestSlimBootstrapRefusesAnOverride(t *testing.T) {
+	t.Parallel()
+	dir := testutil.ShortTempDir(t)
+	env := map[string]string{"CA_ADDR": "ca:15012", "POD_NAME": "web-1", "POD_NAMESPACE": "shop", "SERVICE_ACCOUNT": "cart"}
+	code, slim, stderr := mainSlimBootstrap(t, env, "--root-dir", dir)
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	code, full, stderr := mainBootstrap(t, env, "--root-dir", dir)
+	if code != 0 {
+		t.Fatalf("meshid: exit %d: %s", code, stderr)
+	}
+	if slim != full {
+		t.Errorf("meshid-agent bootstrap\n%s\ndiffers from meshid agent bootstrap\n%s", slim, full)
+	}
+	parseBootstrap(t, []byte(slim))
+
+	override := filepath.Join(dir, "override.yaml")
+	if err := os.WriteFile(override, []byte("admin: {address: {socket_address: {port_value: 16000}}}\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	out := filepath.Join(dir, "envoy.json")
+	withVar := map[string]string{"ISTIO_BOOTSTRAP_OVERRIDE": override}
+	for name, run := range map[string]func() (int, string, string){
+		"flag": func() (int, string, string) {
+			return mainSlimBootstrap(t, nil, "--root-dir", dir, "--bootstrap-override", override)
+		},
+		"variable": func() (int, string, string) { return mainSlimBootstrap(t, withVar, "--root-dir", dir, "-o", out) },
+	} {
+		code, stdout, stderr := run()
+		if code != ExitUsage || stdout != "" {
+			t.Errorf("%s: exit %d, stdout %q; want %d and nothing written", name, code, stdout, ExitUsage)
+		}
+		for _, want := range []string{"--bootstrap-override (ISTIO_BOOTSTRAP_OVERRIDE) " + override,
+			"meshid-agent leaves Envoy's configuration types out", "`meshid agent bootstrap`", "--envoy-path", "--config-yaml"} {
+			if !strings.Contains(stderr, want) {
+				t.Errorf("%s: stderr does not say %q:\n%s", name, want, stderr)
+			}
+		}
+	}
+	if _, err := os.Stat(out); err == nil {
+		t.Error("-o written though the override was refused")
 	}
 }

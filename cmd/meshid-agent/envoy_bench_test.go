@@ -1,0 +1,243 @@
+package main
+
+import (
+	"context"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/meshid/meshid/controlplane/controlplanetest"
+	"github.com/meshid/meshid/internal/envoytest"
+	"github.com/meshid/meshid/internal/testutil"
+)
+
+// benchXDS is what the CA gives Envoy: an inbound mTLS listener with the workload's certificate
+// and roots over SDS, so that Envoy is LIVE only once both are in.
+const benchXDS = `
+listeners:
+- name: inbound
+  address: {socket_address: {address: 127.0.0.1, port_value: 0}}
+  traffic_direction: INBOUND
+  filter_chains:
+  - transport_socket:
+      name: envoy.transport_sockets.tls
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext
+        common_tls_context:
+          tls_certificate_sds_secret_configs:
+          - name: default
+            sds_config: &sds
+              resource_api_version: V3
+              api_config_source: {api_type: GRPC, transport_api_version: V3, grpc_services: [{envoy_grpc: {cluster_name: sds-grpc}}]}
+          validation_context_sds_secret_config: {name: ROOTCA, sds_config: *sds}
+    filters:
+    - name: envoy.filters.network.http_connection_manager
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+        stat_prefix: inbound
+        route_config: {name: local, virtual_hosts: [{name: all, domains: ["*"], routes: [{match: {prefix: /}, route: {cluster: app}}]}]}
+        http_filters:
+        - name: envoy.filters.http.router
+          typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}
+clusters:
+- {name: app, connect_timeout: 1s, type: STATIC, load_assignment: {cluster_name: app, endpoints: [{lb_endpoints: [{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: 8080}}}}]}]}}
+`
+
+// startEnvoyCA runs the control plane in process on loopback, serving benchXDS, and returns the
+// agent flags that use it.
+func startEnvoyCA(b *testing.B) []string {
+	b.Helper()
+	cfg := controlplanetest.Config(b)
+	cfg.XDSConfig = filepath.Join(b.TempDir(), "xds.yaml")
+	if err := os.WriteFile(cfg.XDSConfig, []byte(benchXDS), 0o600); err != nil {
+		b.Fatal(err)
+	}
+	ca := controlplanetest.Start(b, cfg)
+	tokenFile := filepath.Join(b.TempDir(), "token")
+	tok := controlplanetest.Token(b, cfg.StateDir, "default", "demo", time.Now(), 24*time.Hour)
+	if err := os.WriteFile(tokenFile, []byte(tok), 0o600); err != nil {
+		b.Fatal(err)
+	}
+	return []string{"--ca-addr", ca.GRPCAddr(), "--ca-root-cert", filepath.Join(cfg.StateDir, "root-cert.pem"),
+		"--token-path", tokenFile, "--namespace", "default", "--service-account", "demo"}
+}
+
+func freePort(b *testing.B) string {
+	b.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer func() { _ = l.Close() }()
+	return strconv.Itoa(l.Addr().(*net.TCPAddr).Port)
+}
+
+// agentArgs are the flags of a slim agent of the CA under a fresh root, with Envoy (the
+// stand-in) as its child when standin is not empty.
+func agentArgs(b *testing.B, caArgs []string, standin string) []string {
+	b.Helper()
+	root := testutil.ShortTempDir(b)
+	args := append([]string{"agent", "--root-dir", root, "--status-addr", "127.0.0.1:0", "--debug-addr", ""}, caArgs...)
+	if standin != "" {
+		args = append(args, "--envoy-path", standin, "--envoy-admin-port", freePort(b), "--envoy-prometheus-port", "0",
+			"--exit-on-zero-active-connections", "--minimum-drain-duration", "0s")
+	}
+	return args
+}
+
+// ready polls the agent's /healthz/ready until 200; the agent and Envoy are starting.
+func ready(b *testing.B, statusAddr string) {
+	b.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		resp, err := http.Get("http://" + statusAddr + "/healthz/ready")
+		if err == nil {
+			_, _ = io.Copy(io.Discard, resp.Body)
+			_ = resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return
+			}
+		}
+		if time.Now().After(deadline) {
+			b.Fatalf("the agent at %s was not ready within 30 s", statusAddr)
+		}
+		time.Sleep(time.Millisecond) // polling a starting process
+	}
+}
+
+func stopProcess(cmd *exec.Cmd) {
+	_ = cmd.Process.Kill()
+	_ = cmd.Wait()
+}
+
+// BenchmarkEnvoy measures Envoy's life under the agent (issue 26), with the stand-in as Envoy and
+// the CA on loopback: exec of the agent → Envoy started (its log line), exec → ready (Envoy LIVE
+// with its configuration ACKed and its certificate over SDS), SIGTERM → exit with no connection
+// left, the agent's memory with Envoy as its child against the agent alone, and one
+// /stats/prometheus scrape against /metrics. Baselines of the same run: `version`'s exec, the
+// agent alone to ready, /metrics.
+func BenchmarkEnvoy(b *testing.B) {
+	bin := agentBinary(b, "--ca-addr")
+	standin := envoytest.Build(b)
+	caArgs := startEnvoyCA(b)
+	b.Run("baseline-exec-version", func(b *testing.B) {
+		for range b.N {
+			if err := exec.Command(bin, "version").Run(); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("baseline-exec-to-ready-without-envoy", func(b *testing.B) {
+		for range b.N {
+			b.StopTimer()
+			args := agentArgs(b, caArgs, "")
+			b.StartTimer()
+			cmd, rec := startLogged(b, bin, "agent started", args...)
+			ready(b, rec["status_address"].(string))
+			b.StopTimer()
+			stopProcess(cmd)
+			b.StartTimer()
+		}
+	})
+	b.Run("exec-to-envoy-started", func(b *testing.B) {
+		for range b.N {
+			b.StopTimer()
+			args := agentArgs(b, caArgs, standin)
+			b.StartTimer()
+			cmd, _ := startLogged(b, bin, "Envoy started", args...)
+			b.StopTimer()
+			stopProcess(cmd)
+			b.StartTimer()
+		}
+	})
+	b.Run("exec-to-ready", func(b *testing.B) {
+		for range b.N {
+			b.StopTimer()
+			args := agentArgs(b, caArgs, standin)
+			b.StartTimer()
+			cmd, rec := startLogged(b, bin, "agent started", args...)
+			ready(b, rec["status_address"].(string))
+			b.StopTimer()
+			stopProcess(cmd)
+			b.StartTimer()
+		}
+	})
+	b.Run("sigterm-to-exit", func(b *testing.B) {
+		for range b.N {
+			b.StopTimer()
+			cmd, rec := startLogged(b, bin, "agent started", agentArgs(b, caArgs, standin)...)
+			ready(b, rec["status_address"].(string))
+			b.StartTimer()
+			if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+				b.Fatal(err)
+			}
+			if err := cmd.Wait(); err != nil {
+				b.Fatalf("the agent after SIGTERM: %v", err)
+			}
+		}
+	})
+	// The agent's memory idle with an Envoy connected over SDS and ADS: today's two processes, the
+	// agent and an Envoy started beside it with the bootstrap command's bootstrap, against Envoy
+	// as the agent's child.
+	b.Run("rss/envoy-beside", func(b *testing.B) {
+		for range b.N {
+			args := agentArgs(b, caArgs, "")
+			cmd, rec := startLogged(b, bin, "agent started", args...)
+			bootstrap := filepath.Join(b.TempDir(), "envoy.json")
+			if out, err := exec.Command(bin, append([]string{"bootstrap", "--envoy-admin-port", freePort(b), "--envoy-prometheus-port", "0", "-o", bootstrap}, args[1:]...)...).CombinedOutput(); err != nil {
+				b.Fatalf("bootstrap: %v\n%s", err, out)
+			}
+			envoy := exec.Command(standin, "-c", bootstrap)
+			if err := envoy.Start(); err != nil {
+				b.Fatal(err)
+			}
+			ready(b, rec["status_address"].(string))
+			time.Sleep(10 * time.Second) // the measurement is of an idle agent
+			b.ReportMetric(rssOf(b, cmd.Process.Pid), "rss-kB")
+			b.ReportMetric(anonKB(b, cmd.Process.Pid), "anon-kB")
+			stopProcess(envoy)
+			stopProcess(cmd)
+		}
+	})
+	b.Run("rss/envoy-as-child", func(b *testing.B) {
+		for range b.N {
+			cmd, rec := startLogged(b, bin, "agent started", agentArgs(b, caArgs, standin)...)
+			ready(b, rec["status_address"].(string))
+			time.Sleep(10 * time.Second) // the measurement is of an idle agent
+			b.ReportMetric(rssOf(b, cmd.Process.Pid), "rss-kB")
+			b.ReportMetric(anonKB(b, cmd.Process.Pid), "anon-kB")
+			stopProcess(cmd)
+		}
+	})
+	_, rec := startLogged(b, bin, "agent started", agentArgs(b, caArgs, standin)...)
+	status := rec["status_address"].(string)
+	ready(b, status)
+	for _, path := range []string{"/metrics", "/stats/prometheus"} {
+		b.Run("scrape"+path, func(b *testing.B) {
+			client := &http.Client{}
+			for range b.N {
+				req, err := http.NewRequestWithContext(context.Background(), http.MethodGet, "http://"+status+path, nil)
+				if err != nil {
+					b.Fatal(err)
+				}
+				resp, err := client.Do(req)
+				if err != nil {
+					b.Fatal(err)
+				}
+				n, _ := io.Copy(io.Discard, resp.Body)
+				_ = resp.Body.Close()
+				if resp.StatusCode != http.StatusOK {
+					b.Fatalf("%s: %d", path, resp.StatusCode)
+				}
+				b.ReportMetric(float64(n), "bytes")
+			}
+		})
+	}
+}

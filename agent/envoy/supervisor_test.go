@@ -75,14 +75,14 @@ func (f *fakeAdmin) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		if f.ready != envoy.ReadyLive {
 			w.WriteHeader(http.StatusServiceUnavailable)
 		}
-		fmt.Fprintln(w, f.ready)
+		_, _ = fmt.Fprintln(w, f.ready)
 	case "/stats":
 		n := f.connections[0]
 		if len(f.connections) > 1 {
 			f.connections = f.connections[1:]
 		}
-		fmt.Fprintf(w, "http.admin.downstream_cx_active: 1\nlistener.admin.downstream_cx_active: 1\n")
-		fmt.Fprintf(w, "listener.0.0.0.0_15090.downstream_cx_active: 3\nlistener.0.0.0.0_15006.downstream_cx_active: %d\n", n)
+		_, _ = fmt.Fprintf(w, "http.admin.downstream_cx_active: 1\nlistener.admin.downstream_cx_active: 1\n")
+		_, _ = fmt.Fprintf(w, "listener.0.0.0.0_15090.downstream_cx_active: 3\nlistener.0.0.0.0_15006.downstream_cx_active: %d\n", n)
 	case "/drain_listeners":
 	case "/quitquitquit":
 		if f.onQuit != nil {
@@ -122,7 +122,7 @@ func startSupervisor(t *testing.T, mode string, drain envoy.DrainConfig) *run {
 	// Envoy's path is a script that runs the test binary as a fake Envoy in mode.
 	wrapper := filepath.Join(t.TempDir(), "envoy")
 	script := fmt.Sprintf("#!/bin/sh\n%s=%q exec %q \"$@\"\n", fakeEnvoyEnv, mode, exe)
-	if err := os.WriteFile(wrapper, []byte(script), 0o755); err != nil { //nolint:gosec // an executable
+	if err := os.WriteFile(wrapper, []byte(script), 0o755); err != nil {
 		t.Fatal(err)
 	}
 	admin := &fakeAdmin{ready: envoy.ReadyLive, connections: []int{0}}
@@ -151,7 +151,10 @@ func startSupervisor(t *testing.T, mode string, drain envoy.DrainConfig) *run {
 	t.Cleanup(func() {
 		cancel()
 		select {
-		case <-r.done:
+		case err := <-r.done:
+			if err != nil {
+				t.Logf("Run, at cleanup: %v", err)
+			}
 		case <-time.After(30 * time.Second):
 			t.Error("Run did not return")
 		}

@@ -316,7 +316,7 @@ func TestAgentAppProbers(t *testing.T) {
 func TestAgentEnvoyFlags(t *testing.T) {
 	t.Parallel()
 	envoyBin := filepath.Join(t.TempDir(), "envoy")
-	if err := os.WriteFile(envoyBin, []byte("#!/bin/sh\n"), 0o755); err != nil { //nolint:gosec // an executable
+	if err := os.WriteFile(envoyBin, []byte("#!/bin/sh\n"), 0o755); err != nil {
 		t.Fatal(err)
 	}
 	notExecutable := filepath.Join(t.TempDir(), "envoy.txt")

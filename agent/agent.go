@@ -172,9 +172,9 @@ func (a *Agent) buildServers(cfg Config, clk clock.Clock, log *slog.Logger, regi
 		return err
 	}
 	// Envoy's metrics are merged when the agent runs Envoy, and so knows its admin.
-	envoyAdmin := ""
+	var envoyAdmin func() (string, error)
 	if a.life.envoy != nil {
-		envoyAdmin = cfg.envoyAdminAddr()
+		envoyAdmin = a.life.envoy.Admin().Addr
 	}
 	stats, err := newPromStats(cfg, envoyAdmin, clk, log, registry)
 	if err != nil {
@@ -693,11 +693,11 @@ func (a *Agent) close() {
 }
 
 // newPromStats returns the handler of /stats/prometheus: the agent's registry, Envoy's admin at
-// envoyAdmin ("" for none) and the application of ISTIO_PROMETHEUS_ANNOTATIONS on INSTANCE_IP.
-func newPromStats(cfg Config, envoyAdmin string, clk clock.Clock, log *slog.Logger, registry *prometheus.Registry) (http.Handler, error) {
+// envoyAdmin (nil for none) and the application of ISTIO_PROMETHEUS_ANNOTATIONS on INSTANCE_IP.
+func newPromStats(cfg Config, envoyAdmin func() (string, error), clk clock.Clock, log *slog.Logger, registry *prometheus.Registry) (http.Handler, error) {
 	stats, err := promstats.New(promstats.Config{
 		Agent:           registry,
-		EnvoyAdmin:      envoyAdmin,
+		EnvoyAdminAddr:  envoyAdmin,
 		Application:     cfg.Servers.PrometheusAnnotations,
 		ApplicationHost: cfg.Identity.InstanceIP,
 		Clock:           clk,

@@ -138,7 +138,8 @@ func TestEnvoyConfigRefusals(t *testing.T) {
 		name, field, text string
 		modify            func(*agent.Config)
 	}{
-		{"admin port 0", "Envoy.AdminPort", "1-65535", func(c *agent.Config) { c.Envoy.AdminPort = 0 }},
+		{"admin port 0 with the stats listener", "Envoy.AdminPort", "needs {Envoy.PrometheusPort} 0", func(c *agent.Config) { c.Envoy.AdminPort, c.Envoy.PrometheusPort = 0, 15090 }},
+		{"admin port negative", "Envoy.AdminPort", "1-65535, or 0", func(c *agent.Config) { c.Envoy.AdminPort = -1 }},
 		{"admin port too big", "Envoy.AdminPort", "1-65535", func(c *agent.Config) { c.Envoy.AdminPort = 65536 }},
 		{"stats port negative", "Envoy.PrometheusPort", "0 for none", func(c *agent.Config) { c.Envoy.PrometheusPort = -1 }},
 		{"stats port is the admin's", "Envoy.PrometheusPort", "{Envoy.AdminPort} too", func(c *agent.Config) { c.Envoy.PrometheusPort = c.Envoy.AdminPort }},

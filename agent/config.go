@@ -465,7 +465,7 @@ func (c *Config) validateXDS() []error {
 const maxOverrideSize = 1 << 20
 
 var (
-	errPort          = errors.New("must be a port, 1-65535")
+	errPortOrKernel  = errors.New("must be a port, 1-65535, or 0 for one the kernel chooses, which Envoy writes to a file the agent reads")
 	errPortOrNone    = errors.New("must be a port, 1-65535, or 0 for none")
 	errOverrideLarge = fmt.Errorf("is larger than %d bytes", maxOverrideSize)
 )
@@ -475,8 +475,11 @@ var (
 func (c *Config) validateEnvoy() []error {
 	var errs []error
 	admin, stats := c.Envoy.AdminPort, c.Envoy.PrometheusPort
-	if admin < 1 || admin > 65535 {
-		errs = append(errs, &FieldError{Field: "Envoy.AdminPort", Value: admin, Err: errPort})
+	switch {
+	case admin < 0 || admin > 65535:
+		errs = append(errs, &FieldError{Field: "Envoy.AdminPort", Value: admin, Err: errPortOrKernel})
+	case admin == 0 && stats != 0:
+		errs = append(errs, configerr.Errorf("Envoy.AdminPort", "{Envoy.AdminPort} 0 (the kernel's choice) needs {Envoy.PrometheusPort} 0: the stats listener forwards to the admin's port"))
 	}
 	switch {
 	case stats < 0 || stats > 65535:

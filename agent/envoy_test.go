@@ -56,18 +56,6 @@ clusters:
 - {name: app, connect_timeout: 1s, type: STATIC, load_assignment: {cluster_name: app, endpoints: [{lb_endpoints: [{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: 8080}}}}]}]}}
 `
 
-// freePort returns a loopback port nothing listens on now, for Envoy's admin, which the agent
-// must know before Envoy binds it.
-func freePort(t *testing.T) int {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = l.Close() }()
-	return l.Addr().(*net.TCPAddr).Port
-}
-
 // envoyAgent is an agent of the embedded control plane that runs the stand-in Envoy, its
 // configuration envoyXDSConfig.
 func envoyAgent(t *testing.T, clk *testutil.FakeClock, logs *logSink, adjust func(*agent.Config)) (*agent.Agent, agent.Config, *testutil.SyncBuffer) {
@@ -82,7 +70,8 @@ func envoyAgent(t *testing.T, clk *testutil.FakeClock, logs *logSink, adjust fun
 	}
 	out := &testutil.SyncBuffer{}
 	cfg.Envoy.Path = envoytest.Build(t)
-	cfg.Envoy.AdminPort, cfg.Envoy.PrometheusPort = freePort(t), 0
+	// The admin on a port of the kernel's choosing, which Envoy writes to a file the agent reads.
+	cfg.Envoy.AdminPort, cfg.Envoy.PrometheusPort = 0, 0
 	cfg.Envoy.Stdout, cfg.Envoy.Stderr = out, out
 	cfg.Envoy.MinimumDrainDuration, cfg.Envoy.TerminationDrainDuration = 0, time.Hour
 	if adjust != nil {
@@ -139,7 +128,11 @@ func TestAgentRunsEnvoyAndDrainsItToZeroConnections(t *testing.T) {
 	defer stop()
 	awaitReady(t, a)
 
-	admin := envoytest.NewAdmin("127.0.0.1:" + strconv.Itoa(cfg.Envoy.AdminPort))
+	adminAddr, err := a.EnvoyAdmin()
+	if err != nil {
+		t.Fatal(err)
+	}
+	admin := envoytest.NewAdmin(adminAddr)
 	info, err := admin.ServerInfo(t.Context())
 	if err != nil {
 		t.Fatal(err)

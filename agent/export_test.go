@@ -25,3 +25,6 @@ func (a *Agent) EnvoyPID() int {
 func WriteBootstrap(c Config) (envoy.Options, error) {
 	return writeBootstrap(c, slog.New(slog.DiscardHandler))
 }
+
+// EnvoyAdmin is the address of the admin of the Envoy the agent runs, once known.
+func (a *Agent) EnvoyAdmin() (string, error) { return a.life.envoy.Admin().Addr() }

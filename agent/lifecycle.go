@@ -2,10 +2,14 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
 	"net"
 	"net/http"
+	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -24,6 +28,10 @@ import (
 // DefaultBootstrapPath is where the agent writes the bootstrap of the Envoy it starts, relative to
 // RootDir, as Istio's agent does.
 const DefaultBootstrapPath = "etc/istio/proxy/envoy-rev.json"
+
+// AdminAddressFile is where, next to its bootstrap, the Envoy whose admin listens on a port of
+// the kernel's choosing (Envoy.AdminPort 0) writes that port.
+const AdminAddressFile = "envoy-admin-address"
 
 // readyTimeout bounds the readiness check's question to Envoy's admin.
 const readyTimeout = time.Second
@@ -129,11 +137,15 @@ func newEnvoy(cfg Config, clk clock.Clock, log *slog.Logger) (*envoy.Supervisor,
 		return nil, err
 	}
 	e := cfg.Envoy
+	admin := envoy.NewAdmin(cfg.envoyAdminAddr(), e.PrometheusPort)
+	if opts.AdminAddressPath != "" {
+		admin = envoy.NewAdminAt(opts.AdminAddressPath)
+	}
 	return envoy.NewSupervisor(envoy.SupervisorConfig{
 		Options: opts,
 		Drain: envoy.DrainConfig{Minimum: e.MinimumDrainDuration, Termination: e.TerminationDrainDuration,
 			ExitOnZeroActiveConnections: e.ExitOnZeroActiveConnections},
-		Admin:   envoy.NewAdmin(cfg.envoyAdminAddr(), e.PrometheusPort),
+		Admin:   admin,
 		Signals: e.Signals,
 		Stdout:  e.Stdout,
 		Stderr:  e.Stderr,
@@ -159,8 +171,17 @@ func writeBootstrap(cfg Config, log *slog.Logger) (envoy.Options, error) {
 			logkey.Path, cfg.Envoy.BootstrapOverride)
 	}
 	e := cfg.Envoy
-	return envoy.Options{Path: e.Path, BootstrapPath: path, ConfigYAML: string(bootstrap.Override),
-		LogLevel: e.LogLevel, ComponentLogLevel: e.ComponentLogLevel, Concurrency: e.Concurrency, DrainDuration: e.DrainDuration}, nil
+	opts := envoy.Options{Path: e.Path, BootstrapPath: path, ConfigYAML: string(bootstrap.Override),
+		LogLevel: e.LogLevel, ComponentLogLevel: e.ComponentLogLevel, Concurrency: e.Concurrency, DrainDuration: e.DrainDuration}
+	if e.AdminPort == 0 {
+		// The kernel chooses the admin's port; Envoy says which in this file, which an earlier
+		// Envoy's must not stand for.
+		opts.AdminAddressPath = filepath.Join(filepath.Dir(path), AdminAddressFile)
+		if err := os.Remove(opts.AdminAddressPath); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return envoy.Options{}, &FieldError{Field: "Envoy.BootstrapPath", Err: err}
+		}
+	}
+	return opts, nil
 }
 
 func (c *Config) bootstrapPath() string {

@@ -2,11 +2,9 @@ package e2e_test
 
 import (
 	"errors"
-	"net"
 	"net/http"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -50,16 +48,6 @@ clusters:
 - {name: app, connect_timeout: 1s, type: STATIC, load_assignment: {cluster_name: app, endpoints: [{lb_endpoints: [{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: 8080}}}}]}]}}
 `
 
-func freeLoopbackPort(t *testing.T) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = l.Close() }()
-	return strconv.Itoa(l.Addr().(*net.TCPAddr).Port)
-}
-
 // The one-container shape, as the proxy image runs it: meshid-agent starts Envoy (the stand-in)
 // with the bootstrap it writes, once the workload certificate is in service; `meshid-agent wait`
 // returns once Envoy is LIVE with its configuration; /stats/prometheus is the agent's and
@@ -69,8 +57,7 @@ func TestOneContainerShape(t *testing.T) {
 	standin := envoytest.Build(t)
 	ca := startCA(t, mesh(""), oneContainerXDS)
 	w := workload{name: "proxy", namespace: "default", serviceAccount: "frontend", secretTTL: time.Hour}
-	adminPort := freeLoopbackPort(t)
-	a := startAgentWith(t, ca, w, agentOptions{extraArgs: []string{"--envoy-path", standin, "--envoy-admin-port", adminPort,
+	a := startAgentWith(t, ca, w, agentOptions{extraArgs: []string{"--envoy-path", standin, "--envoy-admin-port", "0",
 		"--envoy-prometheus-port", "0", "--exit-on-zero-active-connections", "--minimum-drain-duration", "0s"}})
 
 	// The bootstrap the bootstrap command writes for these flags is the one Envoy runs, and
@@ -127,7 +114,7 @@ func TestOneContainerShapeEndsTogether(t *testing.T) {
 	for _, kill := range []string{"envoy", "agent"} {
 		t.Run(kill, func(t *testing.T) {
 			w := workload{name: "proxy-" + kill, namespace: "default", serviceAccount: "frontend", secretTTL: time.Hour}
-			a := startAgentWith(t, ca, w, agentOptions{extraArgs: []string{"--envoy-path", standin, "--envoy-admin-port", freeLoopbackPort(t),
+			a := startAgentWith(t, ca, w, agentOptions{extraArgs: []string{"--envoy-path", standin, "--envoy-admin-port", "0",
 				"--envoy-prometheus-port", "0"}})
 			started := a.awaitLog(t, "Envoy started", nil)
 			envoyPID := int(started["pid"].(float64))

@@ -6,10 +6,13 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"net"
 	"net/http"
+	"os"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/meshid/meshid/internal/localhttp"
@@ -24,9 +27,17 @@ const adminTimeout = 2 * time.Second
 // maxAdminBody bounds what is read of an answer of the admin: /stats filtered to a few names.
 const maxAdminBody = 4 << 20
 
+// maxAddressFile bounds the read of Envoy's admin address file: one HOST:PORT.
+const maxAddressFile = 512
+
 // Admin is the client of Envoy's admin API on loopback, as the agent uses it.
 type Admin struct {
-	addr string
+	// addressFile, when set, is where Envoy writes the address its admin bound
+	// (--admin-address-path): the admin listens on a port of the kernel's choosing. addr is
+	// what was read there, or the fixed address.
+	addressFile string
+	mu          sync.Mutex
+	addr        string
 	// ignored are the listener stat prefixes whose connections are not the workload's: the
 	// admin's own and the Prometheus stats listener's.
 	ignored []string
@@ -42,8 +53,34 @@ func NewAdmin(addr string, prometheusPort int) *Admin {
 	return &Admin{addr: addr, ignored: ignored}
 }
 
-// Addr is the admin's address.
-func (a *Admin) Addr() string { return a.addr }
+// NewAdminAt returns the client of an admin on a port of the kernel's choosing, whose address
+// Envoy writes to addressFile once it listens (Options.AdminAddressPath).
+func NewAdminAt(addressFile string) *Admin {
+	return &Admin{addressFile: addressFile, ignored: []string{"listener.admin."}}
+}
+
+// Addr is the admin's address; with an address file, an error until Envoy has written it.
+func (a *Admin) Addr() (string, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.addr != "" {
+		return a.addr, nil
+	}
+	data, err := readSmall(a.addressFile)
+	if errors.Is(err, fs.ErrNotExist) {
+		return "", fmt.Errorf("Envoy has not written its admin's address to %s yet", a.addressFile) //nolint:staticcheck // Envoy is a name
+	}
+	if err != nil {
+		return "", fmt.Errorf("read Envoy's admin address: %w", err)
+	}
+	addr := strings.TrimSpace(string(data))
+	if _, _, err := net.SplitHostPort(addr); err != nil {
+		// Envoy writes the file whole, but not atomically: a half-written one is read again.
+		return "", fmt.Errorf("Envoy's admin address file %s holds %q: %w", a.addressFile, addr, err)
+	}
+	a.addr = addr
+	return addr, nil
+}
 
 // Ready returns Envoy's state as /ready says it: ReadyLive, or PRE_INITIALIZING, INITIALIZING,
 // DRAINING.
@@ -115,7 +152,11 @@ func (a *Admin) post(ctx context.Context, path string) error {
 }
 
 func (a *Admin) do(ctx context.Context, method, path string) (int, string, error) {
-	req, err := http.NewRequestWithContext(ctx, method, "http://"+a.addr+path, nil)
+	addr, err := a.Addr()
+	if err != nil {
+		return 0, "", err
+	}
+	req, err := http.NewRequestWithContext(ctx, method, "http://"+addr+path, nil)
 	if err != nil {
 		return 0, "", err
 	}
@@ -129,7 +170,17 @@ func (a *Admin) do(ctx context.Context, method, path string) (int, string, error
 	})
 	var opErr *net.OpError
 	if errors.As(err, &opErr) && opErr.Op == "dial" {
-		return 0, "", fmt.Errorf("Envoy's admin at %s does not accept connections: %w", a.addr, err) //nolint:staticcheck // Envoy is a name
+		return 0, "", fmt.Errorf("Envoy's admin at %s does not accept connections: %w", addr, err) //nolint:staticcheck // Envoy is a name
 	}
 	return code, string(body), err
+}
+
+// readSmall reads at most maxAddressFile bytes of path: the file is Envoy's, one line long.
+func readSmall(path string) ([]byte, error) {
+	f, err := os.Open(path) //nolint:gosec // the agent's own choice of path
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _ = f.Close() }()
+	return io.ReadAll(io.LimitReader(f, maxAddressFile))
 }

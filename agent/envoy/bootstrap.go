@@ -133,8 +133,11 @@ func checkBootstrapConfig(cfg BootstrapConfig) error {
 	if cfg.XDSSocket != "" && !filepath.IsAbs(cfg.XDSSocket) {
 		errs = append(errs, fmt.Errorf("the XDS socket %q is not an absolute path", cfg.XDSSocket))
 	}
-	if cfg.AdminPort <= 0 || cfg.AdminPort > 65535 {
-		errs = append(errs, fmt.Errorf("admin port %d: want 1-65535", cfg.AdminPort))
+	switch {
+	case cfg.AdminPort < 0 || cfg.AdminPort > 65535:
+		errs = append(errs, fmt.Errorf("admin port %d: want 1-65535, or 0 for one the kernel chooses", cfg.AdminPort))
+	case cfg.AdminPort == 0 && cfg.PrometheusPort != 0:
+		errs = append(errs, errors.New("the stats listener forwards to the admin's port: with admin port 0 (the kernel's choice), the stats port must be 0 (none)"))
 	}
 	if cfg.PrometheusPort < 0 || cfg.PrometheusPort > 65535 {
 		errs = append(errs, fmt.Errorf("stats (Prometheus) port %d: want 0 (none) or 1-65535", cfg.PrometheusPort))
@@ -198,7 +201,7 @@ type (
 	}
 	socketAddressJSON struct {
 		Address   string `json:"address"`
-		PortValue int    `json:"portValue"`
+		PortValue int    `json:"portValue"` // a oneof member: protojson writes it, 0 too
 	}
 	pipeJSON struct {
 		Path text `json:"path"`

@@ -92,12 +92,13 @@ func TestBootstrapIsEnvoysBootstrap(t *testing.T) {
 		return c
 	}
 	for name, cfg := range map[string]envoy.BootstrapConfig{
-		"full":                     testConfig(),
-		"no xds":                   variant(func(c *envoy.BootstrapConfig) { c.XDSSocket = "" }),
-		"no stats":                 variant(func(c *envoy.BootstrapConfig) { c.PrometheusPort = 0 }),
-		"no xds, no stats":         variant(func(c *envoy.BootstrapConfig) { c.XDSSocket, c.PrometheusPort = "", 0 }),
-		"extreme ports":            variant(func(c *envoy.BootstrapConfig) { c.AdminPort, c.PrometheusPort = 65535, 1 }),
-		"no metadata, no identity": {SDSSocket: "/s", AdminPort: 1},
+		"full":                       testConfig(),
+		"no xds":                     variant(func(c *envoy.BootstrapConfig) { c.XDSSocket = "" }),
+		"no stats":                   variant(func(c *envoy.BootstrapConfig) { c.PrometheusPort = 0 }),
+		"no xds, no stats":           variant(func(c *envoy.BootstrapConfig) { c.XDSSocket, c.PrometheusPort = "", 0 }),
+		"extreme ports":              variant(func(c *envoy.BootstrapConfig) { c.AdminPort, c.PrometheusPort = 65535, 1 }),
+		"admin on the kernel's port": variant(func(c *envoy.BootstrapConfig) { c.AdminPort, c.PrometheusPort = 0, 0 }),
+		"no metadata, no identity":   {SDSSocket: "/s", AdminPort: 1},
 		"odd metadata": variant(func(c *envoy.BootstrapConfig) {
 			c.Node.Metadata = map[string]string{
 				"": "empty key", "EMPTY": "", "<html>&": "</script>", "quote\"": "back\\slash",

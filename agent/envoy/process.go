@@ -50,6 +50,9 @@ type Options struct {
 	Concurrency int
 	// DrainDuration is --drain-time-s: how long Envoy's listeners drain.
 	DrainDuration time.Duration
+	// AdminAddressPath, when set, is where Envoy writes its admin's address
+	// (--admin-address-path): for an admin on a port of the kernel's choosing.
+	AdminAddressPath string
 }
 
 // Args returns Envoy's arguments, as Istio's agent passes them: the bootstrap, the drain time
@@ -74,6 +77,9 @@ func (o Options) Args() []string {
 	}
 	if o.Concurrency > 0 {
 		args = append(args, "--concurrency", strconv.Itoa(o.Concurrency))
+	}
+	if o.AdminAddressPath != "" {
+		args = append(args, "--admin-address-path", o.AdminAddressPath)
 	}
 	return args
 }
@@ -182,6 +188,9 @@ func NewSupervisor(cfg SupervisorConfig) (*Supervisor, error) {
 
 // State says where Envoy is.
 func (s *Supervisor) State() State { return State(s.state.Load()) }
+
+// Admin is Envoy's admin, as the supervisor reaches it.
+func (s *Supervisor) Admin() *Admin { return s.cfg.Admin }
 
 // PID is Envoy's process id while it runs, 0 before.
 func (s *Supervisor) PID() int { return int(s.pid.Load()) }

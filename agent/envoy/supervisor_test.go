@@ -412,3 +412,36 @@ func TestActiveConnectionsCountsTheWorkloadsOnly(t *testing.T) {
 		t.Fatalf("Ready of a closed port: %v", err)
 	}
 }
+
+// An admin on a port of the kernel's choosing is reached once Envoy has written its address;
+// until then, and while the file is half written, the client says so.
+func TestAdminAddressFromEnvoysFile(t *testing.T) {
+	t.Parallel()
+	admin := &fakeAdmin{ready: envoy.ReadyLive}
+	srv := httptest.NewServer(admin)
+	defer srv.Close()
+	file := filepath.Join(t.TempDir(), "admin-address")
+	a := envoy.NewAdminAt(file)
+	if _, err := a.Ready(context.Background()); err == nil || !strings.Contains(err.Error(), "has not written its admin's address") {
+		t.Fatalf("Ready before the file: %v", err)
+	}
+	if err := os.WriteFile(file, []byte("127.0.0."), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.Addr(); err == nil {
+		t.Fatal("a half-written address was taken")
+	}
+	addr := strings.TrimPrefix(srv.URL, "http://")
+	if err := os.WriteFile(file, []byte(addr+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if state, err := a.Ready(context.Background()); err != nil || state != envoy.ReadyLive {
+		t.Fatalf("Ready once the address is written: %q, %v", state, err)
+	}
+	if got, _ := a.Addr(); got != addr {
+		t.Fatalf("Addr %q, want %q", got, addr)
+	}
+	if args := (envoy.Options{AdminAddressPath: file}).Args(); !slices.Contains(args, "--admin-address-path") || args[slices.Index(args, "--admin-address-path")+1] != file {
+		t.Fatalf("Envoy is not told where to write its admin's address: %q", args)
+	}
+}

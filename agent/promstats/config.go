@@ -49,7 +49,11 @@ type Config struct {
 	// Agent is the agent's own metrics (its registry). Required.
 	Agent prometheus.Gatherer
 	// EnvoyAdmin is Envoy's admin HOST:PORT, whose /stats/prometheus is merged; empty: none.
-	EnvoyAdmin string
+	// EnvoyAdminAddr, when set instead, says it at each scrape: an admin on a port of the
+	// kernel's choosing is known once Envoy has said which; until then Envoy is left out,
+	// counted as a failure to connect.
+	EnvoyAdmin     string
+	EnvoyAdminAddr func() (string, error)
 	// Application is ISTIO_PROMETHEUS_ANNOTATIONS as Istio's injector writes it
 	// (ParseAnnotations); empty: the application is not scraped.
 	Application string

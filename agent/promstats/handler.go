@@ -82,6 +82,8 @@ type Handler struct {
 
 type source struct {
 	name, url string
+	// addr, when set, says the host and port of url ("http://%s/path") at each fetch.
+	addr func() (string, error)
 	// trusted: the page is read whole and written through less the families an earlier source
 	// has (Envoy's, which is large and local), not parsed as the application's is.
 	trusted bool
@@ -116,11 +118,14 @@ func New(cfg Config) (*Handler, error) {
 			Help: "/stats/prometheus scrapes answered 503, because as many scrapes were being served already.",
 		}),
 	}
-	if cfg.EnvoyAdmin != "" {
-		h.sources = append(h.sources, source{SourceEnvoy, "http://" + cfg.EnvoyAdmin + "/stats/prometheus", true})
+	switch {
+	case cfg.EnvoyAdminAddr != nil:
+		h.sources = append(h.sources, source{name: SourceEnvoy, url: "http://%s/stats/prometheus", addr: cfg.EnvoyAdminAddr, trusted: true})
+	case cfg.EnvoyAdmin != "":
+		h.sources = append(h.sources, source{name: SourceEnvoy, url: "http://" + cfg.EnvoyAdmin + "/stats/prometheus", trusted: true})
 	}
 	if app != nil {
-		h.sources = append(h.sources, source{SourceApplication, app.url(cfg.ApplicationHost), false})
+		h.sources = append(h.sources, source{name: SourceApplication, url: app.url(cfg.ApplicationHost)})
 	}
 	for _, s := range h.sources {
 		h.conflicts.WithLabelValues(s.name) // present at 0
@@ -312,7 +317,15 @@ func (h *Handler) release(page *bytes.Buffer) {
 
 // fetch reads one source's page.
 func (h *Handler) fetch(ctx context.Context, s source) result {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, s.url, nil)
+	url := s.url
+	if s.addr != nil {
+		addr, err := s.addr()
+		if err != nil {
+			return result{reason: reasonConnect, err: err}
+		}
+		url = fmt.Sprintf(s.url, addr)
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 	if err != nil {
 		return result{reason: reasonConnect, err: err}
 	}

@@ -2,6 +2,7 @@ package promstats_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -689,5 +690,30 @@ func TestABrokenEnvoyPageIsLeftOutWhole(t *testing.T) {
 				t.Errorf("logged %v, want one line naming Envoy and %s", recs, tc.reason)
 			}
 		})
+	}
+}
+
+// An admin on a port of the kernel's choosing is asked its address at each scrape: until Envoy
+// has said it, Envoy is left out and counted; then its page comes.
+func TestEnvoysAdminAddressIsAskedAtEachScrape(t *testing.T) {
+	t.Parallel()
+	envoy := page(t, "/stats/prometheus", envoyPage)
+	reg := prometheus.NewRegistry()
+	known := ""
+	h := newHandler(t, promstats.Config{Registerer: reg, EnvoyAdminAddr: func() (string, error) {
+		if known == "" {
+			return "", errors.New("Envoy has not written its admin's address yet")
+		}
+		return known, nil
+	}})
+	if _, families := scrape(t, h); families["envoy_server_live"] != nil {
+		t.Fatal("Envoy's page before its address is known")
+	}
+	if got := promtest.ToFloat64(failures(t, reg, "envoy", "connect")); got != 1 {
+		t.Errorf("failures{envoy,connect} = %v, want 1", got)
+	}
+	known = addr(envoy)
+	if _, families := scrape(t, h); value(t, families, "envoy_server_live") != 1 {
+		t.Fatal("Envoy's page is missing once its address is known")
 	}
 }

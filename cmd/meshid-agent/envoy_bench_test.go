@@ -3,12 +3,10 @@ package main
 import (
 	"context"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"syscall"
 	"testing"
 	"time"
@@ -69,16 +67,6 @@ func startEnvoyCA(b *testing.B) []string {
 		"--token-path", tokenFile, "--namespace", "default", "--service-account", "demo"}
 }
 
-func freePort(b *testing.B) string {
-	b.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer func() { _ = l.Close() }()
-	return strconv.Itoa(l.Addr().(*net.TCPAddr).Port)
-}
-
 // agentArgs are the flags of a slim agent of the CA under a fresh root, with Envoy (the
 // stand-in) as its child when standin is not empty.
 func agentArgs(b *testing.B, caArgs []string, standin string) []string {
@@ -86,7 +74,7 @@ func agentArgs(b *testing.B, caArgs []string, standin string) []string {
 	root := testutil.ShortTempDir(b)
 	args := append([]string{"agent", "--root-dir", root, "--status-addr", "127.0.0.1:0", "--debug-addr", ""}, caArgs...)
 	if standin != "" {
-		args = append(args, "--envoy-path", standin, "--envoy-admin-port", freePort(b), "--envoy-prometheus-port", "0",
+		args = append(args, "--envoy-path", standin, "--envoy-admin-port", "0", "--envoy-prometheus-port", "0",
 			"--exit-on-zero-active-connections", "--minimum-drain-duration", "0s")
 	}
 	return args
@@ -191,7 +179,7 @@ func BenchmarkEnvoy(b *testing.B) {
 			args := agentArgs(b, caArgs, "")
 			cmd, rec := startLogged(b, bin, "agent started", args...)
 			bootstrap := filepath.Join(b.TempDir(), "envoy.json")
-			if out, err := exec.Command(bin, append([]string{"bootstrap", "--envoy-admin-port", freePort(b), "--envoy-prometheus-port", "0", "-o", bootstrap}, args[1:]...)...).CombinedOutput(); err != nil {
+			if out, err := exec.Command(bin, append([]string{"bootstrap", "--envoy-admin-port", "0", "--envoy-prometheus-port", "0", "-o", bootstrap}, args[1:]...)...).CombinedOutput(); err != nil {
 				b.Fatalf("bootstrap: %v\n%s", err, out)
 			}
 			envoy := exec.Command(standin, "-c", bootstrap)

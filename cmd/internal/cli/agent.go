@@ -213,7 +213,7 @@ func (o *agentOptions) bind(f *pflag.FlagSet) {
 	f.StringVar(&o.cfg.Servers.DebugAddr, "debug-addr", o.cfg.Servers.DebugAddr, "loopback listen address of /debug/secrets (and /debug/<type> with --xds-debug-tcp); answers only a Host naming loopback; empty disables it")
 	f.StringVar(&o.cfg.Identity.PodName, "pod-name", "", "the workload's pod (POD_NAME), in Envoy's node id and metadata; empty: the host's name, which is the pod's on Kubernetes")
 	f.StringVar(&o.cfg.Envoy.BootstrapOverride, "bootstrap-override", "", "a bootstrap, JSON or YAML, merged over the one written (ISTIO_BOOTSTRAP_OVERRIDE), as Istio merges it: a value it sets replaces the written one, a list it gives is appended to")
-	f.IntVar(&o.cfg.Envoy.AdminPort, "envoy-admin-port", o.cfg.Envoy.AdminPort, "port of Envoy's admin, on 127.0.0.1 (Istio's proxyAdminPort)")
+	f.IntVar(&o.cfg.Envoy.AdminPort, "envoy-admin-port", o.cfg.Envoy.AdminPort, "port of Envoy's admin, on 127.0.0.1 (Istio's proxyAdminPort); 0: a port of the kernel's choosing, which Envoy writes to envoy-admin-address next to --envoy-bootstrap for the agent (with --envoy-prometheus-port 0)")
 	f.IntVar(&o.cfg.Envoy.PrometheusPort, "envoy-prometheus-port", o.cfg.Envoy.PrometheusPort, "port of Envoy's listener that serves its /stats/prometheus on every address, for Prometheus to scrape; 0: none")
 	f.StringVar(&o.cfg.Envoy.Path, "envoy-path", "", "Envoy's binary: the agent writes its bootstrap to --envoy-bootstrap, starts it once the workload certificate is in service, drains it on SIGTERM and exits with it; empty: Envoy runs elsewhere")
 	f.StringVar(&o.cfg.Envoy.BootstrapPath, "envoy-bootstrap", "", "where the agent writes the bootstrap of the Envoy it starts (default <root-dir>/"+agent.DefaultBootstrapPath+")")

@@ -76,7 +76,7 @@ func (a *Admin) Addr() (string, error) {
 	addr := strings.TrimSpace(string(data))
 	if _, _, err := net.SplitHostPort(addr); err != nil {
 		// Envoy writes the file whole, but not atomically: a half-written one is read again.
-		return "", fmt.Errorf("Envoy's admin address file %s holds %q: %w", a.addressFile, addr, err)
+		return "", fmt.Errorf("the admin address file %s holds %q: %w", a.addressFile, addr, err)
 	}
 	a.addr = addr
 	return addr, nil
@@ -177,7 +177,7 @@ func (a *Admin) do(ctx context.Context, method, path string) (int, string, error
 
 // readSmall reads at most maxAddressFile bytes of path: the file is Envoy's, one line long.
 func readSmall(path string) ([]byte, error) {
-	f, err := os.Open(path) //nolint:gosec // the agent's own choice of path
+	f, err := os.Open(path)
 	if err != nil {
 		return nil, err
 	}

@@ -23,41 +23,8 @@ import (
 	"github.com/meshid/meshid/internal/testutil"
 )
 
-// envoyXDSConfig gives the stand-in Envoy an mTLS listener on a port of the kernel's choosing,
-// with the workload's certificate and roots over SDS, as the compose demo's backend has.
-const envoyXDSConfig = `
-listeners:
-- name: inbound-mtls
-  address: {socket_address: {address: 127.0.0.1, port_value: 0}}
-  traffic_direction: INBOUND
-  filter_chains:
-  - transport_socket:
-      name: envoy.transport_sockets.tls
-      typed_config:
-        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext
-        require_client_certificate: true
-        common_tls_context:
-          tls_certificate_sds_secret_configs:
-          - name: default
-            sds_config: &sds
-              resource_api_version: V3
-              api_config_source: {api_type: GRPC, transport_api_version: V3, grpc_services: [{envoy_grpc: {cluster_name: sds-grpc}}]}
-          validation_context_sds_secret_config: {name: ROOTCA, sds_config: *sds}
-    filters:
-    - name: envoy.filters.network.http_connection_manager
-      typed_config:
-        "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-        stat_prefix: inbound
-        route_config: {name: local, virtual_hosts: [{name: all, domains: ["*"], routes: [{match: {prefix: /}, route: {cluster: app}}]}]}
-        http_filters:
-        - name: envoy.filters.http.router
-          typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}
-clusters:
-- {name: app, connect_timeout: 1s, type: STATIC, load_assignment: {cluster_name: app, endpoints: [{lb_endpoints: [{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: 8080}}}}]}]}}
-`
-
 // envoyAgent is an agent of the embedded control plane that runs the stand-in Envoy, its
-// configuration envoyXDSConfig.
+// configuration envoytest.InboundMTLSConfig.
 func envoyAgent(t *testing.T, clk *testutil.FakeClock, logs *logSink, adjust func(*agent.Config)) (*agent.Agent, agent.Config, *testutil.SyncBuffer) {
 	t.Helper()
 	cfg := testConfig(t, clk, logs, nil)
@@ -65,7 +32,7 @@ func envoyAgent(t *testing.T, clk *testutil.FakeClock, logs *logSink, adjust fun
 	if err := os.MkdirAll(stateDir, 0o700); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.WriteFile(filepath.Join(stateDir, controlplane.EmbeddedXDSConfig), []byte(envoyXDSConfig), 0o600); err != nil {
+	if err := os.WriteFile(filepath.Join(stateDir, controlplane.EmbeddedXDSConfig), []byte(envoytest.InboundMTLSConfig), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	out := &testutil.SyncBuffer{}

@@ -16,38 +16,6 @@ import (
 	"github.com/meshid/meshid/internal/envoytest"
 )
 
-// oneContainerXDS is what the CA gives the workload's Envoy: an inbound mTLS listener with the
-// workload's certificate and roots over SDS, as the proxy demo's.
-const oneContainerXDS = `
-listeners:
-- name: inbound
-  address: {socket_address: {address: 127.0.0.1, port_value: 0}}
-  traffic_direction: INBOUND
-  filter_chains:
-  - transport_socket:
-      name: envoy.transport_sockets.tls
-      typed_config:
-        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext
-        common_tls_context:
-          tls_certificate_sds_secret_configs:
-          - name: default
-            sds_config: &sds
-              resource_api_version: V3
-              api_config_source: {api_type: GRPC, transport_api_version: V3, grpc_services: [{envoy_grpc: {cluster_name: sds-grpc}}]}
-          validation_context_sds_secret_config: {name: ROOTCA, sds_config: *sds}
-    filters:
-    - name: envoy.filters.network.http_connection_manager
-      typed_config:
-        "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-        stat_prefix: inbound
-        route_config: {name: local, virtual_hosts: [{name: all, domains: ["*"], routes: [{match: {prefix: /}, route: {cluster: app}}]}]}
-        http_filters:
-        - name: envoy.filters.http.router
-          typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}
-clusters:
-- {name: app, connect_timeout: 1s, type: STATIC, load_assignment: {cluster_name: app, endpoints: [{lb_endpoints: [{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: 8080}}}}]}]}}
-`
-
 // The one-container shape, as the proxy image runs it: meshid-agent starts Envoy (the stand-in)
 // with the bootstrap it writes, once the workload certificate is in service; `meshid-agent wait`
 // returns once Envoy is LIVE with its configuration; /stats/prometheus is the agent's and
@@ -55,7 +23,7 @@ clusters:
 func TestOneContainerShape(t *testing.T) {
 	t.Parallel()
 	standin := envoytest.Build(t)
-	ca := startCA(t, mesh(""), oneContainerXDS)
+	ca := startCA(t, mesh(""), envoytest.InboundMTLSConfig)
 	w := workload{name: "proxy", namespace: "default", serviceAccount: "frontend", secretTTL: time.Hour}
 	a := startAgentWith(t, ca, w, agentOptions{extraArgs: []string{"--envoy-path", standin, "--envoy-admin-port", "0",
 		"--envoy-prometheus-port", "0", "--exit-on-zero-active-connections", "--minimum-drain-duration", "0s"}})

@@ -16,45 +16,13 @@ import (
 	"github.com/meshid/meshid/internal/testutil"
 )
 
-// benchXDS is what the CA gives Envoy: an inbound mTLS listener with the workload's certificate
-// and roots over SDS, so that Envoy is LIVE only once both are in.
-const benchXDS = `
-listeners:
-- name: inbound
-  address: {socket_address: {address: 127.0.0.1, port_value: 0}}
-  traffic_direction: INBOUND
-  filter_chains:
-  - transport_socket:
-      name: envoy.transport_sockets.tls
-      typed_config:
-        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext
-        common_tls_context:
-          tls_certificate_sds_secret_configs:
-          - name: default
-            sds_config: &sds
-              resource_api_version: V3
-              api_config_source: {api_type: GRPC, transport_api_version: V3, grpc_services: [{envoy_grpc: {cluster_name: sds-grpc}}]}
-          validation_context_sds_secret_config: {name: ROOTCA, sds_config: *sds}
-    filters:
-    - name: envoy.filters.network.http_connection_manager
-      typed_config:
-        "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-        stat_prefix: inbound
-        route_config: {name: local, virtual_hosts: [{name: all, domains: ["*"], routes: [{match: {prefix: /}, route: {cluster: app}}]}]}
-        http_filters:
-        - name: envoy.filters.http.router
-          typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}
-clusters:
-- {name: app, connect_timeout: 1s, type: STATIC, load_assignment: {cluster_name: app, endpoints: [{lb_endpoints: [{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: 8080}}}}]}]}}
-`
-
-// startEnvoyCA runs the control plane in process on loopback, serving benchXDS, and returns the
+// startEnvoyCA runs the control plane in process on loopback, serving envoytest.InboundMTLSConfig, and returns the
 // agent flags that use it.
 func startEnvoyCA(b *testing.B) []string {
 	b.Helper()
 	cfg := controlplanetest.Config(b)
 	cfg.XDSConfig = filepath.Join(b.TempDir(), "xds.yaml")
-	if err := os.WriteFile(cfg.XDSConfig, []byte(benchXDS), 0o600); err != nil {
+	if err := os.WriteFile(cfg.XDSConfig, []byte(envoytest.InboundMTLSConfig), 0o600); err != nil {
 		b.Fatal(err)
 	}
 	ca := controlplanetest.Start(b, cfg)
@@ -100,6 +68,15 @@ func ready(b *testing.B, statusAddr string) {
 	}
 }
 
+// idleMemory reports the agent's RSS and anonymous memory once ready and idle for 10 s.
+func idleMemory(b *testing.B, cmd *exec.Cmd, started map[string]any) {
+	b.Helper()
+	ready(b, started["status_address"].(string))
+	time.Sleep(10 * time.Second) // the measurement is of an idle agent
+	b.ReportMetric(rssOf(b, cmd.Process.Pid), "rss-kB")
+	b.ReportMetric(anonKB(b, cmd.Process.Pid), "anon-kB")
+}
+
 func stopProcess(cmd *exec.Cmd) {
 	_ = cmd.Process.Kill()
 	_ = cmd.Wait()
@@ -122,41 +99,27 @@ func BenchmarkEnvoy(b *testing.B) {
 			}
 		}
 	})
-	b.Run("baseline-exec-to-ready-without-envoy", func(b *testing.B) {
-		for range b.N {
-			b.StopTimer()
-			args := agentArgs(b, caArgs, "")
-			b.StartTimer()
-			cmd, rec := startLogged(b, bin, "agent started", args...)
-			ready(b, rec["status_address"].(string))
-			b.StopTimer()
-			stopProcess(cmd)
-			b.StartTimer()
-		}
-	})
-	b.Run("exec-to-envoy-started", func(b *testing.B) {
-		for range b.N {
-			b.StopTimer()
-			args := agentArgs(b, caArgs, standin)
-			b.StartTimer()
-			cmd, _ := startLogged(b, bin, "Envoy started", args...)
-			b.StopTimer()
-			stopProcess(cmd)
-			b.StartTimer()
-		}
-	})
-	b.Run("exec-to-ready", func(b *testing.B) {
-		for range b.N {
-			b.StopTimer()
-			args := agentArgs(b, caArgs, standin)
-			b.StartTimer()
-			cmd, rec := startLogged(b, bin, "agent started", args...)
-			ready(b, rec["status_address"].(string))
-			b.StopTimer()
-			stopProcess(cmd)
-			b.StartTimer()
-		}
-	})
+	// timed measures exec of the agent (with Envoy when standin is set) until it logs msg and,
+	// with toReady, until it is ready.
+	timed := func(name, standin, msg string, toReady bool) {
+		b.Run(name, func(b *testing.B) {
+			for range b.N {
+				b.StopTimer()
+				args := agentArgs(b, caArgs, standin)
+				b.StartTimer()
+				cmd, rec := startLogged(b, bin, msg, args...)
+				if toReady {
+					ready(b, rec["status_address"].(string))
+				}
+				b.StopTimer()
+				stopProcess(cmd)
+				b.StartTimer()
+			}
+		})
+	}
+	timed("baseline-exec-to-ready-without-envoy", "", "agent started", true)
+	timed("exec-to-envoy-started", standin, "Envoy started", false)
+	timed("exec-to-ready", standin, "agent started", true)
 	b.Run("sigterm-to-exit", func(b *testing.B) {
 		for range b.N {
 			b.StopTimer()
@@ -186,10 +149,7 @@ func BenchmarkEnvoy(b *testing.B) {
 			if err := envoy.Start(); err != nil {
 				b.Fatal(err)
 			}
-			ready(b, rec["status_address"].(string))
-			time.Sleep(10 * time.Second) // the measurement is of an idle agent
-			b.ReportMetric(rssOf(b, cmd.Process.Pid), "rss-kB")
-			b.ReportMetric(anonKB(b, cmd.Process.Pid), "anon-kB")
+			idleMemory(b, cmd, rec)
 			stopProcess(envoy)
 			stopProcess(cmd)
 		}
@@ -197,10 +157,7 @@ func BenchmarkEnvoy(b *testing.B) {
 	b.Run("rss/envoy-as-child", func(b *testing.B) {
 		for range b.N {
 			cmd, rec := startLogged(b, bin, "agent started", agentArgs(b, caArgs, standin)...)
-			ready(b, rec["status_address"].(string))
-			time.Sleep(10 * time.Second) // the measurement is of an idle agent
-			b.ReportMetric(rssOf(b, cmd.Process.Pid), "rss-kB")
-			b.ReportMetric(anonKB(b, cmd.Process.Pid), "anon-kB")
+			idleMemory(b, cmd, rec)
 			stopProcess(cmd)
 		}
 	})

@@ -30,14 +30,14 @@ import (
 const DefaultBootstrapPath = "etc/istio/proxy/envoy-rev.json"
 
 // AdminAddressFile is where, next to its bootstrap, the Envoy whose admin listens on a port of
-// the kernel's choosing (Envoy.AdminPort 0) writes that port.
+// the kernel's choosing (Envoy.AdminPort 0) writes its admin's address.
 const AdminAddressFile = "envoy-admin-address"
 
 // readyTimeout bounds the readiness check's question to Envoy's admin.
 const readyTimeout = time.Second
 
-// lifecycle is what the agent knows of its own end and Envoy's: the supervisor of the Envoy it
-// runs (nil when Envoy runs elsewhere), whether it is shutting down, and /quitquitquit.
+// lifecycle is Envoy's life in the agent and the agent's end: the supervisor of the Envoy it runs
+// (nil when Envoy runs elsewhere), the moment Envoy may start, and /quitquitquit.
 type lifecycle struct {
 	envoy *envoy.Supervisor
 	// inService is closed once the workload certificate is (Envoy may start then).

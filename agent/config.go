@@ -517,34 +517,34 @@ func (c *Config) validateEnvoy() []error {
 
 // checkExecutable says what keeps path from being run, completing "PATH ...".
 func checkExecutable(path string) error {
-	info, err := os.Stat(path)
-	switch {
-	case errors.Is(err, fs.ErrNotExist):
-		return errors.New("does not exist")
-	case err != nil:
-		return fmt.Errorf("cannot be read: %w", err)
-	case !info.Mode().IsRegular():
-		return fmt.Errorf("is not a regular file (%s)", info.Mode().Type())
-	case info.Mode().Perm()&0o111 == 0:
+	info, err := statRegular(path)
+	if err == nil && info.Mode().Perm()&0o111 == 0 {
 		return errors.New("is not executable")
 	}
-	return nil
+	return err
 }
 
 // checkOverrideFile says what is wrong with a bootstrap override file, completing "PATH ...".
 func checkOverrideFile(path string) error {
+	info, err := statRegular(path)
+	if err == nil && info.Size() > maxOverrideSize {
+		return errOverrideLarge
+	}
+	return err
+}
+
+// statRegular says, completing "PATH ...", why path is not a regular file there is.
+func statRegular(path string) (fs.FileInfo, error) {
 	info, err := os.Stat(path)
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
-		return errors.New("does not exist")
+		return nil, errors.New("does not exist")
 	case err != nil:
-		return fmt.Errorf("cannot be read: %w", err)
+		return nil, fmt.Errorf("cannot be read: %w", err)
 	case !info.Mode().IsRegular():
-		return fmt.Errorf("is not a regular file (%s)", info.Mode().Type())
-	case info.Size() > maxOverrideSize:
-		return errOverrideLarge
+		return nil, fmt.Errorf("is not a regular file (%s)", info.Mode().Type())
 	}
-	return nil
+	return info, nil
 }
 
 // checkAddresses refuses an address that is not HOST:PORT: without a port, gRPC would dial 443

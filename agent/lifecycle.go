@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"log/slog"
 	"net"
@@ -115,13 +116,20 @@ func (l *lifecycle) quitHandler() http.Handler {
 			return
 		}
 		l.log.Info("/quitquitquit: ending Envoy and the agent", logkey.Peer, r.RemoteAddr)
+		// The whole answer goes out before the agent starts closing its servers, which cuts
+		// the connections it still has.
+		const answer = "OK\n"
+		w.Header().Set("Content-Length", strconv.Itoa(len(answer)))
+		_, _ = io.WriteString(w, answer)
+		if f, ok := w.(http.Flusher); ok {
+			f.Flush()
+		}
 		l.quitOnce.Do(func() {
 			close(l.quit)
 			if l.envoy != nil {
 				l.envoy.Quit()
 			}
 		})
-		_, _ = fmt.Fprintln(w, "OK")
 	})
 }
 

@@ -63,8 +63,8 @@ type joinHook func()
 // is an upstream.TokenSource.
 type Fetcher struct {
 	host, dialAddr, url string
-	timeout            time.Duration
-	clk                clock.Clock
+	timeout             time.Duration
+	clk                 clock.Clock
 
 	mu       sync.Mutex
 	token    string

@@ -91,7 +91,10 @@ func TestGCECredentialFetcher(t *testing.T) {
 
 func TestGCECredentialFetcherConfigRefused(t *testing.T) {
 	t.Parallel()
-	withCA := func(c *agent.Config) { c.CA.Address = "ca.example:15012"; c.Identity.Namespace, c.Identity.ServiceAccount = "ns", "sa" }
+	withCA := func(c *agent.Config) {
+		c.CA.Address = "ca.example:15012"
+		c.Identity.Namespace, c.Identity.ServiceAccount = "ns", "sa"
+	}
 	cases := []struct {
 		name  string
 		edit  func(*agent.Config)

@@ -510,7 +510,7 @@ would run are refused, and their variables named in a warning and ignored.`,
 // agentFieldFlags maps each field of agent.Config, by its path, to the flag that sets it; the
 // variable, when there is one, is agentEnv's.
 func agentFieldFlags() map[string]string {
-	return map[string]string{
+	return map[string]string{ //nolint:gosec // field and flag names, not credentials
 		"Identity.TrustDomain":              "trust-domain",
 		"Identity.Namespace":                "namespace",
 		"Identity.ServiceAccount":           "service-account",

@@ -29,6 +29,7 @@ import (
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/configerr"
 	"github.com/meshid/meshid/internal/fsutil"
+	"github.com/meshid/meshid/internal/gcemetadata"
 	"github.com/meshid/meshid/internal/istio"
 	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/internal/pki"
@@ -115,9 +116,13 @@ func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *p
 		return err
 	}
 	log.Info("SDS source chosen", logkey.Source, string(a.source), logkey.Reason, reason)
+	fetched, err := fetchedToken(cfg, clk, log)
+	if err != nil {
+		return err
+	}
 
 	if a.source != SourceExternalSDS {
-		if err := a.buildSecrets(cfg, clk, log, registry); err != nil {
+		if err := a.buildSecrets(cfg, fetched, clk, log, registry); err != nil {
 			return err
 		}
 		if a.sds, err = sds.New(sds.Config{
@@ -142,7 +147,7 @@ func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *p
 		if a.secrets != nil {
 			held = a.secrets.TLSCertificate
 		}
-		if a.xds, a.xdsConn, err = newXDSProxy(cfg, a.embedded, held, clk, log, registry); err != nil {
+		if a.xds, a.xdsConn, err = newXDSProxy(cfg, a.embedded, fetched, held, clk, log, registry); err != nil {
 			return err
 		}
 	}
@@ -291,7 +296,7 @@ func decide(cfg *Config, socketPath string) (Source, string, error) {
 // buildSecrets makes the secret manager: over the credential files, or over a CA through the CA
 // client (the embedded control plane started first when it is the CA). OUTPUT_CERTS is claimed
 // before anything reads it: a second agent on it would overwrite this one's key pair.
-func (a *Agent) buildSecrets(cfg Config, clk clock.Clock, log *slog.Logger, registry *prometheus.Registry) error {
+func (a *Agent) buildSecrets(cfg Config, fetched tokenFunc, clk clock.Clock, log *slog.Logger, registry *prometheus.Registry) error {
 	output := secretmanager.Output{Dir: cfg.Output.Dir, GroupRead: cfg.Output.GroupRead, KeyGroupRead: cfg.Output.KeyGroupRead}
 	if output.Dir != "" {
 		claim, err := secretmanager.ClaimOutput(output)
@@ -321,6 +326,9 @@ func (a *Agent) buildSecrets(cfg Config, clk clock.Clock, log *slog.Logger, regi
 		return err
 	}
 	up := upstream{address: cfg.CA.Address, rootCertFile: cfg.caRootCert(), tokenPath: cfg.CA.TokenPath}
+	if fetched != nil {
+		up.tokenPath, up.token = "", fetched
+	}
 	if a.source == SourceEmbeddedCA {
 		e, unlock, err := embed(cfg, id, clk, log)
 		if err != nil {
@@ -369,7 +377,25 @@ func (a *Agent) buildSecrets(cfg Config, clk clock.Clock, log *slog.Logger, regi
 // upstream is where the CA client finds the CA, how it verifies it, and how it gets its token.
 type upstream struct {
 	address, rootCertFile, tokenPath string
-	token                            func(context.Context) (string, error) // instead of tokenPath
+	token                            tokenFunc // instead of tokenPath
+}
+
+// tokenFunc gives the token of one call to the control plane.
+type tokenFunc = func(context.Context) (string, error)
+
+// fetchedToken is the token of CA.CredentialFetcherType when it is not the token file (nil when
+// it is): one fetcher, whose cached token the CA client and the xDS proxy share.
+func fetchedToken(cfg Config, clk clock.Clock, log *slog.Logger) (tokenFunc, error) {
+	if cfg.CA.CredentialFetcherType != CredentialFetcherGCE {
+		return nil, nil
+	}
+	f, err := gcemetadata.New(gcemetadata.Config{Host: cfg.CA.MetadataHost, Audience: cfg.CA.CredentialIdentityProvider, Clock: clk})
+	if err != nil {
+		return nil, configerr.Errorf("CA.CredentialFetcherType", "{CA.CredentialFetcherType} %s: %w", CredentialFetcherGCE, err)
+	}
+	log.Info("the token comes from the GCE metadata server", logkey.Address, describePath(cfg.CA.MetadataHost, gcemetadata.DefaultHost),
+		logkey.Audience, cfg.CA.CredentialIdentityProvider)
+	return f.Token, nil
 }
 
 // heldCertificate is the certificate the secret manager holds, as the CA client presents it.
@@ -486,11 +512,14 @@ func provRoot(provCert string) string {
 // the CA client is, with the token read per stream and the workload certificate held (held, nil
 // when the agent holds none), so that a VM whose token expired keeps its configuration. It
 // returns nil, and no connection, when there is nothing to proxy to.
-func newXDSProxy(cfg Config, embedded ControlPlane, held func() *tls.Certificate, clk clock.Clock, log *slog.Logger,
+func newXDSProxy(cfg Config, embedded ControlPlane, fetched tokenFunc, held func() *tls.Certificate, clk clock.Clock, log *slog.Logger,
 	registry *prometheus.Registry) (*xdsproxy.Proxy, *grpc.ClientConn, error) {
 	up := caclient.UpstreamConfig{
 		Address: cfg.XDS.DiscoveryAddress, ServerName: cfg.CA.ServerName, TokenPath: cfg.CA.TokenPath, ClusterID: cfg.CA.ClusterID, Clock: clk,
 		RootCertFile: cfg.XDS.RootCert, ClientCertificate: held,
+	}
+	if fetched != nil {
+		up.TokenPath, up.Token = "", fetched
 	}
 	switch {
 	case up.Address != "":

@@ -27,6 +27,7 @@ import (
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/configerr"
 	"github.com/meshid/meshid/internal/fsutil"
+	"github.com/meshid/meshid/internal/gcemetadata"
 	"github.com/meshid/meshid/internal/hostport"
 	"github.com/meshid/meshid/internal/istio"
 	"github.com/meshid/meshid/internal/pki"
@@ -51,11 +52,15 @@ const (
 	DefaultEmbeddedServiceAccount = "default"
 	DefaultTrustDomain            = istio.DefaultTrustDomain
 	DefaultTokenPath              = "var/run/secrets/tokens/istio-token" //nolint:gosec // a path, not a credential
-	DefaultCARootCert             = "var/run/secrets/istio/root-cert.pem"
-	DefaultSecretTTL              = istio.DefaultSecretTTL
-	DefaultGraceRatio             = istio.DefaultGraceRatio
-	DefaultGraceJitter            = istio.DefaultGraceRatioJitter
-	DefaultCAServerName           = istio.IstiodSAN
+	// CredentialFetcherJWT and CredentialFetcherGCE are CA.CredentialFetcherType's values, as
+	// Istio names them: the token file, and the GCE metadata server's identity token.
+	CredentialFetcherJWT = "JWT"
+	CredentialFetcherGCE = "GoogleComputeEngine"
+	DefaultCARootCert    = "var/run/secrets/istio/root-cert.pem"
+	DefaultSecretTTL     = istio.DefaultSecretTTL
+	DefaultGraceRatio    = istio.DefaultGraceRatio
+	DefaultGraceJitter   = istio.DefaultGraceRatioJitter
+	DefaultCAServerName  = istio.IstiodSAN
 	// Envoy's admin port and the port of its Prometheus stats, Istio's.
 	DefaultEnvoyAdminPort      = 15000
 	DefaultEnvoyPrometheusPort = 15090
@@ -117,6 +122,14 @@ type CAConfig struct {
 	ClusterID  string // ISTIO_META_CLUSTER_ID
 	TokenPath  string
 	ProvCert   string // PROV_CERT: a key pair for mTLS to the CA
+	// CredentialFetcherType is where the token comes from (CREDENTIAL_FETCHER_TYPE): "" or
+	// CredentialFetcherJWT, the file at TokenPath; CredentialFetcherGCE, the metadata server's
+	// identity token for CredentialIdentityProvider, the audience, from MetadataHost
+	// (GCE_METADATA_HOST; empty: gcemetadata.DefaultHost). The CA client and the xDS proxy share
+	// one fetcher and its cached token.
+	CredentialFetcherType      string
+	CredentialIdentityProvider string
+	MetadataHost               string
 	// Embed starts a CA in-process when no CA address is given; cmd/meshid supplies it, and
 	// meshid-agent, which links no CA, does not.
 	Embed EmbedFunc
@@ -386,6 +399,7 @@ func (c *Config) Validate() error {
 			errs = append(errs, configerr.Errorf("Identity.TrustDomain", "workload identity ({Identity.TrustDomain}, {Identity.Namespace}, {Identity.ServiceAccount}): %w", err))
 		}
 	}
+	errs = append(errs, c.checkCredentialFetcher()...)
 	if c.Output.KeyGroupRead && !c.Output.GroupRead {
 		errs = append(errs, configerr.Errorf("Output.KeyGroupRead", "{Output.KeyGroupRead}: a group-readable {Output.Dir} key needs group-readable directories too"))
 	}
@@ -573,6 +587,38 @@ func (c *Config) checkAddresses() []error {
 	if c.XDS.DiscoveryAddress != "" {
 		if err := checkDialAddr(c.XDS.DiscoveryAddress); err != nil {
 			errs = append(errs, &FieldError{Field: "XDS.DiscoveryAddress", Value: c.XDS.DiscoveryAddress, Err: err})
+		}
+	}
+	return errs
+}
+
+// checkCredentialFetcher checks the token's source: a known type, the GCE fetcher's audience
+// and host given with it and only with it, and a CA to present its token to.
+func (c *Config) checkCredentialFetcher() []error {
+	var errs []error
+	gce := c.CA.CredentialFetcherType == CredentialFetcherGCE
+	switch c.CA.CredentialFetcherType {
+	case "", CredentialFetcherJWT:
+	case CredentialFetcherGCE:
+		if c.embedded() {
+			errs = append(errs, configerr.Errorf("CA.CredentialFetcherType", "{CA.CredentialFetcherType} %s needs {CA.Address}: the embedded control plane mints its own token, and the fetched one would go nowhere", CredentialFetcherGCE))
+		}
+		if c.CA.CredentialIdentityProvider == "" {
+			errs = append(errs, configerr.Errorf("CA.CredentialIdentityProvider", "{CA.CredentialIdentityProvider} is required with {CA.CredentialFetcherType} %s: it is the audience of the identity token asked of the metadata server", CredentialFetcherGCE))
+		}
+	default:
+		errs = append(errs, &FieldError{Field: "CA.CredentialFetcherType", Value: c.CA.CredentialFetcherType,
+			Err: fmt.Errorf("is unknown: want %s (the token file, also the default) or %s", CredentialFetcherJWT, CredentialFetcherGCE)})
+	}
+	if !gce && c.CA.CredentialIdentityProvider != "" {
+		errs = append(errs, configerr.Errorf("CA.CredentialIdentityProvider", "{CA.CredentialIdentityProvider} has no effect without {CA.CredentialFetcherType} %s: the token file is presented as it is; unset it", CredentialFetcherGCE))
+	}
+	if !gce && c.CA.MetadataHost != "" {
+		errs = append(errs, configerr.Errorf("CA.MetadataHost", "{CA.MetadataHost} has no effect without {CA.CredentialFetcherType} %s: nothing asks the metadata server; unset it", CredentialFetcherGCE))
+	}
+	if gce && c.CA.MetadataHost != "" {
+		if err := gcemetadata.CheckHost(c.CA.MetadataHost); err != nil {
+			errs = append(errs, &FieldError{Field: "CA.MetadataHost", Value: c.CA.MetadataHost, Err: err})
 		}
 	}
 	return errs

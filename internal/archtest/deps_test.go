@@ -62,6 +62,9 @@ func allowed() map[string][]string {
 		// The control plane's clients check its certificate as pki tells validity, clock skew
 		// included, and read its root and their token with fsutil's bound.
 		"internal/upstream": {"internal/clock", "internal/fsutil", "internal/logkey", "internal/pki"},
+		// The GCE credential fetcher times its fetch on the injected clock and speaks HTTP with
+		// localhttp's one request per connection, which keeps http.Transport out of the agent.
+		"internal/gcemetadata": {"internal/clock", "internal/localhttp"},
 
 		// The TokenReview authenticator is one of ca/server's authenticators, and refuses a user
 		// that is not a service account as ca/token's verifier does.

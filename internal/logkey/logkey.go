@@ -26,6 +26,7 @@ const (
 	NotBefore         = "not_before"
 	Ahead             = "ahead"
 	Address           = "address"
+	Audience          = "audience"
 	Path              = "path"
 	Dir               = "dir"
 	Source            = "source"

@@ -18,6 +18,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/meshid/meshid/agent"
+	"github.com/meshid/meshid/internal/gcemetadata"
 	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/internal/pki"
 )
@@ -61,6 +62,7 @@ func agentEnv() []envBinding {
 		{"proxy-xds-debug-via-agent", "PROXY_XDS_DEBUG_VIA_AGENT"},
 		{"credential-fetcher-type", "CREDENTIAL_FETCHER_TYPE"},
 		{"credential-identity-provider", "CREDENTIAL_IDENTITY_PROVIDER"},
+		{"gce-metadata-host", "GCE_METADATA_HOST"},
 		{"pilot-cert-provider", "PILOT_CERT_PROVIDER"},
 		{"istio-kube-app-probers", "ISTIO_KUBE_APP_PROBERS"},
 		{"istio-prometheus-annotations", "ISTIO_PROMETHEUS_ANNOTATIONS"},
@@ -74,8 +76,7 @@ func agentEnv() []envBinding {
 
 // unimplementedIstioEnv lists the variables that Istio's sidecar injector sets, or that users of
 // pilot-agent commonly set, and that meshid does not implement. The agent names those that are
-// set in one warning at start, rather than ignore them silently. Later work implements some: the GCE credential
-// fetcher of the providers issue (GCE_METADATA_HOST). meshid ignores the others on purpose: it
+// set in one warning at start, rather than ignore them silently. meshid ignores them on purpose: it
 // reads no mesh config (PROXY_CONFIG); it reads whatever token is at --token-path, first- or
 // third-party (JWT_POLICY); it proxies no DNS (ISTIO_META_DNS_*); its debug server is
 // --debug-addr (PROXY_XDS_DEBUG_VIA_AGENT_PORT); its ECDSA keys are P-256 (ECC_CURVE); it asks
@@ -83,7 +84,6 @@ func agentEnv() []envBinding {
 // in --workload-socket-dir (WORKLOAD_IDENTITY_SOCKET_FILE).
 func unimplementedIstioEnv() []string {
 	return []string{
-		"GCE_METADATA_HOST",
 		"PROXY_CONFIG",
 		"JWT_POLICY",
 		"ISTIO_META_DNS_CAPTURE",
@@ -106,21 +106,24 @@ func setVariables(names []string, lookupEnv func(string) (string, bool)) []strin
 	return set
 }
 
-// checkIstioProviders refuses the values of Istio's provider variables that meshid does not
-// implement: each would change, in Istio's agent, where the token comes from or which roots are
-// trusted, so ignoring one would leave the agent doing something else than was asked.
-func checkIstioProviders(fetcher, identityProvider, pilotCertProvider string) []error {
+// credentialFetcherType is CREDENTIAL_FETCHER_TYPE's value as agent.Config names it, its case
+// as Istio's documentation writes it whatever the case given; an unknown one is left for
+// Validate to refuse.
+func credentialFetcherType(v string) string {
+	for _, known := range []string{agent.CredentialFetcherJWT, agent.CredentialFetcherGCE} {
+		if strings.EqualFold(v, known) {
+			return known
+		}
+	}
+	return v
+}
+
+// checkIstioProviders refuses the values of Istio's PILOT_CERT_PROVIDER that meshid does not
+// implement: each would change, in Istio's agent, which roots are trusted, so ignoring one would
+// leave the agent doing something else than was asked. (CREDENTIAL_FETCHER_TYPE and its
+// variables are agent.Config's, checked by Validate.)
+func checkIstioProviders(pilotCertProvider string) []error {
 	var errs []error
-	switch {
-	case fetcher == "" || strings.EqualFold(fetcher, "JWT"):
-	case strings.EqualFold(fetcher, "GoogleComputeEngine"):
-		errs = append(errs, fmt.Errorf("--credential-fetcher-type (CREDENTIAL_FETCHER_TYPE) %s is not supported by this version: meshid reads the token from --token-path", fetcher))
-	default:
-		errs = append(errs, fmt.Errorf("--credential-fetcher-type (CREDENTIAL_FETCHER_TYPE) %q is unknown: want JWT, the token file at --token-path (or nothing)", fetcher))
-	}
-	if identityProvider != "" {
-		errs = append(errs, fmt.Errorf("--credential-identity-provider (CREDENTIAL_IDENTITY_PROVIDER) %q has no effect: it serves a credential fetcher meshid does not support yet (GoogleComputeEngine); unset it", identityProvider))
-	}
 	const istiod = "meshid does what istiod means: --ca-root-cert (CA_ROOT_CA), else the mounted istio-ca-root-cert, verifies the CA, and --xds-root-cert (XDS_ROOT_CA), else the CA's roots, the discovery server"
 	switch p := pilotCertProvider; {
 	case p == "" || p == "istiod":
@@ -140,9 +143,9 @@ func checkIstioProviders(fetcher, identityProvider, pilotCertProvider string) []
 // the agent command runs it, the bootstrap command writes the bootstrap of the Envoy it serves.
 // One list of flags, so that the two always mean the same agent.
 type agentOptions struct {
-	cfg                                                                  agent.Config
-	keyAlgorithm, caProvider, socketMode, outputGroupRead                string
-	credentialFetcherType, credentialIdentityProvider, pilotCertProvider string
+	cfg                                                   agent.Config
+	keyAlgorithm, caProvider, socketMode, outputGroupRead string
+	pilotCertProvider                                     string
 
 	lookupEnv func(string) (string, bool)
 	environ   func() []string
@@ -171,8 +174,9 @@ func (o *agentOptions) bind(f *pflag.FlagSet) {
 	}
 	f.StringVar(&o.cfg.CA.Address, "ca-addr", "", caAddrHelp)
 	f.StringVar(&o.caProvider, "ca-provider", "Citadel", "CA protocol: Citadel (anything but GoogleCA means Citadel, as in Istio) (CA_PROVIDER); GoogleCA is refused")
-	f.StringVar(&o.credentialFetcherType, "credential-fetcher-type", "", "where the token comes from (CREDENTIAL_FETCHER_TYPE): JWT, Istio's name for the token file at --token-path, is all meshid does; GoogleComputeEngine is refused")
-	f.StringVar(&o.credentialIdentityProvider, "credential-identity-provider", "", "identity provider of a credential fetcher meshid does not support yet (CREDENTIAL_IDENTITY_PROVIDER); any value is refused")
+	f.StringVar(&o.cfg.CA.CredentialFetcherType, "credential-fetcher-type", "", "where the token presented to the CA and the discovery server comes from (CREDENTIAL_FETCHER_TYPE): JWT (or nothing), the token file at --token-path; GoogleComputeEngine, the VM's identity token from the GCE metadata server, cached until shortly before it expires (needs --ca-addr)")
+	f.StringVar(&o.cfg.CA.CredentialIdentityProvider, "credential-identity-provider", "", "audience of the identity token asked of the metadata server (CREDENTIAL_IDENTITY_PROVIDER), such as the CA's istio-ca; required with --credential-fetcher-type GoogleComputeEngine, refused without it")
+	f.StringVar(&o.cfg.CA.MetadataHost, "gce-metadata-host", "", "the GCE metadata server, host or host:port (GCE_METADATA_HOST, as Google's client libraries read it); default "+gcemetadata.DefaultHost+"; only with --credential-fetcher-type GoogleComputeEngine")
 	f.StringVar(&o.pilotCertProvider, "pilot-cert-provider", "", "which roots verify the CA and the discovery server (PILOT_CERT_PROVIDER): istiod, what meshid does (--ca-root-cert, --xds-root-cert); kubernetes, custom and none are refused")
 	f.StringVar(&o.cfg.CA.RootCert, "ca-root-cert", "", "PEM roots that verify the CA (CA_ROOT_CA); default: <prov-cert>/root-cert.pem, else <root-dir>/var/run/secrets/istio/root-cert.pem")
 	f.StringVar(&o.cfg.CA.ServerName, "istiod-san", o.cfg.CA.ServerName, "name verified in the CA's certificate (ISTIOD_SAN)")
@@ -276,7 +280,11 @@ func (o *agentOptions) resolve(cmd *cobra.Command, log *slog.Logger) []error {
 	if strings.EqualFold(o.caProvider, "GoogleCA") {
 		errs = append(errs, fmt.Errorf("CA_PROVIDER=%s is not supported yet: meshid speaks Istio's CA protocol (Citadel)", o.caProvider))
 	}
-	errs = append(errs, checkIstioProviders(o.credentialFetcherType, o.credentialIdentityProvider, o.pilotCertProvider)...)
+	errs = append(errs, checkIstioProviders(o.pilotCertProvider)...)
+	cfg.CA.CredentialFetcherType = credentialFetcherType(cfg.CA.CredentialFetcherType)
+	if cfg.CA.CredentialFetcherType == agent.CredentialFetcherGCE && flags.Changed("token-path") {
+		errs = append(errs, fmt.Errorf("--token-path is ignored with --credential-fetcher-type (CREDENTIAL_FETCHER_TYPE) %s: the token comes from the metadata server; give one or the other", agent.CredentialFetcherGCE))
+	}
 	if cfg.RootDir != "" {
 		if abs, err := filepath.Abs(cfg.RootDir); err != nil {
 			errs = append(errs, fmt.Errorf("--root-dir: %w", err))
@@ -429,7 +437,8 @@ Secret Discovery Service on <workload-socket-dir>/socket ("default": the workloa
      serve those files, watched;
 ` + caSource + `
 From a CA it obtains a certificate for spiffe://<trust-domain>/ns/<namespace>/sa/<service-account>,
-authenticating with the token at --token-path (re-read at every request) or, once it holds a
+authenticating with the token at --token-path (re-read at every request), or the GCE metadata
+server's identity token with --credential-fetcher-type GoogleComputeEngine, or, once it holds a
 valid certificate, with that certificate over mTLS. It renews the certificate when
 --grace-period-ratio of its lifetime is left, whether or not anyone is asking, keeps the current
 one while renewals fail, pushes each new one to Envoy and writes it to --output-certs (retried
@@ -437,9 +446,10 @@ until it succeeds; the agent is not ready meanwhile).
 
 Istio's variables are honoured, so the agent is a drop-in; a flag wins over its variable:
 ` + envHelp(agentEnv()) + `
-What meshid does not implement is refused, not ignored: CREDENTIAL_FETCHER_TYPE takes JWT only
-(the token file at --token-path), PILOT_CERT_PROVIDER istiod only, CREDENTIAL_IDENTITY_PROVIDER
-nothing, CA_PROVIDER anything but GoogleCA. Istio's other variables that meshid does not
+What meshid does not implement is refused, not ignored: CREDENTIAL_FETCHER_TYPE takes JWT (the
+token file at --token-path) or GoogleComputeEngine (with CREDENTIAL_IDENTITY_PROVIDER, the
+audience, and GCE_METADATA_HOST; each refused without it, and --token-path with it),
+PILOT_CERT_PROVIDER istiod only, CA_PROVIDER anything but GoogleCA. Istio's other variables that meshid does not
 implement (JWT_POLICY, PROXY_CONFIG, ...) are named in one warning at
 start when set. A path given must exist (--credentials-dir, --prov-cert) and a root file hold
 a PEM certificate (--ca-root-cert, --xds-root-cert); only the defaults may be absent. Addresses are HOST:PORT. A refusal exits 2, before anything runs.
@@ -500,7 +510,7 @@ would run are refused, and their variables named in a warning and ignored.`,
 // agentFieldFlags maps each field of agent.Config, by its path, to the flag that sets it; the
 // variable, when there is one, is agentEnv's.
 func agentFieldFlags() map[string]string {
-	return map[string]string{
+	return map[string]string{ //nolint:gosec // field and flag names, not credentials
 		"Identity.TrustDomain":              "trust-domain",
 		"Identity.Namespace":                "namespace",
 		"Identity.ServiceAccount":           "service-account",
@@ -521,6 +531,9 @@ func agentFieldFlags() map[string]string {
 		"CA.ClusterID":                      "cluster-id",
 		"CA.TokenPath":                      "token-path",
 		"CA.ProvCert":                       "prov-cert",
+		"CA.CredentialFetcherType":          "credential-fetcher-type",
+		"CA.CredentialIdentityProvider":     "credential-identity-provider",
+		"CA.MetadataHost":                   "gce-metadata-host",
 		"Certificate.KeyAlgorithm":          "key-algorithm",
 		"Certificate.RSAKeySize":            "workload-rsa-key-size",
 		"Certificate.TTL":                   "secret-ttl",

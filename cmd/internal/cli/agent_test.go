@@ -94,6 +94,37 @@ func TestAgentEnvironmentAndFlags(t *testing.T) {
 	}
 }
 
+// Istio's credential fetcher variables reach agent.Config; the type's case is Istio's whatever
+// the case given.
+func TestAgentCredentialFetcher(t *testing.T) {
+	t.Parallel()
+	env := map[string]string{
+		"CA_ADDR": "ca.example:15012", "POD_NAMESPACE": "shop", "SERVICE_ACCOUNT": "cart",
+		"CREDENTIAL_FETCHER_TYPE": "googlecomputeengine", "CREDENTIAL_IDENTITY_PROVIDER": "istio-ca", "GCE_METADATA_HOST": "metadata.example:8080",
+	}
+	cfg, err := runAgentCommand(t, env)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.CA.CredentialFetcherType != agent.CredentialFetcherGCE || cfg.CA.CredentialIdentityProvider != "istio-ca" || cfg.CA.MetadataHost != "metadata.example:8080" {
+		t.Fatalf("credential fetcher not applied: %+v", cfg.CA)
+	}
+	cfg, err = runAgentCommand(t, env, "--credential-identity-provider", "other", "--gce-metadata-host", "127.0.0.1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.CA.CredentialIdentityProvider != "other" || cfg.CA.MetadataHost != "127.0.0.1" {
+		t.Fatalf("flags did not win: %+v", cfg.CA)
+	}
+	cfg, err = runAgentCommand(t, map[string]string{"CA_ADDR": "ca.example:15012", "POD_NAMESPACE": "shop", "SERVICE_ACCOUNT": "cart", "CREDENTIAL_FETCHER_TYPE": "jwt"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.CA.CredentialFetcherType != agent.CredentialFetcherJWT {
+		t.Fatalf("credential fetcher type %q, want JWT", cfg.CA.CredentialFetcherType)
+	}
+}
+
 func TestAgentRefusesBadInput(t *testing.T) {
 	t.Parallel()
 	base := map[string]string{"CA_ADDR": "127.0.0.1:15012", "POD_NAMESPACE": "default", "SERVICE_ACCOUNT": "demo"}

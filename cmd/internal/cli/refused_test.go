@@ -103,12 +103,23 @@ func TestAgentMistakesExitTwo(t *testing.T) {
 			[]string{"--credentials-dir", "$FIX/credentals-typo"},
 			[]string{"--credentials-dir $FIX/credentals-typo", "--prov-cert (PROV_CERT) $FIX/porv", "--ca-root-cert (CA_ROOT_CA) $FIX/missing.pem", "--xds-root-cert (XDS_ROOT_CA) $FIX/notes.txt"}},
 		// Item 7: Istio's provider variables take only what meshid does.
-		{"GCE credential fetcher", withCA("CREDENTIAL_FETCHER_TYPE", "GoogleComputeEngine"), nil,
-			[]string{"--credential-fetcher-type (CREDENTIAL_FETCHER_TYPE) GoogleComputeEngine is not supported by this version: meshid reads the token from --token-path"}},
+		{"GCE credential fetcher without an audience", withCA("CREDENTIAL_FETCHER_TYPE", "GoogleComputeEngine"), nil,
+			[]string{"--credential-identity-provider (CREDENTIAL_IDENTITY_PROVIDER) is required with --credential-fetcher-type (CREDENTIAL_FETCHER_TYPE) GoogleComputeEngine"}},
+		{"GCE credential fetcher without a CA", withIdentity("CREDENTIAL_FETCHER_TYPE", "GoogleComputeEngine", "CREDENTIAL_IDENTITY_PROVIDER", "istio-ca"), nil,
+			[]string{"--credential-fetcher-type (CREDENTIAL_FETCHER_TYPE) GoogleComputeEngine needs --ca-addr (CA_ADDR)"}},
+		{"GCE credential fetcher and a token path", withCA("CREDENTIAL_FETCHER_TYPE", "GoogleComputeEngine", "CREDENTIAL_IDENTITY_PROVIDER", "istio-ca"),
+			[]string{"--token-path", "$FIX/token"},
+			[]string{"--token-path is ignored with --credential-fetcher-type (CREDENTIAL_FETCHER_TYPE) GoogleComputeEngine"}},
+		{"GCE metadata host with a scheme", withCA("CREDENTIAL_FETCHER_TYPE", "googlecomputeengine", "CREDENTIAL_IDENTITY_PROVIDER", "istio-ca", "GCE_METADATA_HOST", "http://metadata.google.internal"), nil,
+			[]string{"--gce-metadata-host", "(GCE_METADATA_HOST)", "without a scheme"}},
+		{"GCE metadata host without the fetcher", withCA("GCE_METADATA_HOST", "metadata.google.internal"), nil,
+			[]string{"--gce-metadata-host", "(GCE_METADATA_HOST) has no effect without --credential-fetcher-type (CREDENTIAL_FETCHER_TYPE) GoogleComputeEngine"}},
 		{"unknown credential fetcher", withCA(), []string{"--credential-fetcher-type", "Vault"},
-			[]string{"--credential-fetcher-type (CREDENTIAL_FETCHER_TYPE) \"Vault\" is unknown", "JWT"}},
-		{"credential identity provider", withCA("CREDENTIAL_IDENTITY_PROVIDER", "GoogleComputeEngine"), nil,
-			[]string{"--credential-identity-provider (CREDENTIAL_IDENTITY_PROVIDER) \"GoogleComputeEngine\" has no effect"}},
+			[]string{"--credential-fetcher-type", "(CREDENTIAL_FETCHER_TYPE)", "Vault", "is unknown", "JWT"}},
+		{"credential identity provider without the fetcher", withCA("CREDENTIAL_IDENTITY_PROVIDER", "GoogleComputeEngine"), nil,
+			[]string{"--credential-identity-provider", "(CREDENTIAL_IDENTITY_PROVIDER) has no effect without --credential-fetcher-type (CREDENTIAL_FETCHER_TYPE) GoogleComputeEngine"}},
+		{"credential identity provider with JWT", withCA("CREDENTIAL_FETCHER_TYPE", "JWT"), []string{"--credential-identity-provider", "istio-ca"},
+			[]string{"--credential-identity-provider", "(CREDENTIAL_IDENTITY_PROVIDER) has no effect"}},
 		{"Kubernetes cert provider", withCA("PILOT_CERT_PROVIDER", "kubernetes"), nil,
 			[]string{"--pilot-cert-provider (PILOT_CERT_PROVIDER) kubernetes is not supported", "--xds-root-cert (XDS_ROOT_CA)"}},
 		{"Kubernetes signer cert provider", withCA("PILOT_CERT_PROVIDER", "kubernetes:example.com/signer"), nil,
@@ -119,7 +130,7 @@ func TestAgentMistakesExitTwo(t *testing.T) {
 			[]string{"--pilot-cert-provider (PILOT_CERT_PROVIDER) none is not supported"}},
 		{"unknown cert provider", withCA("PILOT_CERT_PROVIDER", "vault"), nil,
 			[]string{"--pilot-cert-provider (PILOT_CERT_PROVIDER) \"vault\" is unknown", "istiod"}},
-		{"every provider at once", withCA("CREDENTIAL_FETCHER_TYPE", "GoogleComputeEngine", "CREDENTIAL_IDENTITY_PROVIDER", "GoogleComputeEngine", "PILOT_CERT_PROVIDER", "kubernetes", "CA_PROVIDER", "GoogleCA"), nil,
+		{"every provider at once", withCA("CREDENTIAL_FETCHER_TYPE", "Vault", "CREDENTIAL_IDENTITY_PROVIDER", "GoogleComputeEngine", "PILOT_CERT_PROVIDER", "kubernetes", "CA_PROVIDER", "GoogleCA"), nil,
 			[]string{"CREDENTIAL_FETCHER_TYPE", "CREDENTIAL_IDENTITY_PROVIDER", "PILOT_CERT_PROVIDER", "CA_PROVIDER=GoogleCA is not supported yet"}},
 		// Item 4: some of the three credential files but not all.
 		{"incomplete credentials dir", withCA(), []string{"--credentials-dir", "$FIX/partial"},
@@ -157,7 +168,9 @@ func TestAgentMistakesExitTwo(t *testing.T) {
 		"defaults absent":                     {withCA(), nil},
 		"Istio's injected providers":          {withCA("PILOT_CERT_PROVIDER", "istiod", "CREDENTIAL_FETCHER_TYPE", "JWT"), nil},
 		"providers as flags":                  {withCA(), []string{"--pilot-cert-provider", "istiod", "--credential-fetcher-type", "JWT", "--credential-identity-provider", ""}},
-		"a flag wins over its variable": {withCA("PILOT_CERT_PROVIDER", "kubernetes", "CREDENTIAL_FETCHER_TYPE", "GoogleComputeEngine"),
+		"GCE credential fetcher": {withCA("CREDENTIAL_FETCHER_TYPE", "GoogleComputeEngine", "CREDENTIAL_IDENTITY_PROVIDER", "istio-ca",
+			"GCE_METADATA_HOST", "127.0.0.1:1"), nil},
+		"a flag wins over its variable": {withCA("PILOT_CERT_PROVIDER", "kubernetes", "CREDENTIAL_FETCHER_TYPE", "Vault"),
 			[]string{"--pilot-cert-provider", "istiod", "--credential-fetcher-type", "JWT"}},
 		"defaults absent, embedded CA": {nil, []string{"--proxy-xds-via-agent=false"}},
 	} {
@@ -245,7 +258,7 @@ func TestAgentWarnsOfIstioVariablesItIgnores(t *testing.T) {
 			t.Errorf("%s is bound to --%s and listed as not implemented", b.env, b.flag)
 		}
 	}
-	for _, name := range []string{"GCE_METADATA_HOST", "PROXY_CONFIG",
+	for _, name := range []string{"PROXY_CONFIG",
 		"JWT_POLICY", "ISTIO_META_DNS_CAPTURE", "ISTIO_META_DNS_AUTO_ALLOCATE", "PROXY_XDS_DEBUG_VIA_AGENT_PORT", "ECC_CURVE",
 		"ISTIO_META_CERT_SIGNER", "WORKLOAD_IDENTITY_SOCKET_FILE"} {
 		if !listed[name] {

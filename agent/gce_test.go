@@ -1,0 +1,129 @@
+package agent_test
+
+import (
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
+
+	"github.com/meshid/meshid/agent"
+	"github.com/meshid/meshid/controlplane"
+	"github.com/meshid/meshid/controlplane/controlplanetest"
+	"github.com/meshid/meshid/internal/configerr"
+)
+
+// gceMetadata is a metadata server on loopback as Google documents it: it answers the default
+// service account's identity token for audience istio-ca, format=full, to a request with
+// Metadata-Flavor: Google, with the header; the token is the CA's own kind, minted with its
+// token key for default/demo. fetches counts the tokens it gave.
+func gceMetadata(t *testing.T, e *env) (host string, fetches *atomic.Int32) {
+	t.Helper()
+	fetches = new(atomic.Int32)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		q := r.URL.Query()
+		if r.Header.Get("Metadata-Flavor") != "Google" || r.URL.Path != "/computeMetadata/v1/instance/service-accounts/default/identity" ||
+			q.Get("audience") != "istio-ca" || q.Get("format") != "full" {
+			http.Error(w, "refused", http.StatusForbidden)
+			return
+		}
+		fetches.Add(1)
+		w.Header().Set("Metadata-Flavor", "Google")
+		_, _ = fmt.Fprint(w, controlplanetest.Token(t, e.stateDir, "default", "demo", e.clock.Now(), time.Hour))
+	}))
+	t.Cleanup(srv.Close)
+	return strings.TrimPrefix(srv.URL, "http://"), fetches
+}
+
+// With CREDENTIAL_FETCHER_TYPE=GoogleComputeEngine and no token file, the agent gets its
+// certificate with the metadata server's token, and Envoy's ADS through the agent gets its
+// configuration; the CA client and the xDS proxy share one fetcher, so one token serves both.
+func TestGCECredentialFetcher(t *testing.T) {
+	t.Parallel()
+	xdsConfig := filepath.Join(t.TempDir(), "xds.yaml")
+	if err := os.WriteFile(xdsConfig, []byte(xdsE2EConfig), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	e := newEnv(t, func(c *controlplane.Config) { c.XDSConfig = xdsConfig })
+	host, fetches := gceMetadata(t, e)
+	cfg := e.config(t, filepath.Join(e.dir, "no-such-token"), nil)
+	cfg.CA.CredentialFetcherType = agent.CredentialFetcherGCE
+	cfg.CA.CredentialIdentityProvider = "istio-ca"
+	cfg.CA.MetadataHost = host
+	a := newAgent(t, cfg)
+	certs := issued(t, a)
+	runAgent(t, a)
+	if s := receive(t, certs, "certificate"); s.KeyPair.Chain[0].URIs[0].String() != demoID {
+		t.Fatalf("certificate for %v, want %s", s.KeyPair.Chain[0].URIs, demoID)
+	}
+	stream, err := xdsClient(t, cfg).StreamAggregatedResources(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := names(t, stream, resource.ClusterType); len(got) != 1 || got[0] != "backend" {
+		t.Fatalf("clusters through the proxy: %v, want [backend]", got)
+	}
+	if n := fetches.Load(); n != 1 {
+		t.Fatalf("%d tokens fetched, want 1 shared by the CA client and the xDS proxy", n)
+	}
+	// Past the token's refresh point, and the certificate's expiry, on the wall clock only (no
+	// renewal fires): a new ADS stream's upstream stream asks the fetcher for a fresh token, and
+	// that token alone authenticates it.
+	e.clock.Step(55 * time.Minute)
+	stream2, err := xdsClient(t, cfg).StreamAggregatedResources(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := names(t, stream2, resource.ListenerType); len(got) != 1 || got[0] != "inbound" {
+		t.Fatalf("listeners through the proxy: %v, want [inbound]", got)
+	}
+	if n := fetches.Load(); n != 2 {
+		t.Fatalf("%d tokens fetched, want a second one for the xDS proxy's new stream", n)
+	}
+}
+
+func TestGCECredentialFetcherConfigRefused(t *testing.T) {
+	t.Parallel()
+	withCA := func(c *agent.Config) {
+		c.CA.Address = "ca.example:15012"
+		c.Identity.Namespace, c.Identity.ServiceAccount = "ns", "sa"
+	}
+	cases := []struct {
+		name  string
+		edit  func(*agent.Config)
+		field string
+		want  string
+	}{
+		{"unknown type", func(c *agent.Config) { withCA(c); c.CA.CredentialFetcherType = "AWS" }, "CA.CredentialFetcherType", "is unknown"},
+		{"no audience", func(c *agent.Config) { withCA(c); c.CA.CredentialFetcherType = agent.CredentialFetcherGCE },
+			"CA.CredentialIdentityProvider", "is required with CA.CredentialFetcherType GoogleComputeEngine"},
+		{"embedded", func(c *agent.Config) {
+			c.CA.CredentialFetcherType, c.CA.CredentialIdentityProvider = agent.CredentialFetcherGCE, "istio-ca"
+		}, "CA.CredentialFetcherType", "needs CA.Address"},
+		{"audience without GCE", func(c *agent.Config) { withCA(c); c.CA.CredentialIdentityProvider = "istio-ca" },
+			"CA.CredentialIdentityProvider", "has no effect"},
+		{"host without GCE", func(c *agent.Config) { withCA(c); c.CA.MetadataHost = "metadata" }, "CA.MetadataHost", "has no effect"},
+		{"bad host", func(c *agent.Config) {
+			withCA(c)
+			c.CA.CredentialFetcherType, c.CA.CredentialIdentityProvider, c.CA.MetadataHost = agent.CredentialFetcherGCE, "istio-ca", "http://metadata/"
+		}, "CA.MetadataHost", "without a scheme"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			cfg := agent.DefaultConfig(t.TempDir())
+			tc.edit(&cfg)
+			err := cfg.Validate()
+			if err == nil || !slices.Contains(configerr.Fields(err), tc.field) || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("Validate: %v; want %s: %q", err, tc.field, tc.want)
+			}
+		})
+	}
+}

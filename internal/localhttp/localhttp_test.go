@@ -2,11 +2,15 @@ package localhttp_test
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -103,5 +107,53 @@ func TestDoRefusesOtherSchemes(t *testing.T) {
 	t.Cleanup(srv.Close)
 	if _, _, err := get(t, t.Context(), strings.Replace(srv.URL, "http:", "ftp:", 1), 1<<10); err == nil || !strings.Contains(err.Error(), "want http or https") {
 		t.Fatalf("ftp: %v, want a refusal", err)
+	}
+}
+
+func getVerified(t *testing.T, url string, roots *x509.CertPool) (string, error) {
+	t.Helper()
+	req, err := http.NewRequestWithContext(t.Context(), http.MethodGet, url, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var body []byte
+	err = localhttp.DoVerified(req, roots, 1<<10, func(r *http.Response) error {
+		var err error
+		body, err = io.ReadAll(r.Body)
+		return err
+	})
+	return string(body), err
+}
+
+// DoVerified speaks TLS only to a server whose certificate the given roots verify for the URL's
+// host: the system roots (which do not hold httptest's), or a host the certificate does not name, is refused before the request.
+func TestDoVerifiedVerifiesTheServer(t *testing.T) {
+	t.Parallel()
+	var asked atomic.Int32
+	srv := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		asked.Add(1)
+		_, _ = io.WriteString(w, "verified")
+	}))
+	t.Cleanup(srv.Close)
+	roots := x509.NewCertPool()
+	roots.AddCert(srv.Certificate())
+	if body, err := getVerified(t, srv.URL, roots); err != nil || body != "verified" {
+		t.Fatalf("with the server's root: %q %v, want \"verified\"", body, err)
+	}
+	_, port, _ := net.SplitHostPort(strings.TrimPrefix(srv.URL, "https://"))
+	for name, tc := range map[string]struct {
+		url   string
+		roots *x509.CertPool
+	}{
+		"the system roots":          {srv.URL, nil},
+		"a host the cert not names": {"https://localhost:" + port, roots},
+	} {
+		var verr *tls.CertificateVerificationError
+		if _, err := getVerified(t, tc.url, tc.roots); !errors.As(err, &verr) {
+			t.Errorf("%s: %v, want a certificate verification error", name, err)
+		}
+	}
+	if n := asked.Load(); n != 1 {
+		t.Fatalf("the server answered %d requests, want only the verified one", n)
 	}
 }

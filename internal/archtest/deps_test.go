@@ -65,6 +65,8 @@ func allowed() map[string][]string {
 		// The GCE credential fetcher times its fetch on the injected clock and speaks HTTP with
 		// localhttp's one request per connection, which keeps http.Transport out of the agent.
 		"internal/gcemetadata": {"internal/clock", "internal/localhttp"},
+		// The token exchange likewise: its exchange is timed on the clock, spoken with localhttp.
+		"internal/tokenexchange": {"internal/clock", "internal/localhttp"},
 
 		// The TokenReview authenticator is one of ca/server's authenticators, and refuses a user
 		// that is not a service account as ca/token's verifier does.

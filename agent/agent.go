@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -33,6 +34,8 @@ import (
 	"github.com/meshid/meshid/internal/istio"
 	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/internal/pki"
+	"github.com/meshid/meshid/internal/tokenexchange"
+	upstreamcreds "github.com/meshid/meshid/internal/upstream"
 	"github.com/meshid/meshid/sds"
 	"github.com/meshid/meshid/secretmanager"
 	"github.com/meshid/meshid/xdsproxy"
@@ -383,19 +386,47 @@ type upstream struct {
 // tokenFunc gives the token of one call to the control plane.
 type tokenFunc = func(context.Context) (string, error)
 
-// fetchedToken is the token of CA.CredentialFetcherType when it is not the token file (nil when
-// it is): one fetcher, whose cached token the CA client and the xDS proxy share.
+// fetchedToken is the token of CA.CredentialFetcherType when it is not the token file, exchanged
+// at CA.TokenExchangeURL when that is set (nil when neither applies, and the CA client and the
+// xDS proxy read the token file themselves): one source, whose cached token both share.
 func fetchedToken(cfg Config, clk clock.Clock, log *slog.Logger) (tokenFunc, error) {
-	if cfg.CA.CredentialFetcherType != CredentialFetcherGCE {
-		return nil, nil
+	var tok tokenFunc
+	if cfg.CA.CredentialFetcherType == CredentialFetcherGCE {
+		f, err := gcemetadata.New(gcemetadata.Config{Host: cfg.CA.MetadataHost, Audience: cfg.CA.CredentialIdentityProvider, Clock: clk})
+		if err != nil {
+			return nil, configerr.Errorf("CA.CredentialFetcherType", "{CA.CredentialFetcherType} %s: %w", CredentialFetcherGCE, err)
+		}
+		log.Info("the token comes from the GCE metadata server", logkey.Address, describePath(cfg.CA.MetadataHost, gcemetadata.DefaultHost),
+			logkey.Audience, cfg.CA.CredentialIdentityProvider)
+		tok = f.Token
 	}
-	f, err := gcemetadata.New(gcemetadata.Config{Host: cfg.CA.MetadataHost, Audience: cfg.CA.CredentialIdentityProvider, Clock: clk})
+	if cfg.CA.TokenExchangeURL == "" {
+		return tok, nil
+	}
+	if tok == nil {
+		tok = upstreamcreds.FileToken(cfg.CA.TokenPath, fsutil.NewBoundedReads(nil, fsutil.DefaultReadBound, 0))
+	}
+	var roots *x509.CertPool // nil: the system roots
+	if path := cfg.CA.TokenExchangeRootCert; path != "" {
+		pemData, err := os.ReadFile(path)
+		if err != nil {
+			return nil, &FieldError{Field: "CA.TokenExchangeRootCert", Value: path, Err: err}
+		}
+		roots = x509.NewCertPool()
+		if !roots.AppendCertsFromPEM(pemData) {
+			return nil, &FieldError{Field: "CA.TokenExchangeRootCert", Value: path, Err: errors.New("holds no PEM certificate")}
+		}
+	}
+	audience := cfg.CA.TokenExchangeAudience
+	if audience == "" {
+		audience = DefaultTokenExchangeAudience
+	}
+	x, err := tokenexchange.New(tokenexchange.Config{URL: cfg.CA.TokenExchangeURL, Subject: tok, Audience: audience, RootCAs: roots, Clock: clk})
 	if err != nil {
-		return nil, configerr.Errorf("CA.CredentialFetcherType", "{CA.CredentialFetcherType} %s: %w", CredentialFetcherGCE, err)
+		return nil, &FieldError{Field: "CA.TokenExchangeURL", Value: cfg.CA.TokenExchangeURL, Err: err}
 	}
-	log.Info("the token comes from the GCE metadata server", logkey.Address, describePath(cfg.CA.MetadataHost, gcemetadata.DefaultHost),
-		logkey.Audience, cfg.CA.CredentialIdentityProvider)
-	return f.Token, nil
+	log.Info("the token is exchanged for the CA's", logkey.Address, cfg.CA.TokenExchangeURL, logkey.Audience, audience)
+	return x.Token, nil
 }
 
 // heldCertificate is the certificate the secret manager holds, as the CA client presents it.

@@ -31,6 +31,7 @@ import (
 	"github.com/meshid/meshid/internal/hostport"
 	"github.com/meshid/meshid/internal/istio"
 	"github.com/meshid/meshid/internal/pki"
+	"github.com/meshid/meshid/internal/tokenexchange"
 	"github.com/meshid/meshid/sds"
 	"github.com/meshid/meshid/secretmanager"
 	"github.com/meshid/meshid/xdsproxy"
@@ -56,6 +57,9 @@ const (
 	// Istio names them: the token file, and the GCE metadata server's identity token.
 	CredentialFetcherJWT = "JWT"
 	CredentialFetcherGCE = "GoogleComputeEngine"
+	// DefaultTokenExchangeAudience is the audience asked of a token exchange: the audience
+	// meshid ca (and Istio's CA) verifies by default.
+	DefaultTokenExchangeAudience = "istio-ca"
 	DefaultCARootCert    = "var/run/secrets/istio/root-cert.pem"
 	DefaultSecretTTL     = istio.DefaultSecretTTL
 	DefaultGraceRatio    = istio.DefaultGraceRatio
@@ -130,6 +134,15 @@ type CAConfig struct {
 	CredentialFetcherType      string
 	CredentialIdentityProvider string
 	MetadataHost               string
+	// TokenExchangeURL, when set, is an OAuth 2.0 token exchange endpoint (RFC 8693): the token
+	// above, from the file or the fetcher, is exchanged there for a JWT with audience
+	// TokenExchangeAudience (empty: DefaultTokenExchangeAudience, the CA's own), and only the
+	// exchanged token is presented, to the CA and the discovery server alike, from one cache.
+	// The endpoint is https, verified with TokenExchangeRootCert (empty: the system roots), or
+	// http to loopback.
+	TokenExchangeURL      string
+	TokenExchangeAudience string
+	TokenExchangeRootCert string
 	// Embed starts a CA in-process when no CA address is given; cmd/meshid supplies it, and
 	// meshid-agent, which links no CA, does not.
 	Embed EmbedFunc
@@ -400,6 +413,7 @@ func (c *Config) Validate() error {
 		}
 	}
 	errs = append(errs, c.checkCredentialFetcher()...)
+	errs = append(errs, c.checkTokenExchange()...)
 	if c.Output.KeyGroupRead && !c.Output.GroupRead {
 		errs = append(errs, configerr.Errorf("Output.KeyGroupRead", "{Output.KeyGroupRead}: a group-readable {Output.Dir} key needs group-readable directories too"))
 	}
@@ -620,6 +634,30 @@ func (c *Config) checkCredentialFetcher() []error {
 		if err := gcemetadata.CheckHost(c.CA.MetadataHost); err != nil {
 			errs = append(errs, &FieldError{Field: "CA.MetadataHost", Value: c.CA.MetadataHost, Err: err})
 		}
+	}
+	return errs
+}
+
+// checkTokenExchange checks the token exchange: a usable endpoint, a CA to present its token
+// to, and its audience and root given only with it.
+func (c *Config) checkTokenExchange() []error {
+	var errs []error
+	if c.CA.TokenExchangeURL == "" {
+		if c.CA.TokenExchangeAudience != "" {
+			errs = append(errs, configerr.Errorf("CA.TokenExchangeAudience", "{CA.TokenExchangeAudience} has no effect without {CA.TokenExchangeURL}: nothing is exchanged; unset it"))
+		}
+		if c.CA.TokenExchangeRootCert != "" {
+			errs = append(errs, configerr.Errorf("CA.TokenExchangeRootCert", "{CA.TokenExchangeRootCert} has no effect without {CA.TokenExchangeURL}: nothing is exchanged; unset it"))
+		}
+		return errs
+	}
+	if err := tokenexchange.CheckURL(c.CA.TokenExchangeURL); err != nil {
+		errs = append(errs, &FieldError{Field: "CA.TokenExchangeURL", Value: c.CA.TokenExchangeURL, Err: err})
+	} else if c.CA.TokenExchangeRootCert != "" && strings.HasPrefix(c.CA.TokenExchangeURL, "http:") {
+		errs = append(errs, configerr.Errorf("CA.TokenExchangeRootCert", "{CA.TokenExchangeRootCert} has no effect with an http {CA.TokenExchangeURL}: nothing is verified; unset it or use https"))
+	}
+	if c.embedded() {
+		errs = append(errs, configerr.Errorf("CA.TokenExchangeURL", "{CA.TokenExchangeURL} needs {CA.Address}: the embedded control plane mints its own token, and the exchanged one would go nowhere"))
 	}
 	return errs
 }

@@ -1,0 +1,155 @@
+package agent_test
+
+import (
+	"encoding/json"
+	"encoding/pem"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/meshid/meshid/agent"
+	"github.com/meshid/meshid/controlplane"
+	"github.com/meshid/meshid/controlplane/controlplanetest"
+	"github.com/meshid/meshid/internal/configerr"
+	"github.com/meshid/meshid/secretmanager"
+)
+
+// externalToken is the agent's own token: the CA does not trust it, so that only the exchanged
+// token can get the agent its certificate and configuration.
+const externalToken = "external-identity-token"
+
+// exchangeEndpoint is an RFC 8693 token endpoint over TLS on loopback: for the external token,
+// audience istio-ca and a JWT, it answers a token of the CA's own kind, minted with its token
+// key for default/demo, good for an hour. It returns its URL, the file of its root, and the
+// count of exchanges.
+func exchangeEndpoint(t *testing.T, e *env) (url, rootFile string, exchanges *atomic.Int32) {
+	t.Helper()
+	exchanges = new(atomic.Int32)
+	const jwtType = "urn:ietf:params:oauth:token-type:jwt"
+	srv := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodPost || r.URL.Path != "/v1/token" || r.ParseForm() != nil ||
+			r.PostForm.Get("grant_type") != "urn:ietf:params:oauth:grant-type:token-exchange" ||
+			r.PostForm.Get("subject_token") != externalToken || r.PostForm.Get("subject_token_type") != jwtType ||
+			r.PostForm.Get("requested_token_type") != jwtType || r.PostForm.Get("audience") != "istio-ca" {
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(http.StatusBadRequest)
+			_, _ = w.Write([]byte(`{"error":"invalid_request"}`))
+			return
+		}
+		exchanges.Add(1)
+		w.Header().Set("Content-Type", "application/json")
+		_ = json.NewEncoder(w).Encode(map[string]any{
+			"access_token":      controlplanetest.Token(t, e.stateDir, "default", "demo", e.clock.Now(), time.Hour),
+			"issued_token_type": jwtType, "token_type": "N_A", "expires_in": 3600,
+		})
+	}))
+	t.Cleanup(srv.Close)
+	rootFile = filepath.Join(t.TempDir(), "sts-root.pem")
+	if err := os.WriteFile(rootFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: srv.Certificate().Raw}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return srv.URL + "/v1/token", rootFile, exchanges
+}
+
+// With a token exchange URL, the agent exchanges its token file's token and presents only the
+// exchanged one: it gets its certificate, and Envoy's ADS through the agent gets its
+// configuration, from one exchange shared by the CA client and the xDS proxy.
+func TestTokenExchange(t *testing.T) {
+	t.Parallel()
+	xdsConfig := filepath.Join(t.TempDir(), "xds.yaml")
+	if err := os.WriteFile(xdsConfig, []byte(xdsE2EConfig), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	e := newEnv(t, func(c *controlplane.Config) { c.XDSConfig = xdsConfig })
+	url, rootFile, exchanges := exchangeEndpoint(t, e)
+	tokenPath := filepath.Join(e.dir, "external-token")
+	if err := os.WriteFile(tokenPath, []byte(externalToken+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cfg := e.config(t, tokenPath, nil)
+	cfg.CA.TokenExchangeURL, cfg.CA.TokenExchangeRootCert = url, rootFile
+	if err := cfg.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	a := newAgent(t, cfg)
+	certs := issued(t, a)
+	runAgent(t, a)
+	if s := receive(t, certs, "certificate"); s.KeyPair.Chain[0].URIs[0].String() != demoID {
+		t.Fatalf("certificate for %v, want %s", s.KeyPair.Chain[0].URIs, demoID)
+	}
+	stream, err := xdsClient(t, cfg).StreamAggregatedResources(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := names(t, stream, resource.ClusterType); len(got) != 1 || got[0] != "backend" {
+		t.Fatalf("clusters through the proxy: %v, want [backend]", got)
+	}
+	if n := exchanges.Load(); n != 1 {
+		t.Fatalf("%d exchanges, want 1 shared by the CA client and the xDS proxy", n)
+	}
+}
+
+// Without the exchange, the same token file gets nothing from the CA: the test above passes on
+// the exchanged token alone.
+func TestTokenExchangeSubjectAloneRefused(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	tokenPath := filepath.Join(e.dir, "external-token")
+	if err := os.WriteFile(tokenPath, []byte(externalToken), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	ev := newEvents()
+	cfg := e.config(t, tokenPath, ev)
+	a := newAgent(t, cfg)
+	runAgent(t, a)
+	x := ev.await(t, "a failed signing", func(x secretmanager.Event) bool { return x.Kind == secretmanager.EventRenewalFailed })
+	if status.Code(x.Err) != codes.Unauthenticated {
+		t.Fatalf("signing with the external token: %v, want Unauthenticated", x.Err)
+	}
+}
+
+func TestTokenExchangeConfigRefused(t *testing.T) {
+	t.Parallel()
+	withCA := func(c *agent.Config) {
+		c.CA.Address = "ca.example:15012"
+		c.Identity.Namespace, c.Identity.ServiceAccount = "ns", "sa"
+	}
+	cases := []struct {
+		name  string
+		edit  func(*agent.Config)
+		field string
+		want  string
+	}{
+		{"http to another host", func(c *agent.Config) { withCA(c); c.CA.TokenExchangeURL = "http://sts.example/v1/token" },
+			"CA.TokenExchangeURL", "in clear"},
+		{"not a URL", func(c *agent.Config) { withCA(c); c.CA.TokenExchangeURL = "sts.example" }, "CA.TokenExchangeURL", "absolute URL"},
+		{"embedded", func(c *agent.Config) { c.CA.TokenExchangeURL = "https://sts.example/v1/token" }, "CA.TokenExchangeURL", "needs CA.Address"},
+		{"audience without URL", func(c *agent.Config) { withCA(c); c.CA.TokenExchangeAudience = "ca" }, "CA.TokenExchangeAudience", "has no effect"},
+		{"root without URL", func(c *agent.Config) { withCA(c); c.CA.TokenExchangeRootCert = "/r.pem" }, "CA.TokenExchangeRootCert", "has no effect"},
+		{"root with http", func(c *agent.Config) {
+			withCA(c)
+			c.CA.TokenExchangeURL, c.CA.TokenExchangeRootCert = "http://127.0.0.1:8080/token", "/r.pem"
+		}, "CA.TokenExchangeRootCert", "nothing is verified"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			cfg := agent.DefaultConfig(t.TempDir())
+			tc.edit(&cfg)
+			err := cfg.Validate()
+			if err == nil || !slices.Contains(configerr.Fields(err), tc.field) || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("Validate: %v; want %s: %q", err, tc.field, tc.want)
+			}
+		})
+	}
+}

@@ -57,14 +57,14 @@ const (
 	// Istio names them: the token file, and the GCE metadata server's identity token.
 	CredentialFetcherJWT = "JWT"
 	CredentialFetcherGCE = "GoogleComputeEngine"
-	// DefaultTokenExchangeAudience is the audience asked of a token exchange: the audience
-	// meshid ca (and Istio's CA) verifies by default.
-	DefaultTokenExchangeAudience = "istio-ca"
 	DefaultCARootCert    = "var/run/secrets/istio/root-cert.pem"
 	DefaultSecretTTL     = istio.DefaultSecretTTL
 	DefaultGraceRatio    = istio.DefaultGraceRatio
 	DefaultGraceJitter   = istio.DefaultGraceRatioJitter
 	DefaultCAServerName  = istio.IstiodSAN
+	// DefaultTokenExchangeAudience is the audience asked of a token exchange: the one meshid ca
+	// (and Istio's CA) verifies by default.
+	DefaultTokenExchangeAudience = "istio-ca"
 	// Envoy's admin port and the port of its Prometheus stats, Istio's.
 	DefaultEnvoyAdminPort      = 15000
 	DefaultEnvoyPrometheusPort = 15090

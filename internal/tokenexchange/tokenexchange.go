@@ -32,7 +32,7 @@ const (
 	GrantType = "urn:ietf:params:oauth:grant-type:token-exchange"
 	// TokenTypeJWT is RFC 8693's token type of a JWT, the default of both the subject token and
 	// the requested one: the CA verifies a JWT.
-	TokenTypeJWT = "urn:ietf:params:oauth:token-type:jwt"
+	TokenTypeJWT = "urn:ietf:params:oauth:token-type:jwt" //nolint:gosec // a token type's name, no credential
 	// DefaultTimeout bounds one exchange, the subject token's fetch included.
 	DefaultTimeout = 10 * time.Second
 	// RefreshMargin is how long before its expiry an exchanged token is exchanged again, as the

@@ -243,8 +243,8 @@ func (r refused) Unwrap() []error { return []error{r.error, ErrConfigRefused} }
 // checkGivenPaths refuses a path given explicitly that cannot be what it names, each problem
 // wrapping ErrConfigRefused: a credentials dir or a PROV_CERT that does not exist (a typo would
 // silently turn the agent to a CA, and so to another identity), a CA or xDS root file that does
-// not exist or holds no PEM certificate (the agent would look healthy while every request or
-// Envoy stream fails). Defaults may be absent: they are where Kubernetes mounts what it has.
+// not exist or holds no PEM certificate, as a token exchange root file (the agent would look
+// healthy while every request or Envoy stream fails). Defaults may be absent: they are where Kubernetes mounts what it has.
 func (c *Config) checkGivenPaths() error {
 	var errs []error
 	add := func(field, path string, err error) {
@@ -265,6 +265,9 @@ func (c *Config) checkGivenPaths() error {
 	}
 	if c.XDS.RootCert != "" {
 		add("XDS.RootCert", c.XDS.RootCert, caclient.CheckRootFile(c.XDS.RootCert, onlyDefault))
+	}
+	if c.CA.TokenExchangeRootCert != "" {
+		add("CA.TokenExchangeRootCert", c.CA.TokenExchangeRootCert, caclient.CheckRootFile(c.CA.TokenExchangeRootCert, "it has no default: the system roots serve without it"))
 	}
 	return errors.Join(errs...)
 }

@@ -177,6 +177,9 @@ func (o *agentOptions) bind(f *pflag.FlagSet) {
 	f.StringVar(&o.cfg.CA.CredentialFetcherType, "credential-fetcher-type", "", "where the token presented to the CA and the discovery server comes from (CREDENTIAL_FETCHER_TYPE): JWT (or nothing), the token file at --token-path; GoogleComputeEngine, the VM's identity token from the GCE metadata server, cached until shortly before it expires (needs --ca-addr)")
 	f.StringVar(&o.cfg.CA.CredentialIdentityProvider, "credential-identity-provider", "", "audience of the identity token asked of the metadata server (CREDENTIAL_IDENTITY_PROVIDER), such as the CA's istio-ca; required with --credential-fetcher-type GoogleComputeEngine, refused without it")
 	f.StringVar(&o.cfg.CA.MetadataHost, "gce-metadata-host", "", "the GCE metadata server, host or host:port (GCE_METADATA_HOST, as Google's client libraries read it); default "+gcemetadata.DefaultHost+"; only with --credential-fetcher-type GoogleComputeEngine")
+	f.StringVar(&o.cfg.CA.TokenExchangeURL, "token-exchange-url", "", "OAuth 2.0 token exchange endpoint (RFC 8693): the token (of --token-path or the credential fetcher) is exchanged there for a JWT, cached until shortly before it expires, and only that JWT is presented to the CA and the discovery server; https, or http to loopback only (needs --ca-addr; no Istio variable: Istio's agent has a fixed Google endpoint)")
+	f.StringVar(&o.cfg.CA.TokenExchangeAudience, "token-exchange-audience", "", "audience asked of the token exchange, the CA's JWT audience; default "+agent.DefaultTokenExchangeAudience+"; only with --token-exchange-url (no Istio variable)")
+	f.StringVar(&o.cfg.CA.TokenExchangeRootCert, "token-exchange-root-cert", "", "PEM roots that verify the https token exchange endpoint; default: the system roots; only with --token-exchange-url (no Istio variable)")
 	f.StringVar(&o.pilotCertProvider, "pilot-cert-provider", "", "which roots verify the CA and the discovery server (PILOT_CERT_PROVIDER): istiod, what meshid does (--ca-root-cert, --xds-root-cert); kubernetes, custom and none are refused")
 	f.StringVar(&o.cfg.CA.RootCert, "ca-root-cert", "", "PEM roots that verify the CA (CA_ROOT_CA); default: <prov-cert>/root-cert.pem, else <root-dir>/var/run/secrets/istio/root-cert.pem")
 	f.StringVar(&o.cfg.CA.ServerName, "istiod-san", o.cfg.CA.ServerName, "name verified in the CA's certificate (ISTIOD_SAN)")
@@ -534,6 +537,9 @@ func agentFieldFlags() map[string]string {
 		"CA.CredentialFetcherType":          "credential-fetcher-type",
 		"CA.CredentialIdentityProvider":     "credential-identity-provider",
 		"CA.MetadataHost":                   "gce-metadata-host",
+		"CA.TokenExchangeURL":               "token-exchange-url",
+		"CA.TokenExchangeAudience":          "token-exchange-audience",
+		"CA.TokenExchangeRootCert":          "token-exchange-root-cert",
 		"Certificate.KeyAlgorithm":          "key-algorithm",
 		"Certificate.RSAKeySize":            "workload-rsa-key-size",
 		"Certificate.TTL":                   "secret-ttl",

@@ -397,3 +397,23 @@ func TestAgentEnvoyFlags(t *testing.T) {
 		})
 	}
 }
+
+// The token exchange flags reach agent.Config; no Istio variable sets them.
+func TestAgentTokenExchangeFlags(t *testing.T) {
+	t.Parallel()
+	env := map[string]string{"CA_ADDR": "ca.example:15012", "POD_NAMESPACE": "shop", "SERVICE_ACCOUNT": "cart"}
+	cfg, err := runAgentCommand(t, env, "--token-exchange-url", "https://sts.example/v1/token", "--token-exchange-audience", "mesh-ca")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.CA.TokenExchangeURL != "https://sts.example/v1/token" || cfg.CA.TokenExchangeAudience != "mesh-ca" || cfg.CA.TokenExchangeRootCert != "" {
+		t.Fatalf("token exchange flags not applied: %+v", cfg.CA)
+	}
+	cfg, err = runAgentCommand(t, env, "--token-exchange-url", "http://127.0.0.1:8080/token")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.CA.TokenExchangeURL != "http://127.0.0.1:8080/token" || cfg.CA.TokenExchangeAudience != "" {
+		t.Fatalf("loopback http token exchange: %+v", cfg.CA)
+	}
+}

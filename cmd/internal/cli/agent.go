@@ -451,7 +451,8 @@ Istio's variables are honoured, so the agent is a drop-in; a flag wins over its 
 ` + envHelp(agentEnv()) + `
 What meshid does not implement is refused, not ignored: CREDENTIAL_FETCHER_TYPE takes JWT (the
 token file at --token-path) or GoogleComputeEngine (with CREDENTIAL_IDENTITY_PROVIDER, the
-audience, and GCE_METADATA_HOST; each refused without it, and --token-path with it),
+audience, and GCE_METADATA_HOST; each refused without it, and --token-path with it); with
+--token-exchange-url, that token is exchanged (RFC 8693) and only the exchanged one presented;
 PILOT_CERT_PROVIDER istiod only, CA_PROVIDER anything but GoogleCA. Istio's other variables that meshid does not
 implement (JWT_POLICY, PROXY_CONFIG, ...) are named in one warning at
 start when set. A path given must exist (--credentials-dir, --prov-cert) and a root file hold

@@ -1,8 +1,10 @@
 package agent_test
 
 import (
+	"encoding/base64"
 	"encoding/json"
 	"encoding/pem"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -28,18 +30,18 @@ import (
 // token can get the agent its certificate and configuration.
 const externalToken = "external-identity-token"
 
-// exchangeEndpoint is an RFC 8693 token endpoint over TLS on loopback: for the external token,
+// exchangeEndpoint is an RFC 8693 token endpoint over TLS on loopback: for the subject token,
 // audience istio-ca and a JWT, it answers a token of the CA's own kind, minted with its token
 // key for default/demo, good for an hour. It returns its URL, the file of its root, and the
 // count of exchanges.
-func exchangeEndpoint(t *testing.T, e *env) (url, rootFile string, exchanges *atomic.Int32) {
+func exchangeEndpoint(t *testing.T, e *env, subject string) (url, rootFile string, exchanges *atomic.Int32) {
 	t.Helper()
 	exchanges = new(atomic.Int32)
 	const jwtType = "urn:ietf:params:oauth:token-type:jwt"
 	srv := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.Method != http.MethodPost || r.URL.Path != "/v1/token" || r.ParseForm() != nil ||
 			r.PostForm.Get("grant_type") != "urn:ietf:params:oauth:grant-type:token-exchange" ||
-			r.PostForm.Get("subject_token") != externalToken || r.PostForm.Get("subject_token_type") != jwtType ||
+			r.PostForm.Get("subject_token") != subject || r.PostForm.Get("subject_token_type") != jwtType ||
 			r.PostForm.Get("requested_token_type") != jwtType || r.PostForm.Get("audience") != "istio-ca" {
 			w.Header().Set("Content-Type", "application/json")
 			w.WriteHeader(http.StatusBadRequest)
@@ -71,7 +73,7 @@ func TestTokenExchange(t *testing.T) {
 		t.Fatal(err)
 	}
 	e := newEnv(t, func(c *controlplane.Config) { c.XDSConfig = xdsConfig })
-	url, rootFile, exchanges := exchangeEndpoint(t, e)
+	url, rootFile, exchanges := exchangeEndpoint(t, e, externalToken)
 	tokenPath := filepath.Join(e.dir, "external-token")
 	if err := os.WriteFile(tokenPath, []byte(externalToken+"\n"), 0o600); err != nil {
 		t.Fatal(err)
@@ -96,6 +98,42 @@ func TestTokenExchange(t *testing.T) {
 	}
 	if n := exchanges.Load(); n != 1 {
 		t.Fatalf("%d exchanges, want 1 shared by the CA client and the xDS proxy", n)
+	}
+}
+
+// The GCE metadata server's identity token is exchanged as the token file's is: the CA does not
+// trust it (it is unsigned), and the exchanged token alone gets the certificate.
+func TestTokenExchangeOfGCEToken(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	enc := base64.RawURLEncoding
+	gceToken := enc.EncodeToString([]byte(`{"alg":"none"}`)) + "." +
+		enc.EncodeToString(fmt.Appendf(nil, `{"aud":"sts.example","exp":%d}`, e.clock.Now().Add(time.Hour).Unix())) + "."
+	metadata := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Header.Get("Metadata-Flavor") != "Google" || r.URL.Query().Get("audience") != "sts.example" {
+			http.Error(w, "refused", http.StatusForbidden)
+			return
+		}
+		w.Header().Set("Metadata-Flavor", "Google")
+		_, _ = fmt.Fprint(w, gceToken)
+	}))
+	t.Cleanup(metadata.Close)
+	url, rootFile, exchanges := exchangeEndpoint(t, e, gceToken)
+	cfg := e.config(t, filepath.Join(e.dir, "no-such-token"), nil)
+	cfg.CA.CredentialFetcherType, cfg.CA.CredentialIdentityProvider = agent.CredentialFetcherGCE, "sts.example"
+	cfg.CA.MetadataHost = strings.TrimPrefix(metadata.URL, "http://")
+	cfg.CA.TokenExchangeURL, cfg.CA.TokenExchangeRootCert, cfg.CA.TokenExchangeAudience = url, rootFile, "istio-ca"
+	if err := cfg.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	a := newAgent(t, cfg)
+	certs := issued(t, a)
+	runAgent(t, a)
+	if s := receive(t, certs, "certificate"); s.KeyPair.Chain[0].URIs[0].String() != demoID {
+		t.Fatalf("certificate for %v, want %s", s.KeyPair.Chain[0].URIs, demoID)
+	}
+	if n := exchanges.Load(); n != 1 {
+		t.Fatalf("%d exchanges, want 1", n)
 	}
 }
 

@@ -64,9 +64,9 @@ func allowed() map[string][]string {
 		"internal/upstream": {"internal/clock", "internal/fsutil", "internal/logkey", "internal/pki"},
 		// The GCE credential fetcher times its fetch on the injected clock and speaks HTTP with
 		// localhttp's one request per connection, which keeps http.Transport out of the agent.
-		"internal/gcemetadata": {"internal/clock", "internal/localhttp"},
+		"internal/gcemetadata": {"internal/clock", "internal/localhttp", "internal/tokencache"},
 		// The token exchange likewise: its exchange is timed on the clock, spoken with localhttp.
-		"internal/tokenexchange": {"internal/clock", "internal/localhttp"},
+		"internal/tokenexchange": {"internal/clock", "internal/localhttp", "internal/tokencache"},
 
 		// The TokenReview authenticator is one of ca/server's authenticators, and refuses a user
 		// that is not a service account as ca/token's verifier does.

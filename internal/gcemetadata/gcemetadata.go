@@ -6,8 +6,6 @@ package gcemetadata
 
 import (
 	"context"
-	"encoding/base64"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -15,11 +13,11 @@ import (
 	"net/http"
 	"net/url"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/localhttp"
+	"github.com/meshid/meshid/internal/tokencache"
 )
 
 const (
@@ -28,11 +26,8 @@ const (
 	DefaultHost = "169.254.169.254"
 	// DefaultTimeout bounds one fetch, dial to last byte.
 	DefaultTimeout = 10 * time.Second
-	// RefreshMargin is how long before its expiry a cached token is fetched again: Istio's GCE
-	// fetcher refreshes five minutes ahead, which covers a CA whose clock is ahead of ours and a
-	// call that waits in a retry. A token whose whole life is shorter than four margins is
-	// refreshed with a quarter of its life left instead, so that it is still reused.
-	RefreshMargin = 5 * time.Minute
+	// RefreshMargin is how long before its expiry a cached token is fetched again.
+	RefreshMargin = tokencache.RefreshMargin
 	// identityPath is the default service account's identity token, as Google documents it.
 	identityPath = "/computeMetadata/v1/instance/service-accounts/default/identity"
 	flavorHeader = "Metadata-Flavor"
@@ -56,28 +51,12 @@ type Config struct {
 	Clock   clock.Clock
 }
 
-// joinHook, when set (by tests), is called as a caller joins a fetch under way.
-type joinHook func()
-
 // Fetcher gets the identity token and keeps it until shortly before it expires. Its Token method
 // is an upstream.TokenSource.
 type Fetcher struct {
 	host, dialAddr, url string
-	timeout             time.Duration
 	clk                 clock.Clock
-
-	mu       sync.Mutex
-	token    string
-	refresh  time.Time // when the cached token is fetched again
-	inflight *fetch    // the fetch under way, shared by every caller meanwhile
-	joined   joinHook
-}
-
-// fetch is one request to the metadata server; done closes when token or err is set.
-type fetch struct {
-	done  chan struct{}
-	token string
-	err   error
+	cache               *tokencache.Cache
 }
 
 // CheckHost checks a metadata host as GCE_METADATA_HOST gives it: a host or host:port, without
@@ -119,66 +98,19 @@ func New(cfg Config) (*Fetcher, error) {
 		timeout = DefaultTimeout
 	}
 	q := url.Values{"audience": {cfg.Audience}, "format": {"full"}}
-	return &Fetcher{
-		host: host, dialAddr: dialAddr, timeout: timeout, clk: clock.OrReal(cfg.Clock),
-		url: "http://" + host + identityPath + "?" + q.Encode(),
-	}, nil
+	f := &Fetcher{host: host, dialAddr: dialAddr, clk: clock.OrReal(cfg.Clock), url: "http://" + host + identityPath + "?" + q.Encode()}
+	f.cache = tokencache.New(f.get, timeout, f.clk)
+	return f, nil
 }
 
 // Token returns the cached token while it is fresh, else the token of a fetch, one at a time:
-// callers that arrive during a fetch wait for it. A caller whose ctx ends stops waiting; the
-// fetch goes on, bounded by the timeout, for the others. A failure is not cached.
+// callers that arrive during a fetch wait for it (tokencache). A failure is not cached.
 func (f *Fetcher) Token(ctx context.Context) (string, error) {
-	f.mu.Lock()
-	if f.token != "" && f.clk.Now().Before(f.refresh) {
-		tok := f.token
-		f.mu.Unlock()
-		return tok, nil
+	tok, err := f.cache.Token(ctx)
+	if err != nil && ctx.Err() != nil {
+		return "", fmt.Errorf("identity token from the metadata server at %s: %w", f.host, err)
 	}
-	call, joined := f.inflight, f.inflight != nil
-	if !joined {
-		call = &fetch{done: make(chan struct{})}
-		f.inflight = call
-		// Detached from this caller's ctx, which may end before the others': the timeout bounds it.
-		go f.run(context.WithoutCancel(ctx), call)
-	}
-	f.mu.Unlock()
-	if joined && f.joined != nil {
-		f.joined()
-	}
-	select {
-	case <-call.done:
-		return call.token, call.err
-	case <-ctx.Done():
-		return "", fmt.Errorf("identity token from the metadata server at %s: %w", f.host, ctx.Err())
-	}
-}
-
-// run does call's request and publishes its result, cached on success.
-func (f *Fetcher) run(ctx context.Context, call *fetch) {
-	ctx, cancel := context.WithCancelCause(ctx)
-	timer := f.clk.NewTimer(f.timeout)
-	stopTimer := make(chan struct{})
-	go func() {
-		select {
-		case <-timer.C():
-			cancel(fmt.Errorf("%w: no answer within %s", context.DeadlineExceeded, f.timeout))
-		case <-stopTimer:
-		}
-	}()
-	tok, refresh, err := f.get(ctx)
-	close(stopTimer)
-	timer.Stop()
-	cancel(nil)
-
-	f.mu.Lock()
-	if err == nil {
-		f.token, f.refresh = tok, refresh
-	}
-	f.inflight = nil
-	f.mu.Unlock()
-	call.token, call.err = tok, err
-	close(call.done)
+	return tok, err
 }
 
 // get asks the metadata server for a token and reads when to fetch it again from its exp.
@@ -209,7 +141,7 @@ func (f *Fetcher) get(ctx context.Context) (tok string, refresh time.Time, err e
 		return "", time.Time{}, fmt.Errorf("identity token from the metadata server at %s: %w", f.host, err)
 	}
 	tok = strings.TrimSpace(string(body))
-	exp, iat, err := claims(tok)
+	exp, iat, err := tokencache.JWTTimes(tok)
 	if err != nil {
 		return "", time.Time{}, fmt.Errorf("identity token from the metadata server at %s: %w", f.host, err)
 	}
@@ -218,43 +150,5 @@ func (f *Fetcher) get(ctx context.Context) (tok string, refresh time.Time, err e
 		return "", time.Time{}, fmt.Errorf("identity token from the metadata server at %s expired at %s, by our clock %s",
 			f.host, exp.UTC().Format(time.RFC3339), now.UTC().Format(time.RFC3339))
 	}
-	return tok, exp.Add(-margin(exp, iat, now)), nil
-}
-
-// margin is how long before exp the token is fetched again: RefreshMargin, or a quarter of its
-// life (from iat, else from now) when that is shorter.
-func margin(exp, iat, now time.Time) time.Duration {
-	start := now
-	if !iat.IsZero() && iat.Before(exp) {
-		start = iat
-	}
-	return min(RefreshMargin, exp.Sub(start)/4)
-}
-
-// claims reads the exp (required) and iat claims of a JWT without verifying it: the CA verifies
-// it, and the agent needs only to know when to fetch another.
-func claims(tok string) (exp, iat time.Time, err error) {
-	parts := strings.Split(tok, ".")
-	if len(parts) != 3 {
-		return time.Time{}, time.Time{}, errors.New("the answer is not a JWT")
-	}
-	payload, err := base64.RawURLEncoding.DecodeString(strings.TrimRight(parts[1], "="))
-	if err != nil {
-		return time.Time{}, time.Time{}, errors.New("the answer is not a JWT: its payload is not base64url")
-	}
-	var c struct {
-		Exp *float64 `json:"exp"`
-		Iat *float64 `json:"iat"`
-	}
-	if err := json.Unmarshal(payload, &c); err != nil {
-		return time.Time{}, time.Time{}, errors.New("the answer is not a JWT: its payload is not a JSON object")
-	}
-	if c.Exp == nil || *c.Exp <= 0 {
-		return time.Time{}, time.Time{}, errors.New("the token has no exp claim")
-	}
-	exp = time.Unix(int64(*c.Exp), 0)
-	if c.Iat != nil && *c.Iat > 0 {
-		iat = time.Unix(int64(*c.Iat), 0)
-	}
-	return exp, iat, nil
+	return tok, tokencache.RefreshAt(exp, iat, now), nil
 }

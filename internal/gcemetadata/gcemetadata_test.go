@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/meshid/meshid/internal/testutil"
+	"github.com/meshid/meshid/internal/tokencache"
 )
 
 const audience = "https://ca.example/aud"
@@ -85,7 +86,7 @@ func TestTokenCachedUntilShortlyBeforeExpiry(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if exp, _, err := claims(first); err != nil || !exp.Equal(t0.Add(time.Hour)) {
+	if exp, _, err := tokencache.JWTTimes(first); err != nil || !exp.Equal(t0.Add(time.Hour)) {
 		t.Fatalf("token's exp %v (%v), want the server's", exp, err)
 	}
 	// Fresh until 5 minutes before its exp.
@@ -157,7 +158,7 @@ func TestConcurrentCallersShareOneFetch(t *testing.T) {
 	f := newFetcher(t, clk, srv.host())
 	const callers = 8
 	joined := make(chan struct{}, callers)
-	f.joined = func() { joined <- struct{}{} }
+	f.cache.Joined = func() { joined <- struct{}{} }
 
 	var wg sync.WaitGroup
 	toks := make([]string, callers)

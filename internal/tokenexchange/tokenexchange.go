@@ -8,7 +8,6 @@ package tokenexchange
 import (
 	"context"
 	"crypto/x509"
-	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -18,13 +17,11 @@ import (
 	"net/http"
 	"net/url"
 	"strings"
-	"sync"
 	"time"
-
-	"golang.org/x/sync/singleflight"
 
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/localhttp"
+	"github.com/meshid/meshid/internal/tokencache"
 )
 
 const (
@@ -35,10 +32,8 @@ const (
 	TokenTypeJWT = "urn:ietf:params:oauth:token-type:jwt" //nolint:gosec // a token type's name, no credential
 	// DefaultTimeout bounds one exchange, the subject token's fetch included.
 	DefaultTimeout = 10 * time.Second
-	// RefreshMargin is how long before its expiry an exchanged token is exchanged again, as the
-	// GCE fetcher refreshes; a token whose life is shorter than four margins is exchanged again
-	// with a quarter of its life left.
-	RefreshMargin = 5 * time.Minute
+	// RefreshMargin is how long before its expiry an exchanged token is exchanged again.
+	RefreshMargin = tokencache.RefreshMargin
 	// maxBody bounds the answer: a token and a few fields.
 	maxBody = 64 << 10
 	// maxDescription bounds the error_description quoted in an error.
@@ -69,17 +64,10 @@ type Config struct {
 // Exchanger exchanges the subject token and keeps the result until shortly before it expires.
 // Its Token method is an upstream.TokenSource.
 type Exchanger struct {
-	cfg     Config
-	url     string // as configured, for errors
-	timeout time.Duration
-	clk     clock.Clock
-	flight  singleflight.Group
-
-	mu      sync.Mutex
-	token   string
-	refresh time.Time // when the cached token is exchanged again
-
-	joined func() // when set (by tests), called once a caller waits on an exchange
+	cfg   Config
+	url   string // as configured, for errors
+	clk   clock.Clock
+	cache *tokencache.Cache
 }
 
 // CheckURL checks a token endpoint: an absolute https URL, or http to a loopback address (an
@@ -133,72 +121,19 @@ func New(cfg Config) (*Exchanger, error) {
 	if timeout <= 0 {
 		timeout = DefaultTimeout
 	}
-	return &Exchanger{cfg: cfg, url: cfg.URL, timeout: timeout, clk: clock.OrReal(cfg.Clock)}, nil
+	e := &Exchanger{cfg: cfg, url: cfg.URL, clk: clock.OrReal(cfg.Clock)}
+	e.cache = tokencache.New(e.post, timeout, e.clk)
+	return e, nil
 }
 
 // Token returns the cached token while it is fresh, else the token of an exchange, one at a
-// time: callers that arrive during an exchange wait for it. A caller whose ctx ends stops
-// waiting; the exchange goes on, bounded by the timeout, for the others. A failure is not cached.
+// time: callers that arrive during an exchange wait for it (tokencache). A failure is not cached.
 func (e *Exchanger) Token(ctx context.Context) (string, error) {
-	if tok, ok := e.cached(); ok {
-		return tok, nil
+	tok, err := e.cache.Token(ctx)
+	if err != nil && ctx.Err() != nil {
+		return "", fmt.Errorf("token exchange at %s: %w", e.url, err)
 	}
-	// Detached from this caller's ctx, which may end before the others': the timeout bounds it.
-	ch := e.flight.DoChan("", func() (any, error) { return e.exchange(context.WithoutCancel(ctx)) })
-	if e.joined != nil {
-		e.joined()
-	}
-	select {
-	case r := <-ch:
-		if r.Err != nil {
-			return "", r.Err
-		}
-		tok, _ := r.Val.(string)
-		return tok, nil
-	case <-ctx.Done():
-		return "", fmt.Errorf("token exchange at %s: %w", e.url, ctx.Err())
-	}
-}
-
-func (e *Exchanger) cached() (string, bool) {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return e.token, e.token != "" && e.clk.Now().Before(e.refresh)
-}
-
-// exchange runs one exchange within the timeout and caches its token.
-func (e *Exchanger) exchange(ctx context.Context) (string, error) {
-	// A caller that found the cache stale may start a flight just after another one filled it.
-	if tok, ok := e.cached(); ok {
-		return tok, nil
-	}
-	ctx, cancel := context.WithCancelCause(ctx)
-	timer := e.clk.NewTimer(e.timeout)
-	stopTimer := make(chan struct{})
-	go func() {
-		select {
-		case <-timer.C():
-			cancel(fmt.Errorf("%w: no answer within %s", context.DeadlineExceeded, e.timeout))
-		case <-stopTimer:
-		}
-	}()
-	tok, refresh, err := e.post(ctx)
-	close(stopTimer)
-	timer.Stop()
-	if err != nil {
-		if cause := context.Cause(ctx); cause != nil {
-			err = fmt.Errorf("token exchange at %s: %w", e.url, cause) // the connection was closed under the request: say why
-		}
-		cancel(nil)
-		return "", err
-	}
-	cancel(nil)
-	if !refresh.IsZero() {
-		e.mu.Lock()
-		e.token, e.refresh = tok, refresh
-		e.mu.Unlock()
-	}
-	return tok, nil
+	return tok, err
 }
 
 // answer is RFC 8693's response (section 2.2.1), or RFC 6749's error response (section 5.2).
@@ -246,6 +181,9 @@ func (e *Exchanger) post(ctx context.Context) (tok string, refresh time.Time, er
 		return read(resp, &a)
 	})
 	if err != nil {
+		if cause := context.Cause(ctx); cause != nil {
+			err = cause // the connection was closed under the request: say why
+		}
 		return fail(redact(err, subject))
 	}
 	if a.IssuedTokenType != "" && a.IssuedTokenType != e.cfg.RequestedTokenType {
@@ -257,7 +195,7 @@ func (e *Exchanger) post(ctx context.Context) (tok string, refresh time.Time, er
 			return fail(fmt.Errorf("the answer's expires_in is %v: the token is already expired", *a.ExpiresIn))
 		}
 		exp = start.Add(time.Duration(*a.ExpiresIn * float64(time.Second)))
-	} else if jwtExp, ok := expiry(a.AccessToken); ok {
+	} else if jwtExp, _, err := tokencache.JWTTimes(a.AccessToken); err == nil {
 		exp = jwtExp
 	}
 	if exp.IsZero() {
@@ -267,7 +205,7 @@ func (e *Exchanger) post(ctx context.Context) (tok string, refresh time.Time, er
 	if !now.Before(exp) {
 		return fail(fmt.Errorf("the exchanged token expired at %s, by our clock %s", exp.UTC().Format(time.RFC3339), now.UTC().Format(time.RFC3339)))
 	}
-	return a.AccessToken, exp.Add(-min(RefreshMargin, exp.Sub(start)/4)), nil
+	return a.AccessToken, tokencache.RefreshAt(exp, start, now), nil
 }
 
 // read decodes the answer: a token on 200, else the error RFC 6749 describes, else the status.
@@ -314,24 +252,4 @@ func redact(err error, subject string) error {
 		return err
 	}
 	return errors.New(strings.ReplaceAll(err.Error(), subject, "[subject token]"))
-}
-
-// expiry reads a JWT's exp claim without verifying it: the CA verifies the token, and the agent
-// needs only to know when to exchange again. ok is false when the token is not a JWT with exp.
-func expiry(tok string) (exp time.Time, ok bool) {
-	parts := strings.Split(tok, ".")
-	if len(parts) != 3 {
-		return time.Time{}, false
-	}
-	payload, err := base64.RawURLEncoding.DecodeString(strings.TrimRight(parts[1], "="))
-	if err != nil {
-		return time.Time{}, false
-	}
-	var c struct {
-		Exp *float64 `json:"exp"`
-	}
-	if json.Unmarshal(payload, &c) != nil || c.Exp == nil || *c.Exp <= 0 {
-		return time.Time{}, false
-	}
-	return time.Unix(int64(*c.Exp), 0), true
 }

@@ -202,7 +202,7 @@ func TestConcurrentCallersShareOneExchange(t *testing.T) {
 	e := newExchanger(t, Config{URL: s.url()})
 	const callers = 8
 	joined := make(chan struct{}, callers)
-	e.joined = func() { joined <- struct{}{} }
+	e.cache.Joined = func() { joined <- struct{}{} }
 	var wg sync.WaitGroup
 	toks := make([]string, callers)
 	errs := make([]error, callers)

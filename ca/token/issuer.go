@@ -55,6 +55,8 @@ type Issuer struct {
 	keys    *KeySet
 	// lastFetch is when the last fetch began; zero before the first.
 	lastFetch time.Time
+	// fetches counts the fetches done, so that a caller that waited for another's fetch knows.
+	fetches uint64
 }
 
 // NewIssuer returns an Issuer for a rule ValidateRules accepted. It fetches nothing: Run does.
@@ -115,6 +117,7 @@ func (i *Issuer) Refresh(ctx context.Context) error {
 func (i *Issuer) refreshLocked(ctx context.Context) error {
 	i.mu.Lock()
 	i.lastFetch = i.cfg.Clock.Now()
+	i.fetches++
 	i.mu.Unlock()
 	data, err := i.cfg.Fetch(ctx)
 	var keys *KeySet
@@ -151,23 +154,29 @@ func (i *Issuer) report(ok bool) {
 }
 
 // refreshForUnknownKey fetches the keys again if the last fetch began at least
-// MinJWKSFetchInterval ago, and reports whether it fetched them.
-func (i *Issuer) refreshForUnknownKey(ctx context.Context) bool {
+// MinJWKSFetchInterval ago, and reports whether the keys may have changed since the caller
+// looked: it fetched them, or another fetch ended while it waited for it.
+func (i *Issuer) refreshForUnknownKey(ctx context.Context, before uint64) bool {
 	i.fetchMu.Lock()
 	defer i.fetchMu.Unlock()
 	i.mu.Lock()
+	waited := i.fetches != before
 	due := i.lastFetch.IsZero() || i.cfg.Clock.Now().Sub(i.lastFetch) >= MinJWKSFetchInterval
 	i.mu.Unlock()
+	if waited {
+		return true
+	}
 	if !due {
 		return false
 	}
 	return i.refreshLocked(ctx) == nil
 }
 
-func (i *Issuer) currentKeys() *KeySet {
+// currentKeys returns the keys and the number of fetches begun when they were read.
+func (i *Issuer) currentKeys() (*KeySet, uint64) {
 	i.mu.Lock()
 	defer i.mu.Unlock()
-	return i.keys
+	return i.keys, i.fetches
 }
 
 // Verify checks raw against the issuer's keys, the rule's audiences and the validity window,
@@ -175,10 +184,12 @@ func (i *Issuer) currentKeys() *KeySet {
 // does not hold makes it fetch its keys again (rate-limited) and try once more. Errors wrap
 // golang-jwt's, ErrUnknownKey, ErrNoKeyID, ErrSubject, ErrIdentityClaims or ErrNoIssuerKeys.
 func (i *Issuer) Verify(ctx context.Context, raw string) (namespace, serviceAccount string, err error) {
-	claims, err := i.verify(raw)
+	keys, fetches := i.currentKeys()
+	claims, err := i.verify(keys, raw)
 	if errors.Is(err, ErrUnknownKey) || errors.Is(err, ErrNoIssuerKeys) {
-		if i.refreshForUnknownKey(ctx) {
-			claims, err = i.verify(raw)
+		if i.refreshForUnknownKey(ctx, fetches) {
+			keys, _ = i.currentKeys()
+			claims, err = i.verify(keys, raw)
 		}
 	}
 	if err != nil {
@@ -187,8 +198,7 @@ func (i *Issuer) Verify(ctx context.Context, raw string) (namespace, serviceAcco
 	return i.cfg.Rule.serviceAccount(claims)
 }
 
-func (i *Issuer) verify(raw string) (*ruleClaims, error) {
-	keys := i.currentKeys()
+func (i *Issuer) verify(keys *KeySet, raw string) (*ruleClaims, error) {
 	if keys == nil {
 		return nil, fmt.Errorf("%w (issuer %q)", ErrNoIssuerKeys, i.Name())
 	}

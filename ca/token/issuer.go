@@ -55,7 +55,7 @@ type Issuer struct {
 	keys    *KeySet
 	// lastFetch is when the last fetch began; zero before the first.
 	lastFetch time.Time
-	// fetches counts the fetches done, so that a caller that waited for another's fetch knows.
+	// fetches counts the fetches ended, so that a caller that waited for another's fetch knows.
 	fetches uint64
 }
 
@@ -117,8 +117,12 @@ func (i *Issuer) Refresh(ctx context.Context) error {
 func (i *Issuer) refreshLocked(ctx context.Context) error {
 	i.mu.Lock()
 	i.lastFetch = i.cfg.Clock.Now()
-	i.fetches++
 	i.mu.Unlock()
+	defer func() {
+		i.mu.Lock()
+		i.fetches++ // ended, well or not
+		i.mu.Unlock()
+	}()
 	data, err := i.cfg.Fetch(ctx)
 	var keys *KeySet
 	if err == nil {
@@ -172,7 +176,7 @@ func (i *Issuer) refreshForUnknownKey(ctx context.Context, before uint64) bool {
 	return i.refreshLocked(ctx) == nil
 }
 
-// currentKeys returns the keys and the number of fetches begun when they were read.
+// currentKeys returns the keys and the number of fetches ended when they were read.
 func (i *Issuer) currentKeys() (*KeySet, uint64) {
 	i.mu.Lock()
 	defer i.mu.Unlock()

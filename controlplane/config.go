@@ -67,6 +67,13 @@ type Config struct {
 	JWTAudience string
 	JWTIssuer   string // checked when set
 
+	// JWTRules trust external OIDC issuers (JWT_RULE): a token whose iss is a rule's is checked
+	// with the keys fetched from its jwksUri and mapped by the rule; any other token is checked
+	// as above. JWTRuleRootCert, when set, is the PEM roots the jwksUri servers' certificates
+	// must chain to, instead of the system's.
+	JWTRules        []token.Rule
+	JWTRuleRootCert string
+
 	// Manifests is a directory of Namespace and ServiceAccount YAML that namespace targeting
 	// reads, and follows; empty: no namespace is known, so each follows EnableNamespacesByDefault.
 	Manifests                 string
@@ -194,6 +201,12 @@ func (c *Config) Validate() error {
 	}
 	if c.JWTAudience == "" {
 		errs = append(errs, configerr.Errorf("JWTAudience", "{JWTAudience} must not be empty"))
+	}
+	if err := token.ValidateRules(c.JWTRules); err != nil {
+		errs = append(errs, &configerr.FieldError{Field: "JWTRules", Err: err})
+	}
+	if c.JWTRuleRootCert != "" && len(c.JWTRules) == 0 {
+		errs = append(errs, configerr.Errorf("JWTRuleRootCert", "{JWTRuleRootCert} needs {JWTRules}"))
 	}
 	if c.WorkloadCertTTL <= 0 {
 		errs = append(errs, &configerr.FieldError{Field: "WorkloadCertTTL", Value: c.WorkloadCertTTL, Err: configerr.ErrMustBePositive})

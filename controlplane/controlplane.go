@@ -79,6 +79,7 @@ type ControlPlane struct {
 	stores    stores
 	authority *ca.Authority
 	keys      *ca.KeyManager
+	issuers   []*token.Issuer // JWT_RULE's, each refreshing its keys in Run
 	work      controllers
 	discovery *discovery.Server
 	newGRPC   func() *grpc.Server // builds grpc in Run: its stream workers are goroutines
@@ -116,7 +117,11 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 	if err != nil {
 		return nil, err
 	}
-	authenticators, err := newAuthenticators(cfg, st.kube, authority, registry)
+	issuers, err := newIssuers(cfg, registry)
+	if err != nil {
+		return nil, err
+	}
+	authenticators, err := newAuthenticators(cfg, st.kube, authority, issuers, registry)
 	if err != nil {
 		return nil, err
 	}
@@ -130,7 +135,7 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 	}
 	ready := new(atomic.Bool)
 	return &ControlPlane{
-		log: cfg.Logger, clock: cfg.Clock, lis: lis, stores: st, authority: authority, keys: keys, work: work,
+		log: cfg.Logger, clock: cfg.Clock, lis: lis, stores: st, authority: authority, keys: keys, issuers: issuers, work: work,
 		discovery: disco, newGRPC: newGRPC, monitor: newMonitor(lis.monitoring, registry, authority, ready),
 		ready: ready, readyCh: make(chan struct{}),
 	}, nil
@@ -434,11 +439,14 @@ func newSecrets(cfg Config, store controller.Store, secrets controller.SecretSto
 	})
 }
 
-// newAuthenticators returns how callers prove who they are, in the order tried: a JWT checked
-// offline (with --jwt-keys, or off Kubernetes the state dir's own token key), a JWT checked by the
+// newAuthenticators returns how callers prove who they are, in the order tried: a JWT of an
+// external issuer (JWT_RULE), a JWT checked offline (with --jwt-keys, or off Kubernetes the state dir's own token key), a JWT checked by the
 // API server's TokenReview (on Kubernetes), a client certificate this CA issued.
-func newAuthenticators(cfg Config, k *onKubernetes, authority *ca.Authority, reg prometheus.Registerer) ([]caserver.Authenticator, error) {
+func newAuthenticators(cfg Config, k *onKubernetes, authority *ca.Authority, issuers []*token.Issuer, reg prometheus.Registerer) ([]caserver.Authenticator, error) {
 	var authenticators []caserver.Authenticator
+	if len(issuers) > 0 {
+		authenticators = append(authenticators, caserver.NewIssuerAuthenticator(issuerVerifiers(issuers), cfg.TrustDomain))
+	}
 	if cfg.JWTKeysFile != "" || k == nil {
 		keys, err := token.TrustedKeys(cfg.JWTKeysFile, ca.TokenKeyPath(cfg.StateDir), cfg.Logger)
 		if err != nil {
@@ -513,6 +521,9 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 		g.Go(func() error { return c.stores.manifests.Run(ctx) })
 	}
 	g.Go(func() error { return c.keys.Run(ctx) })
+	for _, iss := range c.issuers {
+		g.Go(func() error { return iss.Run(ctx) })
+	}
 	g.Go(func() error { return c.discovery.Run(ctx) })
 	if c.stores.kube != nil {
 		c.stores.kube.run(ctx, g, c.keys, c.work.leader, c.work.secrets)

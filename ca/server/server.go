@@ -223,6 +223,7 @@ func rules() []rule {
 		{jwt.ErrTokenUnverifiable, codes.Unauthenticated, "token_signature"},
 		{jwt.ErrTokenRequiredClaimMissing, codes.Unauthenticated, "token_claims"},
 		{token.ErrSubject, codes.Unauthenticated, "token_subject"},
+		{token.ErrIdentityClaims, codes.Unauthenticated, "token_subject"},
 		{jwt.ErrTokenInvalidClaims, codes.Unauthenticated, "token_claims"},
 		{ca.ErrRootRetired, codes.Unauthenticated, "client_root_retired"},
 		{errClientCertificate, codes.Unauthenticated, "client_certificate"},

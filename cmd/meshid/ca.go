@@ -9,6 +9,7 @@ import (
 	"github.com/spf13/cobra"
 	"k8s.io/klog/v2"
 
+	"github.com/meshid/meshid/ca/token"
 	"github.com/meshid/meshid/cmd/internal/cli"
 	"github.com/meshid/meshid/controlplane"
 	"github.com/meshid/meshid/internal/logkey"
@@ -35,7 +36,7 @@ func secretFlags() []string {
 
 func newCACommand(g *cli.Globals, run caRunner, lookupEnv func(string) (string, bool)) *cobra.Command {
 	cfg := controlplane.DefaultConfig()
-	var keyAlgorithm string
+	var keyAlgorithm, jwtRule string
 	cmd := &cobra.Command{
 		Use:   "ca",
 		Short: "Run the Citadel-style certificate authority",
@@ -57,7 +58,8 @@ bundle (root-cert.pem, and for client certificates) until it expires or --trust-
 
 Callers authenticate with a service-account JWT ("authorization: Bearer ...", verified with
 --jwt-keys or the state dir's token-key.pem, which "meshid token" signs with) or with a client
-certificate this CA issued. Each gets a certificate for its own identity only:
+certificate this CA issued; a token of an external OIDC issuer named by --jwt-rule (JWT_RULE) is
+checked with the keys its JWKS URL serves instead. Each gets a certificate for its own identity only:
 spiffe://<trust-domain>/ns/<namespace>/sa/<service-account>.
 
 Several CA instances can share a cluster: each serves the namespaces that Istio's Citadel
@@ -145,6 +147,18 @@ logged, each reason at most ten lines at once then one a second.`,
 					cfg.Secrets.ListenedNamespace = ns
 				}
 			}
+			// istiod's order: the flag, then $JWT_RULE.
+			ruleFrom := "--jwt-rule"
+			if !flags.Changed("jwt-rule") {
+				if env, ok := lookupEnv("JWT_RULE"); ok {
+					jwtRule, ruleFrom = env, "JWT_RULE"
+				}
+			}
+			rules, err := token.ParseRules(jwtRule)
+			if err != nil {
+				return fmt.Errorf("%s: %w", ruleFrom, err)
+			}
+			cfg.JWTRules = rules
 			cfg.GRPCHostIdentities = trimAll(cfg.GRPCHostIdentities)
 			cfg.Logger = g.Logger()
 			return cli.RenderConfigErrors(cfg.Validate(), caFields())
@@ -173,6 +187,8 @@ logged, each reason at most ten lines at once then one a second.`,
 	f.StringVar(&cfg.JWTKeysFile, "jwt-keys", "", "PEM public keys or JWKS of the token issuer (e.g. the kube-apiserver's service-account keys); default: <state-dir>/token-key.pem")
 	f.StringVar(&cfg.JWTAudience, "jwt-audience", cfg.JWTAudience, "audience tokens must carry")
 	f.StringVar(&cfg.JWTIssuer, "jwt-issuer", "", "issuer tokens must carry; empty accepts any")
+	f.StringVar(&jwtRule, "jwt-rule", "", `external OIDC issuers to trust (env JWT_RULE, as istiod reads it): a JSON list of rules, or one rule, {"issuer": ISS, "jwksUri": "https://...", "audiences": [AUD, ...], "claimToNamespace": CLAIM, "claimToServiceAccount": CLAIM}. A token whose iss is a rule's issuer is checked with the keys fetched from jwksUri (every 20m, and on an unknown kid at most once a minute; a failed fetch keeps the last keys), must carry one of the audiences, and gets spiffe://<trust-domain>/ns/NS/sa/SA: without the two claim fields, from its sub system:serviceaccount:NS:SA (as Kubernetes'); with them, from those string claims. Other tokens are checked as before`)
+	f.StringVar(&cfg.JWTRuleRootCert, "jwt-rule-root-cert", "", "PEM roots that the jwksUri servers of --jwt-rule must chain to, instead of the system's")
 	f.StringVar(&cfg.Manifests, "manifests", "", "directory of Namespace and ServiceAccount manifests (*.yaml, *.yml, *.json; not its subdirectories), watched; their labels decide which namespaces this CA serves. It must exist but may be empty. Empty: no namespace is known")
 	f.StringVar(&cfg.XDSConfig, "xds-config", "", "serve Envoy's aggregated discovery service on the gRPC port from this file (YAML or JSON shaped like bootstrap's static_resources: listeners, clusters, routes, endpoints, and namespaces: {<ns>: {...}} replacing them for that namespace); watched, and a bad edit keeps the last good one. Empty: Envoy gets an empty configuration (no listeners, no clusters)")
 	f.IntVar(&cfg.XDSMaxStreams, "xds-max-streams", cfg.XDSMaxStreams, "most discovery streams open at once over every client; past it a stream is refused with ResourceExhausted")
@@ -215,6 +231,8 @@ func caFieldFlags() map[string]string {
 		"JWTKeysFile":                   "jwt-keys",
 		"JWTAudience":                   "jwt-audience",
 		"JWTIssuer":                     "jwt-issuer",
+		"JWTRules":                      "jwt-rule",
+		"JWTRuleRootCert":               "jwt-rule-root-cert",
 		"Manifests":                     "manifests",
 		"XDSConfig":                     "xds-config",
 		"XDSMaxStreams":                 "xds-max-streams",
@@ -238,9 +256,9 @@ func caFieldFlags() map[string]string {
 }
 
 // caFields names the fields of controlplane.Config as a user of `meshid ca` sets them; NAMESPACE
-// sets --listened-namespace, as in Citadel.
+// sets --listened-namespace, as in Citadel, and JWT_RULE --jwt-rule, as in istiod.
 func caFields() cli.FieldNames {
-	return cli.FieldNames{Flags: caFieldFlags(), Env: map[string]string{"listened-namespace": "NAMESPACE"}}
+	return cli.FieldNames{Flags: caFieldFlags(), Env: map[string]string{"listened-namespace": "NAMESPACE", "jwt-rule": "JWT_RULE"}}
 }
 
 // refusedAsCalled is cli.RefusedAsCalled with the control plane's refusals, which package cli,

@@ -81,6 +81,8 @@ const (
 	Operation         = "operation"
 	ConfigMap         = "configmap"
 	Variables         = "variables"
+	Issuer            = "issuer"
+	URL               = "url"
 )
 
 // Keys of Envoy's life under the agent.

@@ -10,7 +10,6 @@ import (
 	"testing"
 
 	"github.com/meshid/meshid/agent"
-	"github.com/meshid/meshid/controlplane"
 	"github.com/meshid/meshid/internal/testutil"
 	"github.com/meshid/meshid/sds"
 	"github.com/meshid/meshid/xdsproxy"
@@ -21,11 +20,7 @@ import (
 // a Unix socket next to the XDS socket, with its mode; on the debug port only when asked.
 func TestXDSDebugIsServedToWhoMayOpenTheXDSSocket(t *testing.T) {
 	t.Parallel()
-	xdsConfig := filepath.Join(t.TempDir(), "xds.yaml")
-	if err := os.WriteFile(xdsConfig, []byte(xdsE2EConfig), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	e := newEnv(t, func(c *controlplane.Config) { c.XDSConfig = xdsConfig })
+	e := newXDSEnv(t)
 	for _, tcp := range []bool{false, true} {
 		t.Run("xds-debug-tcp="+strconv.FormatBool(tcp), func(t *testing.T) {
 			t.Parallel()

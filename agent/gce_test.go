@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
-	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -15,7 +14,6 @@ import (
 	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
 
 	"github.com/meshid/meshid/agent"
-	"github.com/meshid/meshid/controlplane"
 	"github.com/meshid/meshid/controlplane/controlplanetest"
 	"github.com/meshid/meshid/internal/configerr"
 )
@@ -47,29 +45,13 @@ func gceMetadata(t *testing.T, e *env) (host string, fetches *atomic.Int32) {
 // configuration; the CA client and the xDS proxy share one fetcher, so one token serves both.
 func TestGCECredentialFetcher(t *testing.T) {
 	t.Parallel()
-	xdsConfig := filepath.Join(t.TempDir(), "xds.yaml")
-	if err := os.WriteFile(xdsConfig, []byte(xdsE2EConfig), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	e := newEnv(t, func(c *controlplane.Config) { c.XDSConfig = xdsConfig })
+	e := newXDSEnv(t)
 	host, fetches := gceMetadata(t, e)
 	cfg := e.config(t, filepath.Join(e.dir, "no-such-token"), nil)
 	cfg.CA.CredentialFetcherType = agent.CredentialFetcherGCE
 	cfg.CA.CredentialIdentityProvider = "istio-ca"
 	cfg.CA.MetadataHost = host
-	a := newAgent(t, cfg)
-	certs := issued(t, a)
-	runAgent(t, a)
-	if s := receive(t, certs, "certificate"); s.KeyPair.Chain[0].URIs[0].String() != demoID {
-		t.Fatalf("certificate for %v, want %s", s.KeyPair.Chain[0].URIs, demoID)
-	}
-	stream, err := xdsClient(t, cfg).StreamAggregatedResources(t.Context())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if got := names(t, stream, resource.ClusterType); len(got) != 1 || got[0] != "backend" {
-		t.Fatalf("clusters through the proxy: %v, want [backend]", got)
-	}
+	certificateAndClusters(t, cfg)
 	if n := fetches.Load(); n != 1 {
 		t.Fatalf("%d tokens fetched, want 1 shared by the CA client and the xDS proxy", n)
 	}

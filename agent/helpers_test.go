@@ -16,6 +16,7 @@ import (
 	"time"
 
 	tlsv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/transport_sockets/tls/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
 
 	"github.com/meshid/meshid/agent"
 	"github.com/meshid/meshid/controlplane"
@@ -59,6 +60,35 @@ func newEnv(t *testing.T, mutate ...func(*controlplane.Config)) *env {
 	// The CA checks its root once an hour; the tests step the clock by less between renewals.
 	e.ca = controlplanetest.Start(t, cfg)
 	return e
+}
+
+// newXDSEnv is newEnv whose CA serves xdsE2EConfig to Envoy's ADS.
+func newXDSEnv(t *testing.T) *env {
+	t.Helper()
+	xdsConfig := filepath.Join(t.TempDir(), "xds.yaml")
+	if err := os.WriteFile(xdsConfig, []byte(xdsE2EConfig), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return newEnv(t, func(c *controlplane.Config) { c.XDSConfig = xdsConfig })
+}
+
+// certificateAndClusters runs the agent of cfg until it holds demo's certificate, and checks
+// that an ADS stream through its XDS socket gets xdsE2EConfig's cluster.
+func certificateAndClusters(t *testing.T, cfg agent.Config) {
+	t.Helper()
+	a := newAgent(t, cfg)
+	certs := issued(t, a)
+	runAgent(t, a)
+	if s := receive(t, certs, "certificate"); s.KeyPair.Chain[0].URIs[0].String() != demoID {
+		t.Fatalf("certificate for %v, want %s", s.KeyPair.Chain[0].URIs, demoID)
+	}
+	stream, err := xdsClient(t, cfg).StreamAggregatedResources(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := names(t, stream, resource.ClusterType); len(got) != 1 || got[0] != "backend" {
+		t.Fatalf("clusters through the proxy: %v, want [backend]", got)
+	}
 }
 
 // tokenFile writes a token for ns/sa and returns its path.

@@ -15,12 +15,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
 	"github.com/meshid/meshid/agent"
-	"github.com/meshid/meshid/controlplane"
 	"github.com/meshid/meshid/controlplane/controlplanetest"
 	"github.com/meshid/meshid/internal/configerr"
 	"github.com/meshid/meshid/secretmanager"
@@ -68,11 +66,7 @@ func exchangeEndpoint(t *testing.T, e *env, subject string) (url, rootFile strin
 // configuration, from one exchange shared by the CA client and the xDS proxy.
 func TestTokenExchange(t *testing.T) {
 	t.Parallel()
-	xdsConfig := filepath.Join(t.TempDir(), "xds.yaml")
-	if err := os.WriteFile(xdsConfig, []byte(xdsE2EConfig), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	e := newEnv(t, func(c *controlplane.Config) { c.XDSConfig = xdsConfig })
+	e := newXDSEnv(t)
 	url, rootFile, exchanges := exchangeEndpoint(t, e, externalToken)
 	tokenPath := filepath.Join(e.dir, "external-token")
 	if err := os.WriteFile(tokenPath, []byte(externalToken+"\n"), 0o600); err != nil {
@@ -83,19 +77,7 @@ func TestTokenExchange(t *testing.T) {
 	if err := cfg.Validate(); err != nil {
 		t.Fatal(err)
 	}
-	a := newAgent(t, cfg)
-	certs := issued(t, a)
-	runAgent(t, a)
-	if s := receive(t, certs, "certificate"); s.KeyPair.Chain[0].URIs[0].String() != demoID {
-		t.Fatalf("certificate for %v, want %s", s.KeyPair.Chain[0].URIs, demoID)
-	}
-	stream, err := xdsClient(t, cfg).StreamAggregatedResources(t.Context())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if got := names(t, stream, resource.ClusterType); len(got) != 1 || got[0] != "backend" {
-		t.Fatalf("clusters through the proxy: %v, want [backend]", got)
-	}
+	certificateAndClusters(t, cfg)
 	if n := exchanges.Load(); n != 1 {
 		t.Fatalf("%d exchanges, want 1 shared by the CA client and the xDS proxy", n)
 	}

@@ -167,11 +167,7 @@ func TestXDSProxiedToTheCA(t *testing.T) {
 // An agent of another namespace gets that namespace's set.
 func TestXDSOfAnotherNamespace(t *testing.T) {
 	t.Parallel()
-	xdsConfig := filepath.Join(t.TempDir(), "xds.yaml")
-	if err := os.WriteFile(xdsConfig, []byte(xdsE2EConfig), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	e := newEnv(t, func(c *controlplane.Config) { c.XDSConfig = xdsConfig })
+	e := newXDSEnv(t)
 	cfg := e.config(t, e.tokenFile(t, "prod", "demo"), nil)
 	cfg.Identity.Namespace = "prod"
 	runAgent(t, newAgent(t, cfg))
@@ -188,11 +184,7 @@ func TestXDSOfAnotherNamespace(t *testing.T) {
 // presents the workload certificate the agent holds.
 func TestXDSAfterTheTokenIsGone(t *testing.T) {
 	t.Parallel()
-	xdsConfig := filepath.Join(t.TempDir(), "xds.yaml")
-	if err := os.WriteFile(xdsConfig, []byte(xdsE2EConfig), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	e := newEnv(t, func(c *controlplane.Config) { c.XDSConfig = xdsConfig })
+	e := newXDSEnv(t)
 	tokenPath := e.tokenFile(t, "prod", "demo")
 	cfg := e.config(t, tokenPath, nil)
 	cfg.Identity.Namespace = "prod"

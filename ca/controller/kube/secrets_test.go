@@ -53,7 +53,10 @@ func runSecretsOnKube(t *testing.T, cfg *rest.Config, ns string) *secretsOnKube 
 	h := &secretsOnKube{t: t, ns: ns, authority: ca.New(ca.Config{DefaultTTL: time.Hour}, bundle), events: make(chan controller.SecretEvent, 1024)}
 	clients, log := clientsFor(t, cfg), testLogger(t)
 	store := kube.NewStore(kube.StoreConfig{Clients: clients, Logger: log})
-	secretStore := kube.NewSecretStore(kube.SecretStoreConfig{Clients: clients, Logger: log})
+	// Scoped to the namespace as the control plane scopes it (its listened namespace): unscoped,
+	// the controllers of parallel tests each saw the others' secrets, out of their namespace, and
+	// removed them ("namespace not listened to").
+	secretStore := kube.NewSecretStore(kube.SecretStoreConfig{Clients: clients, Namespace: ns, Logger: log})
 	secrets, err := controller.NewSecrets(controller.SecretsConfig{
 		Store:     store,
 		Targeting: controller.NewTargeting(controller.TargetingConfig{Store: store, CANamespace: "istio-system", EnabledByDefault: true}),

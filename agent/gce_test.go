@@ -5,7 +5,6 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"path/filepath"
-	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -15,7 +14,6 @@ import (
 
 	"github.com/meshid/meshid/agent"
 	"github.com/meshid/meshid/controlplane/controlplanetest"
-	"github.com/meshid/meshid/internal/configerr"
 )
 
 // gceMetadata is a metadata server on loopback as Google documents it: it answers the default
@@ -73,16 +71,7 @@ func TestGCECredentialFetcher(t *testing.T) {
 
 func TestGCECredentialFetcherConfigRefused(t *testing.T) {
 	t.Parallel()
-	withCA := func(c *agent.Config) {
-		c.CA.Address = "ca.example:15012"
-		c.Identity.Namespace, c.Identity.ServiceAccount = "ns", "sa"
-	}
-	cases := []struct {
-		name  string
-		edit  func(*agent.Config)
-		field string
-		want  string
-	}{
+	cases := []refusal{
 		{"unknown type", func(c *agent.Config) { withCA(c); c.CA.CredentialFetcherType = "AWS" }, "CA.CredentialFetcherType", "is unknown"},
 		{"no audience", func(c *agent.Config) { withCA(c); c.CA.CredentialFetcherType = agent.CredentialFetcherGCE },
 			"CA.CredentialIdentityProvider", "is required with CA.CredentialFetcherType GoogleComputeEngine"},
@@ -97,15 +86,5 @@ func TestGCECredentialFetcherConfigRefused(t *testing.T) {
 			c.CA.CredentialFetcherType, c.CA.CredentialIdentityProvider, c.CA.MetadataHost = agent.CredentialFetcherGCE, "istio-ca", "http://metadata/"
 		}, "CA.MetadataHost", "without a scheme"},
 	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			t.Parallel()
-			cfg := agent.DefaultConfig(t.TempDir())
-			tc.edit(&cfg)
-			err := cfg.Validate()
-			if err == nil || !slices.Contains(configerr.Fields(err), tc.field) || !strings.Contains(err.Error(), tc.want) {
-				t.Fatalf("Validate: %v; want %s: %q", err, tc.field, tc.want)
-			}
-		})
-	}
+	wantRefused(t, cases)
 }

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -21,6 +22,7 @@ import (
 	"github.com/meshid/meshid/agent"
 	"github.com/meshid/meshid/controlplane"
 	"github.com/meshid/meshid/controlplane/controlplanetest"
+	"github.com/meshid/meshid/internal/configerr"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
 	"github.com/meshid/meshid/sds/sdstest"
@@ -88,6 +90,37 @@ func certificateAndClusters(t *testing.T, cfg agent.Config) {
 	}
 	if got := names(t, stream, resource.ClusterType); len(got) != 1 || got[0] != "backend" {
 		t.Fatalf("clusters through the proxy: %v, want [backend]", got)
+	}
+}
+
+// withCA gives a config a CA and the workload's identity, so that Validate has nothing else to
+// say of it.
+func withCA(c *agent.Config) {
+	c.CA.Address = "ca.example:15012"
+	c.Identity.Namespace, c.Identity.ServiceAccount = "ns", "sa"
+}
+
+// refusal is a config Validate must refuse: edit applied to the default one, refused for field
+// with a message holding want.
+type refusal struct {
+	name  string
+	edit  func(*agent.Config)
+	field string
+	want  string
+}
+
+func wantRefused(t *testing.T, cases []refusal) {
+	t.Helper()
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			cfg := agent.DefaultConfig(t.TempDir())
+			tc.edit(&cfg)
+			err := cfg.Validate()
+			if err == nil || !slices.Contains(configerr.Fields(err), tc.field) || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("Validate: %v; want %s: %q", err, tc.field, tc.want)
+			}
+		})
 	}
 }
 

@@ -9,7 +9,6 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
-	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -20,7 +19,6 @@ import (
 
 	"github.com/meshid/meshid/agent"
 	"github.com/meshid/meshid/controlplane/controlplanetest"
-	"github.com/meshid/meshid/internal/configerr"
 	"github.com/meshid/meshid/secretmanager"
 )
 
@@ -140,16 +138,7 @@ func TestTokenExchangeSubjectAloneRefused(t *testing.T) {
 
 func TestTokenExchangeConfigRefused(t *testing.T) {
 	t.Parallel()
-	withCA := func(c *agent.Config) {
-		c.CA.Address = "ca.example:15012"
-		c.Identity.Namespace, c.Identity.ServiceAccount = "ns", "sa"
-	}
-	cases := []struct {
-		name  string
-		edit  func(*agent.Config)
-		field string
-		want  string
-	}{
+	cases := []refusal{
 		{"http to another host", func(c *agent.Config) { withCA(c); c.CA.TokenExchangeURL = "http://sts.example/v1/token" },
 			"CA.TokenExchangeURL", "in clear"},
 		{"not a URL", func(c *agent.Config) { withCA(c); c.CA.TokenExchangeURL = "sts.example" }, "CA.TokenExchangeURL", "absolute URL"},
@@ -161,15 +150,5 @@ func TestTokenExchangeConfigRefused(t *testing.T) {
 			c.CA.TokenExchangeURL, c.CA.TokenExchangeRootCert = "http://127.0.0.1:8080/token", "/r.pem"
 		}, "CA.TokenExchangeRootCert", "nothing is verified"},
 	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			t.Parallel()
-			cfg := agent.DefaultConfig(t.TempDir())
-			tc.edit(&cfg)
-			err := cfg.Validate()
-			if err == nil || !slices.Contains(configerr.Fields(err), tc.field) || !strings.Contains(err.Error(), tc.want) {
-				t.Fatalf("Validate: %v; want %s: %q", err, tc.field, tc.want)
-			}
-		})
-	}
+	wantRefused(t, cases)
 }

@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/meshid/meshid/agent/envoy"
+	"github.com/meshid/meshid/internal/envoytest"
 	"github.com/meshid/meshid/internal/testutil"
 )
 
@@ -162,16 +163,16 @@ func startSupervisor(t *testing.T, mode string, drain envoy.DrainConfig) *run {
 	return r
 }
 
-// waitFor polls cond until it holds; a bound on the wait turns a hang into a failure.
+// waitFor polls cond until it holds (envoytest.Eventually); a bound on the wait turns a hang
+// into a failure.
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting until %s", what)
+	envoytest.Eventually(t, 20*time.Second, func() error {
+		if !cond() {
+			return errors.New("not yet: " + what)
 		}
-		time.Sleep(time.Millisecond) // polling a child process, not waiting for time to pass
-	}
+		return nil
+	})
 }
 
 func (r *run) wait(t *testing.T) error {

@@ -31,7 +31,37 @@ func TestMain(m *testing.M) {
 	if mode, ok := os.LookupEnv(fakeEnvoyEnv); ok {
 		os.Exit(fakeEnvoy(mode))
 	}
-	os.Exit(m.Run())
+	os.Exit(runTests(m))
+}
+
+// fakeEnvoys are the fake Envoy's paths, by mode: scripts that run the test binary as a fake
+// Envoy. They are written before any test runs: an executable written while parallel tests fork
+// can be held open for writing by a child between its fork and its exec, and exec'ing it then
+// fails with "text file busy".
+var fakeEnvoys = map[string]string{}
+
+func runTests(m *testing.M) int {
+	exe, err := os.Executable()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	dir, err := os.MkdirTemp("", "fake-envoy")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	defer func() { _ = os.RemoveAll(dir) }()
+	for i, mode := range []string{"", "exit=0", "exit=3", "kill", "stubborn"} {
+		path := filepath.Join(dir, fmt.Sprint("envoy-", i))
+		script := fmt.Sprintf("#!/bin/sh\n%s=%q exec %q \"$@\"\n", fakeEnvoyEnv, mode, exe)
+		if err := os.WriteFile(path, []byte(script), 0o755); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		fakeEnvoys[mode] = path
+	}
+	return m.Run()
 }
 
 // fakeEnvoy: "exit=N" exits N at once; "kill" dies of SIGKILL; "stubborn" ignores SIGTERM;
@@ -116,15 +146,9 @@ type run struct {
 func startSupervisor(t *testing.T, mode string, drain envoy.DrainConfig) *run {
 	t.Helper()
 	t.Parallel()
-	exe, err := os.Executable()
-	if err != nil {
-		t.Fatal(err)
-	}
-	// Envoy's path is a script that runs the test binary as a fake Envoy in mode.
-	wrapper := filepath.Join(t.TempDir(), "envoy")
-	script := fmt.Sprintf("#!/bin/sh\n%s=%q exec %q \"$@\"\n", fakeEnvoyEnv, mode, exe)
-	if err := os.WriteFile(wrapper, []byte(script), 0o755); err != nil {
-		t.Fatal(err)
+	wrapper, ok := fakeEnvoys[mode]
+	if !ok {
+		t.Fatalf("no fake Envoy for mode %q", mode)
 	}
 	admin := &fakeAdmin{ready: envoy.ReadyLive, connections: []int{0}}
 	srv := httptest.NewServer(admin)
@@ -133,6 +157,7 @@ func startSupervisor(t *testing.T, mode string, drain envoy.DrainConfig) *run {
 		admin: admin, clock: testutil.NewFakeClock(epoch), out: &testutil.SyncBuffer{}, logs: &testutil.SyncBuffer{},
 		signals: make(chan os.Signal, 1), start: make(chan struct{}), shutdown: make(chan struct{}), done: make(chan error, 1),
 	}
+	var err error
 	r.sup, err = envoy.NewSupervisor(envoy.SupervisorConfig{
 		Options: envoy.Options{Path: wrapper, BootstrapPath: "/etc/envoy.json", LogLevel: "info", ComponentLogLevel: "misc:error",
 			Concurrency: 2, DrainDuration: 45 * time.Second},

@@ -38,6 +38,9 @@ type Config struct {
 	Clock      clock.Clock
 	DefaultTTL time.Duration
 	MaxTTL     time.Duration
+	// CACertIdentities are the callers that may have a CA certificate (SignCA) for a CA of their
+	// own (--sign-ca-certs --ca-cert-identities); empty: nobody.
+	CACertIdentities []pki.SPIFFEID
 }
 
 // Authority signs certificates with the current Bundle. The bundle is swapped atomically: a
@@ -46,6 +49,7 @@ type Authority struct {
 	clock      clock.Clock
 	defaultTTL time.Duration
 	maxTTL     time.Duration
+	caCertIDs  []pki.SPIFFEID
 	bundle     atomic.Pointer[Bundle]
 
 	mu      sync.Mutex
@@ -54,7 +58,8 @@ type Authority struct {
 
 // New returns an Authority serving b. A nil b leaves it not ready until SetBundle.
 func New(cfg Config, b *Bundle) *Authority {
-	a := &Authority{clock: clock.OrReal(cfg.Clock), defaultTTL: cfg.DefaultTTL, maxTTL: cfg.MaxTTL, changed: make(chan struct{})}
+	a := &Authority{clock: clock.OrReal(cfg.Clock), defaultTTL: cfg.DefaultTTL, maxTTL: cfg.MaxTTL, changed: make(chan struct{}),
+		caCertIDs: slices.Clone(cfg.CACertIdentities)}
 	if a.defaultTTL == 0 {
 		a.defaultTTL = DefaultWorkloadCertTTL
 	}
@@ -204,6 +209,8 @@ type policy struct {
 	fromCSR     bool   // the key comes from a request, checked against the identity
 	extKeyUsage []x509.ExtKeyUsage
 	ttl         func(requested time.Duration) (time.Duration, error)
+	// ca: a CA certificate for a downstream CA, constrained to its identity's trust domain.
+	ca bool
 }
 
 // workloadPolicy is a workload certificate's: the SPIFFE ID (and, for a secret, the DNS names
@@ -257,6 +264,15 @@ func (a *Authority) issue(pol policy, p Params) (*Issued, error) {
 	if pol.identity {
 		tmpl.URIs = []*url.URL{p.Identity.URL()}
 	}
+	if pol.ca {
+		// Path length 0: the downstream signs workloads, not further CAs. The name constraint
+		// keeps what it signs in its trust domain, whatever its key is made to sign.
+		tmpl.Subject = pkix.Name{Organization: []string{p.Identity.TrustDomain}, CommonName: p.Identity.Namespace + "/" + p.Identity.ServiceAccount}
+		tmpl.IsCA, tmpl.MaxPathLen, tmpl.MaxPathLenZero = true, 0, true
+		tmpl.KeyUsage = x509.KeyUsageCertSign | x509.KeyUsageCRLSign
+		tmpl.PermittedURIDomains = []string{p.Identity.TrustDomain}
+		tmpl.PermittedDNSDomainsCritical = true // marks the whole extension critical (RFC 5280)
+	}
 	leaf, err := a.sign(b, tmpl, pub, ttl)
 	if err != nil {
 		return nil, err
@@ -271,6 +287,41 @@ func (a *Authority) issue(pol policy, p Params) (*Issued, error) {
 // against the workload policy, and verifies it before returning it.
 func (a *Authority) SignWorkload(_ context.Context, req WorkloadRequest) (*Issued, error) {
 	return a.issue(a.workloadPolicy("caller", true), Params{Identity: req.Identity, CSR: req.CSR, TTL: req.TTL})
+}
+
+// CARequest asks for a CA certificate for a downstream CA (Citadel's --sign-ca-certs).
+type CARequest struct {
+	CSR *x509.CertificateRequest
+	// Identity is the authenticated caller's: it must be one of Config.CACertIdentities, and it is
+	// the certificate's only name.
+	Identity pki.SPIFFEID
+	// TTL is the requested lifetime: 0 or more than the maximum (Config.MaxTTL) gives the maximum;
+	// never past the signing certificate's own expiry.
+	TTL time.Duration
+}
+
+// SignCA signs a CA certificate (CA:true, path length 0, certSign and cRLSign, its URIs
+// constrained to the caller's trust domain) for the caller's identity with the key of its
+// request, when that identity may have one.
+func (a *Authority) SignCA(_ context.Context, req CARequest) (*Issued, error) {
+	if len(a.caCertIDs) == 0 {
+		return nil, ErrCACertsNotSigned
+	}
+	if !slices.Contains(a.caCertIDs, req.Identity) {
+		return nil, fmt.Errorf("%w: %s is not among the identities allowed CA certificates", ErrCACertIdentity, req.Identity)
+	}
+	pol := policy{what: "CA certificate", identity: true, fromCSR: true, ca: true, ttl: a.caTTL}
+	return a.issue(pol, Params{Identity: req.Identity, CSR: req.CSR, TTL: req.TTL})
+}
+
+func (a *Authority) caTTL(requested time.Duration) (time.Duration, error) {
+	if requested < 0 {
+		return 0, fmt.Errorf("%w: %s is negative", ErrInvalidTTL, requested)
+	}
+	if requested == 0 || requested > a.maxTTL {
+		return a.maxTTL, nil
+	}
+	return requested, nil
 }
 
 // SecretRequest asks for the certificate of a service-account secret, whose key the CA's own

@@ -24,6 +24,11 @@ var (
 	ErrCSRSignatureAlgorithm = errors.New("certificate request signed with a weak or unsupported algorithm")
 	// ErrRootRetired: a chain ends at a root that was replaced and whose trust overlap has ended.
 	ErrRootRetired = errors.New("root was replaced and its trust overlap has ended")
+	// ErrCACertsNotSigned: a CA certificate was asked of a CA that signs none (no --sign-ca-certs).
+	ErrCACertsNotSigned = errors.New("this CA does not sign CA certificates")
+	// ErrCACertIdentity: a CA certificate was asked by an identity not allowed one
+	// (--ca-cert-identities).
+	ErrCACertIdentity = errors.New("caller may not have a CA certificate")
 	// ErrInvalidTTL: the requested lifetime is negative.
 	ErrInvalidTTL = errors.New("invalid certificate lifetime")
 )

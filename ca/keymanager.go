@@ -106,6 +106,10 @@ type KeyManagerConfig struct {
 	// state dir still keeps the trust bundle and the roots it replaced (see LoadOrCreate).
 	Initial       *Bundle
 	InitialOrigin Origin
+
+	// Upstream, when set, issued Initial; Run renews it from the upstream at its grace point
+	// and puts each renewal in service as Offer does.
+	Upstream *Upstream
 }
 
 // KeyManager keeps the CA's key material current while it runs: it reloads plugged-in files when
@@ -227,6 +231,9 @@ func (m *KeyManager) Run(ctx context.Context) error {
 		close(m.ready)
 	}
 	g.Go(func() error { return m.runRootChecks(ctx) })
+	if m.cfg.Upstream != nil {
+		g.Go(func() error { return m.runUpstreamRenewals(ctx) })
+	}
 	return g.Wait()
 }
 
@@ -242,6 +249,32 @@ func (m *KeyManager) runRootChecks(ctx context.Context) error {
 			return nil
 		case <-timer.C():
 		}
+	}
+}
+
+// runUpstreamRenewals renews the upstream-signed signing certificate at its grace point, for as
+// long as ctx lasts. The bundle in service keeps signing until a renewal verifies; the renewal
+// then replaces it as an Offer does.
+func (m *KeyManager) runUpstreamRenewals(ctx context.Context) error {
+	up := m.cfg.Upstream
+	for {
+		current := m.cfg.Authority.Bundle()
+		at := up.renewAt(current)
+		up.log.Info("next renewal of the signing certificate from the upstream CA", logkey.RenewAt, at, logkey.NotAfter, current.notAfter)
+		if wait := at.Sub(m.clock.Now()); wait > 0 {
+			timer := m.clock.NewTimer(wait)
+			select {
+			case <-ctx.Done():
+				timer.Stop()
+				return nil
+			case <-timer.C():
+			}
+		}
+		next, err := up.renew(ctx, current)
+		if err != nil {
+			return nil //nolint:nilerr // renew gives up only when ctx ends
+		}
+		m.Offer(next, "upstream CA "+up.cfg.Address)
 	}
 }
 

@@ -30,7 +30,7 @@ func CheckStateDir(stateDir string) error {
 	if err := fsutil.CheckOwnedDir(stateDir); err != nil {
 		return err
 	}
-	for _, name := range []string{CAKeyFile, TokenKeyFile} {
+	for _, name := range []string{CAKeyFile, TokenKeyFile, UpstreamCAFile} {
 		if err := fsutil.CheckKeyFile(filepath.Join(stateDir, name)); err != nil {
 			return err
 		}

@@ -23,9 +23,10 @@ import (
 	"github.com/meshid/meshid/internal/logkey"
 )
 
-// Signer issues workload certificates.
+// Signer issues workload certificates, and CA certificates to the callers allowed them.
 type Signer interface {
 	SignWorkload(ctx context.Context, req ca.WorkloadRequest) (*ca.Issued, error)
+	SignCA(ctx context.Context, req ca.CARequest) (*ca.Issued, error)
 }
 
 // Targeting decides whether this CA instance serves a namespace.
@@ -107,7 +108,9 @@ var (
 )
 
 // CreateCertificate authenticates the caller, checks that its namespace is served, and signs the
-// CSR for the caller's own identity. The response chain is leaf, intermediates, root.
+// CSR for the caller's own identity. The response chain is leaf, intermediates, root. A CSR whose
+// extension request holds basicConstraints cA TRUE (ca.WantsCA) asks for a CA certificate, which
+// only the identities the CA allows get (ca.Authority.SignCA).
 func (s *Server) CreateCertificate(ctx context.Context, req *pb.IstioCertificateRequest) (*pb.IstioCertificateResponse, error) {
 	caller, err := s.Authorize(ctx)
 	if err != nil {
@@ -117,18 +120,28 @@ func (s *Server) CreateCertificate(ctx context.Context, req *pb.IstioCertificate
 	if err != nil {
 		return nil, s.refuse(ctx, caller, err)
 	}
+	wantsCA, err := ca.WantsCA(csr)
+	if err != nil {
+		return nil, s.refuse(ctx, caller, err)
+	}
 	start := time.Now()
-	issued, err := s.signer.SignWorkload(ctx, ca.WorkloadRequest{
-		CSR:      csr,
-		Identity: caller.Identity,
-		TTL:      secondsToDuration(req.GetValidityDuration()),
-	})
+	var issued *ca.Issued
+	if ttl := secondsToDuration(req.GetValidityDuration()); wantsCA {
+		issued, err = s.signer.SignCA(ctx, ca.CARequest{CSR: csr, Identity: caller.Identity, TTL: ttl})
+	} else {
+		issued, err = s.signer.SignWorkload(ctx, ca.WorkloadRequest{CSR: csr, Identity: caller.Identity, TTL: ttl})
+	}
 	if err != nil {
 		return nil, s.refuse(ctx, caller, err)
 	}
 	if s.metrics != nil {
 		s.metrics.signing.Observe(time.Since(start).Seconds())
 		s.metrics.issued.WithLabelValues(caller.Method).Inc()
+	}
+	if wantsCA {
+		// Rare, and it makes a CA: always in the log.
+		s.log.Info("CA certificate issued", logkey.Identity, caller.Identity.String(), logkey.Method, caller.Method,
+			logkey.Serial, issued.Leaf.SerialNumber.Text(16), logkey.NotAfter, issued.Leaf.NotAfter)
 	}
 	// At the default level this line is dropped: build none of its attributes then.
 	if s.log.Enabled(ctx, slog.LevelDebug) {
@@ -231,6 +244,8 @@ func rules() []rule {
 		{errTargetingUnavailable, codes.Unavailable, "targeting_unavailable"},
 		{ca.ErrIdentityMismatch, codes.PermissionDenied, "csr_identity"},
 		{ca.ErrForbiddenSAN, codes.PermissionDenied, "csr_names"},
+		{ca.ErrCACertsNotSigned, codes.PermissionDenied, "ca_cert_not_signed"},
+		{ca.ErrCACertIdentity, codes.PermissionDenied, "ca_cert_identity"},
 		{ca.ErrMalformedCSR, codes.InvalidArgument, "csr_malformed"},
 		{ca.ErrCSRSignature, codes.InvalidArgument, "csr_signature"},
 		{ca.ErrCSRSignatureAlgorithm, codes.InvalidArgument, "csr_signature_algorithm"},

@@ -61,6 +61,7 @@ type harnessOptions struct {
 	signer           server.Signer      // nil: the harness's authority
 	moreTokenKeys    []crypto.PublicKey // trusted besides the harness's token key
 	store            controller.NamespaceStore
+	caCertIDs        []pki.SPIFFEID // identities allowed CA certificates (--ca-cert-identities)
 }
 
 func newHarness(t testing.TB, opts harnessOptions) *harness {
@@ -79,7 +80,7 @@ func newHarness(t testing.TB, opts harnessOptions) *harness {
 	if err != nil {
 		t.Fatal(err)
 	}
-	authority := ca.New(ca.Config{Clock: clk, DefaultTTL: time.Hour, MaxTTL: opts.maxTTL}, bundle)
+	authority := ca.New(ca.Config{Clock: clk, DefaultTTL: time.Hour, MaxTTL: opts.maxTTL, CACertIdentities: opts.caCertIDs}, bundle)
 
 	tokenKey, err := pki.GenerateKey(pki.ECDSA, 0)
 	if err != nil {
@@ -658,6 +659,10 @@ func TestCreateCertificateTargetingUnavailable(t *testing.T) {
 type failingSigner struct{ err error }
 
 func (f failingSigner) SignWorkload(context.Context, ca.WorkloadRequest) (*ca.Issued, error) {
+	return nil, f.err
+}
+
+func (f failingSigner) SignCA(context.Context, ca.CARequest) (*ca.Issued, error) {
 	return nil, f.err
 }
 

@@ -21,6 +21,7 @@ import (
 	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/ca/controller"
 	"github.com/meshid/meshid/ca/token"
+	"github.com/meshid/meshid/caclient"
 	"github.com/meshid/meshid/discovery"
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/configerr"
@@ -102,6 +103,16 @@ type Config struct {
 	MaxConnectionAge      time.Duration
 	MaxConnectionAgeGrace time.Duration
 
+	// Upstream, when its Address is set, makes this CA an intermediate of another CA (Citadel's
+	// --upstream-ca-address): its signing certificate comes from there, not from CACertsDir or a
+	// self-signed root.
+	Upstream UpstreamConfig
+
+	// SignCACerts lets this CA sign CA certificates (Citadel's --sign-ca-certs) for the callers
+	// whose SPIFFE IDs are in CACertIdentities, and for no one else.
+	SignCACerts      bool
+	CACertIdentities []string
+
 	// Kubernetes, when enabled, replaces Manifests with the Kubernetes API (see KubernetesConfig).
 	Kubernetes KubernetesConfig
 
@@ -113,6 +124,92 @@ type Config struct {
 	Clock  clock.Clock
 	// OnKeyEvent, when set, is told of every reload, rotation and pruning of the key material.
 	OnKeyEvent func(ca.Event)
+}
+
+// UpstreamConfig is where this CA's signing certificate comes from when it is an intermediate
+// of another CA.
+type UpstreamConfig struct {
+	// Address is the upstream CA's HOST:PORT; empty: no upstream.
+	Address string
+	// RootCertFile holds the upstream's roots: they verify its serving certificate and the chain
+	// it answers with, and are what this CA publishes as its trust anchors.
+	RootCertFile string
+	// TokenPath is the token this CA authenticates with, read at every request.
+	TokenPath string
+	// RequestedTTL is the lifetime asked for (--requested-ca-cert-ttl); the upstream may give less.
+	RequestedTTL time.Duration
+	// StartTimeout bounds the first request at start, when the state dir holds no valid
+	// upstream-signed certificate; 0: DefaultUpstreamStartTimeout.
+	StartTimeout time.Duration
+}
+
+// DefaultUpstreamStartTimeout bounds the first request to the upstream CA at start.
+const DefaultUpstreamStartTimeout = time.Minute
+
+// Enabled reports whether an upstream CA is configured.
+func (u UpstreamConfig) Enabled() bool { return u.Address != "" }
+
+func (u UpstreamConfig) validate(c *Config) []error {
+	var errs []error
+	if !u.Enabled() {
+		if u.RootCertFile != "" {
+			errs = append(errs, configerr.Errorf("Upstream.RootCertFile", "{Upstream.RootCertFile} needs {Upstream.Address}"))
+		}
+		if u.TokenPath != "" {
+			errs = append(errs, configerr.Errorf("Upstream.TokenPath", "{Upstream.TokenPath} needs {Upstream.Address}"))
+		}
+		return errs
+	}
+	if err := hostport.CheckDial(u.Address); err != nil {
+		errs = append(errs, &configerr.FieldError{Field: "Upstream.Address", Value: u.Address, Err: err})
+	}
+	if u.RootCertFile == "" {
+		errs = append(errs, configerr.Errorf("Upstream.RootCertFile", "{Upstream.RootCertFile} is required with {Upstream.Address}: it verifies the upstream CA and is the trust anchor this CA publishes"))
+	}
+	if u.TokenPath == "" {
+		errs = append(errs, configerr.Errorf("Upstream.TokenPath", "{Upstream.TokenPath} is required with {Upstream.Address}: the upstream CA signs for the identity of its token"))
+	}
+	if u.RequestedTTL <= 0 {
+		errs = append(errs, &configerr.FieldError{Field: "Upstream.RequestedTTL", Value: u.RequestedTTL, Err: configerr.ErrMustBePositive})
+	}
+	if c.CACertsDir != "" {
+		errs = append(errs, configerr.Errorf("CACertsDir", "{CACertsDir} and {Upstream.Address} both give the signing certificate: choose one"))
+	}
+	return errs
+}
+
+// validateCACertSigning checks SignCACerts and CACertIdentities: each needs the other (a flag
+// that does nothing is refused), and each identity is a workload SPIFFE ID of this trust domain,
+// the only one a caller is ever mapped to.
+func (c *Config) validateCACertSigning() []error {
+	switch {
+	case !c.SignCACerts && len(c.CACertIdentities) > 0:
+		return []error{configerr.Errorf("CACertIdentities", "{CACertIdentities} needs {SignCACerts}")}
+	case c.SignCACerts && len(c.CACertIdentities) == 0:
+		return []error{configerr.Errorf("SignCACerts", "{SignCACerts} needs {CACertIdentities}: the SPIFFE IDs allowed CA certificates")}
+	}
+	var errs []error
+	for _, s := range c.CACertIdentities {
+		id, err := pki.ParseSPIFFEID(s)
+		if err == nil && id.TrustDomain != c.TrustDomain {
+			err = fmt.Errorf("trust domain %q is not this CA's %q: no caller is ever that identity", id.TrustDomain, c.TrustDomain)
+		}
+		if err != nil {
+			errs = append(errs, &configerr.FieldError{Field: "CACertIdentities", Value: s, Err: err})
+		}
+	}
+	return errs
+}
+
+// caCertIdentities returns CACertIdentities parsed (Validate checked them).
+func (c *Config) caCertIdentities() []pki.SPIFFEID {
+	var ids []pki.SPIFFEID
+	for _, s := range c.CACertIdentities {
+		if id, err := pki.ParseSPIFFEID(s); err == nil {
+			ids = append(ids, id)
+		}
+	}
+	return ids
 }
 
 // SecretsConfig configures the service-account secret controller (Citadel's flags).
@@ -165,6 +262,7 @@ func DefaultConfig() Config {
 		XDSMaxStreamsPerCredential: discovery.DefaultMaxStreamsPerCredential,
 		MaxConnectionAge:           DefaultMaxConnectionAge,
 		MaxConnectionAgeGrace:      DefaultMaxConnectionAgeGrace,
+		Upstream:                   UpstreamConfig{RequestedTTL: ca.DefaultRequestedCACertTTL},
 		Secrets: SecretsConfig{
 			GracePeriodRatio: controller.DefaultGracePeriodRatio,
 			MinGracePeriod:   controller.DefaultMinGracePeriod,
@@ -240,6 +338,8 @@ func (c *Config) Validate() error {
 		errs = append(errs, &configerr.FieldError{Field: "TrustBundleOverlap", Value: c.TrustBundleOverlap, Err: configerr.ErrMustNotBeNegative})
 	}
 	errs = append(errs, c.Secrets.validate()...)
+	errs = append(errs, c.Upstream.validate(c)...)
+	errs = append(errs, c.validateCACertSigning()...)
 	errs = append(errs, c.Kubernetes.validate(c)...)
 	switch c.SelfSigned.KeyAlgorithm {
 	case pki.ECDSA:
@@ -272,6 +372,11 @@ func (c *Config) checkGivenPaths() error {
 	if c.CACertsDir != "" {
 		if err := ca.CheckCACertsDir(c.CACertsDir); err != nil {
 			errs = append(errs, refused{&configerr.FieldError{Field: "CACertsDir", Err: err}})
+		}
+	}
+	if c.Upstream.Enabled() && c.Upstream.RootCertFile != "" {
+		if err := caclient.CheckRootFile(c.Upstream.RootCertFile, ""); err != nil {
+			errs = append(errs, refused{configerr.Errorf("Upstream.RootCertFile", "{Upstream.RootCertFile} %s %w", c.Upstream.RootCertFile, err)})
 		}
 	}
 	if err := checkManifestsDir(c.Manifests); err != nil {

@@ -23,6 +23,7 @@ import (
 	"github.com/meshid/meshid/ca/controller"
 	caserver "github.com/meshid/meshid/ca/server"
 	"github.com/meshid/meshid/ca/token"
+	"github.com/meshid/meshid/caclient"
 	"github.com/meshid/meshid/discovery"
 	"github.com/meshid/meshid/internal/admission"
 	"github.com/meshid/meshid/internal/clock"
@@ -84,7 +85,8 @@ type ControlPlane struct {
 	discovery *discovery.Server
 	newGRPC   func() *grpc.Server // builds grpc in Run: its stream workers are goroutines
 	grpc      *grpc.Server
-	monitor   *http.Server // nil without a monitoring address
+	monitor   *http.Server     // nil without a monitoring address
+	upstream  *caclient.Client // nil without an upstream CA
 	ready     *atomic.Bool
 	readyCh   chan struct{} // closed once Run serves
 }
@@ -113,10 +115,15 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 	if err != nil {
 		return nil, err
 	}
-	authority, keys, err := newAuthority(cfg, st, registry)
+	authority, keys, upstream, err := newAuthority(cfg, st, registry)
 	if err != nil {
 		return nil, err
 	}
+	defer func() {
+		if err != nil && upstream != nil {
+			_ = upstream.Close()
+		}
+	}()
 	issuers, err := newIssuers(cfg, registry)
 	if err != nil {
 		return nil, err
@@ -136,7 +143,7 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 	ready := new(atomic.Bool)
 	return &ControlPlane{
 		log: cfg.Logger, clock: cfg.Clock, lis: lis, stores: st, authority: authority, keys: keys, issuers: issuers, work: work,
-		discovery: disco, newGRPC: newGRPC, monitor: newMonitor(lis.monitoring, registry, authority, ready),
+		discovery: disco, newGRPC: newGRPC, monitor: newMonitor(lis.monitoring, registry, authority, ready), upstream: upstream,
 		ready: ready, readyCh: make(chan struct{}),
 	}, nil
 }
@@ -167,6 +174,9 @@ func (c Config) withDefaults() Config {
 	c.Clock = clock.OrReal(c.Clock)
 	if c.SelfSigned.Org == "" {
 		c.SelfSigned.Org = c.TrustDomain
+	}
+	if c.Upstream.StartTimeout <= 0 {
+		c.Upstream.StartTimeout = DefaultUpstreamStartTimeout
 	}
 	return c
 }
@@ -260,20 +270,39 @@ func (s stores) namespaces() controller.Store {
 }
 
 // newAuthority loads or creates the CA's key material (on Kubernetes, from the cacerts Secret
-// unless the mounted files hold a complete bundle) and returns the authority that signs with it
-// and the key manager that keeps it current.
-func newAuthority(cfg Config, st stores, reg prometheus.Registerer) (*ca.Authority, *ca.KeyManager, error) {
+// unless the mounted files hold a complete bundle; with an upstream CA, from the state dir or the
+// upstream) and returns the authority that signs with it, the key manager that keeps it current,
+// and the client of the upstream CA (nil without one), which the caller closes.
+func newAuthority(cfg Config, st stores, reg prometheus.Registerer) (_ *ca.Authority, _ *ca.KeyManager, _ *caclient.Client, err error) {
 	var (
 		initial       *ca.Bundle
 		initialOrigin ca.Origin
-		err           error
+		upstream      *ca.Upstream
+		client        *caclient.Client
 	)
-	if st.kube != nil {
+	defer func() {
+		if err != nil && client != nil {
+			_ = client.Close()
+		}
+	}()
+	switch {
+	case cfg.Upstream.Enabled():
+		if client, upstream, err = newUpstream(cfg, reg); err != nil {
+			return nil, nil, nil, err
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), cfg.Upstream.StartTimeout)
+		initial, initialOrigin, err = upstream.Load(ctx)
+		cancel()
+		if err != nil {
+			return nil, nil, nil, fmt.Errorf("load CA key material: %w", err)
+		}
+	case st.kube != nil:
 		if initial, initialOrigin, err = st.kube.initialBundle(cfg.CACertsDir, cfg.Clock.Now()); err != nil {
-			return nil, nil, fmt.Errorf("load CA key material: %w", err)
+			return nil, nil, nil, fmt.Errorf("load CA key material: %w", err)
 		}
 	}
-	authority := ca.New(ca.Config{Clock: cfg.Clock, DefaultTTL: cfg.WorkloadCertTTL, MaxTTL: cfg.MaxWorkloadCertTTL}, nil)
+	authority := ca.New(ca.Config{Clock: cfg.Clock, DefaultTTL: cfg.WorkloadCertTTL, MaxTTL: cfg.MaxWorkloadCertTTL,
+		CACertIdentities: cfg.caCertIdentities()}, nil)
 	keys, err := ca.NewKeyManager(ca.KeyManagerConfig{
 		Authority:             authority,
 		CACertsDir:            cfg.CACertsDir,
@@ -289,9 +318,10 @@ func newAuthority(cfg Config, st stores, reg prometheus.Registerer) (*ca.Authori
 		OnEvent:               cfg.OnKeyEvent,
 		Initial:               initial,
 		InitialOrigin:         initialOrigin,
+		Upstream:              upstream,
 	})
 	if err != nil {
-		return nil, nil, fmt.Errorf("load CA key material: %w", err)
+		return nil, nil, nil, fmt.Errorf("load CA key material: %w", err)
 	}
 	bundle := authority.Bundle()
 	cfg.Logger.Info("CA key material loaded",
@@ -302,9 +332,42 @@ func newAuthority(cfg Config, st stores, reg prometheus.Registerer) (*ca.Authori
 		logkey.TrustedRoots, len(bundle.Roots()),
 		logkey.Path, ca.RootCertPath(cfg.StateDir))
 	if err := ca.RegisterMetrics(reg, authority); err != nil {
+		return nil, nil, nil, err
+	}
+	return authority, keys, client, nil
+}
+
+// newUpstream returns the client of the upstream CA and what obtains and renews the signing
+// certificate through it. The client reads the token at every request: it rotates.
+func newUpstream(cfg Config, reg prometheus.Registerer) (*caclient.Client, *ca.Upstream, error) {
+	log := cfg.Logger.With(logkey.Component, "upstream-ca")
+	client, err := caclient.New(caclient.Config{
+		Address:      cfg.Upstream.Address,
+		RootCertFile: cfg.Upstream.RootCertFile,
+		TokenPath:    cfg.Upstream.TokenPath,
+		Clock:        cfg.Clock,
+		Logger:       log,
+	})
+	if err != nil {
 		return nil, nil, err
 	}
-	return authority, keys, nil
+	upstream, err := ca.NewUpstream(ca.UpstreamConfig{
+		Signer:       client,
+		Address:      cfg.Upstream.Address,
+		RootCertFile: cfg.Upstream.RootCertFile,
+		StateDir:     cfg.StateDir,
+		TTL:          cfg.Upstream.RequestedTTL,
+		KeyAlgorithm: cfg.SelfSigned.KeyAlgorithm,
+		RSAKeySize:   cfg.SelfSigned.RSAKeySize,
+		Clock:        cfg.Clock,
+		Logger:       log,
+		Registerer:   reg,
+	})
+	if err != nil {
+		_ = client.Close()
+		return nil, nil, err
+	}
+	return client, upstream, nil
 }
 
 // controllers are what works over the stores: namespace targeting, the service-account secret
@@ -484,8 +547,18 @@ func (c *ControlPlane) MonitoringAddr() string {
 	return c.lis.monitoring.Addr().String()
 }
 
-// Close releases the listeners of a control plane that will not Run.
-func (c *ControlPlane) Close() { c.lis.close() }
+// Close releases the listeners (and the upstream CA's connection) of a control plane that will
+// not Run.
+func (c *ControlPlane) Close() {
+	c.lis.close()
+	c.closeUpstream()
+}
+
+func (c *ControlPlane) closeUpstream() {
+	if c.upstream != nil {
+		_ = c.upstream.Close()
+	}
+}
 
 // Ready is closed once Run serves and watches the plugged-in CA files.
 func (c *ControlPlane) Ready() <-chan struct{} { return c.readyCh }
@@ -583,6 +656,7 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 	})
 	c.log.Info("CA started", logkey.Address, c.GRPCAddr(), logkey.MonitoringAddress, c.MonitoringAddr(), logkey.Version, version.Version())
 	err := g.Wait()
+	c.closeUpstream()
 	if c.lis.grpcSocket != nil {
 		c.lis.grpcSocket.Remove() // the server has closed its listener
 	}

@@ -109,6 +109,11 @@ func newOnKubernetes(cfg Config, reg prometheus.Registerer) (*onKubernetes, erro
 	}
 	k.store = kube.NewStore(kube.StoreConfig{Clients: clients, Namespace: cfg.Secrets.ListenedNamespace,
 		Logger: log.With(logkey.Component, "kube-store"), Registerer: reg})
+	if cfg.Upstream.Enabled() {
+		// The signing certificate comes from the upstream CA, kept in the state dir (a volume):
+		// each replica has its own, all chained to the upstream's root. No cacerts Secret.
+		return k, nil
+	}
 	if k.cacerts, err = kube.NewCACerts(kube.CACertsConfig{
 		Clients:               clients,
 		Namespace:             cfg.CANamespace,
@@ -185,7 +190,9 @@ func (k *onKubernetes) run(ctx context.Context, g *errgroup.Group, keys *ca.KeyM
 		requeue = secrets.Requeue
 	}
 	g.Go(func() error { return k.store.Run(ctx) })
-	g.Go(func() error { return k.cacerts.Run(ctx, keys) })
+	if k.cacerts != nil {
+		g.Go(func() error { return k.cacerts.Run(ctx, keys) })
+	}
 	g.Go(func() error { return leader.secretStore.Run(ctx, requeue) })
 	g.Go(func() error {
 		// The elected replica's work reads both views: it starts once they are complete.

@@ -117,7 +117,28 @@ What a client can make the gRPC port hold is bounded:
   - a node of 512 KiB; syncz answers of 1,000 nodes; four debug answers built at once;
   - --max-connection-age: a connection is told to go after it, and closed 10 s later.
 Refusals are counted (meshid_discovery_refusals_total, meshid_ca_requests_refused_total) and
-logged, each reason at most ten lines at once then one a second.`,
+logged, each reason at most ten lines at once then one a second.
+
+One root can serve several CAs, each with its own intermediate (Citadel's upstream CA):
+  - the upstream runs with --sign-ca-certs --ca-cert-identities spiffe://TD/ns/NS/sa/SA,...
+    A CSR whose extension request holds basicConstraints with cA TRUE asks for a CA
+    certificate; it is signed (CA:true, path length 0, certSign and cRLSign, URI names
+    constrained to the trust domain) for the caller's authenticated identity only, when that
+    identity is listed, for at most --max-workload-cert-ttl and never past the upstream's own
+    signing certificate. Anyone else is refused (PermissionDenied), logged and counted.
+    Workload requests are signed as always;
+  - the downstream runs with --upstream-ca-address H:P --upstream-ca-root-cert FILE
+    --upstream-token-path FILE. At start it reuses the key and chain in
+    <state-dir>/upstream-ca.pem (0600) while they are valid and chain to the root file, else
+    makes a new key (--key-algorithm) and asks the upstream for a CA certificate of
+    --requested-ca-cert-ttl, checked (a CA certificate for its key, chained to the root file)
+    before it is used or saved; the start fails if none can be had. It serves leaf,
+    intermediate(s), root, and <state-dir>/root-cert.pem holds the upstream's roots. It renews
+    its certificate when half of its lifetime (±1%) is left, signing with the current one until
+    the new one checks out, and retries with backoff (1s to 5m) while the upstream is down,
+    logging each failure as an error (meshid_ca_upstream_renewals_total{outcome}). The token is
+    read at every request. The signing certificate's expiry is
+    meshid_ca_signing_cert_expiry_timestamp_seconds{source="upstream"}.`,
 		Args: cobra.NoArgs,
 		PreRunE: func(cmd *cobra.Command, _ []string) error {
 			alg, err := pki.ParseKeyAlgorithm(keyAlgorithm)
@@ -159,7 +180,11 @@ logged, each reason at most ten lines at once then one a second.`,
 				return fmt.Errorf("%s: %w", ruleFrom, err)
 			}
 			cfg.JWTRules = rules
+			if flags.Changed("requested-ca-cert-ttl") && cfg.Upstream.Address == "" {
+				return errors.New("--requested-ca-cert-ttl needs --upstream-ca-address")
+			}
 			cfg.GRPCHostIdentities = trimAll(cfg.GRPCHostIdentities)
+			cfg.CACertIdentities = trimAll(cfg.CACertIdentities)
 			cfg.Logger = g.Logger()
 			return cli.RenderConfigErrors(cfg.Validate(), caFields())
 		},
@@ -208,6 +233,12 @@ logged, each reason at most ten lines at once then one a second.`,
 	f.StringVar(&cfg.Secrets.CustomDNSNames, "custom-dns-names", "", "extra DNS names for secrets, <sa>.<namespace>:<dns name>, comma-separated; needs --append-dns-names, and --manifests or Kubernetes")
 	f.StringVar(&cfg.Secrets.LivenessProbePath, "liveness-probe-path", "", "file whose modification time is updated every --liveness-probe-interval while the secret controller is healthy; check it with \"meshid probe --probe-path\". Needs --manifests")
 	f.DurationVar(&cfg.Secrets.LivenessProbeInterval, "liveness-probe-interval", 0, "how often --liveness-probe-path is updated. Needs --manifests")
+	f.StringVar(&cfg.Upstream.Address, "upstream-ca-address", "", "HOST:PORT of an upstream CA (another meshid ca with --sign-ca-certs) that signs this CA's certificate; needs --upstream-ca-root-cert and --upstream-token-path, and excludes --cacerts-dir")
+	f.StringVar(&cfg.Upstream.RootCertFile, "upstream-ca-root-cert", "", "PEM roots of the upstream CA: they verify it and the chain it signs, and are the trust anchors this CA publishes in <state-dir>/root-cert.pem")
+	f.StringVar(&cfg.Upstream.TokenPath, "upstream-token-path", "", "token this CA authenticates to the upstream CA with (its identity must be in the upstream's --ca-cert-identities), read at every request")
+	f.DurationVar(&cfg.Upstream.RequestedTTL, "requested-ca-cert-ttl", cfg.Upstream.RequestedTTL, "lifetime of the CA certificate asked of the upstream CA (it may give less: its --max-workload-cert-ttl, its own certificate's expiry)")
+	f.BoolVar(&cfg.SignCACerts, "sign-ca-certs", false, "sign CA certificates for other CAs (their --upstream-ca-address is this one), for the identities of --ca-cert-identities only")
+	f.StringSliceVar(&cfg.CACertIdentities, "ca-cert-identities", nil, "SPIFFE IDs (spiffe://<trust-domain>/ns/NS/sa/SA, comma-separated) that may have a CA certificate; needs --sign-ca-certs")
 	cmd.AddCommand(newCATargetsCommand(g))
 	return cmd
 }
@@ -252,6 +283,12 @@ func caFieldFlags() map[string]string {
 		"Secrets.CustomDNSNames":        "custom-dns-names",
 		"Secrets.LivenessProbePath":     "liveness-probe-path",
 		"Secrets.LivenessProbeInterval": "liveness-probe-interval",
+		"Upstream.Address":              "upstream-ca-address",
+		"Upstream.RootCertFile":         "upstream-ca-root-cert",
+		"Upstream.TokenPath":            "upstream-token-path",
+		"Upstream.RequestedTTL":         "requested-ca-cert-ttl",
+		"SignCACerts":                   "sign-ca-certs",
+		"CACertIdentities":              "ca-cert-identities",
 	}
 }
 

@@ -30,7 +30,7 @@ func allowed() map[string][]string {
 		"agent/envoy":                   {"internal/"},   // Envoy's bootstrap, process and admin
 		"agent/envoy/bootstrapcheck":    {"agent/envoy"}, // the bootstrap checked with Envoy's types
 		"agent/promstats":               {"internal/"},   // the status port's merged /stats/prometheus
-		"controlplane":                  {"ca", "ca/", "discovery", "internal/"},
+		"controlplane":                  {"ca", "ca/", "caclient", "discovery", "internal/"},
 		"controlplane/controlplanetest": {"controlplane", "ca", "ca/token", "agent"}, // ca: the token key's path
 		"sds/sdsclient":                 {"internal/"},                               // nothing of the server it tests
 		"sds/sdstest":                   {"sds/sdsclient"},

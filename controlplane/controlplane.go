@@ -3,6 +3,8 @@ package controlplane
 import (
 	"context"
 	"crypto/tls"
+	"crypto/x509"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -709,6 +711,15 @@ func monitoringHandler(registry *prometheus.Registry, authority *ca.Authority, r
 	mux.HandleFunc("GET /version", func(w http.ResponseWriter, _ *http.Request) {
 		_, _ = fmt.Fprintln(w, version.String())
 	})
+	mux.HandleFunc("GET /debug/ca", func(w http.ResponseWriter, _ *http.Request) {
+		b := authority.Bundle()
+		if b == nil {
+			http.Error(w, "not ready: no key material", http.StatusServiceUnavailable)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		_ = json.NewEncoder(w).Encode(describeBundle(b))
+	})
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
 		_, _ = fmt.Fprintln(w, "ok")
 	})
@@ -720,4 +731,37 @@ func monitoringHandler(registry *prometheus.Registry, authority *ca.Authority, r
 		_, _ = fmt.Fprintln(w, "ready")
 	})
 	return mux
+}
+
+// bundleStatus is what /debug/ca shows of the key material in service: certificates only, which
+// every caller of the CA receives anyway.
+type bundleStatus struct {
+	Source  string       `json:"source"`
+	Signing certStatus   `json:"signing_cert"`
+	Chain   []certStatus `json:"chain"` // signing certificate first, root last
+	Roots   []certStatus `json:"trusted_roots"`
+	// NotAfter is the earliest expiry along the chain: no certificate is issued past it.
+	NotAfter time.Time `json:"not_after"`
+}
+
+type certStatus struct {
+	Subject   string    `json:"subject"`
+	Issuer    string    `json:"issuer"`
+	Serial    string    `json:"serial"`
+	NotBefore time.Time `json:"not_before"`
+	NotAfter  time.Time `json:"not_after"`
+}
+
+func describeBundle(b *ca.Bundle) bundleStatus {
+	describe := func(c *x509.Certificate) certStatus {
+		return certStatus{Subject: c.Subject.String(), Issuer: c.Issuer.String(), Serial: c.SerialNumber.Text(16), NotBefore: c.NotBefore, NotAfter: c.NotAfter}
+	}
+	s := bundleStatus{Source: string(b.Source()), Signing: describe(b.SigningCert()), NotAfter: b.NotAfter()}
+	for _, c := range b.Chain() {
+		s.Chain = append(s.Chain, describe(c))
+	}
+	for _, c := range b.Roots() {
+		s.Roots = append(s.Roots, describe(c))
+	}
+	return s
 }

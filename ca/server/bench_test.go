@@ -88,3 +88,45 @@ func BenchmarkCreateCertificate(b *testing.B) {
 	})
 
 }
+
+// BenchmarkCreateCertificateUpstream compares, in one run, the signing rate end to end (as
+// BenchmarkCreateCertificate's grpc line) of a single self-signed CA and of a downstream CA whose
+// signing certificate an upstream issued (path length 0, a URI name constraint): its chain is one
+// certificate longer. The downstream line reports its rate as a share of the single CA's.
+func BenchmarkCreateCertificateUpstream(b *testing.B) {
+	rates := map[string]float64{}
+	parent := b.Name()
+	for _, layout := range []string{"root", "downstream"} {
+		name := map[string]string{"root": "single", "downstream": "downstream"}[layout]
+		b.Run(name, func(b *testing.B) {
+			h := newHarness(b, harnessOptions{layout: layout})
+			tok := h.token(b, mintOptions{ttl: 24 * time.Hour})
+			req := request(b, p256(b), []string{demoID()}, nil, time.Hour)
+			client := h.dial(b, nil)
+			ctx := withToken(b.Context(), tok)
+			resp, err := client.CreateCertificate(ctx, req) // handshake outside the timing
+			if err != nil {
+				b.Fatal(err)
+			}
+			if want := map[string]int{"root": 2, "downstream": 3}[layout]; len(resp.GetCertChain()) != want {
+				b.Fatalf("chain of %d certificates, want %d", len(resp.GetCertChain()), want)
+			}
+			b.SetParallelism(8)
+			b.ResetTimer()
+			b.RunParallel(func(pb *testing.PB) {
+				for pb.Next() {
+					if _, err := client.CreateCertificate(ctx, req); err != nil {
+						b.Error(err)
+						return
+					}
+				}
+			})
+			b.StopTimer()
+			rates[b.Name()] = float64(b.N) / b.Elapsed().Seconds()
+			b.ReportMetric(rates[b.Name()], "signings/s")
+			if single := rates[parent+"/single"]; layout == "downstream" && single > 0 {
+				b.ReportMetric(100*rates[b.Name()]/single, "%_of_single")
+			}
+		})
+	}
+}

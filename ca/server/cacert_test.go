@@ -14,6 +14,7 @@ import (
 
 	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/internal/pki"
+	"github.com/meshid/meshid/internal/testutil"
 )
 
 // caRequest is what a downstream CA sends: a CSR whose extension request asks for CA:true.
@@ -152,4 +153,29 @@ func TestCreateCertificateCACertTTLClamp(t *testing.T) {
 			}
 		})
 	}
+}
+
+// downstreamOf is a downstream CA's signing certificate and key, as root's CA signs it for
+// downstreamID with SignCA.
+func downstreamOf(t testing.TB, root *testutil.CA, clk *testutil.FakeClock) *testutil.CA {
+	t.Helper()
+	b, err := ca.NewBundle(ca.BundleParams{SigningCert: root.Cert, SigningKey: root.Key, Source: ca.SourceSelfSigned, Now: clk.Now()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	upstream := ca.New(ca.Config{Clock: clk, CACertIdentities: []pki.SPIFFEID{downstreamID()}}, b)
+	key := p256(t)
+	der, err := ca.NewCACSR(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	csr, err := x509.ParseCertificateRequest(der)
+	if err != nil {
+		t.Fatal(err)
+	}
+	issued, err := upstream.SignCA(t.Context(), ca.CARequest{CSR: csr, Identity: downstreamID(), TTL: 30 * 24 * time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &testutil.CA{Cert: issued.Leaf, Key: key}
 }

@@ -62,13 +62,26 @@ type harnessOptions struct {
 	moreTokenKeys    []crypto.PublicKey // trusted besides the harness's token key
 	store            controller.NamespaceStore
 	caCertIDs        []pki.SPIFFEID // identities allowed CA certificates (--ca-cert-identities)
+	// layout is what signs: "" an intermediate plugged in under the root, "root" the root itself
+	// (a single self-signed CA), "downstream" a CA certificate the root's CA signed with SignCA.
+	layout string
 }
 
 func newHarness(t testing.TB, opts harnessOptions) *harness {
 	t.Helper()
 	clk := testutil.NewFakeClock(time.Now().Truncate(time.Second)) // certificates carry whole seconds
 	root := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "harness root"})
-	inter := root.NewIntermediate(t, testutil.CAOptions{CommonName: "harness intermediate"})
+	var inter *testutil.CA
+	switch opts.layout {
+	case "":
+		inter = root.NewIntermediate(t, testutil.CAOptions{CommonName: "harness intermediate"})
+	case "root":
+		inter = root
+	case "downstream":
+		inter = downstreamOf(t, root, clk)
+	default:
+		t.Fatalf("harness layout %q", opts.layout)
+	}
 	bundle, err := ca.NewBundle(ca.BundleParams{
 		SigningCert:   inter.Cert,
 		SigningKey:    inter.Key,

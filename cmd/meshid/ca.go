@@ -198,7 +198,7 @@ One root can serve several CAs, each with its own intermediate (Citadel's upstre
 	}
 	f := cmd.Flags()
 	f.StringVar(&cfg.GRPCAddr, "grpc-addr", cfg.GRPCAddr, "listen address of the CA protocol (TLS gRPC); port 0 picks a free port")
-	f.StringVar(&cfg.MonitoringAddr, "monitoring-addr", cfg.MonitoringAddr, "listen address of /metrics, /version, /healthz, /healthz/ready; empty disables it")
+	f.StringVar(&cfg.MonitoringAddr, "monitoring-addr", cfg.MonitoringAddr, "listen address of /metrics, /version, /healthz, /healthz/ready, /debug/ca (the key material in service); empty disables it")
 	f.StringVar(&cfg.StateDir, "state-dir", cfg.StateDir, "directory of the self-signed CA (ca-cert.pem, ca-key.pem), the trust bundle root-cert.pem, and token-key.pem; made 0700 when missing, and refused when another user owns it or can write in it")
 	f.StringVar(&cfg.CACertsDir, "cacerts-dir", cfg.CACertsDir, "directory of a plugged-in CA (Istio's cacerts secret); takes precedence over the self-signed CA. It must exist but may be empty: files that appear in it later take over")
 	f.StringVar(&cfg.TrustDomain, "trust-domain", cfg.TrustDomain, "trust domain of the SPIFFE IDs this CA issues")

@@ -274,7 +274,18 @@ func (m *KeyManager) runUpstreamRenewals(ctx context.Context) error {
 		if err != nil {
 			return nil //nolint:nilerr // renew gives up only when ctx ends
 		}
-		m.Offer(next, "upstream CA "+up.cfg.Address)
+		if ev := m.Offer(next, "upstream CA "+up.cfg.Address); ev.Kind != EventReloaded {
+			// Not in service, so the same certificate would be due again at once: wait a
+			// retry's longest before asking again rather than call the upstream in a loop.
+			up.log.Error("the renewed signing certificate was not put in service", logkey.Reason, string(ev.Kind))
+			timer := m.clock.NewTimer(upstreamRetryMax)
+			select {
+			case <-ctx.Done():
+				timer.Stop()
+				return nil
+			case <-timer.C():
+			}
+		}
 	}
 }
 

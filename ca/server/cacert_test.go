@@ -127,6 +127,26 @@ func TestCreateCertificateCACertPolicy(t *testing.T) {
 	}
 }
 
+// A listed identity that shows a client certificate instead of a token is refused a CA
+// certificate: a CA under the same root could have minted that certificate.
+func TestCreateCertificateCACertNotForClientCertificates(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessOptions{caCertIDs: []pki.SPIFFEID{downstreamID()}})
+	leaf, key := h.intermediate.IssueWorkload(t, downstreamID().String(), time.Hour)
+	client := h.dial(t, tlsCert([]*x509.Certificate{leaf, h.intermediate.Cert}, key))
+	if _, err := client.CreateCertificate(t.Context(), request(t, p256(t), []string{downstreamID().String()}, nil, time.Hour)); err != nil {
+		t.Fatalf("the client certificate does not authenticate: %v", err)
+	}
+	_, err := client.CreateCertificate(t.Context(), caRequest(t, time.Hour))
+	if status.Code(err) != codes.PermissionDenied {
+		t.Fatalf("err = %v, want PermissionDenied", err)
+	}
+	labels := map[string]string{"reason": "ca_cert_credential", "code": codes.PermissionDenied.String()}
+	if got := promtest.ToFloat64(counter(t, h.registry, "meshid_ca_requests_refused_total", labels)); got != 1 {
+		t.Errorf("refusals %v = %v, want 1", labels, got)
+	}
+}
+
 // A CA certificate's lifetime is clamped like a workload's to the maximum, and never outlives
 // the upstream's own signing certificate.
 func TestCreateCertificateCACertTTLClamp(t *testing.T) {

@@ -103,6 +103,10 @@ func New(cfg Config) *Server {
 }
 
 var (
+	// errCACertByCertificate: a CA certificate asked with a client certificate. Every CA under
+	// this root can mint a client certificate for any identity of the trust domain, one listed
+	// for CA certificates included; a token is the listed CA's own credential.
+	errCACertByCertificate  = errors.New("a CA certificate is signed only for a caller authenticated by a token, not by a client certificate")
 	errNamespaceNotTargeted = errors.New("this CA instance does not serve the namespace")
 	errTargetingUnavailable = errors.New("cannot tell whether this CA instance serves the namespace")
 )
@@ -123,6 +127,9 @@ func (s *Server) CreateCertificate(ctx context.Context, req *pb.IstioCertificate
 	wantsCA, err := ca.WantsCA(csr)
 	if err != nil {
 		return nil, s.refuse(ctx, caller, err)
+	}
+	if wantsCA && caller.Method == "mtls" {
+		return nil, s.refuse(ctx, caller, errCACertByCertificate)
 	}
 	start := time.Now()
 	var issued *ca.Issued
@@ -246,6 +253,7 @@ func rules() []rule {
 		{ca.ErrForbiddenSAN, codes.PermissionDenied, "csr_names"},
 		{ca.ErrCACertsNotSigned, codes.PermissionDenied, "ca_cert_not_signed"},
 		{ca.ErrCACertIdentity, codes.PermissionDenied, "ca_cert_identity"},
+		{errCACertByCertificate, codes.PermissionDenied, "ca_cert_credential"},
 		{ca.ErrMalformedCSR, codes.InvalidArgument, "csr_malformed"},
 		{ca.ErrCSRSignature, codes.InvalidArgument, "csr_signature"},
 		{ca.ErrCSRSignatureAlgorithm, codes.InvalidArgument, "csr_signature_algorithm"},

@@ -125,7 +125,9 @@ One root can serve several CAs, each with its own intermediate (Citadel's upstre
     certificate; it is signed (CA:true, path length 0, certSign and cRLSign, URI names
     constrained to the trust domain) for the caller's authenticated identity only, when that
     identity is listed, for at most --max-workload-cert-ttl and never past the upstream's own
-    signing certificate. Anyone else is refused (PermissionDenied), logged and counted.
+    signing certificate, and only to a caller authenticated by a token (any CA under the root
+    could mint a client certificate for a listed identity). Anyone else is refused
+    (PermissionDenied), logged and counted.
     Workload requests are signed as always;
   - the downstream runs with --upstream-ca-address H:P --upstream-ca-root-cert FILE
     --upstream-token-path FILE. At start it reuses the key and chain in

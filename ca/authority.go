@@ -249,6 +249,10 @@ func (a *Authority) issue(pol policy, p Params) (*Issued, error) {
 	} else if err := checkPublicKey(pub); err != nil {
 		return nil, err
 	}
+	if pol.ca && b.signingCert.MaxPathLen == 0 && b.signingCert.MaxPathLenZero {
+		// A CA certificate under it would verify nowhere.
+		return nil, fmt.Errorf("%w: its own signing certificate has path length 0", ErrCACertsNotSigned)
+	}
 	ttl, err := pol.ttl(p.TTL)
 	if err != nil {
 		return nil, err

@@ -383,6 +383,28 @@ func TestSignCAPolicy(t *testing.T) {
 		{name: "unlisted", ids: []pki.SPIFFEID{listed}, caller: testID(t, "default", "demo"), wantErr: ca.ErrCACertIdentity},
 		{name: "none listed", caller: listed, wantErr: ca.ErrCACertsNotSigned},
 	}
+	// A CA whose own certificate has path length 0 (a downstream's) signs no CA certificate.
+	t.Run("signing certificate of path length 0", func(t *testing.T) {
+		t.Parallel()
+		up := ca.New(ca.Config{Clock: clk, CACertIdentities: []pki.SPIFFEID{listed}}, bundle)
+		issued, err := up.SignCA(t.Context(), ca.CARequest{CSR: csr, Identity: listed, TTL: time.Hour})
+		if err != nil {
+			t.Fatal(err)
+		}
+		down, err := ca.NewBundle(ca.BundleParams{SigningCert: issued.Leaf, SigningKey: key, Intermediates: []*x509.Certificate{h.int1.Cert},
+			Roots: []*x509.Certificate{h.root.Cert}, Source: ca.SourceUpstream, Now: now})
+		if err != nil {
+			t.Fatal(err)
+		}
+		other, err := x509.ParseCertificateRequest(caCSR(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = ca.New(ca.Config{Clock: clk, CACertIdentities: []pki.SPIFFEID{listed}}, down).SignCA(t.Context(), ca.CARequest{CSR: other, Identity: listed})
+		if !errors.Is(err, ca.ErrCACertsNotSigned) {
+			t.Fatalf("err = %v, want %v", err, ca.ErrCACertsNotSigned)
+		}
+	})
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()

@@ -189,6 +189,9 @@ func (c *Config) validateCACertSigning() []error {
 		return []error{configerr.Errorf("SignCACerts", "{SignCACerts} needs {CACertIdentities}: the SPIFFE IDs allowed CA certificates")}
 	}
 	var errs []error
+	if c.SignCACerts && c.Upstream.Enabled() {
+		errs = append(errs, configerr.Errorf("SignCACerts", "{SignCACerts} with {Upstream.Address}: the upstream signs this CA's certificate with path length 0, so a CA certificate under it would verify nowhere"))
+	}
 	for _, s := range c.CACertIdentities {
 		id, err := pki.ParseSPIFFEID(s)
 		if err == nil && id.TrustDomain != c.TrustDomain {

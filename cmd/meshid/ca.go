@@ -239,7 +239,7 @@ One root can serve several CAs, each with its own intermediate (Citadel's upstre
 	f.StringVar(&cfg.Upstream.RootCertFile, "upstream-ca-root-cert", "", "PEM roots of the upstream CA: they verify it and the chain it signs, and are the trust anchors this CA publishes in <state-dir>/root-cert.pem")
 	f.StringVar(&cfg.Upstream.TokenPath, "upstream-token-path", "", "token this CA authenticates to the upstream CA with (its identity must be in the upstream's --ca-cert-identities), read at every request")
 	f.DurationVar(&cfg.Upstream.RequestedTTL, "requested-ca-cert-ttl", cfg.Upstream.RequestedTTL, "lifetime of the CA certificate asked of the upstream CA (it may give less: its --max-workload-cert-ttl, its own certificate's expiry)")
-	f.BoolVar(&cfg.SignCACerts, "sign-ca-certs", false, "sign CA certificates for other CAs (their --upstream-ca-address is this one), for the identities of --ca-cert-identities only")
+	f.BoolVar(&cfg.SignCACerts, "sign-ca-certs", false, "sign CA certificates for other CAs (their --upstream-ca-address is this one), for the identities of --ca-cert-identities only; not with --upstream-ca-address")
 	f.StringSliceVar(&cfg.CACertIdentities, "ca-cert-identities", nil, "SPIFFE IDs (spiffe://<trust-domain>/ns/NS/sa/SA, comma-separated) that may have a CA certificate; needs --sign-ca-certs")
 	cmd.AddCommand(newCATargetsCommand(g))
 	return cmd

@@ -60,6 +60,10 @@ func TestUpstreamFlagsRefused(t *testing.T) {
 		{"signing without identities", func(_ *testing.T, dir string) []string {
 			return base(dir, "--sign-ca-certs")
 		}, []string{"--sign-ca-certs needs --ca-cert-identities"}},
+		{"signing under an upstream", func(t *testing.T, dir string) []string {
+			return base(dir, "--sign-ca-certs", "--ca-cert-identities", "spiffe://cluster.local/ns/a/sa/b", "--upstream-ca-address", "127.0.0.1:15012",
+				"--upstream-ca-root-cert", rootFile(t, dir), "--upstream-token-path", filepath.Join(dir, "token"))
+		}, []string{"--sign-ca-certs with --upstream-ca-address", "path length 0"}},
 		{"identity not a SPIFFE ID", func(_ *testing.T, dir string) []string {
 			return base(dir, "--sign-ca-certs", "--ca-cert-identities", "spiffe://cluster.local/ns/a/sa/b,istio-ca")
 		}, []string{"--ca-cert-identities", "istio-ca"}},

@@ -28,7 +28,7 @@ const (
 
 type MeshCertificateRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// A client-chosen id (a UUID), so that a retried request can be told apart.
+	// A client-chosen id (a UUID); the retries of one request carry the same id.
 	RequestId string `protobuf:"bytes,1,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
 	// The PEM-encoded CSR.
 	Csr string `protobuf:"bytes,2,opt,name=csr,proto3" json:"csr,omitempty"`

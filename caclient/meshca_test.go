@@ -251,3 +251,24 @@ func TestNewRefusesAnUnknownProvider(t *testing.T) {
 		}
 	}
 }
+
+func TestLocationFromClusterURL(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		url, want string
+		wantErr   bool
+	}{
+		{"https://container.googleapis.com/v1/projects/testproj/locations/us-central1-c/clusters/cluster1", "us-central1-c", false},
+		{"https://container.googleapis.com/v1/projects/p/locations/europe-west1/clusters/c", "europe-west1", false},
+		{"https://gkehub.googleapis.com/projects/hub/locations/global/memberships/m1", "", false},
+		{"https://container.googleapis.com/v1/projects/p/clusters/c", "", true},
+		{"https://container.googleapis.com/v1/projects/p/locations//clusters/c", "", true},
+		{"not a url\x7f", "", true},
+	}
+	for _, tt := range tests {
+		got, err := caclient.LocationFromClusterURL(tt.url)
+		if got != tt.want || (err != nil) != tt.wantErr {
+			t.Errorf("LocationFromClusterURL(%q) = %q, %v; want %q, error %v", tt.url, got, err, tt.want, tt.wantErr)
+		}
+	}
+}

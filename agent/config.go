@@ -60,13 +60,13 @@ const (
 	CredentialFetcherGCE = "GoogleComputeEngine"
 	// CAProviderCitadel and CAProviderGoogleCA are CA.Provider's values (CA_PROVIDER): Istio's
 	// CA protocol, and the Mesh CA's.
-	CAProviderCitadel  = caclient.ProviderCitadel
-	CAProviderGoogleCA = caclient.ProviderGoogleCA
-	DefaultCARootCert    = "var/run/secrets/istio/root-cert.pem"
-	DefaultSecretTTL     = istio.DefaultSecretTTL
-	DefaultGraceRatio    = istio.DefaultGraceRatio
-	DefaultGraceJitter   = istio.DefaultGraceRatioJitter
-	DefaultCAServerName  = istio.IstiodSAN
+	CAProviderCitadel   = caclient.ProviderCitadel
+	CAProviderGoogleCA  = caclient.ProviderGoogleCA
+	DefaultCARootCert   = "var/run/secrets/istio/root-cert.pem"
+	DefaultSecretTTL    = istio.DefaultSecretTTL
+	DefaultGraceRatio   = istio.DefaultGraceRatio
+	DefaultGraceJitter  = istio.DefaultGraceRatioJitter
+	DefaultCAServerName = istio.IstiodSAN
 	// DefaultTokenExchangeAudience is the audience asked of a token exchange: the one meshid ca
 	// (and Istio's CA) verifies by default.
 	DefaultTokenExchangeAudience = "istio-ca"
@@ -125,8 +125,8 @@ type CAConfig struct {
 	// RootCert is the file that verifies it (CA_ROOT_CA); when empty, PROV_CERT/root-cert.pem and
 	// then RootDir/var/run/secrets/istio/root-cert.pem are used, whichever exists first, as Istio
 	// does.
-	Address    string
-	RootCert   string
+	Address  string
+	RootCert string
 	// Provider is the CA protocol (CA_PROVIDER): "" or CAProviderCitadel, IstioCertificateService;
 	// CAProviderGoogleCA, the Mesh CA's MeshCertificateService, which meshid ca (and the embedded
 	// control plane) serve too. Every credential below fits either.
@@ -135,9 +135,9 @@ type CAConfig struct {
 	// location, sent with each Mesh CA request as Istio's client sent it.
 	GKEClusterURL string
 	ServerName    string // ISTIOD_SAN
-	ClusterID  string // ISTIO_META_CLUSTER_ID
-	TokenPath  string
-	ProvCert   string // PROV_CERT: a key pair for mTLS to the CA
+	ClusterID     string // ISTIO_META_CLUSTER_ID
+	TokenPath     string
+	ProvCert      string // PROV_CERT: a key pair for mTLS to the CA
 	// CredentialFetcherType is where the token comes from (CREDENTIAL_FETCHER_TYPE): "" or
 	// CredentialFetcherJWT, the file at TokenPath; CredentialFetcherGCE, the metadata server's
 	// identity token for CredentialIdentityProvider, the audience, from MetadataHost

@@ -102,6 +102,9 @@ func TestMeshCARefusesAsIstioCertificateService(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
+			// Not parallel: the refusal counter's delta is this case's.
+			refused := map[string]string{"reason": tt.reason, "code": tt.code.String()}
+			before := promtest.ToFloat64(counter(t, tt.h.registry, "meshid_ca_requests_refused_total", refused))
 			for service, send := range services {
 				ctx := t.Context()
 				if tt.auth != "" {
@@ -116,9 +119,8 @@ func TestMeshCARefusesAsIstioCertificateService(t *testing.T) {
 				}
 			}
 			// One reason, counted once by each service.
-			labels := map[string]string{"reason": tt.reason, "code": tt.code.String()}
-			if got := promtest.ToFloat64(counter(t, tt.h.registry, "meshid_ca_requests_refused_total", labels)); got < 2 {
-				t.Fatalf("refusal counted %v times under %v, want once per service", got, labels)
+			if got := promtest.ToFloat64(counter(t, tt.h.registry, "meshid_ca_requests_refused_total", refused)) - before; got != 2 {
+				t.Fatalf("refusal counted %v times under %v, want once per service", got, refused)
 			}
 		})
 	}

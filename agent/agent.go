@@ -119,6 +119,10 @@ func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *p
 		return err
 	}
 	log.Info("SDS source chosen", logkey.Source, string(a.source), logkey.Reason, reason)
+	if cfg.CA.Provider == CAProviderGoogleCA && a.source != SourceCA && a.source != SourceEmbeddedCA {
+		// The source decision flow wins over the provider, as in Istio: said once, not refused.
+		log.Info("CA provider unused: no CA is asked for certificates", logkey.CAProvider, cfg.CA.Provider, logkey.Source, string(a.source))
+	}
 	fetched, err := fetchedToken(cfg, clk, log)
 	if err != nil {
 		return err
@@ -348,9 +352,15 @@ func (a *Agent) buildSecrets(cfg Config, fetched tokenFunc, clk clock.Clock, log
 	// after a provisioned token expires; the manager signs through the CA client. The client is
 	// built first, and reaches the manager through held once it exists, before anything runs.
 	held := new(heldCertificate)
-	log.Info("CA source", logkey.CAAddress, up.address, logkey.CARoot, describePath(up.rootCertFile, "the system roots"), logkey.Identity, id.String())
+	provider := cfg.CA.Provider
+	if provider == "" {
+		provider = CAProviderCitadel
+	}
+	log.Info("CA source", logkey.CAAddress, up.address, logkey.CAProvider, provider, logkey.CARoot, describePath(up.rootCertFile, "the system roots"), logkey.Identity, id.String())
 	if a.ca, err = caclient.New(caclient.Config{
 		Address:           up.address,
+		Provider:          provider,
+		Location:          cfg.caLocation(),
 		RootCertFile:      up.rootCertFile,
 		ServerName:        cfg.CA.ServerName,
 		TokenPath:         up.tokenPath,

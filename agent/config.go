@@ -24,6 +24,7 @@ import (
 	"github.com/meshid/meshid/agent/appprobe"
 	"github.com/meshid/meshid/agent/envoy"
 	"github.com/meshid/meshid/agent/promstats"
+	"github.com/meshid/meshid/caclient"
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/configerr"
 	"github.com/meshid/meshid/internal/fsutil"
@@ -57,11 +58,15 @@ const (
 	// Istio names them: the token file, and the GCE metadata server's identity token.
 	CredentialFetcherJWT = "JWT"
 	CredentialFetcherGCE = "GoogleComputeEngine"
-	DefaultCARootCert    = "var/run/secrets/istio/root-cert.pem"
-	DefaultSecretTTL     = istio.DefaultSecretTTL
-	DefaultGraceRatio    = istio.DefaultGraceRatio
-	DefaultGraceJitter   = istio.DefaultGraceRatioJitter
-	DefaultCAServerName  = istio.IstiodSAN
+	// CAProviderCitadel and CAProviderGoogleCA are CA.Provider's values (CA_PROVIDER): Istio's
+	// CA protocol, and the Mesh CA's.
+	CAProviderCitadel   = caclient.ProviderCitadel
+	CAProviderGoogleCA  = caclient.ProviderGoogleCA
+	DefaultCARootCert   = "var/run/secrets/istio/root-cert.pem"
+	DefaultSecretTTL    = istio.DefaultSecretTTL
+	DefaultGraceRatio   = istio.DefaultGraceRatio
+	DefaultGraceJitter  = istio.DefaultGraceRatioJitter
+	DefaultCAServerName = istio.IstiodSAN
 	// DefaultTokenExchangeAudience is the audience asked of a token exchange: the one meshid ca
 	// (and Istio's CA) verifies by default.
 	DefaultTokenExchangeAudience = "istio-ca"
@@ -120,12 +125,19 @@ type CAConfig struct {
 	// RootCert is the file that verifies it (CA_ROOT_CA); when empty, PROV_CERT/root-cert.pem and
 	// then RootDir/var/run/secrets/istio/root-cert.pem are used, whichever exists first, as Istio
 	// does.
-	Address    string
-	RootCert   string
-	ServerName string // ISTIOD_SAN
-	ClusterID  string // ISTIO_META_CLUSTER_ID
-	TokenPath  string
-	ProvCert   string // PROV_CERT: a key pair for mTLS to the CA
+	Address  string
+	RootCert string
+	// Provider is the CA protocol (CA_PROVIDER): "" or CAProviderCitadel, IstioCertificateService;
+	// CAProviderGoogleCA, the Mesh CA's MeshCertificateService, which meshid ca (and the embedded
+	// control plane) serve too. Every credential below fits either.
+	Provider string
+	// GKEClusterURL (GKE_CLUSTER_URL), with CAProviderGoogleCA only, names the cluster's
+	// location, sent with each Mesh CA request as Istio's client sent it.
+	GKEClusterURL string
+	ServerName    string // ISTIOD_SAN
+	ClusterID     string // ISTIO_META_CLUSTER_ID
+	TokenPath     string
+	ProvCert      string // PROV_CERT: a key pair for mTLS to the CA
 	// CredentialFetcherType is where the token comes from (CREDENTIAL_FETCHER_TYPE): "" or
 	// CredentialFetcherJWT, the file at TokenPath; CredentialFetcherGCE, the metadata server's
 	// identity token for CredentialIdentityProvider, the audience, from MetadataHost
@@ -414,6 +426,7 @@ func (c *Config) Validate() error {
 	}
 	errs = append(errs, c.checkCredentialFetcher()...)
 	errs = append(errs, c.checkTokenExchange()...)
+	errs = append(errs, c.checkCAProvider()...)
 	if c.Output.KeyGroupRead && !c.Output.GroupRead {
 		errs = append(errs, configerr.Errorf("Output.KeyGroupRead", "{Output.KeyGroupRead}: a group-readable {Output.Dir} key needs group-readable directories too"))
 	}
@@ -636,6 +649,36 @@ func (c *Config) checkCredentialFetcher() []error {
 		}
 	}
 	return errs
+}
+
+// checkCAProvider checks the CA protocol and what goes with it only. Each credential fits either
+// protocol, since meshid ca authenticates both services alike: the token file, the GCE identity
+// token, the exchanged token, the provisioned or held certificate over mTLS, and the embedded
+// control plane's own token (it serves both services too). So no credential is refused with a
+// provider; GKEClusterURL is refused without GoogleCA, and one that names no location.
+func (c *Config) checkCAProvider() []error {
+	var errs []error
+	switch c.CA.Provider {
+	case "", CAProviderCitadel, CAProviderGoogleCA:
+	default:
+		errs = append(errs, &FieldError{Field: "CA.Provider", Value: c.CA.Provider,
+			Err: fmt.Errorf("is unknown: want %s (the default) or %s", CAProviderCitadel, CAProviderGoogleCA)})
+	}
+	if c.CA.GKEClusterURL == "" {
+		return errs
+	}
+	if c.CA.Provider != CAProviderGoogleCA {
+		errs = append(errs, configerr.Errorf("CA.GKEClusterURL", "{CA.GKEClusterURL} has no effect without {CA.Provider} %s: only the Mesh CA protocol sends a location; unset it", CAProviderGoogleCA))
+	} else if _, err := caclient.LocationFromClusterURL(c.CA.GKEClusterURL); err != nil {
+		errs = append(errs, &FieldError{Field: "CA.GKEClusterURL", Value: c.CA.GKEClusterURL, Err: err})
+	}
+	return errs
+}
+
+// caLocation is the location the Mesh CA requests name; Validate has checked the URL.
+func (c *Config) caLocation() string {
+	loc, _ := caclient.LocationFromClusterURL(c.CA.GKEClusterURL)
+	return loc
 }
 
 // checkTokenExchange checks the token exchange: a usable endpoint, a CA to present its token

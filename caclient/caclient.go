@@ -1,5 +1,5 @@
-// Package caclient is the client of Istio's CA protocol (IstioCertificateService): CSR in, chain
-// out, authenticated by a service-account token read afresh for every call and, when the workload
+// Package caclient is the client of Istio's CA protocol (IstioCertificateService) and of the Mesh
+// CA's (MeshCertificateService, CA_PROVIDER=GoogleCA): CSR in, chain out, authenticated by a service-account token read afresh for every call and, when the workload
 // holds a valid certificate, by mTLS with it. It keeps one connection to the CA and dials again
 // only when what it verifies the CA with, or the certificate it presents, changes. Transient
 // failures are retried with backoff.
@@ -7,9 +7,11 @@ package caclient
 
 import (
 	"context"
+	"crypto/rand"
 	"crypto/sha256"
 	"crypto/tls"
 	"crypto/x509"
+	"encoding/hex"
 	"encoding/pem"
 	"errors"
 	"fmt"
@@ -25,6 +27,7 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/structpb"
 	pb "istio.io/api/security/v1alpha1"
 
@@ -32,6 +35,7 @@ import (
 	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/istio"
 	"github.com/meshid/meshid/internal/logkey"
+	"github.com/meshid/meshid/internal/meshcapb"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/upstream"
 )
@@ -42,6 +46,14 @@ const (
 	DefaultServerName  = istio.IstiodSAN
 	DefaultCallTimeout = 10 * time.Second
 	DefaultMaxAttempts = 3
+)
+
+// Providers: which CA protocol the client speaks (CA_PROVIDER), as Istio names them.
+const (
+	// ProviderCitadel is Istio's IstioCertificateService, the default.
+	ProviderCitadel = "Citadel"
+	// ProviderGoogleCA is the Mesh CA's google.security.meshca.v1.MeshCertificateService.
+	ProviderGoogleCA = "GoogleCA"
 )
 
 // Errors that tell what kind of failure a Sign error is; test with errors.Is.
@@ -56,6 +68,13 @@ var (
 type Config struct {
 	// Address of the CA: HOST:PORT, or unix:///path for a local socket.
 	Address string
+	// Provider is the protocol: ProviderCitadel (or empty), or ProviderGoogleCA. Credentials,
+	// retries and errors are the same for both.
+	Provider string
+	// Location, with ProviderGoogleCA, is the cluster's location (a zone or region), sent as
+	// x-goog-request-params: location=locations/<Location>, as Istio's Mesh CA client sent it,
+	// for the Mesh CA to route the request; empty sends none.
+	Location string
 	// RootCertFile holds the roots that verify the CA's certificate; it is read before every call
 	// and a change dials the CA again, so a rotated root is picked up. Empty means the system roots.
 	RootCertFile string
@@ -127,6 +146,13 @@ func New(cfg Config) (*Client, error) {
 	if cfg.Address == "" {
 		return nil, errors.New("CA address is empty")
 	}
+	switch cfg.Provider {
+	case "":
+		cfg.Provider = ProviderCitadel
+	case ProviderCitadel, ProviderGoogleCA:
+	default:
+		return nil, fmt.Errorf("CA provider %q is unknown: want %s or %s", cfg.Provider, ProviderCitadel, ProviderGoogleCA)
+	}
 	if cfg.ServerName == "" {
 		cfg.ServerName = DefaultServerName
 	}
@@ -149,7 +175,7 @@ func New(cfg Config) (*Client, error) {
 		log:       cfg.Logger,
 		latency: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: "meshid", Subsystem: "agent", Name: "ca_request_duration_seconds",
-			Help:    "Time of one CreateCertificate attempt, by outcome (gRPC code).",
+			Help:    "Time of one CreateCertificate attempt (of the CA_PROVIDER's protocol), by outcome (gRPC code).",
 			Buckets: prometheus.ExponentialBuckets(0.001, 2, 14), // 1 ms to ~16 s
 		}, []string{"code"}),
 	}
@@ -167,16 +193,17 @@ func New(cfg Config) (*Client, error) {
 // Sign sends a DER CSR to the CA and returns the chain it issued: leaf first, root last.
 // Transient failures (unavailable, timed out) are retried with backoff, up to MaxAttempts.
 func (c *Client) Sign(ctx context.Context, csrDER []byte, ttl time.Duration) ([]*x509.Certificate, error) {
-	req := &pb.IstioCertificateRequest{
-		Csr:              string(pem.EncodeToMemory(&pem.Block{Type: pki.BlockCertificateRequest, Bytes: csrDER})),
-		ValidityDuration: int64((ttl + time.Second - 1) / time.Second), // never 0, which asks for the CA's default
+	csrPEM := string(pem.EncodeToMemory(&pem.Block{Type: pki.BlockCertificateRequest, Bytes: csrDER}))
+	seconds := int64((ttl + time.Second - 1) / time.Second) // never 0, which asks for the CA's default
+	var rpc createCertificate
+	var err error
+	if c.cfg.Provider == ProviderGoogleCA {
+		rpc, err = c.meshCARequest(csrPEM, seconds)
+	} else {
+		rpc, err = c.istioRequest(csrPEM, seconds)
 	}
-	if c.cfg.ClusterID != "" {
-		meta, err := structpb.NewStruct(map[string]any{"ClusterID": c.cfg.ClusterID})
-		if err != nil {
-			return nil, err
-		}
-		req.Metadata = meta
+	if err != nil {
+		return nil, err
 	}
 	policy := backoff.NewExponentialBackOff(
 		backoff.WithInitialInterval(200*time.Millisecond),
@@ -185,12 +212,12 @@ func (c *Client) Sign(ctx context.Context, csrDER []byte, ttl time.Duration) ([]
 		backoff.WithClockProvider(c.clock),
 	)
 	retries := backoff.WithContext(backoff.WithMaxRetries(policy, uint64(c.cfg.MaxAttempts-1)), ctx) //nolint:gosec // MaxAttempts ≥ 1 (New)
-	resp, err := backoff.RetryNotifyWithTimerAndData(func() (*pb.IstioCertificateResponse, error) {
-		resp, err := c.call(ctx, req)
+	chain, err := backoff.RetryNotifyWithTimerAndData(func() ([]string, error) {
+		chain, err := c.call(ctx, rpc)
 		if err != nil && !transient(err) {
 			return nil, backoff.Permanent(err)
 		}
-		return resp, err
+		return chain, err
 	}, retries, func(err error, next time.Duration) {
 		c.log.Warn("CA request failed; retrying", logkey.CAAddress, c.cfg.Address, logkey.Error, err.Error(), logkey.RetryIn, next)
 	}, clock.BackoffTimer(c.clock))
@@ -200,7 +227,56 @@ func (c *Client) Sign(ctx context.Context, csrDER []byte, ttl time.Duration) ([]
 		}
 		return nil, c.explain(err)
 	}
-	return parseChain(resp.GetCertChain())
+	return parseChain(chain)
+}
+
+// createCertificate is one attempt of a protocol's CreateCertificate on conn: the PEM chain, leaf
+// first, or the call's error. Its request is built once, so that every attempt sends the same.
+type createCertificate func(ctx context.Context, conn *grpc.ClientConn) ([]string, error)
+
+func (c *Client) istioRequest(csrPEM string, seconds int64) (createCertificate, error) {
+	req := &pb.IstioCertificateRequest{Csr: csrPEM, ValidityDuration: seconds}
+	if c.cfg.ClusterID != "" {
+		meta, err := structpb.NewStruct(map[string]any{"ClusterID": c.cfg.ClusterID})
+		if err != nil {
+			return nil, err
+		}
+		req.Metadata = meta
+	}
+	return func(ctx context.Context, conn *grpc.ClientConn) ([]string, error) {
+		resp, err := pb.NewIstioCertificateServiceClient(conn).CreateCertificate(ctx, req)
+		return resp.GetCertChain(), err
+	}, nil
+}
+
+// meshCARequest is the request Istio's Mesh CA client sent: a random UUID as request_id (the
+// same for every attempt of one Sign, so that the CA can tell a retry), the validity in whole
+// seconds, and the location header when it is known.
+func (c *Client) meshCARequest(csrPEM string, seconds int64) (createCertificate, error) {
+	id, err := newUUID()
+	if err != nil {
+		return nil, err
+	}
+	req := &meshcapb.MeshCertificateRequest{RequestId: id, Csr: csrPEM, Validity: &durationpb.Duration{Seconds: seconds}}
+	return func(ctx context.Context, conn *grpc.ClientConn) ([]string, error) {
+		if c.cfg.Location != "" {
+			ctx = metadata.AppendToOutgoingContext(ctx, "x-goog-request-params", "location=locations/"+c.cfg.Location)
+		}
+		resp, err := meshcapb.NewMeshCertificateServiceClient(conn).CreateCertificate(ctx, req)
+		return resp.GetCertChain(), err
+	}, nil
+}
+
+// newUUID returns a random (version 4) UUID.
+func newUUID() (string, error) {
+	var b [16]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return "", fmt.Errorf("request id: %w", err)
+	}
+	b[6] = b[6]&0x0f | 0x40 // version 4
+	b[8] = b[8]&0x3f | 0x80 // RFC 9562 variant
+	h := hex.EncodeToString(b[:])
+	return h[0:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:], nil
 }
 
 // Connect starts opening the connection the next Sign will use and returns at once, so that the
@@ -229,7 +305,7 @@ func (c *Client) Close() error {
 	return err
 }
 
-func (c *Client) call(ctx context.Context, req *pb.IstioCertificateRequest) (*pb.IstioCertificateResponse, error) {
+func (c *Client) call(ctx context.Context, rpc createCertificate) ([]string, error) {
 	var cert *tls.Certificate
 	if c.cfg.ClientCertificate != nil {
 		cert = c.cfg.ClientCertificate()
@@ -252,7 +328,7 @@ func (c *Client) call(ctx context.Context, req *pb.IstioCertificateRequest) (*pb
 		ctx = metadata.AppendToOutgoingContext(ctx, k, v)
 	}
 	start := time.Now()
-	resp, err := pb.NewIstioCertificateServiceClient(conn).CreateCertificate(ctx, req)
+	chain, err := rpc(ctx, conn)
 	c.latency.WithLabelValues(status.Code(err).String()).Observe(time.Since(start).Seconds())
 	if status.Code(err) == codes.Unavailable && conn.GetState() != connectivity.Ready {
 		// The retries wait on our own backoff (and clock): the next attempt dials afresh rather
@@ -262,7 +338,7 @@ func (c *Client) call(ctx context.Context, req *pb.IstioCertificateRequest) (*pb
 		// server answered Unavailable (a CA not ready yet) is kept.
 		c.drop(conn)
 	}
-	return resp, err
+	return chain, err
 }
 
 // drop closes conn and forgets it, if it is still the one in use.

@@ -22,11 +22,13 @@ import (
 	pb "istio.io/api/security/v1alpha1"
 
 	"github.com/meshid/meshid/caclient"
+	"github.com/meshid/meshid/internal/meshcapb"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
 )
 
-// fakeCA is an IstioCertificateService that records what reaches it and answers as told.
+// fakeCA is an IstioCertificateService, and a MeshCertificateService, that records what reaches
+// it and answers as told.
 type fakeCA struct {
 	pb.UnimplementedIstioCertificateServiceServer
 	addr     string
@@ -65,12 +67,31 @@ func (l countingListener) Accept() (net.Conn, error) {
 type fakeCall struct {
 	md       metadata.MD
 	req      *pb.IstioCertificateRequest
-	deadline time.Duration // time left when the call arrived; 0 without a deadline
+	meshReq  *meshcapb.MeshCertificateRequest // instead of req, for a Mesh CA call
+	deadline time.Duration                    // time left when the call arrived; 0 without a deadline
 }
 
 func (f *fakeCA) CreateCertificate(ctx context.Context, req *pb.IstioCertificateRequest) (*pb.IstioCertificateResponse, error) {
+	return f.record(ctx, fakeCall{req: req})
+}
+
+// fakeMeshCA is the fake's Mesh CA service: recorded and answered as the Istio one.
+type fakeMeshCA struct {
+	meshcapb.UnimplementedMeshCertificateServiceServer
+	f *fakeCA
+}
+
+func (m fakeMeshCA) CreateCertificate(ctx context.Context, req *meshcapb.MeshCertificateRequest) (*meshcapb.MeshCertificateResponse, error) {
+	resp, err := m.f.record(ctx, fakeCall{meshReq: req})
+	if err != nil {
+		return nil, err
+	}
+	return &meshcapb.MeshCertificateResponse{CertChain: resp.GetCertChain()}, nil
+}
+
+func (f *fakeCA) record(ctx context.Context, call fakeCall) (*pb.IstioCertificateResponse, error) {
 	md, _ := metadata.FromIncomingContext(ctx)
-	call := fakeCall{md: md.Copy(), req: req}
+	call.md = md.Copy()
 	if d, ok := ctx.Deadline(); ok {
 		call.deadline = time.Until(d)
 	}
@@ -131,6 +152,7 @@ func serveFake(t *testing.T, lis net.Listener, respond func(context.Context, int
 		Certificates: []tls.Certificate{{Certificate: [][]byte{serving.Raw}, PrivateKey: key, Leaf: serving}},
 	})))
 	pb.RegisterIstioCertificateServiceServer(srv, f)
+	meshcapb.RegisterMeshCertificateServiceServer(srv, fakeMeshCA{f: f})
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
@@ -338,37 +360,46 @@ func TestOnlyTransientCodesAreRetried(t *testing.T) {
 		{codes.Internal, 1, 3, 1, failedOtherwise},
 		{codes.Unimplemented, 1, 3, 1, failedOtherwise},
 	}
-	for _, tt := range tests {
-		name := fmt.Sprintf("%s %d times of %d attempts", tt.code, tt.failures, tt.maxAttempts)
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			f := startFake(t, func(_ context.Context, call int) (*pb.IstioCertificateResponse, error) {
-				if call < tt.failures {
-					return nil, status.Error(tt.code, "told to fail")
-				}
-				return &pb.IstioCertificateResponse{CertChain: chain.pem}, nil
-			}, caclient.DefaultServerName)
-			c := newClient(t, caclient.Config{Address: f.addr, RootCertFile: f.rootFile, MaxAttempts: tt.maxAttempts})
-			csr, _ := newCSR(t, pki.ECDSA, spiffeID("ns1", "sa1"))
+	// Both protocols retry, and explain, alike.
+	for _, provider := range []string{caclient.ProviderCitadel, caclient.ProviderGoogleCA} {
+		for _, tt := range tests {
+			name := fmt.Sprintf("%s %s %d times of %d attempts", provider, tt.code, tt.failures, tt.maxAttempts)
+			t.Run(name, func(t *testing.T) {
+				t.Parallel()
+				f := startFake(t, func(_ context.Context, call int) (*pb.IstioCertificateResponse, error) {
+					if call < tt.failures {
+						return nil, status.Error(tt.code, "told to fail")
+					}
+					return &pb.IstioCertificateResponse{CertChain: chain.pem}, nil
+				}, caclient.DefaultServerName)
+				c := newClient(t, caclient.Config{Address: f.addr, RootCertFile: f.rootFile, MaxAttempts: tt.maxAttempts, Provider: provider})
+				csr, _ := newCSR(t, pki.ECDSA, spiffeID("ns1", "sa1"))
 
-			res := c.sign(t, csr, time.Hour)
-			if calls := len(f.recorded()); calls != tt.wantCalls || res.backoffs != tt.wantCalls-1 {
-				t.Errorf("%d calls after %d backoffs, want %d calls", calls, res.backoffs, tt.wantCalls)
-			}
-			if got := outcomeOf(res.err); got != tt.want {
-				t.Fatalf("error %v: %s, want %s", res.err, got, tt.want)
-			}
-			if res.err != nil {
-				if status.Code(res.err) != tt.code {
-					t.Errorf("code %s, want %s kept in the error", status.Code(res.err), tt.code)
+				res := c.sign(t, csr, time.Hour)
+				calls := f.recorded()
+				if len(calls) != tt.wantCalls || res.backoffs != tt.wantCalls-1 {
+					t.Errorf("%d calls after %d backoffs, want %d calls", len(calls), res.backoffs, tt.wantCalls)
 				}
-				for _, want := range []string{f.addr, "told to fail"} {
-					if !strings.Contains(res.err.Error(), want) {
-						t.Errorf("error %q does not mention %q", res.err, want)
+				for i, call := range calls {
+					if (call.meshReq != nil) != (provider == caclient.ProviderGoogleCA) {
+						t.Errorf("call %d went to the other protocol's service", i)
 					}
 				}
-			}
-		})
+				if got := outcomeOf(res.err); got != tt.want {
+					t.Fatalf("error %v: %s, want %s", res.err, got, tt.want)
+				}
+				if res.err != nil {
+					if status.Code(res.err) != tt.code {
+						t.Errorf("code %s, want %s kept in the error", status.Code(res.err), tt.code)
+					}
+					for _, want := range []string{f.addr, "told to fail"} {
+						if !strings.Contains(res.err.Error(), want) {
+							t.Errorf("error %q does not mention %q", res.err, want)
+						}
+					}
+				}
+			})
+		}
 	}
 }
 

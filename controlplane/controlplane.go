@@ -32,6 +32,7 @@ import (
 	"github.com/meshid/meshid/internal/configerr"
 	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/logkey"
+	"github.com/meshid/meshid/internal/meshcapb"
 	"github.com/meshid/meshid/internal/version"
 )
 
@@ -463,6 +464,8 @@ func newServers(cfg Config, st stores, authority *ca.Authority, authenticators [
 			ClientAuth: tls.RequestClientCert,
 		})))...)
 		pb.RegisterIstioCertificateServiceServer(grpcServer, caServer)
+		// The Mesh CA protocol (agents with CA_PROVIDER=GoogleCA), on the same pipeline.
+		meshcapb.RegisterMeshCertificateServiceServer(grpcServer, caServer.MeshCA())
 		disco.Register(grpcServer)
 		return grpcServer
 	}, disco, nil

@@ -48,8 +48,9 @@ type mesh struct {
 	XDSConfig string
 	// RootFile is the CA's trust bundle, as pilot-agent is given it.
 	RootFile string
-	// Dir is pilot-agent's working directory.
+	// Dir is pilot-agent's working directory; Log is its output, stdout and stderr.
 	Dir string
+	Log string
 	// Ctx ends when pilot-agent exits (its cause says how), when scenarioLimit has passed, or
 	// with the test.
 	Ctx context.Context
@@ -57,8 +58,9 @@ type mesh struct {
 
 // startMesh starts meshid's control plane in-process on 127.0.0.1, with xdsConfig as its
 // discovery configuration, and pilot-agent as a workload of namespace with a token minted by it,
-// with a fake Envoy (fakeEnvoy). The process group of pilot-agent is killed when the test ends.
-func startMesh(t *testing.T, namespace, xdsConfig string) *mesh {
+// with a fake Envoy (fakeEnvoy), and env (NAME=VALUE) besides the scenario's own variables. The
+// process group of pilot-agent is killed when the test ends.
+func startMesh(t *testing.T, namespace, xdsConfig string, env ...string) *mesh {
 	t.Helper()
 	bin := os.Getenv(istioBinEnv)
 	if bin == "" {
@@ -119,7 +121,9 @@ func startMesh(t *testing.T, namespace, xdsConfig string) *mesh {
 		"PILOT_CERT_PROVIDER=istiod",
 		"PROXY_CONFIG=" + string(proxyConfig),
 	}
+	cmd.Env = append(cmd.Env, env...)
 	cmd.Stdout, cmd.Stderr = log, log
+	m.Log = log.Name()
 	// A process group of its own, to kill whatever it starts with it; killed with the test
 	// binary, however it ends.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}

@@ -111,16 +111,57 @@ var (
 	errTargetingUnavailable = errors.New("cannot tell whether this CA instance serves the namespace")
 )
 
+// Names of the CA's certificate services, as the metrics and logs tell them apart.
+const (
+	ServiceIstio  = "IstioCertificateService"
+	ServiceMeshCA = "MeshCertificateService"
+)
+
 // CreateCertificate authenticates the caller, checks that its namespace is served, and signs the
 // CSR for the caller's own identity. The response chain is leaf, intermediates, root. A CSR whose
 // extension request holds basicConstraints cA TRUE (ca.WantsCA) asks for a CA certificate, which
 // only the identities the CA allows get (ca.Authority.SignCA).
 func (s *Server) CreateCertificate(ctx context.Context, req *pb.IstioCertificateRequest) (*pb.IstioCertificateResponse, error) {
+	chain, err := s.issue(ctx, ServiceIstio, issueRequest{
+		csrPEM: req.GetCsr(),
+		ttl:    secondsToDuration(req.GetValidityDuration()),
+	})
+	if err != nil {
+		return nil, err
+	}
+	return &pb.IstioCertificateResponse{CertChain: chain}, nil
+}
+
+// issueRequest is what both CA protocols ask: a PEM CSR and a lifetime (0: the CA's default).
+type issueRequest struct {
+	csrPEM string
+	ttl    time.Duration
+	// ttlErr, when set, is why the protocol's lifetime could not be read: refused as the
+	// lifetime the CA refuses.
+	ttlErr    error
+	requestID string // the Mesh CA's, logged bounded; empty for Istio's protocol
+}
+
+// issue is the one path of every certificate service: authenticate, check that the caller's
+// namespace is served, sign the CSR for the caller's identity. It returns the chain in PEM, leaf
+// first, or a gRPC status; each request is counted by service and code.
+func (s *Server) issue(ctx context.Context, service string, req issueRequest) ([]string, error) {
+	chain, err := s.issueChain(ctx, service, req)
+	if s.metrics != nil {
+		s.metrics.requests.WithLabelValues(service, status.Code(err).String()).Inc()
+	}
+	return chain, err
+}
+
+func (s *Server) issueChain(ctx context.Context, service string, req issueRequest) ([]string, error) {
 	caller, err := s.Authorize(ctx)
 	if err != nil {
 		return nil, err
 	}
-	csr, err := ca.ParseCSR([]byte(req.GetCsr()))
+	if req.ttlErr != nil {
+		return nil, s.refuse(ctx, caller, req.ttlErr)
+	}
+	csr, err := ca.ParseCSR([]byte(req.csrPEM))
 	if err != nil {
 		return nil, s.refuse(ctx, caller, err)
 	}
@@ -133,7 +174,7 @@ func (s *Server) CreateCertificate(ctx context.Context, req *pb.IstioCertificate
 	}
 	start := time.Now()
 	var issued *ca.Issued
-	if ttl := secondsToDuration(req.GetValidityDuration()); wantsCA {
+	if ttl := req.ttl; wantsCA {
 		issued, err = s.signer.SignCA(ctx, ca.CARequest{CSR: csr, Identity: caller.Identity, TTL: ttl})
 	} else {
 		issued, err = s.signer.SignWorkload(ctx, ca.WorkloadRequest{CSR: csr, Identity: caller.Identity, TTL: ttl})
@@ -152,13 +193,19 @@ func (s *Server) CreateCertificate(ctx context.Context, req *pb.IstioCertificate
 	}
 	// At the default level this line is dropped: build none of its attributes then.
 	if s.log.Enabled(ctx, slog.LevelDebug) {
-		s.log.LogAttrs(ctx, slog.LevelDebug, "certificate issued",
+		attrs := []slog.Attr{
 			slog.String(logkey.Identity, caller.Identity.String()),
 			slog.String(logkey.Method, caller.Method),
+			slog.String(logkey.GRPCService, service),
 			slog.String(logkey.Serial, issued.Leaf.SerialNumber.Text(16)),
-			slog.Time(logkey.NotAfter, issued.Leaf.NotAfter))
+			slog.Time(logkey.NotAfter, issued.Leaf.NotAfter),
+		}
+		if req.requestID != "" {
+			attrs = append(attrs, slog.String(logkey.RequestID, logkey.Untrusted(req.requestID)))
+		}
+		s.log.LogAttrs(ctx, slog.LevelDebug, "certificate issued", attrs...)
 	}
-	return &pb.IstioCertificateResponse{CertChain: issued.ChainPEM()}, nil
+	return issued.ChainPEM(), nil
 }
 
 // secondsToDuration converts validity_duration, saturating instead of overflowing.

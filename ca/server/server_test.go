@@ -36,6 +36,7 @@ import (
 	"github.com/meshid/meshid/ca/controller"
 	"github.com/meshid/meshid/ca/server"
 	"github.com/meshid/meshid/ca/token"
+	"github.com/meshid/meshid/internal/meshcapb"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
 )
@@ -146,6 +147,7 @@ func serveTLS(t testing.TB, srv *server.Server, authority *ca.Authority, clk *te
 		ClientAuth:     tls.RequestClientCert,
 	})))...)
 	pb.RegisterIstioCertificateServiceServer(gs, srv)
+	meshcapb.RegisterMeshCertificateServiceServer(gs, srv.MeshCA())
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -159,6 +161,17 @@ func serveTLS(t testing.TB, srv *server.Server, authority *ca.Authority, clk *te
 // istiod.istio-system.svc, optionally presenting a client certificate.
 func (h *harness) dial(t testing.TB, clientCert *tls.Certificate) pb.IstioCertificateServiceClient {
 	t.Helper()
+	return pb.NewIstioCertificateServiceClient(h.conn(t, clientCert))
+}
+
+// dialMeshCA connects to the same server's Mesh CA service, as dial does.
+func (h *harness) dialMeshCA(t testing.TB, clientCert *tls.Certificate) meshcapb.MeshCertificateServiceClient {
+	t.Helper()
+	return meshcapb.NewMeshCertificateServiceClient(h.conn(t, clientCert))
+}
+
+func (h *harness) conn(t testing.TB, clientCert *tls.Certificate) *grpc.ClientConn {
+	t.Helper()
 	pool := x509.NewCertPool()
 	pool.AddCert(h.root.Cert)
 	cfg := &tls.Config{RootCAs: pool, ServerName: "istiod.istio-system.svc", MinVersion: tls.VersionTLS12}
@@ -170,7 +183,7 @@ func (h *harness) dial(t testing.TB, clientCert *tls.Certificate) pb.IstioCertif
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = conn.Close() })
-	return pb.NewIstioCertificateServiceClient(conn)
+	return conn
 }
 
 type mintOptions struct {
@@ -349,11 +362,21 @@ func TestCreateCertificateRSAKeyAndTTLClamp(t *testing.T) {
 	}
 }
 
-func TestCreateCertificateRefusals(t *testing.T) {
-	t.Parallel()
-	disabled := false
-	h := newHarness(t, harnessOptions{})
-	hDisabled := newHarness(t, harnessOptions{enabledByDefault: &disabled})
+// refusalCase is a request CreateCertificate refuses, with the code and the counted reason; the
+// Mesh CA's service is checked on the same cases (meshca_test.go).
+type refusalCase struct {
+	name   string
+	h      *harness
+	auth   string // the authorization header value; "" sends none
+	req    *pb.IstioCertificateRequest
+	code   codes.Code
+	reason string
+}
+
+// refusalCases are the refusals of authentication (h), of the CSR, and of targeting (hDisabled,
+// which serves no namespace by default).
+func refusalCases(t *testing.T, h, hDisabled *harness) []refusalCase {
+	t.Helper()
 	now := h.clock.Now()
 	otherKey := p256(t)
 	weakKey, err := rsa.GenerateKey(rand.Reader, 1024)
@@ -366,14 +389,7 @@ func TestCreateCertificateRefusals(t *testing.T) {
 	}
 	good := func() *pb.IstioCertificateRequest { return request(t, p256(t), []string{demoID()}, nil, 0) }
 
-	tests := []struct {
-		name   string
-		h      *harness
-		auth   string // the authorization header value; "" sends none
-		req    *pb.IstioCertificateRequest
-		code   codes.Code
-		reason string
-	}{
+	return []refusalCase{
 		{"no credentials", h, "", good(), codes.Unauthenticated, "no_credentials"},
 		{"not a bearer token", h, "Basic dXNlcjpwYXNz", good(), codes.Unauthenticated, "token_malformed"},
 		{"garbage token", h, "Bearer not.a.jwt", good(), codes.Unauthenticated, "token_malformed"},
@@ -394,6 +410,14 @@ func TestCreateCertificateRefusals(t *testing.T) {
 		{"negative validity", h, "Bearer " + h.token(t, mintOptions{}), &pb.IstioCertificateRequest{Csr: good().Csr, ValidityDuration: -5}, codes.InvalidArgument, "validity_duration"},
 		{"namespace not targeted", hDisabled, "Bearer " + hDisabled.token(t, mintOptions{}), good(), codes.PermissionDenied, "namespace_not_targeted"},
 	}
+}
+
+func TestCreateCertificateRefusals(t *testing.T) {
+	t.Parallel()
+	disabled := false
+	h := newHarness(t, harnessOptions{})
+	hDisabled := newHarness(t, harnessOptions{enabledByDefault: &disabled})
+	tests := refusalCases(t, h, hDisabled)
 	clients := map[*harness]pb.IstioCertificateServiceClient{h: h.dial(t, nil), hDisabled: hDisabled.dial(t, nil)}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

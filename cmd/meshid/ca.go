@@ -41,7 +41,10 @@ func newCACommand(g *cli.Globals, run caRunner, lookupEnv func(string) (string, 
 		Use:   "ca",
 		Short: "Run the Citadel-style certificate authority",
 		Long: `Run a Citadel-style CA serving Istio's CA protocol
-(istio.v1.auth.IstioCertificateService/CreateCertificate) over TLS on --grpc-addr.
+(istio.v1.auth.IstioCertificateService/CreateCertificate) over TLS on --grpc-addr, and beside it
+the Mesh CA protocol of agents with CA_PROVIDER=GoogleCA
+(google.security.meshca.v1.MeshCertificateService/CreateCertificate), through the same
+authentication, targeting and signing; its validity is clamped as validity_duration is.
 
 Key material, in this order:
   1. a plugged-in CA in --cacerts-dir: ca-cert.pem, ca-key.pem, cert-chain.pem, root-cert.pem

@@ -97,3 +97,10 @@ const (
 	TerminationDrain            = "termination_drain"
 	ExitOnZeroActiveConnections = "exit_on_zero_active_connections"
 )
+
+// Keys of the CA protocols (IstioCertificateService, and the Mesh CA's of CA_PROVIDER=GoogleCA).
+const (
+	GRPCService = "grpc_service" // which of the CA's services a request came to
+	RequestID   = "request_id"   // the Mesh CA request's client-chosen id
+	CAProvider  = "ca_provider"
+)

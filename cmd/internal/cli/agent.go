@@ -63,6 +63,7 @@ func agentEnv() []envBinding {
 		{"credential-fetcher-type", "CREDENTIAL_FETCHER_TYPE"},
 		{"credential-identity-provider", "CREDENTIAL_IDENTITY_PROVIDER"},
 		{"gce-metadata-host", "GCE_METADATA_HOST"},
+		{"gke-cluster-url", "GKE_CLUSTER_URL"},
 		{"pilot-cert-provider", "PILOT_CERT_PROVIDER"},
 		{"istio-kube-app-probers", "ISTIO_KUBE_APP_PROBERS"},
 		{"istio-prometheus-annotations", "ISTIO_PROMETHEUS_ANNOTATIONS"},
@@ -173,7 +174,8 @@ func (o *agentOptions) bind(f *pflag.FlagSet) {
 		caAddrHelp = "address of the CA, HOST:PORT (CA_ADDR); required"
 	}
 	f.StringVar(&o.cfg.CA.Address, "ca-addr", "", caAddrHelp)
-	f.StringVar(&o.caProvider, "ca-provider", "Citadel", "CA protocol: Citadel (anything but GoogleCA means Citadel, as in Istio) (CA_PROVIDER); GoogleCA is refused")
+	f.StringVar(&o.caProvider, "ca-provider", agent.CAProviderCitadel, "CA protocol (CA_PROVIDER): Citadel, Istio's IstioCertificateService; GoogleCA, the Mesh CA's google.security.meshca.v1.MeshCertificateService, which meshid ca serves too. As in Istio, any other value means Citadel, but GoogleCA in another case is refused. Every credential (--token-path, --credential-fetcher-type, --token-exchange-url, --prov-cert, the embedded CA) works with either")
+	f.StringVar(&o.cfg.CA.GKEClusterURL, "gke-cluster-url", "", "the GKE cluster's URL (GKE_CLUSTER_URL), https://container.googleapis.com/v1/projects/P/locations/L/clusters/C: its location L goes with each Mesh CA request (x-goog-request-params), as Istio's client sent it; a GKE Hub membership URL sends none; only with --ca-provider GoogleCA")
 	f.StringVar(&o.cfg.CA.CredentialFetcherType, "credential-fetcher-type", "", "where the token presented to the CA and the discovery server comes from (CREDENTIAL_FETCHER_TYPE): JWT (or nothing), the token file at --token-path; GoogleComputeEngine, the VM's identity token from the GCE metadata server, cached until shortly before it expires (needs --ca-addr)")
 	f.StringVar(&o.cfg.CA.CredentialIdentityProvider, "credential-identity-provider", "", "audience of the identity token asked of the metadata server (CREDENTIAL_IDENTITY_PROVIDER), such as the CA's istio-ca; required with --credential-fetcher-type GoogleComputeEngine, refused without it")
 	f.StringVar(&o.cfg.CA.MetadataHost, "gce-metadata-host", "", "the GCE metadata server, host or host:port (GCE_METADATA_HOST, as Google's client libraries read it); default "+gcemetadata.DefaultHost+"; only with --credential-fetcher-type GoogleComputeEngine")
@@ -280,8 +282,15 @@ func (o *agentOptions) resolve(cmd *cobra.Command, log *slog.Logger) []error {
 	} else {
 		cfg.Certificate.KeyAlgorithm = alg
 	}
-	if strings.EqualFold(o.caProvider, "GoogleCA") {
-		errs = append(errs, fmt.Errorf("CA_PROVIDER=%s is not supported yet: meshid speaks Istio's CA protocol (Citadel)", o.caProvider))
+	switch p := o.caProvider; {
+	case p == agent.CAProviderGoogleCA:
+		cfg.CA.Provider = agent.CAProviderGoogleCA
+	case strings.EqualFold(p, agent.CAProviderGoogleCA):
+		// Istio's agent compares exactly and would speak Citadel: what was meant is plain, and
+		// doing the other would fail, or succeed against a CA that was not meant.
+		errs = append(errs, fmt.Errorf("--ca-provider (CA_PROVIDER) %q: write %s for the Mesh CA protocol, or %s; Istio reads only %s, exactly, as the Mesh CA, and would speak Citadel", p, agent.CAProviderGoogleCA, agent.CAProviderCitadel, agent.CAProviderGoogleCA))
+	default:
+		cfg.CA.Provider = agent.CAProviderCitadel // anything else means Citadel, as in Istio
 	}
 	errs = append(errs, checkIstioProviders(o.pilotCertProvider)...)
 	cfg.CA.CredentialFetcherType = credentialFetcherType(cfg.CA.CredentialFetcherType)
@@ -453,7 +462,11 @@ What meshid does not implement is refused, not ignored: CREDENTIAL_FETCHER_TYPE 
 token file at --token-path) or GoogleComputeEngine (with CREDENTIAL_IDENTITY_PROVIDER, the
 audience, and GCE_METADATA_HOST; each refused without it, and --token-path with it); with
 --token-exchange-url, that token is exchanged (RFC 8693) and only the exchanged one presented;
-PILOT_CERT_PROVIDER istiod only, CA_PROVIDER anything but GoogleCA. Istio's other variables that meshid does not
+PILOT_CERT_PROVIDER istiod only. CA_PROVIDER=GoogleCA speaks the Mesh CA protocol instead of
+Citadel's, to meshid ca (or the embedded CA), which serves both, or to another Mesh CA: the same
+credentials, retries and trust (unlike Istio, --ca-addr still defaults to the discovery address,
+not meshca.googleapis.com:443); GoogleCA in another case is refused, and --gke-cluster-url
+without it. Istio's other variables that meshid does not
 implement (JWT_POLICY, PROXY_CONFIG, ...) are named in one warning at
 start when set. A path given must exist (--credentials-dir, --prov-cert) and a root file hold
 a PEM certificate (--ca-root-cert, --xds-root-cert); only the defaults may be absent. Addresses are HOST:PORT. A refusal exits 2, before anything runs.
@@ -530,6 +543,8 @@ func agentFieldFlags() map[string]string {
 		"Envoy.TerminationDrainDuration":    "termination-drain-duration-seconds",
 		"Envoy.ExitOnZeroActiveConnections": "exit-on-zero-active-connections",
 		"CA.Address":                        "ca-addr",
+		"CA.Provider":                       "ca-provider",
+		"CA.GKEClusterURL":                  "gke-cluster-url",
 		"CA.RootCert":                       "ca-root-cert",
 		"CA.ServerName":                     "istiod-san",
 		"CA.ClusterID":                      "cluster-id",

@@ -143,7 +143,9 @@ func TestAgentRefusesBadInput(t *testing.T) {
 		args []string
 		want string
 	}{
-		{"GoogleCA", with("CA_PROVIDER", "GoogleCA"), nil, "CA_PROVIDER=GoogleCA is not supported"},
+		{"GoogleCA in another case", with("CA_PROVIDER", "googleca"), nil, `--ca-provider (CA_PROVIDER) "googleca": write GoogleCA`},
+		{"GKE cluster URL without GoogleCA", with("GKE_CLUSTER_URL", "https://container.googleapis.com/v1/projects/p/locations/l/clusters/c"), nil,
+			"--gke-cluster-url (GKE_CLUSTER_URL) has no effect without --ca-provider (CA_PROVIDER) GoogleCA"},
 		{"bad ratio variable", with("SECRET_GRACE_PERIOD_RATIO", "half"), nil, `SECRET_GRACE_PERIOD_RATIO="half"`},
 		{"bad key algorithm", with("ECC_SIGNATURE_ALGORITHM", "DSA"), nil, "ECC_SIGNATURE_ALGORITHM"},
 		{"no namespace", with("POD_NAMESPACE", ""), nil, "--namespace (POD_NAMESPACE) is required with --ca-addr"},
@@ -182,8 +184,63 @@ func TestAgentRefusesBadInput(t *testing.T) {
 		}
 	}
 	// Any provider but GoogleCA means Citadel, as in Istio.
-	if _, err := runAgentCommand(t, with("CA_PROVIDER", "istiod")); err != nil {
-		t.Fatalf("CA_PROVIDER=istiod refused: %v", err)
+	for _, p := range []string{"istiod", "Citadel", ""} {
+		cfg, err := runAgentCommand(t, with("CA_PROVIDER", p))
+		if err != nil {
+			t.Fatalf("CA_PROVIDER=%s refused: %v", p, err)
+		}
+		if cfg.CA.Provider != agent.CAProviderCitadel {
+			t.Errorf("CA_PROVIDER=%s: provider %q, want Citadel", p, cfg.CA.Provider)
+		}
+	}
+}
+
+// CA_PROVIDER=GoogleCA selects the Mesh CA protocol, with each credential type: none of them is
+// refused with it (meshid ca authenticates both protocols alike), and GKE_CLUSTER_URL goes with
+// it only.
+func TestAgentGoogleCAProvider(t *testing.T) {
+	t.Parallel()
+	env := func(kv ...string) map[string]string {
+		m := map[string]string{"CA_ADDR": "127.0.0.1:15012", "POD_NAMESPACE": "default", "SERVICE_ACCOUNT": "demo", "CA_PROVIDER": "GoogleCA"}
+		for i := 0; i < len(kv); i += 2 {
+			m[kv[i]] = kv[i+1]
+		}
+		return m
+	}
+	tests := []struct {
+		name string
+		env  map[string]string
+		args []string
+	}{
+		{"token file", env(), nil},
+		{"GCE identity token", env("CREDENTIAL_FETCHER_TYPE", "GoogleComputeEngine", "CREDENTIAL_IDENTITY_PROVIDER", "istio-ca"), nil},
+		{"exchanged token", env(), []string{"--token-exchange-url", "http://127.0.0.1:1/token"}},
+		{"flag", map[string]string{"CA_ADDR": "127.0.0.1:15012", "POD_NAMESPACE": "default", "SERVICE_ACCOUNT": "demo"}, []string{"--ca-provider", "GoogleCA"}},
+		{"embedded CA", map[string]string{"CA_PROVIDER": "GoogleCA"}, nil},
+		{"file-mounted certificates", env("FILE_MOUNTED_CERTS", "true"), nil},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			cfg, err := runAgentCommand(t, tt.env, tt.args...)
+			if err != nil {
+				t.Fatalf("refused: %v", err)
+			}
+			if cfg.CA.Provider != agent.CAProviderGoogleCA {
+				t.Fatalf("provider %q, want GoogleCA", cfg.CA.Provider)
+			}
+		})
+	}
+	cfg, err := runAgentCommand(t, env("GKE_CLUSTER_URL", "https://container.googleapis.com/v1/projects/p/locations/us-central1-c/clusters/c"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.CA.GKEClusterURL == "" {
+		t.Fatal("GKE_CLUSTER_URL not read")
+	}
+	_, err = runAgentCommand(t, env("GKE_CLUSTER_URL", "https://container.googleapis.com/v1/projects/p/clusters/c"))
+	if err == nil || !strings.Contains(err.Error(), "--gke-cluster-url") || !strings.Contains(err.Error(), "names no location") {
+		t.Fatalf("a cluster URL without a location: error %v, want one naming --gke-cluster-url", err)
 	}
 }
 

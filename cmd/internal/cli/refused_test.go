@@ -140,8 +140,8 @@ func TestAgentMistakesExitTwo(t *testing.T) {
 			[]string{"--pilot-cert-provider (PILOT_CERT_PROVIDER) none is not supported"}},
 		{"unknown cert provider", withCA("PILOT_CERT_PROVIDER", "vault"), nil,
 			[]string{"--pilot-cert-provider (PILOT_CERT_PROVIDER) \"vault\" is unknown", "istiod"}},
-		{"every provider at once", withCA("CREDENTIAL_FETCHER_TYPE", "Vault", "CREDENTIAL_IDENTITY_PROVIDER", "GoogleComputeEngine", "PILOT_CERT_PROVIDER", "kubernetes", "CA_PROVIDER", "GoogleCA"), nil,
-			[]string{"CREDENTIAL_FETCHER_TYPE", "CREDENTIAL_IDENTITY_PROVIDER", "PILOT_CERT_PROVIDER", "CA_PROVIDER=GoogleCA is not supported yet"}},
+		{"every provider at once", withCA("CREDENTIAL_FETCHER_TYPE", "Vault", "CREDENTIAL_IDENTITY_PROVIDER", "GoogleComputeEngine", "PILOT_CERT_PROVIDER", "kubernetes", "CA_PROVIDER", "googleCA"), nil,
+			[]string{"CREDENTIAL_FETCHER_TYPE", "CREDENTIAL_IDENTITY_PROVIDER", "PILOT_CERT_PROVIDER", `--ca-provider (CA_PROVIDER) "googleCA"`}},
 		// Item 4: some of the three credential files but not all.
 		{"incomplete credentials dir", withCA(), []string{"--credentials-dir", "$FIX/partial"},
 			[]string{"--credentials-dir $FIX/partial holds cert-chain.pem but not key.pem, root-cert.pem"}},

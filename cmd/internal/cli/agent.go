@@ -593,13 +593,19 @@ func agentFieldFlags() map[string]string {
 	}
 }
 
-// agentFields names the fields of agent.Config as a user of the agent command sets them.
-func agentFields() FieldNames {
+// AgentVariables maps each flag of the agent command that an Istio variable sets to that
+// variable, for the README's configuration table to be checked against.
+func AgentVariables() map[string]string {
 	env := map[string]string{}
 	for _, b := range agentEnv() {
 		env[b.flag] = b.env
 	}
-	return FieldNames{Flags: agentFieldFlags(), Env: env}
+	return env
+}
+
+// agentFields names the fields of agent.Config as a user of the agent command sets them.
+func agentFields() FieldNames {
+	return FieldNames{Flags: agentFieldFlags(), Env: AgentVariables()}
 }
 
 func envHelp(bindings []envBinding) string {

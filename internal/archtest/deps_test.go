@@ -171,6 +171,24 @@ func TestSlimAgentLinksOnlySDSTypes(t *testing.T) {
 	}
 }
 
+// The binaries link only go-spiffe's generated Workload API stubs: its client, SVID and bundle
+// packages (and go-jose under them) are for tests, where they play the SPIFFE-aware application.
+func TestOnlyWorkloadAPIStubsOfGoSPIFFE(t *testing.T) {
+	t.Parallel()
+	const stubs = "github.com/spiffe/go-spiffe/v2/proto/spiffe/workload"
+	for _, pkg := range []string{"cmd/meshid-agent", "cmd/meshid"} {
+		out, err := exec.Command("go", "list", "-deps", module+pkg).Output()
+		if err != nil {
+			t.Fatalf("go list -deps %s: %v", pkg, err)
+		}
+		for _, dep := range strings.Fields(string(out)) {
+			if strings.HasPrefix(dep, "github.com/spiffe/go-spiffe/") && dep != stubs {
+				t.Errorf("%s links %s; of go-spiffe it may link only %s", pkg, dep, stubs)
+			}
+		}
+	}
+}
+
 func TestDependencyDirection(t *testing.T) {
 	t.Parallel()
 	rules := allowed()

@@ -3,6 +3,7 @@ package agent_test
 import (
 	"context"
 	"crypto"
+	"errors"
 	"strings"
 	"testing"
 	"time"
@@ -107,7 +108,7 @@ func TestGoSPIFFEClientAgainstTheAgent(t *testing.T) {
 	go func() { watched <- client.WatchX509Context(watchCtx, w) }()
 	t.Cleanup(func() {
 		endWatch()
-		if err := <-watched; status.Code(err) != codes.Canceled && err != context.Canceled {
+		if err := <-watched; status.Code(err) != codes.Canceled && !errors.Is(err, context.Canceled) {
 			t.Errorf("WatchX509Context: %v", err)
 		}
 	})

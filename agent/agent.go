@@ -38,6 +38,7 @@ import (
 	upstreamcreds "github.com/meshid/meshid/internal/upstream"
 	"github.com/meshid/meshid/sds"
 	"github.com/meshid/meshid/secretmanager"
+	"github.com/meshid/meshid/workloadapi"
 	"github.com/meshid/meshid/xdsproxy"
 )
 
@@ -148,6 +149,11 @@ func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *p
 		}); err != nil {
 			return err
 		}
+		if err := a.buildWorkloadAPI(cfg, clk, log, registry); err != nil {
+			return err
+		}
+	} else if cfg.SDS.WorkloadAPI {
+		log.Info("Workload API not served: another server answers on the SDS socket", logkey.Socket, a.socketPath)
 	}
 	if cfg.XDS.Proxy {
 		var held func() *tls.Certificate
@@ -170,6 +176,26 @@ func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *p
 		}
 	}
 	return a.buildServers(cfg, clk, log, registry)
+}
+
+// buildWorkloadAPI registers the SPIFFE Workload API on the SDS server: the same socket, bounds
+// and secrets, every caller the workload (single-workload mode).
+func (a *Agent) buildWorkloadAPI(cfg Config, clk clock.Clock, log *slog.Logger, registry *prometheus.Registry) error {
+	if !cfg.SDS.WorkloadAPI {
+		log.Info("Workload API not served (--workload-api=false)")
+		return nil
+	}
+	api, err := workloadapi.New(workloadapi.Config{
+		Secrets:    a.secrets,
+		Clock:      clk,
+		Logger:     log.With(logkey.Component, "workloadapi"),
+		Registerer: registry,
+	})
+	if err != nil {
+		return err
+	}
+	api.Register(a.sds)
+	return nil
 }
 
 // buildServers opens the status server, and the debug servers asked for.

@@ -186,6 +186,9 @@ type SDSConfig struct {
 	// connections; MaxStreamsPerConnection bounds one connection's streams.
 	MaxStreams              int
 	MaxStreamsPerConnection int
+	// WorkloadAPI serves the SPIFFE Workload API (X.509-SVIDs of the workload's identity) on the
+	// SDS socket, whenever the agent serves SDS.
+	WorkloadAPI bool
 }
 
 // XDSConfig is the proxy of Envoy's xDS to the discovery server.
@@ -316,6 +319,7 @@ func DefaultConfig(rootDir string) Config {
 		SDS: SDSConfig{
 			MaxStreams:              sds.DefaultMaxStreams,
 			MaxStreamsPerConnection: sds.DefaultMaxStreamsPerConnection,
+			WorkloadAPI:             true,
 		},
 		XDS: XDSConfig{
 			Proxy:                   true,

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	tlsv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/transport_sockets/tls/v3"
+	spiffeapi "github.com/spiffe/go-spiffe/v2/workloadapi"
 	"google.golang.org/grpc/codes"
 
 	"github.com/meshid/meshid/agent"
@@ -60,9 +61,12 @@ func TestAgentSourceDecisionFlow(t *testing.T) {
 				stopExternal := runAgent(t, newAgent(t, extCfg))
 				// Ours would serve other files, were it to serve at all.
 				cfg.SDS.CredentialsDir = credentialsDir(t, newCredentials(t, filesCA, "spiffe://cluster.local/ns/default/sa/ours"))
-				return func(t *testing.T, a *agent.Agent, _ *logSink) {
+				return func(t *testing.T, a *agent.Agent, logs *logSink) {
 					if a.Secrets() != nil {
 						t.Fatal("the agent built a secret manager although another server serves SDS")
+					}
+					if n := len(logs.records(t, "Workload API not served: another server answers on the SDS socket")); n != 1 {
+						t.Fatalf("%d lines say the Workload API is not served, want 1", n)
 					}
 					if got := serialOf(workloadChain(t, sdsGet(t, a.SocketPath(), "default")["default"])); got != theirs.serial {
 						t.Fatalf("the socket serves %s, want the external server's %s", got, theirs.serial)
@@ -122,6 +126,13 @@ func TestAgentSourceDecisionFlow(t *testing.T) {
 					got := sdsGet(t, a.SocketPath(), secretNames...)
 					if serial := serialOf(workloadChain(t, got["default"])); serial != creds.serial {
 						t.Fatalf("serves %s, want the files' %s", serial, creds.serial)
+					}
+					// The Workload API serves the files' identity too.
+					ctx, cancel := context.WithTimeout(t.Context(), wait)
+					defer cancel()
+					x509ctx, err := spiffeapi.FetchX509Context(ctx, spiffeapi.WithAddr("unix://"+a.SocketPath()))
+					if err != nil || len(x509ctx.SVIDs) != 1 || serialOf(x509ctx.SVIDs[0].Certificates) != creds.serial {
+						t.Fatalf("FetchX509Context: %v, %v; want the files' %s", x509ctx, err, creds.serial)
 					}
 					if roots := sdstest.Roots(t, got["ROOTCA"]); len(roots) != 1 || !roots[0].Equal(creds.root) {
 						t.Fatalf("ROOTCA holds %d roots, want root-cert.pem's", len(roots))

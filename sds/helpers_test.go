@@ -269,6 +269,14 @@ type harness struct {
 
 func startServer(t *testing.T, secrets sds.Secrets, adjust ...func(*sds.Config)) *harness {
 	t.Helper()
+	h := newHarness(t, secrets, adjust...)
+	h.start(t)
+	return h
+}
+
+// newHarness makes the server of a harness, which start runs.
+func newHarness(t *testing.T, secrets sds.Secrets, adjust ...func(*sds.Config)) *harness {
+	t.Helper()
 	h := &harness{
 		socket: filepath.Join(testutil.ShortTempDir(t), "sds", sds.SocketName),
 		reg:    prometheus.NewRegistry(),
@@ -288,6 +296,12 @@ func startServer(t *testing.T, secrets sds.Secrets, adjust ...func(*sds.Config))
 	if h.server, err = sds.New(cfg); err != nil {
 		t.Fatal(err)
 	}
+	return h
+}
+
+// start runs the harness's server and connects its Envoy.
+func (h *harness) start(t *testing.T) {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	h.cancel = cancel
 	go func() { h.done <- h.server.Run(ctx) }()
@@ -298,7 +312,6 @@ func startServer(t *testing.T, secrets sds.Secrets, adjust ...func(*sds.Config))
 		}
 	})
 	h.envoy = sdstest.Dial(t, h.socket)
-	return h
 }
 
 // wait returns Run's result, failing after waitLimit.

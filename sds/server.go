@@ -90,6 +90,18 @@ type Server struct {
 
 	// gate counts the streams and calls, and the connections, admitted and not ended.
 	gate *admission.Gate
+
+	// services are the other services registered to share the socket (RegisterService); mu
+	// guards them and started, set once Run has registered them.
+	mu       sync.Mutex
+	services []registeredService
+	started  bool
+}
+
+// registeredService is another service registered on the server, its handlers wrapped by admitted.
+type registeredService struct {
+	desc *grpc.ServiceDesc
+	impl any
 }
 
 // New prepares the socket directory, removes a stale socket, and listens (see
@@ -157,6 +169,12 @@ func (s *Server) Run(ctx context.Context) error {
 	defer s.socket.Remove()
 	grpcServer := grpc.NewServer(s.grpcOptions()...)
 	secretservice.RegisterSecretDiscoveryServiceServer(grpcServer, service{s: s})
+	s.mu.Lock()
+	s.started = true
+	for _, svc := range s.services {
+		grpcServer.RegisterService(svc.desc, svc.impl)
+	}
+	s.mu.Unlock()
 
 	s.log.Info("SDS serving", logkey.Socket, s.cfg.SocketPath)
 	wait, err := s.socket.Serve(ctx, grpcServer.Serve, fsutil.Guarding{

@@ -25,7 +25,7 @@ func allowed() map[string][]string {
 		"cmd/meshid": {"cmd/internal/", "agent", "agent/envoy/bootstrapcheck", "controlplane", "ca", "ca/controller/kube", "ca/token", "sds/sdsclient", "internal/"},
 		// The agent reaches an embedded control plane through a hook cmd/meshid supplies, so
 		// that meshid-agent links no CA.
-		"agent":                         {"sds", "secretmanager", "caclient", "xdsproxy", "agent/appprobe", "agent/envoy", "agent/promstats", "internal/"},
+		"agent":                         {"sds", "secretmanager", "caclient", "xdsproxy", "workloadapi", "agent/appprobe", "agent/envoy", "agent/promstats", "internal/"},
 		"agent/appprobe":                {"internal/"},   // the status port's application probes
 		"agent/envoy":                   {"internal/"},   // Envoy's bootstrap, process and admin
 		"agent/envoy/bootstrapcheck":    {"agent/envoy"}, // the bootstrap checked with Envoy's types
@@ -40,11 +40,13 @@ func allowed() map[string][]string {
 		"ca/token":                      {"internal/"},
 		"ca":                            {"internal/"},
 		"sds":                           {"secretmanager", "internal/"},
-		"secretmanager":                 {"internal/"},
-		"caclient":                      {"internal/"},
-		"xdsproxy":                      {"internal/"},
-		"discovery":                     {"internal/"},
-		"internal/testutil":             {"internal/"},
+		// The SPIFFE Workload API: secrets as SDS has them, the socket's admission and its logs.
+		"workloadapi":       {"secretmanager", "internal/admission", "internal/clock", "internal/logkey"},
+		"secretmanager":     {"internal/"},
+		"caclient":          {"internal/"},
+		"xdsproxy":          {"internal/"},
+		"discovery":         {"internal/"},
+		"internal/testutil": {"internal/"},
 		// Tests only: what they import is not listed here.
 		"interop": {},
 		// Helpers import nothing of the module but two leaves: the clock, so that a helper that
@@ -168,6 +170,24 @@ func TestSlimAgentLinksOnlySDSTypes(t *testing.T) {
 	for _, dep := range strings.Fields(string(out)) {
 		if strings.HasPrefix(dep, "github.com/envoyproxy/") && !slices.Contains(slimEnvoyTypes, dep) {
 			t.Errorf("meshid-agent links %s; it may link only %v", dep, slimEnvoyTypes)
+		}
+	}
+}
+
+// The binaries link only go-spiffe's generated Workload API stubs: its client, SVID and bundle
+// packages (and go-jose under them) are for tests, where they play the SPIFFE-aware application.
+func TestOnlyWorkloadAPIStubsOfGoSPIFFE(t *testing.T) {
+	t.Parallel()
+	const stubs = "github.com/spiffe/go-spiffe/v2/proto/spiffe/workload"
+	for _, pkg := range []string{"cmd/meshid-agent", "cmd/meshid"} {
+		out, err := exec.Command("go", "list", "-deps", module+pkg).Output()
+		if err != nil {
+			t.Fatalf("go list -deps %s: %v", pkg, err)
+		}
+		for _, dep := range strings.Fields(string(out)) {
+			if strings.HasPrefix(dep, "github.com/spiffe/go-spiffe/") && dep != stubs {
+				t.Errorf("%s links %s; of go-spiffe it may link only %s", pkg, dep, stubs)
+			}
 		}
 	}
 }

@@ -206,6 +206,7 @@ func (o *agentOptions) bind(f *pflag.FlagSet) {
 	f.DurationVar(&o.cfg.SDS.DrainDuration, "drain-duration", 0, "how long SDS streams may go on after SIGTERM")
 	f.IntVar(&o.cfg.SDS.MaxStreams, "sds-max-streams", o.cfg.SDS.MaxStreams, "SDS streams and FetchSecrets calls open at once, over all connections, and open connections; past it a stream is refused (ResourceExhausted) and a connection closed. Envoy opens one stream per secret name: a sidecar a handful, a gateway one more per file-mounted certificate; each costs about 17 kB")
 	f.IntVar(&o.cfg.SDS.MaxStreamsPerConnection, "sds-max-streams-per-connection", o.cfg.SDS.MaxStreamsPerConnection, "SDS streams one connection may carry at once, told to the client (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS), which holds further ones back until one ends")
+	f.BoolVar(&o.cfg.SDS.WorkloadAPI, "workload-api", o.cfg.SDS.WorkloadAPI, "serve the SPIFFE Workload API (X.509-SVIDs of this workload's identity, pushed on every rotation) on the SDS socket, for go-spiffe and other SPIFFE clients (SPIFFE_ENDPOINT_SOCKET=unix://<socket>); not when another server answers on the socket (no Istio variable)")
 	f.StringVar(&o.cfg.XDS.DiscoveryAddress, "discovery-addr", "", "discovery server Envoy's xDS is proxied to, HOST:PORT (Istio's discoveryAddress; CA_ADDR defaults to it); default: the CA's address, or the in-process control plane")
 	f.StringVar(&o.cfg.XDS.Socket, "xds-socket", "", "Unix socket Envoy's ADS connects to (default <root-dir>/etc/istio/proxy/XDS)")
 	f.StringVar(&o.cfg.XDS.RootCert, "xds-root-cert", "", "PEM roots that verify the discovery server (XDS_ROOT_CA); default: the CA's roots")
@@ -569,6 +570,7 @@ func agentFieldFlags() map[string]string {
 		"SDS.DrainDuration":                 "drain-duration",
 		"SDS.MaxStreams":                    "sds-max-streams",
 		"SDS.MaxStreamsPerConnection":       "sds-max-streams-per-connection",
+		"SDS.WorkloadAPI":                   "workload-api",
 		"XDS.DiscoveryAddress":              "discovery-addr",
 		"XDS.RootCert":                      "xds-root-cert",
 		"XDS.Proxy":                         "proxy-xds-via-agent",

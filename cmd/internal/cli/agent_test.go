@@ -264,6 +264,24 @@ func TestAgentSDSLimits(t *testing.T) {
 	}
 }
 
+// The Workload API is served by default; --workload-api=false turns it off.
+func TestAgentWorkloadAPIFlag(t *testing.T) {
+	t.Parallel()
+	env := map[string]string{"CA_ADDR": "127.0.0.1:15012", "POD_NAMESPACE": "default", "SERVICE_ACCOUNT": "demo"}
+	for _, tc := range []struct {
+		args []string
+		want bool
+	}{{nil, true}, {[]string{"--workload-api=false"}, false}} {
+		cfg, err := runAgentCommand(t, env, tc.args...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if cfg.SDS.WorkloadAPI != tc.want {
+			t.Fatalf("with %v: WorkloadAPI %t, want %t", tc.args, cfg.SDS.WorkloadAPI, tc.want)
+		}
+	}
+}
+
 // The xDS proxy's limits and its debug endpoint: defaults, flags, and refusals of what cannot
 // work.
 func TestAgentXDSProxyLimitsAndDebug(t *testing.T) {

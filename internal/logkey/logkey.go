@@ -107,4 +107,6 @@ const (
 	// Caller the node agent's own identity when the certificate is for another.
 	Impersonated = "impersonated_identity"
 	Caller       = "caller"
+	// NodeCheck says whether a node agent's requests are checked against the pods of its node.
+	NodeCheck = "node_check"
 )

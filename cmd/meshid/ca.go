@@ -113,7 +113,8 @@ On Kubernetes (--kubeconfig FILE, or --in-cluster in a pod), the API server repl
     restart, the old root trusted for the overlap;
   - the roots are published as ConfigMap istio-ca-root-cert (root-cert.pem) in served namespaces;
   - tokens are checked with TokenReview (audience --jwt-audience), besides --jwt-keys when given.
-The RBAC this needs is in deploy/kubernetes/rbac.yaml.
+The RBAC this needs is in deploy/kubernetes/rbac.yaml, and with --trusted-node-accounts
+rbac-node-agents.yaml too.
 
 The gRPC port also serves Envoy's aggregated discovery service (state of the world and delta),
 as istiod does: from the --xds-config file, else an empty configuration, which Envoy ACKs and

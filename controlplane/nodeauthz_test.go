@@ -21,8 +21,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	caserver "github.com/meshid/meshid/ca/server"
 	"github.com/meshid/meshid/ca/controller/kube/kubetest"
+	caserver "github.com/meshid/meshid/ca/server"
 	"github.com/meshid/meshid/controlplane"
 	"github.com/meshid/meshid/internal/pki"
 )

@@ -90,7 +90,9 @@ func TestNodePodsAuthorizeNodeAgents(t *testing.T) {
 	batch := createPod(t, ns, "batch", "batch", "node-a")
 
 	np := kube.NewNodePods(kube.NodePodsConfig{Clients: clientsFor(t, env.As(t, ns, "ca")), Logger: testLogger(t)})
-	id := func(sa string) pki.SPIFFEID { return pki.SPIFFEID{TrustDomain: reviewTrustDomain, Namespace: ns, ServiceAccount: sa} }
+	id := func(sa string) pki.SPIFFEID {
+		return pki.SPIFFEID{TrustDomain: reviewTrustDomain, Namespace: ns, ServiceAccount: sa}
+	}
 	reviewer := newReviewer(t, nil, "istio-ca")
 	agent, err := reviewer.auth.Authenticate(reviewBearer(t.Context(), boundToken(t, ns, "node-agent", agentPod)))
 	if err != nil {

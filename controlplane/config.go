@@ -20,6 +20,7 @@ import (
 
 	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/ca/controller"
+	caserver "github.com/meshid/meshid/ca/server"
 	"github.com/meshid/meshid/ca/token"
 	"github.com/meshid/meshid/caclient"
 	"github.com/meshid/meshid/discovery"
@@ -112,6 +113,12 @@ type Config struct {
 	// whose SPIFFE IDs are in CACertIdentities, and for no one else.
 	SignCACerts      bool
 	CACertIdentities []string
+
+	// TrustedNodeAccounts are the service accounts, "NAMESPACE/NAME", that may ask for the
+	// identities of other workloads, as node agents do (Istio's CA_TRUSTED_NODE_ACCOUNTS). On
+	// Kubernetes only for a service account with a running pod on the node of the caller's pod;
+	// elsewhere there are no pods to check, and the trusted account alone decides.
+	TrustedNodeAccounts []string
 
 	// Kubernetes, when enabled, replaces Manifests with the Kubernetes API (see KubernetesConfig).
 	Kubernetes KubernetesConfig
@@ -213,6 +220,32 @@ func (c *Config) caCertIdentities() []pki.SPIFFEID {
 		}
 	}
 	return ids
+}
+
+// parseNodeAccount reads a trusted node account, NAMESPACE/NAME.
+func parseNodeAccount(s string) (caserver.NodeAccount, error) {
+	ns, sa, ok := strings.Cut(s, "/")
+	if !ok {
+		return caserver.NodeAccount{}, errors.New("want NAMESPACE/SERVICE_ACCOUNT")
+	}
+	if err := pki.ValidateNamespace(ns); err != nil {
+		return caserver.NodeAccount{}, err
+	}
+	if err := pki.ValidateServiceAccount(sa); err != nil {
+		return caserver.NodeAccount{}, err
+	}
+	return caserver.NodeAccount{Namespace: ns, ServiceAccount: sa}, nil
+}
+
+// nodeAccounts returns TrustedNodeAccounts parsed (Validate checked them).
+func (c *Config) nodeAccounts() []caserver.NodeAccount {
+	var out []caserver.NodeAccount
+	for _, s := range c.TrustedNodeAccounts {
+		if a, err := parseNodeAccount(s); err == nil {
+			out = append(out, a)
+		}
+	}
+	return out
 }
 
 // SecretsConfig configures the service-account secret controller (Citadel's flags).
@@ -343,6 +376,11 @@ func (c *Config) Validate() error {
 	errs = append(errs, c.Secrets.validate()...)
 	errs = append(errs, c.Upstream.validate(c)...)
 	errs = append(errs, c.validateCACertSigning()...)
+	for _, s := range c.TrustedNodeAccounts {
+		if _, err := parseNodeAccount(s); err != nil {
+			errs = append(errs, &configerr.FieldError{Field: "TrustedNodeAccounts", Value: s, Err: err})
+		}
+	}
 	errs = append(errs, c.Kubernetes.validate(c)...)
 	switch c.SelfSigned.KeyAlgorithm {
 	case pki.ECDSA:

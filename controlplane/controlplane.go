@@ -272,6 +272,15 @@ func (s stores) namespaces() controller.Store {
 	return nil
 }
 
+// nodeAuthorizer is what checks, on Kubernetes, that a node agent asks for a workload of its
+// node; nil elsewhere (a nil interface: no pods to check).
+func (s stores) nodeAuthorizer() caserver.NodeAuthorizer {
+	if s.kube != nil && s.kube.nodePods != nil {
+		return s.kube.nodePods
+	}
+	return nil
+}
+
 // newAuthority loads or creates the CA's key material (on Kubernetes, from the cacerts Secret
 // unless the mounted files hold a complete bundle; with an upstream CA, from the state dir or the
 // upstream) and returns the authority that signs with it, the key manager that keeps it current,
@@ -438,6 +447,9 @@ func newServers(cfg Config, st stores, authority *ca.Authority, authenticators [
 		Metrics:        metrics,
 		Logger:         cfg.Logger.With(logkey.Component, "ca-server"),
 		Clock:          cfg.Clock,
+
+		TrustedNodeAccounts: cfg.nodeAccounts(),
+		Nodes:               st.nodeAuthorizer(),
 	})
 	disco, err := discovery.NewServer(discovery.ServerConfig{
 		ConfigPath:              cfg.XDSConfig,
@@ -451,6 +463,11 @@ func newServers(cfg Config, st stores, authority *ca.Authority, authenticators [
 	})
 	if err != nil {
 		return nil, nil, err
+	}
+	if len(cfg.TrustedNodeAccounts) > 0 {
+		// Said once: off Kubernetes nothing narrows what a trusted node account may ask for.
+		cfg.Logger.Info("trusted node accounts may ask for other identities", logkey.ServiceAccounts, cfg.TrustedNodeAccounts,
+			logkey.NodeCheck, st.nodeAuthorizer() != nil)
 	}
 	cfg.Logger.Info("CA serving certificate hosts", logkey.Hosts, serving.Hosts(), logkey.TrustDomain, cfg.TrustDomain)
 	transport := grpcTransport(cfg)
@@ -645,11 +662,19 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 			return nil
 		}
 		if c.stores.kube != nil {
-			// Targeting answers only from a complete view of the namespaces.
+			// Targeting answers only from a complete view of the namespaces, node
+			// authorization from one of the pods.
 			select {
 			case <-c.stores.kube.store.Synced():
 			case <-ctx.Done():
 				return nil
+			}
+			if np := c.stores.kube.nodePods; np != nil {
+				select {
+				case <-np.Synced():
+				case <-ctx.Done():
+					return nil
+				}
 			}
 		}
 		if ctx.Err() != nil { // both at once: stopping wins

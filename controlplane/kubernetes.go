@@ -75,6 +75,7 @@ type onKubernetes struct {
 	clients     *kube.Clients
 	store       *kube.Store
 	cacerts     *kube.CACerts
+	nodePods    *kube.NodePods // nil without trusted node accounts
 	clock       clock.Clock
 	reg         prometheus.Registerer
 	log         *slog.Logger
@@ -109,6 +110,11 @@ func newOnKubernetes(cfg Config, reg prometheus.Registerer) (*onKubernetes, erro
 	}
 	k.store = kube.NewStore(kube.StoreConfig{Clients: clients, Namespace: cfg.Secrets.ListenedNamespace,
 		Logger: log.With(logkey.Component, "kube-store"), Registerer: reg})
+	if len(cfg.TrustedNodeAccounts) > 0 {
+		// Every pod of the cluster, watched only when some node agent may ask for them.
+		k.nodePods = kube.NewNodePods(kube.NodePodsConfig{Clients: clients,
+			Logger: log.With(logkey.Component, "node-pods"), Registerer: reg})
+	}
 	if cfg.Upstream.Enabled() {
 		// The signing certificate comes from the upstream CA, kept in the state dir (a volume):
 		// each replica has its own, all chained to the upstream's root. No cacerts Secret.
@@ -190,6 +196,9 @@ func (k *onKubernetes) run(ctx context.Context, g *errgroup.Group, keys *ca.KeyM
 		requeue = secrets.Requeue
 	}
 	g.Go(func() error { return k.store.Run(ctx) })
+	if k.nodePods != nil {
+		g.Go(func() error { return k.nodePods.Run(ctx) })
+	}
 	if k.cacerts != nil {
 		g.Go(func() error { return k.cacerts.Run(ctx, keys) })
 	}

@@ -32,6 +32,9 @@ type Caller struct {
 	// client certificate's DER (CertificateCredential). Servers on the CA's port cap the streams
 	// of one credential with it.
 	Credential string
+	// Pod is the pod the caller's token is bound to, when the authenticator knows it: a node
+	// agent's node is its pod's (NodeAuthorizer).
+	Pod BoundPod
 }
 
 // TokenCredential is the Caller.Credential of a caller authenticated by bearer token raw.
@@ -114,8 +117,12 @@ func (a *JWTAuthenticator) Authenticate(ctx context.Context) (Caller, error) {
 	if err != nil {
 		return Caller{}, fmt.Errorf("bearer token: %w", err)
 	}
-	return Caller{Identity: pki.SPIFFEID{TrustDomain: a.trustDomain, Namespace: ns, ServiceAccount: sa}, Method: "jwt",
-		Credential: TokenCredential(raw)}, nil
+	caller := Caller{Identity: pki.SPIFFEID{TrustDomain: a.trustDomain, Namespace: ns, ServiceAccount: sa}, Method: "jwt",
+		Credential: TokenCredential(raw)}
+	if k := claims.Kubernetes; k != nil && k.Pod != nil {
+		caller.Pod = BoundPod{Name: k.Pod.Name, UID: k.Pod.UID}
+	}
+	return caller, nil
 }
 
 // TrustSource yields the CA's current key material, whose roots client certificates must chain to.

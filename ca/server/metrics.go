@@ -12,6 +12,8 @@ type Metrics struct {
 	// requests counts the certificate requests of each service by outcome, so that the Mesh CA's
 	// traffic is told from Istio's; issued and refused above count both services together.
 	requests *prometheus.CounterVec
+	// impersonated counts, among issued, the certificates a node agent asked for a workload.
+	impersonated *prometheus.CounterVec
 }
 
 // NewMetrics creates the server's metrics and registers them with reg.
@@ -34,8 +36,12 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Namespace: "meshid", Subsystem: "ca", Name: "certificate_requests_total",
 			Help: "Certificate requests, by service (IstioCertificateService, MeshCertificateService) and gRPC status code.",
 		}, []string{"service", "code"}),
+		impersonated: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "meshid", Subsystem: "ca", Name: "impersonated_certificates_issued_total",
+			Help: "Workload certificates issued to a trusted node account for another identity (ImpersonatedIdentity), by authentication method; also counted in meshid_ca_certificates_issued_total.",
+		}, []string{"auth_method"}),
 	}
-	for _, c := range []prometheus.Collector{m.issued, m.refused, m.signing, m.requests} {
+	for _, c := range []prometheus.Collector{m.issued, m.refused, m.signing, m.requests, m.impersonated} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

@@ -44,6 +44,14 @@ type Config struct {
 	Metrics        *Metrics
 	Logger         *slog.Logger
 	Clock          clock.Clock // paces the refusal log; nil means the real clock
+
+	// TrustedNodeAccounts may ask, in Istio's protocol, for the identity of another workload
+	// (ImpersonatedIdentityKey), as node agents do for the workloads of their node; empty:
+	// nobody may.
+	TrustedNodeAccounts []NodeAccount
+	// Nodes, when set (on Kubernetes), further requires that identity to have a running pod on
+	// the node of the caller's own pod; nil: the trusted account suffices.
+	Nodes NodeAuthorizer
 }
 
 // Server implements IstioCertificateService.
@@ -55,6 +63,8 @@ type Server struct {
 	metrics        *Metrics
 	log            *slog.Logger
 	refusals       *admission.LogLimiter
+	trustedNodes   map[NodeAccount]struct{}
+	nodes          NodeAuthorizer
 }
 
 // Authorize authenticates a caller and checks that this CA instance serves its namespace:
@@ -76,12 +86,20 @@ func (s *Server) Authorize(ctx context.Context) (Caller, error) {
 // discovery server asks again at every request of a stream, as namespace labels change. A
 // refusal is logged and counted as Authorize's, and returned as a gRPC status.
 func (s *Server) Serves(ctx context.Context, caller Caller) error {
-	served, why, err := s.targeting.Targets(ctx, caller.Identity.Namespace)
+	if err := s.serves(ctx, caller.Identity.Namespace); err != nil {
+		return s.refuse(ctx, caller, err)
+	}
+	return nil
+}
+
+// serves checks that this CA instance serves namespace.
+func (s *Server) serves(ctx context.Context, namespace string) error {
+	served, why, err := s.targeting.Targets(ctx, namespace)
 	if err != nil {
-		return s.refuse(ctx, caller, fmt.Errorf("%w: %w", errTargetingUnavailable, err))
+		return fmt.Errorf("%w: %w", errTargetingUnavailable, err)
 	}
 	if !served {
-		return s.refuse(ctx, caller, fmt.Errorf("%w: %s", errNamespaceNotTargeted, why))
+		return fmt.Errorf("%w: %s", errNamespaceNotTargeted, why)
 	}
 	return nil
 }
@@ -92,7 +110,13 @@ func New(cfg Config) *Server {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
+	trusted := make(map[NodeAccount]struct{}, len(cfg.TrustedNodeAccounts))
+	for _, a := range cfg.TrustedNodeAccounts {
+		trusted[a] = struct{}{}
+	}
 	return &Server{
+		trustedNodes:   trusted,
+		nodes:          cfg.Nodes,
 		signer:         cfg.Signer,
 		authenticators: cfg.Authenticators,
 		targeting:      cfg.Targeting,
@@ -121,10 +145,15 @@ const (
 // CSR for the caller's own identity. The response chain is leaf, intermediates, root. A CSR whose
 // extension request holds basicConstraints cA TRUE (ca.WantsCA) asks for a CA certificate, which
 // only the identities the CA allows get (ca.Authority.SignCA).
+//
+// A trusted node account may instead name, in the metadata's ImpersonatedIdentityKey, the
+// identity of a workload of its node, as Istio's ztunnel does: the certificate is then for that
+// identity, whose namespace must be served.
 func (s *Server) CreateCertificate(ctx context.Context, req *pb.IstioCertificateRequest) (*pb.IstioCertificateResponse, error) {
 	chain, err := s.issue(ctx, ServiceIstio, issueRequest{
-		csrPEM: req.GetCsr(),
-		ttl:    secondsToDuration(req.GetValidityDuration()),
+		csrPEM:        req.GetCsr(),
+		ttl:           secondsToDuration(req.GetValidityDuration()),
+		impersonation: impersonationOf(req.GetMetadata()),
 	})
 	if err != nil {
 		return nil, err
@@ -140,6 +169,9 @@ type issueRequest struct {
 	// lifetime the CA refuses.
 	ttlErr    error
 	requestID string // the Mesh CA's, logged bounded; empty for Istio's protocol
+	// impersonation is the identity a node agent asks for instead of its own: Istio's protocol
+	// only, the Mesh CA's request having no metadata.
+	impersonation impersonation
 }
 
 // issue is the one path of every certificate service: authenticate, check that the caller's
@@ -154,37 +186,57 @@ func (s *Server) issue(ctx context.Context, service string, req issueRequest) ([
 }
 
 func (s *Server) issueChain(ctx context.Context, service string, req issueRequest) ([]string, error) {
-	caller, err := s.Authorize(ctx)
+	caller, err := authenticate(ctx, s.authenticators)
 	if err != nil {
-		return nil, err
+		return nil, s.refuse(ctx, caller, err)
+	}
+	// subject is who the certificate is for: the caller, or the workload a node agent asks for.
+	subject, refuse := caller.Identity, s.refuse
+	if imp := req.impersonation; imp.ok {
+		refuse = func(ctx context.Context, caller Caller, err error) error {
+			return s.refuseWith(ctx, caller, err, logkey.Impersonated, logkey.Untrusted(imp.raw))
+		}
+		if subject, err = s.impersonate(ctx, caller, imp); err != nil {
+			return nil, refuse(ctx, caller, err)
+		}
+	}
+	// Targeting is the subject's: a node agent serves namespaces other than its own.
+	if err := s.serves(ctx, subject.Namespace); err != nil {
+		return nil, refuse(ctx, caller, err)
 	}
 	if req.ttlErr != nil {
-		return nil, s.refuse(ctx, caller, req.ttlErr)
+		return nil, refuse(ctx, caller, req.ttlErr)
 	}
 	csr, err := ca.ParseCSR([]byte(req.csrPEM))
 	if err != nil {
-		return nil, s.refuse(ctx, caller, err)
+		return nil, refuse(ctx, caller, err)
 	}
 	wantsCA, err := ca.WantsCA(csr)
 	if err != nil {
-		return nil, s.refuse(ctx, caller, err)
+		return nil, refuse(ctx, caller, err)
 	}
-	if wantsCA && caller.Method == "mtls" {
-		return nil, s.refuse(ctx, caller, errCACertByCertificate)
+	switch {
+	case wantsCA && req.impersonation.ok:
+		return nil, refuse(ctx, caller, errImpersonationCACert)
+	case wantsCA && caller.Method == "mtls":
+		return nil, refuse(ctx, caller, errCACertByCertificate)
 	}
 	start := time.Now()
 	var issued *ca.Issued
 	if ttl := req.ttl; wantsCA {
-		issued, err = s.signer.SignCA(ctx, ca.CARequest{CSR: csr, Identity: caller.Identity, TTL: ttl})
+		issued, err = s.signer.SignCA(ctx, ca.CARequest{CSR: csr, Identity: subject, TTL: ttl})
 	} else {
-		issued, err = s.signer.SignWorkload(ctx, ca.WorkloadRequest{CSR: csr, Identity: caller.Identity, TTL: ttl})
+		issued, err = s.signer.SignWorkload(ctx, ca.WorkloadRequest{CSR: csr, Identity: subject, TTL: ttl})
 	}
 	if err != nil {
-		return nil, s.refuse(ctx, caller, err)
+		return nil, refuse(ctx, caller, err)
 	}
 	if s.metrics != nil {
 		s.metrics.signing.Observe(time.Since(start).Seconds())
 		s.metrics.issued.WithLabelValues(caller.Method).Inc()
+		if req.impersonation.ok {
+			s.metrics.impersonated.WithLabelValues(caller.Method).Inc()
+		}
 	}
 	if wantsCA {
 		// Rare, and it makes a CA: always in the log.
@@ -194,7 +246,7 @@ func (s *Server) issueChain(ctx context.Context, service string, req issueReques
 	// At the default level this line is dropped: build none of its attributes then.
 	if s.log.Enabled(ctx, slog.LevelDebug) {
 		attrs := []slog.Attr{
-			slog.String(logkey.Identity, caller.Identity.String()),
+			slog.String(logkey.Identity, subject.String()),
 			slog.String(logkey.Method, caller.Method),
 			slog.String(logkey.GRPCService, service),
 			slog.String(logkey.Serial, issued.Leaf.SerialNumber.Text(16)),
@@ -202,6 +254,9 @@ func (s *Server) issueChain(ctx context.Context, service string, req issueReques
 		}
 		if req.requestID != "" {
 			attrs = append(attrs, slog.String(logkey.RequestID, logkey.Untrusted(req.requestID)))
+		}
+		if req.impersonation.ok {
+			attrs = append(attrs, slog.String(logkey.Caller, caller.Identity.String()))
 		}
 		s.log.LogAttrs(ctx, slog.LevelDebug, "certificate issued", attrs...)
 	}
@@ -232,6 +287,11 @@ const unavailableMessage = "the CA cannot check credentials now; retry"
 // status. The error texts never contain the token: golang-jwt's errors describe claims, not the
 // raw token; the strings of the client they quote are bounded.
 func (s *Server) refuse(ctx context.Context, caller Caller, err error) error {
+	return s.refuseWith(ctx, caller, err)
+}
+
+// refuseWith is refuse, with more attributes for the log line.
+func (s *Server) refuseWith(ctx context.Context, caller Caller, err error, extra ...any) error {
 	code, reason := classify(err)
 	if s.metrics != nil {
 		s.metrics.refused.WithLabelValues(reason, code.String()).Inc()
@@ -242,6 +302,7 @@ func (s *Server) refuse(ctx context.Context, caller Caller, err error) error {
 		if caller.Method != "" {
 			attrs = append(attrs, logkey.Identity, caller.Identity.String(), logkey.Method, caller.Method)
 		}
+		attrs = append(attrs, extra...)
 		if p, ok := peer.FromContext(ctx); ok && p.Addr != nil {
 			attrs = append(attrs, logkey.Peer, p.Addr.String())
 		}
@@ -301,6 +362,15 @@ func rules() []rule {
 		{ca.ErrCACertsNotSigned, codes.PermissionDenied, "ca_cert_not_signed"},
 		{ca.ErrCACertIdentity, codes.PermissionDenied, "ca_cert_identity"},
 		{errCACertByCertificate, codes.PermissionDenied, "ca_cert_credential"},
+		{errImpersonationNotTrusted, codes.PermissionDenied, "impersonation_not_trusted"},
+		{errImpersonationByCertificate, codes.PermissionDenied, "impersonation_credential"},
+		{errImpersonationMalformed, codes.InvalidArgument, "impersonation_malformed"},
+		{errImpersonationTrustDomain, codes.PermissionDenied, "impersonation_trust_domain"},
+		{errImpersonationCACert, codes.PermissionDenied, "impersonation_ca_cert"},
+		{ErrNoBoundPod, codes.PermissionDenied, "impersonation_no_bound_pod"},
+		{ErrCallerPodUnknown, codes.PermissionDenied, "impersonation_caller_pod"},
+		{ErrNotOnNode, codes.PermissionDenied, "impersonation_not_on_node"},
+		{ErrNodesUnavailable, codes.Unavailable, "impersonation_unavailable"},
 		{ca.ErrMalformedCSR, codes.InvalidArgument, "csr_malformed"},
 		{ca.ErrCSRSignature, codes.InvalidArgument, "csr_signature"},
 		{ca.ErrCSRSignatureAlgorithm, codes.InvalidArgument, "csr_signature_algorithm"},

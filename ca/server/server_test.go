@@ -66,6 +66,9 @@ type harnessOptions struct {
 	// layout is what signs: "" an intermediate plugged in under the root, "root" the root itself
 	// (a single self-signed CA), "downstream" a CA certificate the root's CA signed with SignCA.
 	layout string
+	// trustedNodes may impersonate (--trusted-node-accounts); nodes, when set, decides on nodes.
+	trustedNodes []server.NodeAccount
+	nodes        server.NodeAuthorizer
 }
 
 func newHarness(t testing.TB, opts harnessOptions) *harness {
@@ -128,9 +131,11 @@ func newHarness(t testing.TB, opts harnessOptions) *harness {
 			server.NewJWTAuthenticator(verifier, trustDomain),
 			server.NewMTLSAuthenticator(authority, trustDomain, clk),
 		},
-		Targeting: controller.NewTargeting(controller.TargetingConfig{Store: opts.store, CANamespace: "istio-system", EnabledByDefault: enabled}),
-		Metrics:   metrics,
-		Logger:    slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
+		Targeting:           controller.NewTargeting(controller.TargetingConfig{Store: opts.store, CANamespace: "istio-system", EnabledByDefault: enabled}),
+		Metrics:             metrics,
+		Logger:              slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
+		TrustedNodeAccounts: opts.trustedNodes,
+		Nodes:               opts.nodes,
 	})
 	return &harness{root: root, intermediate: inter, authority: authority, tokenKey: tokenKey, clock: clk,
 		registry: registry, addr: serveTLS(t, srv, authority, clk), logs: logs}

@@ -65,6 +65,17 @@ certificate this CA issued; a token of an external OIDC issuer named by --jwt-ru
 checked with the keys its JWKS URL serves instead. Each gets a certificate for its own identity only:
 spiffe://<trust-domain>/ns/<namespace>/sa/<service-account>.
 
+A node agent (Istio's ztunnel, or meshid's) asks for the certificate of a workload of its node:
+the request's metadata names it, ImpersonatedIdentity: spiffe://<trust-domain>/ns/NS/sa/SA. It
+is signed only when the caller's service account is in --trusted-node-accounts
+(CA_TRUSTED_NODE_ACCOUNTS), authenticated by a token, for an identity of this trust domain
+whose namespace this instance serves, never as a CA certificate. On Kubernetes, the CA also
+watches every running pod: the caller's token must be bound to its own running pod, and the
+identity must have a running pod on that pod's node. Off Kubernetes there are no pods: the
+trusted account alone decides. Istio's protocol only (the Mesh CA's has no metadata). Each
+refusal is PermissionDenied (InvalidArgument for a malformed identity), logged with who asked
+for whom, and counted by reason (impersonation_*).
+
 Several CA instances can share a cluster: each serves the namespaces that Istio's Citadel
 targeting rules give it (ca.istio.io/override, then ca.istio.io/env against --ca-namespace,
 then --enable-namespaces-by-default), and refuses the others with PermissionDenied, saying
@@ -102,7 +113,8 @@ On Kubernetes (--kubeconfig FILE, or --in-cluster in a pod), the API server repl
     restart, the old root trusted for the overlap;
   - the roots are published as ConfigMap istio-ca-root-cert (root-cert.pem) in served namespaces;
   - tokens are checked with TokenReview (audience --jwt-audience), besides --jwt-keys when given.
-The RBAC this needs is in deploy/kubernetes/rbac.yaml.
+The RBAC this needs is in deploy/kubernetes/rbac.yaml, and with --trusted-node-accounts
+rbac-node-agents.yaml too.
 
 The gRPC port also serves Envoy's aggregated discovery service (state of the world and delta),
 as istiod does: from the --xds-config file, else an empty configuration, which Envoy ACKs and
@@ -188,6 +200,13 @@ One root can serve several CAs, each with its own intermediate (Citadel's upstre
 			if flags.Changed("requested-ca-cert-ttl") && cfg.Upstream.Address == "" {
 				return errors.New("--requested-ca-cert-ttl needs --upstream-ca-address")
 			}
+			// istiod's order: the flag, then $CA_TRUSTED_NODE_ACCOUNTS.
+			if !flags.Changed("trusted-node-accounts") {
+				if env, ok := lookupEnv("CA_TRUSTED_NODE_ACCOUNTS"); ok {
+					cfg.TrustedNodeAccounts = strings.Split(env, ",")
+				}
+			}
+			cfg.TrustedNodeAccounts = trimAll(cfg.TrustedNodeAccounts)
 			cfg.GRPCHostIdentities = trimAll(cfg.GRPCHostIdentities)
 			cfg.CACertIdentities = trimAll(cfg.CACertIdentities)
 			cfg.Logger = g.Logger()
@@ -243,6 +262,7 @@ One root can serve several CAs, each with its own intermediate (Citadel's upstre
 	f.StringVar(&cfg.Upstream.TokenPath, "upstream-token-path", "", "token this CA authenticates to the upstream CA with (its identity must be in the upstream's --ca-cert-identities), read at every request")
 	f.DurationVar(&cfg.Upstream.RequestedTTL, "requested-ca-cert-ttl", cfg.Upstream.RequestedTTL, "lifetime of the CA certificate asked of the upstream CA (it may give less: its --max-workload-cert-ttl, its own certificate's expiry)")
 	f.BoolVar(&cfg.SignCACerts, "sign-ca-certs", false, "sign CA certificates for other CAs (their --upstream-ca-address is this one), for the identities of --ca-cert-identities only; not with --upstream-ca-address")
+	f.StringSliceVar(&cfg.TrustedNodeAccounts, "trusted-node-accounts", nil, "service accounts, NAMESPACE/NAME comma-separated (env CA_TRUSTED_NODE_ACCOUNTS, as istiod reads it), that may ask for another workload's certificate, as node agents (ztunnel, meshid's node agent) do: the ImpersonatedIdentity metadata of Istio's protocol, with a token, not a client certificate. On Kubernetes only for a service account with a running pod on the node of the pod the caller's token is bound to (the CA then watches every pod); off Kubernetes there are no pods to check, and the trusted account alone decides")
 	f.StringSliceVar(&cfg.CACertIdentities, "ca-cert-identities", nil, "SPIFFE IDs (spiffe://<trust-domain>/ns/NS/sa/SA, comma-separated) that may have a CA certificate; needs --sign-ca-certs")
 	cmd.AddCommand(newCATargetsCommand(g))
 	return cmd
@@ -294,13 +314,15 @@ func caFieldFlags() map[string]string {
 		"Upstream.RequestedTTL":         "requested-ca-cert-ttl",
 		"SignCACerts":                   "sign-ca-certs",
 		"CACertIdentities":              "ca-cert-identities",
+		"TrustedNodeAccounts":           "trusted-node-accounts",
 	}
 }
 
 // caFields names the fields of controlplane.Config as a user of `meshid ca` sets them; NAMESPACE
 // sets --listened-namespace, as in Citadel, and JWT_RULE --jwt-rule, as in istiod.
 func caFields() cli.FieldNames {
-	return cli.FieldNames{Flags: caFieldFlags(), Env: map[string]string{"listened-namespace": "NAMESPACE", "jwt-rule": "JWT_RULE"}}
+	return cli.FieldNames{Flags: caFieldFlags(), Env: map[string]string{"listened-namespace": "NAMESPACE", "jwt-rule": "JWT_RULE",
+		"trusted-node-accounts": "CA_TRUSTED_NODE_ACCOUNTS"}}
 }
 
 // refusedAsCalled is cli.RefusedAsCalled with the control plane's refusals, which package cli,

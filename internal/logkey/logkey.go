@@ -103,4 +103,10 @@ const (
 	GRPCService = "grpc_service" // which of the CA's services a request came to
 	RequestID   = "request_id"   // the Mesh CA request's client-chosen id
 	CAProvider  = "ca_provider"
+	// Impersonated is the identity a node agent asked for (ImpersonatedIdentity), as sent;
+	// Caller the node agent's own identity when the certificate is for another.
+	Impersonated = "impersonated_identity"
+	Caller       = "caller"
+	// NodeCheck says whether a node agent's requests are checked against the pods of its node.
+	NodeCheck = "node_check"
 )

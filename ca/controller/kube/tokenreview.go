@@ -276,7 +276,24 @@ func (a *TokenReviewAuthenticator) check(st authenticationv1.TokenReviewStatus) 
 	return caserver.Caller{
 		Identity: pki.SPIFFEID{TrustDomain: a.trustDomain, Namespace: ns, ServiceAccount: sa},
 		Method:   MethodTokenReview,
+		Pod:      boundPod(st.User.Extra),
 	}, nil
+}
+
+// The user extras in which the API server names the pod a token is bound to.
+const (
+	extraPodName = "authentication.kubernetes.io/pod-name"
+	extraPodUID  = "authentication.kubernetes.io/pod-uid"
+)
+
+// boundPod reads the pod a reviewed token is bound to; zero when it is bound to none, or the
+// extras are not one name and one UID.
+func boundPod(extra map[string]authenticationv1.ExtraValue) caserver.BoundPod {
+	name, uid := extra[extraPodName], extra[extraPodUID]
+	if len(name) != 1 || len(uid) != 1 || name[0] == "" || uid[0] == "" {
+		return caserver.BoundPod{}
+	}
+	return caserver.BoundPod{Name: name[0], UID: uid[0]}
 }
 
 // remember caches r and returns it. An accepted token is cached for the TTL but never past its

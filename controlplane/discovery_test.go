@@ -163,7 +163,9 @@ func clustersFor(t *testing.T, addr, rootFile, tok string) ([]string, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := stream.Send(&discoveryv3.DiscoveryRequest{Node: &corev3.Node{Id: "sidecar~10.0.0.1~web.prod~prod.svc.cluster.local"}, TypeUrl: resource.ClusterType}); err != nil {
+	// io.EOF from Send: the server has already ended the stream (a refused credential), and
+	// Recv returns the status it ended it with.
+	if err := stream.Send(&discoveryv3.DiscoveryRequest{Node: &corev3.Node{Id: "sidecar~10.0.0.1~web.prod~prod.svc.cluster.local"}, TypeUrl: resource.ClusterType}); err != nil && !errors.Is(err, io.EOF) {
 		return nil, err
 	}
 	resp, err := stream.Recv()

@@ -205,6 +205,9 @@ func parseCgroups(cgroup []byte) []string {
 // 32 hex digits without dashes.
 var podSegment = regexp.MustCompile(`^(?:kubepods(?:-[a-z]+)?-)?pod([0-9a-f]{8}[-_]?[0-9a-f]{4}[-_]?[0-9a-f]{4}[-_]?[0-9a-f]{4}[-_]?[0-9a-f]{12})(?:\.slice)?$`)
 
+// podUIDPattern is a pod UID as the API server writes it, or a static pod's hash.
+var podUIDPattern = regexp.MustCompile(`^(?:[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|[0-9a-f]{32})$`)
+
 // A container's cgroup under its pod's: "<id>" (cgroupfs), "<runtime>-<id>.scope" (systemd:
 // cri-containerd, crio, docker), or containerd's "…pod<uid>.slice:cri-containerd:<id>" where the
 // pod's slice and the container share one segment. crio-conmon-<id> is CRI-O's monitor, not the

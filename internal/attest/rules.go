@@ -76,10 +76,11 @@ func (r *Rule) validate() error {
 		}
 	}
 	if r.PodUID != "" {
-		if !podSegment.MatchString("pod" + r.PodUID) {
+		uid := normalizePodUID(r.PodUID)
+		if !podUIDPattern.MatchString(uid) {
 			return fmt.Errorf("podUID %q: want a pod UID", r.PodUID)
 		}
-		r.PodUID = normalizePodUID(r.PodUID)
+		r.PodUID = uid
 	}
 	return nil
 }

@@ -6,6 +6,7 @@
 package attest
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -36,12 +37,12 @@ var (
 
 // Reasons of refusals, as logged and counted.
 const (
-	ReasonPeerUnknown  = "peer_unknown"
-	ReasonPeerExited   = "peer_exited"
-	ReasonPIDReused    = "pid_reused"
-	ReasonNoRule       = "no_rule"
-	ReasonPodNotFound  = "pod_not_found"
-	ReasonPodsFailed   = "pod_lookup_failed"
+	ReasonPeerUnknown = "peer_unknown"
+	ReasonPeerExited  = "peer_exited"
+	ReasonPIDReused   = "pid_reused"
+	ReasonNoRule      = "no_rule"
+	ReasonPodNotFound = "pod_not_found"
+	ReasonPodsFailed  = "pod_lookup_failed"
 )
 
 // Refusal is Identify's error: the caller is given no identity. It names the caller for a log
@@ -93,6 +94,7 @@ type Attestor struct {
 	// loadMu makes each load read and swap in one piece, so that of two loads the one that
 	// read the file later is the one in force.
 	loadMu sync.Mutex
+	last   []byte // the file as last loaded; guarded by loadMu
 
 	mu     sync.Mutex
 	loaded chan struct{} // closed and replaced after each load of the rules file
@@ -132,12 +134,15 @@ func New(cfg Config) (*Attestor, error) {
 const maxRulesFile = 1 << 20
 
 // load reads the rules file and, if it parses, swaps its rules in. Bad rules are logged with
-// their index and skipped.
+// their index and skipped. A file unchanged since the last load is left alone, so that its bad
+// rules are reported once.
 func (a *Attestor) load() error {
 	a.loadMu.Lock()
 	defer a.loadMu.Unlock()
-	defer a.signalLoaded()
 	data, err := readFile(a.cfg.RulesFile, maxRulesFile)
+	if err == nil && a.last != nil && bytes.Equal(data, a.last) {
+		return nil // touched, or the load after the watch started: its rules are in force
+	}
 	if err == nil {
 		var (
 			rules []Rule
@@ -150,6 +155,7 @@ func (a *Attestor) load() error {
 				a.log.Warn("workload attestation rule skipped", logkey.Path, a.cfg.RulesFile, logkey.Item, b.Index, logkey.Error, b.Err.Error())
 			}
 			a.rules.Store(&rules)
+			a.last = data
 			a.metrics.rules.Set(float64(len(rules)))
 			a.metrics.loads.WithLabelValues("ok").Inc()
 			a.log.Info("workload attestation rules loaded", logkey.Path, a.cfg.RulesFile, logkey.Kept, len(rules), logkey.Dropped, len(bad))
@@ -167,7 +173,7 @@ func (a *Attestor) signalLoaded() {
 	a.loaded = make(chan struct{})
 }
 
-// Loaded returns a channel closed when the rules file is next loaded (or fails to load).
+// Loaded returns a channel closed when Run next reloads the rules file (or fails to).
 func (a *Attestor) Loaded() <-chan struct{} {
 	a.mu.Lock()
 	defer a.mu.Unlock()
@@ -209,7 +215,9 @@ func (a *Attestor) Run(ctx context.Context) error {
 	return nil
 }
 
+// reload loads the rules file again, keeping the rules in force if it cannot.
 func (a *Attestor) reload() {
+	defer a.signalLoaded() // after the log line, which a test of a failed load looks for
 	if err := a.load(); err != nil {
 		a.log.Error("workload attestation rules not reloaded, the previous ones are kept", logkey.Path, a.cfg.RulesFile, logkey.Error, err.Error())
 	}

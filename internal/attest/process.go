@@ -158,7 +158,9 @@ func (p ProcFS) Read(pid int32) (Process, error) {
 	proc.Cgroups = parseCgroups(cgroup)
 	proc.PodUID, proc.ContainerID = kubernetesIDs(proc.Cgroups)
 	// Read last, so that a pid reused while its files were read is seen.
-	if again, err := p.StartTime(pid); err != nil || again != start {
+	if again, err := p.StartTime(pid); err != nil {
+		return Process{}, err
+	} else if again != start {
 		return Process{}, fmt.Errorf("pid %d: %w", pid, ErrPIDReused)
 	}
 	return proc, nil

@@ -116,15 +116,15 @@ func New(cfg Config) (*Attestor, error) {
 		a.log = slog.New(slog.DiscardHandler)
 	}
 	a.logs = admission.NewLogLimiter(a.clock)
-	if cfg.Registerer != nil {
-		if err := a.metrics.register(cfg.Registerer); err != nil {
-			return nil, fmt.Errorf("register attestation metrics: %w", err)
-		}
-	}
 	a.rules.Store(&[]Rule{})
 	if cfg.RulesFile != "" {
 		if err := a.load(); err != nil {
 			return nil, err
+		}
+	}
+	if cfg.Registerer != nil {
+		if err := a.metrics.register(cfg.Registerer); err != nil {
+			return nil, fmt.Errorf("register attestation metrics: %w", err)
 		}
 	}
 	return a, nil

@@ -22,7 +22,8 @@ type Rule struct {
 	UID *uint32 `json:"uid,omitempty"`
 	// GID matches the caller's primary group or one of its supplementary groups.
 	GID *uint32 `json:"gid,omitempty"`
-	// Path matches the caller's executable path exactly (absolute and clean).
+	// Path matches the caller's executable path exactly (absolute and clean); a binary replaced
+	// or removed on disk reads as "PATH (deleted)" and matches no path.
 	Path string `json:"path,omitempty"`
 	// Cgroup is a path.Match pattern matched against each of the caller's cgroup paths and
 	// each directory above them: a plain path ("/system.slice/app.service") matches that cgroup

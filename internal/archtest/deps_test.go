@@ -58,6 +58,9 @@ func allowed() map[string][]string {
 		// the module, so that it behaves as Envoy and not as meshid's own code would.
 		"internal/envoytest":         {},
 		"internal/envoytest/standin": {},
+		// Workload attestation: its refusals' logs are paced as a server's admission paces
+		// them, its rules file is watched, and a rule's identity is checked as pki checks names.
+		"internal/attest": {"internal/admission", "internal/clock", "internal/filewatch", "internal/logkey", "internal/pki"},
 		// A server's admission names the process at the other end of a Unix connection as the
 		// socket helpers do.
 		"internal/admission": {"internal/clock", "internal/logkey", "internal/fsutil"},

@@ -12,6 +12,10 @@ type Metrics struct {
 	// requests counts the certificate requests of each service by outcome, so that the Mesh CA's
 	// traffic is told from Istio's; issued and refused above count both services together.
 	requests *prometheus.CounterVec
+	// jwtSVIDs counts the JWT-SVIDs signed, by authentication method as issued does;
+	// jwtRequests the calls of JWTSVIDService, by method and outcome.
+	jwtSVIDs    *prometheus.CounterVec
+	jwtRequests *prometheus.CounterVec
 }
 
 // NewMetrics creates the server's metrics and registers them with reg.
@@ -34,8 +38,16 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Namespace: "meshid", Subsystem: "ca", Name: "certificate_requests_total",
 			Help: "Certificate requests, by service (IstioCertificateService, MeshCertificateService) and gRPC status code.",
 		}, []string{"service", "code"}),
+		jwtSVIDs: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "meshid", Subsystem: "ca", Name: "jwt_svids_issued_total",
+			Help: "JWT-SVIDs signed, by authentication method.",
+		}, []string{"auth_method"}),
+		jwtRequests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "meshid", Subsystem: "ca", Name: "jwt_svid_requests_total",
+			Help: "JWTSVIDService calls (MintJWTSVID, FetchJWTBundle), by method and gRPC status code.",
+		}, []string{"method", "code"}),
 	}
-	for _, c := range []prometheus.Collector{m.issued, m.refused, m.signing, m.requests} {
+	for _, c := range []prometheus.Collector{m.issued, m.refused, m.signing, m.requests, m.jwtSVIDs, m.jwtRequests} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

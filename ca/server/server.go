@@ -43,7 +43,7 @@ type Config struct {
 	Targeting      Targeting
 	Metrics        *Metrics
 	Logger         *slog.Logger
-	Clock          clock.Clock // paces the refusal log; nil means the real clock
+	Clock          clock.Clock // paces the refusal log, dates JWT-SVIDs; nil means the real clock
 }
 
 // Server implements IstioCertificateService.
@@ -55,6 +55,7 @@ type Server struct {
 	metrics        *Metrics
 	log            *slog.Logger
 	refusals       *admission.LogLimiter
+	clock          clock.Clock
 }
 
 // Authorize authenticates a caller and checks that this CA instance serves its namespace:
@@ -99,6 +100,7 @@ func New(cfg Config) *Server {
 		metrics:        cfg.Metrics,
 		log:            log,
 		refusals:       admission.NewLogLimiter(cfg.Clock),
+		clock:          clock.OrReal(cfg.Clock),
 	}
 }
 
@@ -306,6 +308,7 @@ func rules() []rule {
 		{ca.ErrCSRSignatureAlgorithm, codes.InvalidArgument, "csr_signature_algorithm"},
 		{ca.ErrUnsupportedKey, codes.InvalidArgument, "csr_key"},
 		{ca.ErrInvalidTTL, codes.InvalidArgument, "validity_duration"},
+		{ca.ErrAudience, codes.InvalidArgument, "jwt_svid_audience"},
 		{ca.ErrNotReady, codes.Unavailable, "not_ready"},
 		{context.Canceled, codes.Canceled, "canceled"},
 		{context.DeadlineExceeded, codes.DeadlineExceeded, "deadline"},

@@ -174,8 +174,11 @@ type FetchJWTBundleResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The trust domain's SPIFFE ID, spiffe://TRUST_DOMAIN.
 	TrustDomain string `protobuf:"bytes,1,opt,name=trust_domain,json=trustDomain,proto3" json:"trust_domain,omitempty"`
-	// The JWKS document (RFC 7517) of the keys that verify its JWT-SVIDs.
-	Jwks          []byte `protobuf:"bytes,2,opt,name=jwks,proto3" json:"jwks,omitempty"`
+	// The JWKS document (RFC 7517) of the keys that verify its JWT-SVIDs, as the Workload API
+	// hands it out.
+	Jwks []byte `protobuf:"bytes,2,opt,name=jwks,proto3" json:"jwks,omitempty"`
+	// The same keys, so that a client can verify without parsing JWKs.
+	Keys          []*JWTKey `protobuf:"bytes,3,rep,name=keys,proto3" json:"keys,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -224,6 +227,67 @@ func (x *FetchJWTBundleResponse) GetJwks() []byte {
 	return nil
 }
 
+func (x *FetchJWTBundleResponse) GetKeys() []*JWTKey {
+	if x != nil {
+		return x.Keys
+	}
+	return nil
+}
+
+type JWTKey struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The key's kid.
+	Id string `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	// The public key, PKIX DER.
+	PublicKey     []byte `protobuf:"bytes,2,opt,name=public_key,json=publicKey,proto3" json:"public_key,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *JWTKey) Reset() {
+	*x = JWTKey{}
+	mi := &file_internal_jwtsvidpb_jwtsvid_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *JWTKey) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*JWTKey) ProtoMessage() {}
+
+func (x *JWTKey) ProtoReflect() protoreflect.Message {
+	mi := &file_internal_jwtsvidpb_jwtsvid_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use JWTKey.ProtoReflect.Descriptor instead.
+func (*JWTKey) Descriptor() ([]byte, []int) {
+	return file_internal_jwtsvidpb_jwtsvid_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *JWTKey) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+func (x *JWTKey) GetPublicKey() []byte {
+	if x != nil {
+		return x.PublicKey
+	}
+	return nil
+}
+
 var File_internal_jwtsvidpb_jwtsvid_proto protoreflect.FileDescriptor
 
 const file_internal_jwtsvidpb_jwtsvid_proto_rawDesc = "" +
@@ -235,10 +299,15 @@ const file_internal_jwtsvidpb_jwtsvid_proto_rawDesc = "" +
 	"\x13MintJWTSVIDResponse\x12\x14\n" +
 	"\x05token\x18\x01 \x01(\tR\x05token\x12\x1b\n" +
 	"\tspiffe_id\x18\x02 \x01(\tR\bspiffeId\"\x17\n" +
-	"\x15FetchJWTBundleRequest\"O\n" +
+	"\x15FetchJWTBundleRequest\"y\n" +
 	"\x16FetchJWTBundleResponse\x12!\n" +
 	"\ftrust_domain\x18\x01 \x01(\tR\vtrustDomain\x12\x12\n" +
-	"\x04jwks\x18\x02 \x01(\fR\x04jwks2\xc5\x01\n" +
+	"\x04jwks\x18\x02 \x01(\fR\x04jwks\x12(\n" +
+	"\x04keys\x18\x03 \x03(\v2\x14.meshid.ca.v1.JWTKeyR\x04keys\"7\n" +
+	"\x06JWTKey\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x12\x1d\n" +
+	"\n" +
+	"public_key\x18\x02 \x01(\fR\tpublicKey2\xc5\x01\n" +
 	"\x0eJWTSVIDService\x12T\n" +
 	"\vMintJWTSVID\x12 .meshid.ca.v1.MintJWTSVIDRequest\x1a!.meshid.ca.v1.MintJWTSVIDResponse\"\x00\x12]\n" +
 	"\x0eFetchJWTBundle\x12#.meshid.ca.v1.FetchJWTBundleRequest\x1a$.meshid.ca.v1.FetchJWTBundleResponse\"\x00B-Z+github.com/meshid/meshid/internal/jwtsvidpbb\x06proto3"
@@ -255,25 +324,27 @@ func file_internal_jwtsvidpb_jwtsvid_proto_rawDescGZIP() []byte {
 	return file_internal_jwtsvidpb_jwtsvid_proto_rawDescData
 }
 
-var file_internal_jwtsvidpb_jwtsvid_proto_msgTypes = make([]protoimpl.MessageInfo, 4)
+var file_internal_jwtsvidpb_jwtsvid_proto_msgTypes = make([]protoimpl.MessageInfo, 5)
 var file_internal_jwtsvidpb_jwtsvid_proto_goTypes = []any{
 	(*MintJWTSVIDRequest)(nil),     // 0: meshid.ca.v1.MintJWTSVIDRequest
 	(*MintJWTSVIDResponse)(nil),    // 1: meshid.ca.v1.MintJWTSVIDResponse
 	(*FetchJWTBundleRequest)(nil),  // 2: meshid.ca.v1.FetchJWTBundleRequest
 	(*FetchJWTBundleResponse)(nil), // 3: meshid.ca.v1.FetchJWTBundleResponse
-	(*durationpb.Duration)(nil),    // 4: google.protobuf.Duration
+	(*JWTKey)(nil),                 // 4: meshid.ca.v1.JWTKey
+	(*durationpb.Duration)(nil),    // 5: google.protobuf.Duration
 }
 var file_internal_jwtsvidpb_jwtsvid_proto_depIdxs = []int32{
-	4, // 0: meshid.ca.v1.MintJWTSVIDRequest.ttl:type_name -> google.protobuf.Duration
-	0, // 1: meshid.ca.v1.JWTSVIDService.MintJWTSVID:input_type -> meshid.ca.v1.MintJWTSVIDRequest
-	2, // 2: meshid.ca.v1.JWTSVIDService.FetchJWTBundle:input_type -> meshid.ca.v1.FetchJWTBundleRequest
-	1, // 3: meshid.ca.v1.JWTSVIDService.MintJWTSVID:output_type -> meshid.ca.v1.MintJWTSVIDResponse
-	3, // 4: meshid.ca.v1.JWTSVIDService.FetchJWTBundle:output_type -> meshid.ca.v1.FetchJWTBundleResponse
-	3, // [3:5] is the sub-list for method output_type
-	1, // [1:3] is the sub-list for method input_type
-	1, // [1:1] is the sub-list for extension type_name
-	1, // [1:1] is the sub-list for extension extendee
-	0, // [0:1] is the sub-list for field type_name
+	5, // 0: meshid.ca.v1.MintJWTSVIDRequest.ttl:type_name -> google.protobuf.Duration
+	4, // 1: meshid.ca.v1.FetchJWTBundleResponse.keys:type_name -> meshid.ca.v1.JWTKey
+	0, // 2: meshid.ca.v1.JWTSVIDService.MintJWTSVID:input_type -> meshid.ca.v1.MintJWTSVIDRequest
+	2, // 3: meshid.ca.v1.JWTSVIDService.FetchJWTBundle:input_type -> meshid.ca.v1.FetchJWTBundleRequest
+	1, // 4: meshid.ca.v1.JWTSVIDService.MintJWTSVID:output_type -> meshid.ca.v1.MintJWTSVIDResponse
+	3, // 5: meshid.ca.v1.JWTSVIDService.FetchJWTBundle:output_type -> meshid.ca.v1.FetchJWTBundleResponse
+	4, // [4:6] is the sub-list for method output_type
+	2, // [2:4] is the sub-list for method input_type
+	2, // [2:2] is the sub-list for extension type_name
+	2, // [2:2] is the sub-list for extension extendee
+	0, // [0:2] is the sub-list for field type_name
 }
 
 func init() { file_internal_jwtsvidpb_jwtsvid_proto_init() }
@@ -287,7 +358,7 @@ func file_internal_jwtsvidpb_jwtsvid_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_internal_jwtsvidpb_jwtsvid_proto_rawDesc), len(file_internal_jwtsvidpb_jwtsvid_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   4,
+			NumMessages:   5,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -31,8 +31,8 @@ import (
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/configerr"
 	"github.com/meshid/meshid/internal/fsutil"
-	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/internal/jwtsvidpb"
+	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/internal/meshcapb"
 	"github.com/meshid/meshid/internal/version"
 )

@@ -161,7 +161,7 @@ func (s *Server) ValidateJWTSVID(ctx context.Context, req *workload.ValidateJWTS
 	if err != nil {
 		return nil, err
 	}
-	id, claims, err := verifyJWTSVID(v.bundle, req.GetSvid(), req.GetAudience(), s.clock.Now)
+	id, claims, err := verifyJWTSVID(v.bundle, req.GetSvid(), req.GetAudience(), s.clock.Now())
 	if err != nil {
 		return nil, s.refuse(ctx, methodValidateJWTSVID, reasonInvalidJWTSVID, status.Errorf(codes.InvalidArgument, "invalid JWT-SVID: %s", err.Error()))
 	}

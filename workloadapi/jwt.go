@@ -56,7 +56,7 @@ const (
 	reasonMintFailed     = "jwt_svid_not_issued"
 	reasonBundleFailed   = "jwt_bundle_unavailable"
 	reasonInvalidJWTSVID = "invalid_jwt_svid"
-	reasonNoToken        = "missing_jwt_svid"
+	reasonNoToken        = "missing_jwt_svid" //nolint:gosec // a metric label, not a credential
 )
 
 // errNoJWTIssuer answers the JWT methods of an agent without a CA: its certificates come from

@@ -97,7 +97,11 @@ func (s *Server) jwtBundle(ctx context.Context, method string) (bundleView, erro
 		return v, s.refuse(ctx, method, reasonBundleFailed, status.Errorf(codes.Unavailable, "no JWT bundle: %s", err.Error()))
 	}
 	if ok, dropped := s.logs.Allow(reasonBundleFailed); ok {
-		s.log.Warn("JWT bundle not refreshed; the last one is kept", logkey.Error, err.Error(), logkey.Dropped, dropped)
+		attrs := []any{logkey.Error, err.Error()}
+		if dropped > 0 {
+			attrs = append(attrs, logkey.Dropped, dropped)
+		}
+		s.log.Warn("JWT bundle not refreshed; the last one is kept", attrs...)
 	}
 	return v, nil
 }

@@ -8,6 +8,7 @@ import (
 	"crypto/rand"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"strconv"
 	"strings"
 	"sync"
@@ -197,7 +198,8 @@ func TestFetchJWTSVIDRefusals(t *testing.T) {
 		{"another SPIFFE ID", &workload.JWTSVIDRequest{Audience: []string{"a"}, SpiffeId: "spiffe://cluster.local/ns/kube-system/sa/admin"}, nil, codes.PermissionDenied, "other_spiffe_id", 0},
 		{"the CA signs another identity", &workload.JWTSVIDRequest{Audience: []string{"a"}}, func(f *fakeIssuer) { f.id = "spiffe://cluster.local/ns/other/sa/x" }, codes.PermissionDenied, "other_spiffe_id", 1},
 		{"the CA refuses the agent", &workload.JWTSVIDRequest{Audience: []string{"a"}}, func(f *fakeIssuer) {
-			f.mintErr = status.Error(codes.Unauthenticated, "token expired")
+			// As the CA client wraps it.
+			f.mintErr = fmt.Errorf("%w: the CA did not accept the token: %w", errors.New("CA rejected the request"), status.Error(codes.Unauthenticated, "token expired"))
 		}, codes.PermissionDenied, "jwt_svid_not_issued", 1},
 		{"the CA is down", &workload.JWTSVIDRequest{Audience: []string{"a"}}, func(f *fakeIssuer) { f.mintErr = errors.New("CA unreachable") }, codes.Unavailable, "jwt_svid_not_issued", 1},
 	} {

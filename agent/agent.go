@@ -179,14 +179,20 @@ func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *p
 }
 
 // buildWorkloadAPI registers the SPIFFE Workload API on the SDS server: the same socket, bounds
-// and secrets, every caller the workload (single-workload mode).
+// and secrets, every caller the workload (single-workload mode), JWT-SVIDs from the CA client.
 func (a *Agent) buildWorkloadAPI(cfg Config, clk clock.Clock, log *slog.Logger, registry *prometheus.Registry) error {
 	if !cfg.SDS.WorkloadAPI {
 		log.Info("Workload API not served (--workload-api=false)")
 		return nil
 	}
+	var jwt workloadapi.JWTIssuer
+	if a.ca != nil {
+		// The CA signs the JWT-SVIDs; without one (mounted files) the JWT methods say so.
+		jwt = jwtIssuer{a.ca}
+	}
 	api, err := workloadapi.New(workloadapi.Config{
 		Secrets:    a.secrets,
+		JWT:        jwt,
 		Clock:      clk,
 		Logger:     log.With(logkey.Component, "workloadapi"),
 		Registerer: registry,
@@ -196,6 +202,20 @@ func (a *Agent) buildWorkloadAPI(cfg Config, clk clock.Clock, log *slog.Logger, 
 	}
 	api.Register(a.sds)
 	return nil
+}
+
+// jwtIssuer gives the Workload API JWT-SVIDs and their bundle from the CA, through the client
+// that signs the agent's certificates, with its credentials.
+type jwtIssuer struct{ ca *caclient.Client }
+
+func (j jwtIssuer) MintJWTSVID(ctx context.Context, audience []string) (workloadapi.JWTSVID, error) {
+	svid, err := j.ca.MintJWTSVID(ctx, audience, 0) // the CA's lifetime
+	return workloadapi.JWTSVID(svid), err
+}
+
+func (j jwtIssuer) FetchJWTBundle(ctx context.Context) (workloadapi.JWTBundle, error) {
+	b, err := j.ca.FetchJWTBundle(ctx)
+	return workloadapi.JWTBundle(b), err
 }
 
 // buildServers opens the status server, and the debug servers asked for.

@@ -7,8 +7,8 @@ import (
 )
 
 // The layout of a CA state dir: the self-signed CA (CAKeyFile, CACertFile), the trust bundle
-// (RootCertFile), the local token signing key (TokenKeyFile), and the service-account secrets the
-// secret controller writes off Kubernetes.
+// (RootCertFile), the local token signing key (TokenKeyFile), the JWT-SVID signing key
+// (JWTSVIDKeyFile), and the service-account secrets the secret controller writes off Kubernetes.
 
 // SecretsDir is where the CA whose state dir is stateDir writes service-account secrets.
 func SecretsDir(stateDir string) string { return filepath.Join(stateDir, "secrets") }
@@ -30,7 +30,7 @@ func CheckStateDir(stateDir string) error {
 	if err := fsutil.CheckOwnedDir(stateDir); err != nil {
 		return err
 	}
-	for _, name := range []string{CAKeyFile, TokenKeyFile, UpstreamCAFile} {
+	for _, name := range []string{CAKeyFile, TokenKeyFile, JWTSVIDKeyFile, UpstreamCAFile} {
 		if err := fsutil.CheckKeyFile(filepath.Join(stateDir, name)); err != nil {
 			return err
 		}

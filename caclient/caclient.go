@@ -2,11 +2,13 @@
 // CA's (MeshCertificateService, CA_PROVIDER=GoogleCA): CSR in, chain out, authenticated by a service-account token read afresh for every call and, when the workload
 // holds a valid certificate, by mTLS with it. It keeps one connection to the CA and dials again
 // only when what it verifies the CA with, or the certificate it presents, changes. Transient
-// failures are retried with backoff.
+// failures are retried with backoff. It asks meshid ca for JWT-SVIDs and their bundle
+// (JWTSVIDService) the same way, over the same connection.
 package caclient
 
 import (
 	"context"
+	"crypto"
 	"crypto/rand"
 	"crypto/sha256"
 	"crypto/tls"
@@ -34,6 +36,7 @@ import (
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/istio"
+	"github.com/meshid/meshid/internal/jwtsvidpb"
 	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/internal/meshcapb"
 	"github.com/meshid/meshid/internal/pki"
@@ -205,6 +208,24 @@ func (c *Client) Sign(ctx context.Context, csrDER []byte, ttl time.Duration) ([]
 	if err != nil {
 		return nil, err
 	}
+	chain, err := retry(c, ctx, rpc, true)
+	if err != nil {
+		return nil, err
+	}
+	return parseChain(chain)
+}
+
+// createCertificate is one attempt of a protocol's CreateCertificate on conn: the PEM chain, leaf
+// first, or the call's error. Its request is built once, so that every attempt sends the same.
+type createCertificate = attempt[[]string]
+
+// attempt is one attempt of a call to the CA on conn.
+type attempt[T any] func(ctx context.Context, conn *grpc.ClientConn) (T, error)
+
+// retry makes rpc's attempts with the credentials of every call, retrying transient failures
+// (unavailable, timed out) with backoff, up to MaxAttempts.
+// timed says whether an attempt counts in the CreateCertificate latency histogram.
+func retry[T any](c *Client, ctx context.Context, rpc attempt[T], timed bool) (T, error) {
 	policy := backoff.NewExponentialBackOff(
 		backoff.WithInitialInterval(200*time.Millisecond),
 		backoff.WithMaxInterval(2*time.Second),
@@ -212,27 +233,25 @@ func (c *Client) Sign(ctx context.Context, csrDER []byte, ttl time.Duration) ([]
 		backoff.WithClockProvider(c.clock),
 	)
 	retries := backoff.WithContext(backoff.WithMaxRetries(policy, uint64(c.cfg.MaxAttempts-1)), ctx) //nolint:gosec // MaxAttempts ≥ 1 (New)
-	chain, err := backoff.RetryNotifyWithTimerAndData(func() ([]string, error) {
-		chain, err := c.call(ctx, rpc)
+	out, err := backoff.RetryNotifyWithTimerAndData(func() (T, error) {
+		out, err := call(c, ctx, rpc, timed)
 		if err != nil && !transient(err) {
-			return nil, backoff.Permanent(err)
+			var zero T
+			return zero, backoff.Permanent(err)
 		}
-		return chain, err
+		return out, err
 	}, retries, func(err error, next time.Duration) {
 		c.log.Warn("CA request failed; retrying", logkey.CAAddress, c.cfg.Address, logkey.Error, err.Error(), logkey.RetryIn, next)
 	}, clock.BackoffTimer(c.clock))
 	if err != nil {
+		var zero T
 		if ctx.Err() != nil {
-			return nil, fmt.Errorf("CA request to %s: %w", c.cfg.Address, ctx.Err())
+			return zero, fmt.Errorf("CA request to %s: %w", c.cfg.Address, ctx.Err())
 		}
-		return nil, c.explain(err)
+		return zero, c.explain(err)
 	}
-	return parseChain(chain)
+	return out, nil
 }
-
-// createCertificate is one attempt of a protocol's CreateCertificate on conn: the PEM chain, leaf
-// first, or the call's error. Its request is built once, so that every attempt sends the same.
-type createCertificate func(ctx context.Context, conn *grpc.ClientConn) ([]string, error)
 
 func (c *Client) istioRequest(csrPEM string, seconds int64) (createCertificate, error) {
 	req := &pb.IstioCertificateRequest{Csr: csrPEM, ValidityDuration: seconds}
@@ -305,7 +324,8 @@ func (c *Client) Close() error {
 	return err
 }
 
-func (c *Client) call(ctx context.Context, rpc createCertificate) ([]string, error) {
+func call[T any](c *Client, ctx context.Context, rpc attempt[T], timed bool) (T, error) {
+	var zero T
 	var cert *tls.Certificate
 	if c.cfg.ClientCertificate != nil {
 		cert = c.cfg.ClientCertificate()
@@ -313,14 +333,14 @@ func (c *Client) call(ctx context.Context, rpc createCertificate) ([]string, err
 	// Before anything is sent: a call with neither a token nor a certificate fails here.
 	md, tokenErr, err := c.creds.Metadata(ctx, cert != nil)
 	if err != nil {
-		return nil, err
+		return zero, err
 	}
 	if tokenErr != nil {
 		c.log.Debug("no token; the certificate held authenticates the request", logkey.Reason, tokenErr.Error())
 	}
 	conn, err := c.connection(ctx, cert)
 	if err != nil {
-		return nil, err
+		return zero, err
 	}
 	ctx, cancel := context.WithTimeout(ctx, c.cfg.CallTimeout)
 	defer cancel()
@@ -328,8 +348,10 @@ func (c *Client) call(ctx context.Context, rpc createCertificate) ([]string, err
 		ctx = metadata.AppendToOutgoingContext(ctx, k, v)
 	}
 	start := time.Now()
-	chain, err := rpc(ctx, conn)
-	c.latency.WithLabelValues(status.Code(err).String()).Observe(time.Since(start).Seconds())
+	out, err := rpc(ctx, conn)
+	if timed {
+		c.latency.WithLabelValues(status.Code(err).String()).Observe(time.Since(start).Seconds())
+	}
 	if status.Code(err) == codes.Unavailable && conn.GetState() != connectivity.Ready {
 		// The retries wait on our own backoff (and clock): the next attempt dials afresh rather
 		// than fail at once until grpc's own reconnection backoff, up to two minutes, runs out.
@@ -338,7 +360,7 @@ func (c *Client) call(ctx context.Context, rpc createCertificate) ([]string, err
 		// server answered Unavailable (a CA not ready yet) is kept.
 		c.drop(conn)
 	}
-	return chain, err
+	return out, err
 }
 
 // drop closes conn and forgets it, if it is still the one in use.
@@ -445,4 +467,62 @@ func parseChain(elements []string) ([]*x509.Certificate, error) {
 		return nil, errors.New("CA returned an empty certificate chain")
 	}
 	return chain, nil
+}
+
+// JWTSVID is a JWT-SVID the CA signed.
+type JWTSVID struct {
+	Token    string
+	SPIFFEID string // its sub
+}
+
+// MintJWTSVID asks the CA for a JWT-SVID of the client's own identity for audience, over the
+// connection and credentials Sign uses, with its retries; ttl 0 asks for the CA's lifetime.
+func (c *Client) MintJWTSVID(ctx context.Context, audience []string, ttl time.Duration) (JWTSVID, error) {
+	req := &jwtsvidpb.MintJWTSVIDRequest{Audience: audience}
+	if ttl > 0 {
+		req.Ttl = durationpb.New(ttl)
+	}
+	resp, err := retry(c, ctx, func(ctx context.Context, conn *grpc.ClientConn) (*jwtsvidpb.MintJWTSVIDResponse, error) {
+		return jwtsvidpb.NewJWTSVIDServiceClient(conn).MintJWTSVID(ctx, req)
+	}, false)
+	if err != nil {
+		return JWTSVID{}, err
+	}
+	if resp.GetToken() == "" {
+		return JWTSVID{}, errors.New("the CA answered an empty JWT-SVID")
+	}
+	return JWTSVID{Token: resp.GetToken(), SPIFFEID: resp.GetSpiffeId()}, nil
+}
+
+// JWTBundle is the keys that verify a trust domain's JWT-SVIDs: the JWKS document, and the same
+// keys parsed, by kid.
+type JWTBundle struct {
+	TrustDomain string // spiffe://TRUST_DOMAIN
+	JWKS        []byte
+	Keys        map[string]crypto.PublicKey
+}
+
+// FetchJWTBundle asks the CA for the keys that verify its JWT-SVIDs, as MintJWTSVID asks.
+func (c *Client) FetchJWTBundle(ctx context.Context) (JWTBundle, error) {
+	resp, err := retry(c, ctx, func(ctx context.Context, conn *grpc.ClientConn) (*jwtsvidpb.FetchJWTBundleResponse, error) {
+		return jwtsvidpb.NewJWTSVIDServiceClient(conn).FetchJWTBundle(ctx, &jwtsvidpb.FetchJWTBundleRequest{})
+	}, false)
+	if err != nil {
+		return JWTBundle{}, err
+	}
+	b := JWTBundle{TrustDomain: resp.GetTrustDomain(), JWKS: resp.GetJwks(), Keys: make(map[string]crypto.PublicKey, len(resp.GetKeys()))}
+	for i, k := range resp.GetKeys() {
+		pub, err := x509.ParsePKIXPublicKey(k.GetPublicKey())
+		if err != nil {
+			return JWTBundle{}, fmt.Errorf("the CA's JWT bundle, key %d: %w", i, err)
+		}
+		if k.GetId() == "" {
+			return JWTBundle{}, fmt.Errorf("the CA's JWT bundle, key %d: no kid", i)
+		}
+		b.Keys[k.GetId()] = pub
+	}
+	if len(b.Keys) == 0 || len(b.JWKS) == 0 {
+		return JWTBundle{}, errors.New("the CA answered an empty JWT bundle")
+	}
+	return b, nil
 }

@@ -86,6 +86,9 @@ type Config struct {
 	MaxWorkloadCertTTL time.Duration
 	GRPCHostIdentities []string
 
+	// JWTSVIDTTL is the lifetime of a JWT-SVID (--jwt-svid-ttl), and the most a request gets.
+	JWTSVIDTTL time.Duration
+
 	// XDSConfig is the discovery server's configuration (--xds-config), served on the gRPC port
 	// beside the CA, as istiod does; empty: Envoy gets an empty configuration (no listeners, no
 	// clusters), which it ACKs.
@@ -294,6 +297,7 @@ func DefaultConfig() Config {
 		EnableNamespacesByDefault:  true,
 		WorkloadCertTTL:            ca.DefaultWorkloadCertTTL,
 		MaxWorkloadCertTTL:         ca.DefaultMaxWorkloadCertTTL,
+		JWTSVIDTTL:                 ca.DefaultJWTSVIDTTL,
 		XDSMaxStreams:              discovery.DefaultMaxStreams,
 		XDSMaxStreamsPerCredential: discovery.DefaultMaxStreamsPerCredential,
 		MaxConnectionAge:           DefaultMaxConnectionAge,
@@ -347,6 +351,9 @@ func (c *Config) Validate() error {
 	}
 	if c.MaxWorkloadCertTTL < c.WorkloadCertTTL {
 		errs = append(errs, configerr.Errorf("MaxWorkloadCertTTL", "{MaxWorkloadCertTTL} %s is below {WorkloadCertTTL} %s", c.MaxWorkloadCertTTL, c.WorkloadCertTTL))
+	}
+	if c.JWTSVIDTTL <= 0 || c.JWTSVIDTTL > ca.MaxJWTSVIDTTL {
+		errs = append(errs, configerr.Errorf("JWTSVIDTTL", "{JWTSVIDTTL} %s is not in (0, %s]: a JWT-SVID is a bearer token that cannot be revoked", c.JWTSVIDTTL, ca.MaxJWTSVIDTTL))
 	}
 	if c.SelfSigned.TTL <= 0 {
 		errs = append(errs, &configerr.FieldError{Field: "SelfSigned.TTL", Value: c.SelfSigned.TTL, Err: configerr.ErrMustBePositive})

@@ -31,6 +31,7 @@ import (
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/configerr"
 	"github.com/meshid/meshid/internal/fsutil"
+	"github.com/meshid/meshid/internal/jwtsvidpb"
 	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/internal/meshcapb"
 	"github.com/meshid/meshid/internal/version"
@@ -139,7 +140,11 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 	if err != nil {
 		return nil, err
 	}
-	newGRPC, disco, err := newServers(cfg, st, authority, authenticators, work.targeting, registry)
+	jwtSigner, err := newJWTSVIDSigner(cfg)
+	if err != nil {
+		return nil, err
+	}
+	newGRPC, disco, err := newServers(cfg, st, authority, jwtSigner, authenticators, work.targeting, registry)
 	if err != nil {
 		return nil, err
 	}
@@ -433,7 +438,7 @@ func newControllers(cfg Config, st stores, authority *ca.Authority, reg promethe
 // newServers builds what answers on the gRPC port: the CA protocol and the discovery server
 // (serving --xds-config, else an empty configuration), which authorizes its callers as the CA
 // does. The gRPC server itself is made by the returned function, in Run.
-func newServers(cfg Config, st stores, authority *ca.Authority, authenticators []caserver.Authenticator,
+func newServers(cfg Config, st stores, authority *ca.Authority, jwtSigner *ca.JWTSVIDSigner, authenticators []caserver.Authenticator,
 	targeting *controller.Targeting, reg prometheus.Registerer) (func() *grpc.Server, *discovery.Server, error) {
 	metrics, err := caserver.NewMetrics(reg)
 	if err != nil {
@@ -483,9 +488,25 @@ func newServers(cfg Config, st stores, authority *ca.Authority, authenticators [
 		pb.RegisterIstioCertificateServiceServer(grpcServer, caServer)
 		// The Mesh CA protocol (agents with CA_PROVIDER=GoogleCA), on the same pipeline.
 		meshcapb.RegisterMeshCertificateServiceServer(grpcServer, caServer.MeshCA())
+		// JWT-SVIDs (the agents' Workload API), on the same pipeline.
+		jwtsvidpb.RegisterJWTSVIDServiceServer(grpcServer, caServer.JWTSVID(jwtSigner))
 		disco.Register(grpcServer)
 		return grpcServer
 	}, disco, nil
+}
+
+// newJWTSVIDSigner loads the state dir's JWT-SVID key, or creates it at the first start.
+func newJWTSVIDSigner(cfg Config) (*ca.JWTSVIDSigner, error) {
+	signer, created, err := ca.LoadOrCreateJWTSVIDSigner(cfg.StateDir, cfg.TrustDomain, cfg.JWTSVIDTTL)
+	if err != nil {
+		return nil, err
+	}
+	msg := "JWT-SVID signing key loaded"
+	if created {
+		msg = "JWT-SVID signing key created"
+	}
+	cfg.Logger.Info(msg, logkey.Path, ca.JWTSVIDKeyPath(cfg.StateDir), logkey.KeyID, signer.KeyID(), logkey.Duration, signer.TTL())
+	return signer, nil
 }
 
 // newMonitor returns the monitoring server, or nil without its listener.

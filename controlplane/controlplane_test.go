@@ -290,6 +290,8 @@ func TestNewFailsClearly(t *testing.T) {
 			c.Kubernetes = controlplane.KubernetesConfig{Kubeconfig: "/k", LeaseDuration: 5 * time.Second}
 		}, "lease duration (5s) > renew deadline (10s)"},
 		{"max below default ttl", func(c *controlplane.Config) { c.MaxWorkloadCertTTL = time.Minute }, "MaxWorkloadCertTTL 1m0s is below WorkloadCertTTL"},
+		{"no JWT-SVID lifetime", func(c *controlplane.Config) { c.JWTSVIDTTL = 0 }, "JWTSVIDTTL 0s is not in (0, 24h0m0s]"},
+		{"JWT-SVID lifetime too long", func(c *controlplane.Config) { c.JWTSVIDTTL = 25 * time.Hour }, "JWTSVIDTTL 25h0m0s is not in (0, 24h0m0s]"},
 		{"missing jwt keys file", func(c *controlplane.Config) { c.JWTKeysFile = filepath.Join(partial, "nope") }, "token keys"},
 		{"no discovery streams", func(c *controlplane.Config) { c.XDSMaxStreams = 0 }, "XDSMaxStreams 0 must be positive"},
 		{"no discovery streams per credential", func(c *controlplane.Config) { c.XDSMaxStreamsPerCredential = -1 }, "XDSMaxStreamsPerCredential"},

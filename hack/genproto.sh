@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates the Go stubs of the protocols meshid defines itself (internal/meshcapb) with protoc
+# Regenerates the Go stubs of the protocols meshid defines itself (internal/meshcapb, internal/jwtsvidpb) with protoc
 # (Debian: apt-get install protobuf-compiler) and the Go plugins at the versions go.mod pins.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,4 +16,4 @@ GOBIN=$bin go install "google.golang.org/grpc/cmd/protoc-gen-go-grpc@$PROTOC_GEN
 PATH=$bin:$PATH protoc -I . \
 	--go_out=. --go_opt=module=github.com/meshid/meshid \
 	--go-grpc_out=. --go-grpc_opt=module=github.com/meshid/meshid \
-	internal/meshcapb/meshca.proto
+	internal/meshcapb/meshca.proto internal/jwtsvidpb/jwtsvid.proto

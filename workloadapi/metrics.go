@@ -7,6 +7,7 @@ type metrics struct {
 	streams  *prometheus.GaugeVec
 	updates  *prometheus.CounterVec
 	refusals *prometheus.CounterVec
+	jwtSVIDs *prometheus.CounterVec
 }
 
 func newMetrics() *metrics {
@@ -27,11 +28,15 @@ func newMetrics() *metrics {
 			Namespace: "meshid", Subsystem: "agent_workload_api", Name: "refusals_total",
 			Help: "SPIFFE Workload API calls refused or streams ended by the server, by reason and gRPC code.",
 		}, []string{"reason", "code"}),
+		jwtSVIDs: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "meshid", Subsystem: "agent_workload_api", Name: "jwt_svids_total",
+			Help: "JWT-SVIDs handed out, by source: cache (reused until half its life) or ca (signed for the call).",
+		}, []string{"source"}),
 	}
 }
 
 func (m *metrics) register(reg prometheus.Registerer) error {
-	for _, c := range []prometheus.Collector{m.calls, m.streams, m.updates, m.refusals} {
+	for _, c := range []prometheus.Collector{m.calls, m.streams, m.updates, m.refusals, m.jwtSVIDs} {
 		if err := reg.Register(c); err != nil {
 			return err
 		}

@@ -3,14 +3,18 @@
 // same notifications, the moment the secret manager rotates them. It registers on a server it is
 // given (the SDS socket's), whose bounds and peer naming it shares; it knows nothing of SDS.
 //
-// JWT-SVIDs and WIT-SVIDs are not issued: the CA does not sign them yet, and their methods answer
-// Unimplemented, which the standard's clients take as final.
+// JWT-SVIDs are signed by the CA for the caller's identity and the audiences it asks, cached until
+// half their life, and validated against the CA's JWT bundle, which streams follow. An agent
+// without a CA (file-mounted certificates) answers the JWT methods FailedPrecondition.
+// WIT-SVIDs are not issued: their methods answer Unimplemented, which the standard's clients take
+// as final.
 package workloadapi
 
 import (
 	"context"
 	"errors"
 	"log/slog"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/spiffe/go-spiffe/v2/proto/spiffe/workload"
@@ -48,7 +52,14 @@ type Config struct {
 	// nil: every caller is the agent's workload (AgentIdentity). An error refuses the caller
 	// with PermissionDenied, as the standard says for a caller with no identity.
 	Identify func(ctx context.Context) (Names, error)
-	// Clock paces the refusals' log lines; nil: the real clock.
+	// JWT signs JWT-SVIDs and gives the keys that verify them: the CA, through the agent's
+	// client. nil: no CA serves this agent, and the JWT methods answer FailedPrecondition.
+	JWT JWTIssuer
+	// JWTBundleRefresh is how often open FetchJWTBundles streams have the bundle fetched again;
+	// 0: DefaultJWTBundleRefresh.
+	JWTBundleRefresh time.Duration
+	// Clock paces the refusals' log lines, the cache of JWT-SVIDs and the JWT bundle's
+	// refreshes; nil: the real clock.
 	Clock      clock.Clock
 	Logger     *slog.Logger
 	Registerer prometheus.Registerer // optional
@@ -63,6 +74,10 @@ type Server struct {
 	log     *slog.Logger
 	metrics *metrics
 	logs    *admission.LogLimiter
+	clock   clock.Clock
+
+	jwtCache jwtCache
+	bundles  *jwtBundles
 }
 
 // New returns a Server; Register serves it.
@@ -77,7 +92,12 @@ func New(cfg Config) (*Server, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	s := &Server{cfg: cfg, log: log, metrics: newMetrics(), logs: admission.NewLogLimiter(cfg.Clock)}
+	if cfg.JWTBundleRefresh <= 0 {
+		cfg.JWTBundleRefresh = DefaultJWTBundleRefresh
+	}
+	clk := clock.OrReal(cfg.Clock)
+	s := &Server{cfg: cfg, log: log, metrics: newMetrics(), logs: admission.NewLogLimiter(cfg.Clock), clock: clk,
+		bundles: &jwtBundles{issuer: cfg.JWT, clock: clk, maxAge: cfg.JWTBundleRefresh}}
 	if cfg.Registerer != nil {
 		if err := s.metrics.register(cfg.Registerer); err != nil {
 			return nil, err
@@ -137,26 +157,8 @@ func (s *Server) FetchX509Bundles(_ *workload.X509BundlesRequest, stream grpc.Se
 	return serve(s, ctx, methodX509Bundles, names, x509BundlesResponse, stream.Send)
 }
 
-// errNoJWT answers the JWT-SVID profile: the CA signs no JWT-SVIDs yet.
-var errNoJWT = status.Error(codes.Unimplemented, "JWT-SVIDs are not issued here yet: the CA signs X.509-SVIDs only (use FetchX509SVID)")
-
 // errNoWIT answers the WIT-SVID profile.
 var errNoWIT = status.Error(codes.Unimplemented, "WIT-SVIDs are not issued here: the CA signs X.509-SVIDs only (use FetchX509SVID)")
-
-// FetchJWTSVID answers Unimplemented: no JWT-SVID is issued.
-func (s *Server) FetchJWTSVID(ctx context.Context, _ *workload.JWTSVIDRequest) (*workload.JWTSVIDResponse, error) {
-	return nil, s.unimplemented(ctx, methodJWTSVID, errNoJWT)
-}
-
-// FetchJWTBundles answers Unimplemented: there is no JWT bundle.
-func (s *Server) FetchJWTBundles(_ *workload.JWTBundlesRequest, stream grpc.ServerStreamingServer[workload.JWTBundlesResponse]) error {
-	return s.unimplemented(stream.Context(), methodJWTBundles, errNoJWT)
-}
-
-// ValidateJWTSVID answers Unimplemented: no JWT-SVID is issued, so none is validated.
-func (s *Server) ValidateJWTSVID(ctx context.Context, _ *workload.ValidateJWTSVIDRequest) (*workload.ValidateJWTSVIDResponse, error) {
-	return nil, s.unimplemented(ctx, methodValidateJWTSVID, errNoJWT)
-}
 
 // FetchWITSVID answers Unimplemented: no WIT-SVID is issued.
 func (s *Server) FetchWITSVID(_ *workload.WITSVIDRequest, stream grpc.ServerStreamingServer[workload.WITSVIDResponse]) error {

@@ -244,8 +244,9 @@ func TestBundlesStream(t *testing.T) {
 	}
 }
 
-// The JWT-SVID profile answers Unimplemented, saying why, and issues nothing.
-func TestJWTMethodsUnimplemented(t *testing.T) {
+// Without a CA (file-mounted certificates), the JWT methods answer FailedPrecondition, saying
+// why, and issue nothing.
+func TestJWTMethodsWithoutACA(t *testing.T) {
 	t.Parallel()
 	h := start(t, newFakeSecrets())
 	_, err1 := h.client.FetchJWTSVID(ctx(t), &workload.JWTSVIDRequest{Audience: []string{"a"}})
@@ -256,11 +257,11 @@ func TestJWTMethodsUnimplemented(t *testing.T) {
 	}
 	_, err3 := s.Recv()
 	for i, err := range []error{err1, err2, err3} {
-		if st := status.Convert(err); st.Code() != codes.Unimplemented || !strings.Contains(st.Message(), "JWT-SVIDs are not issued") {
-			t.Errorf("JWT call %d: %v, want Unimplemented saying JWT-SVIDs are not issued", i, err)
+		if st := status.Convert(err); st.Code() != codes.FailedPrecondition || !strings.Contains(st.Message(), "no CA signs JWT-SVIDs") {
+			t.Errorf("JWT call %d: %v, want FailedPrecondition saying no CA signs JWT-SVIDs", i, err)
 		}
 	}
-	if n := h.refusals(t, "unimplemented", "Unimplemented"); n != 3 {
+	if n := h.refusals(t, "no_jwt_issuer", "FailedPrecondition"); n != 3 {
 		t.Fatalf("%v refusals counted, want 3", n)
 	}
 }

@@ -13,6 +13,8 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/meshid/meshid/internal/logkey"
+
 	"github.com/meshid/meshid/secretmanager"
 )
 
@@ -163,8 +165,24 @@ func spiffeID(leaf *x509.Certificate) (*url.URL, error) {
 		return nil, fmt.Errorf("%w: it has %d URI SANs, not one", errNotAnSVID, len(leaf.URIs))
 	}
 	u := leaf.URIs[0]
-	if u.Scheme != "spiffe" || u.Host == "" || u.User != nil || u.Port() != "" || u.RawQuery != "" || u.Fragment != "" {
+	if !isSPIFFEID(u) {
 		return nil, fmt.Errorf("%w: its URI SAN is not a SPIFFE ID", errNotAnSVID)
+	}
+	return u, nil
+}
+
+func isSPIFFEID(u *url.URL) bool {
+	return u.Scheme == "spiffe" && u.Host != "" && u.User == nil && u.Port() == "" && u.RawQuery == "" && u.Fragment == "" && !u.ForceQuery && u.Opaque == ""
+}
+
+// errNotASPIFFEID reports a JWT-SVID whose sub is not a SPIFFE ID.
+var errNotASPIFFEID = errors.New("not a SPIFFE ID")
+
+// parseSPIFFEID parses a JWT-SVID's sub.
+func parseSPIFFEID(s string) (*url.URL, error) {
+	u, err := url.Parse(s)
+	if err != nil || !isSPIFFEID(u) {
+		return nil, fmt.Errorf("sub %q: %w", logkey.Untrusted(s), errNotASPIFFEID)
 	}
 	return u, nil
 }

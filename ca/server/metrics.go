@@ -14,6 +14,10 @@ type Metrics struct {
 	requests *prometheus.CounterVec
 	// impersonated counts, among issued, the certificates a node agent asked for a workload.
 	impersonated *prometheus.CounterVec
+	// jwtSVIDs counts the JWT-SVIDs signed, by authentication method as issued does;
+	// jwtRequests the calls of JWTSVIDService, by method and outcome.
+	jwtSVIDs    *prometheus.CounterVec
+	jwtRequests *prometheus.CounterVec
 }
 
 // NewMetrics creates the server's metrics and registers them with reg.
@@ -40,8 +44,16 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Namespace: "meshid", Subsystem: "ca", Name: "impersonated_certificates_issued_total",
 			Help: "Workload certificates issued to a trusted node account for another identity (ImpersonatedIdentity), by authentication method; also counted in meshid_ca_certificates_issued_total.",
 		}, []string{"auth_method"}),
+		jwtSVIDs: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "meshid", Subsystem: "ca", Name: "jwt_svids_issued_total",
+			Help: "JWT-SVIDs signed, by authentication method.",
+		}, []string{"auth_method"}),
+		jwtRequests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "meshid", Subsystem: "ca", Name: "jwt_svid_requests_total",
+			Help: "JWTSVIDService calls (MintJWTSVID, FetchJWTBundle), by method and gRPC status code.",
+		}, []string{"method", "code"}),
 	}
-	for _, c := range []prometheus.Collector{m.issued, m.refused, m.signing, m.requests, m.impersonated} {
+	for _, c := range []prometheus.Collector{m.issued, m.refused, m.signing, m.requests, m.impersonated, m.jwtSVIDs, m.jwtRequests} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

@@ -43,7 +43,7 @@ type Config struct {
 	Targeting      Targeting
 	Metrics        *Metrics
 	Logger         *slog.Logger
-	Clock          clock.Clock // paces the refusal log; nil means the real clock
+	Clock          clock.Clock // paces the refusal log, dates JWT-SVIDs; nil means the real clock
 
 	// TrustedNodeAccounts may ask, in Istio's protocol, for the identity of another workload
 	// (ImpersonatedIdentityKey), as node agents do for the workloads of their node; empty:
@@ -65,6 +65,7 @@ type Server struct {
 	refusals       *admission.LogLimiter
 	trustedNodes   map[NodeAccount]struct{}
 	nodes          NodeAuthorizer
+	clock          clock.Clock
 }
 
 // Authorize authenticates a caller and checks that this CA instance serves its namespace:
@@ -123,6 +124,7 @@ func New(cfg Config) *Server {
 		metrics:        cfg.Metrics,
 		log:            log,
 		refusals:       admission.NewLogLimiter(cfg.Clock),
+		clock:          clock.OrReal(cfg.Clock),
 	}
 }
 
@@ -376,6 +378,7 @@ func rules() []rule {
 		{ca.ErrCSRSignatureAlgorithm, codes.InvalidArgument, "csr_signature_algorithm"},
 		{ca.ErrUnsupportedKey, codes.InvalidArgument, "csr_key"},
 		{ca.ErrInvalidTTL, codes.InvalidArgument, "validity_duration"},
+		{ca.ErrAudience, codes.InvalidArgument, "jwt_svid_audience"},
 		{ca.ErrNotReady, codes.Unavailable, "not_ready"},
 		{context.Canceled, codes.Canceled, "canceled"},
 		{context.DeadlineExceeded, codes.DeadlineExceeded, "deadline"},

@@ -36,6 +36,7 @@ import (
 	"github.com/meshid/meshid/ca/controller"
 	"github.com/meshid/meshid/ca/server"
 	"github.com/meshid/meshid/ca/token"
+	"github.com/meshid/meshid/internal/jwtsvidpb"
 	"github.com/meshid/meshid/internal/meshcapb"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
@@ -54,6 +55,8 @@ type harness struct {
 	registry     *prometheus.Registry
 	addr         string
 	logs         *testutil.SyncBuffer
+	jwtSigner    *ca.JWTSVIDSigner
+	stateDir     string // holds jwt-svid-key.pem
 }
 
 type harnessOptions struct {
@@ -69,6 +72,8 @@ type harnessOptions struct {
 	// trustedNodes may impersonate (--trusted-node-accounts); nodes, when set, decides on nodes.
 	trustedNodes []server.NodeAccount
 	nodes        server.NodeAuthorizer
+	// jwtSVIDTTL is the JWT-SVID signer's lifetime; 0: the default.
+	jwtSVIDTTL time.Duration
 }
 
 func newHarness(t testing.TB, opts harnessOptions) *harness {
@@ -137,13 +142,18 @@ func newHarness(t testing.TB, opts harnessOptions) *harness {
 		TrustedNodeAccounts: opts.trustedNodes,
 		Nodes:               opts.nodes,
 	})
+	stateDir := t.TempDir()
+	jwtSigner, _, err := ca.LoadOrCreateJWTSVIDSigner(stateDir, trustDomain, opts.jwtSVIDTTL)
+	if err != nil {
+		t.Fatal(err)
+	}
 	return &harness{root: root, intermediate: inter, authority: authority, tokenKey: tokenKey, clock: clk,
-		registry: registry, addr: serveTLS(t, srv, authority, clk), logs: logs}
+		registry: registry, addr: serveTLS(t, srv, authority, clk, jwtSigner), logs: logs, jwtSigner: jwtSigner, stateDir: stateDir}
 }
 
 // serveTLS serves srv over TLS gRPC on 127.0.0.1:0 until the test ends, as the control plane
 // does: a serving certificate from authority, client certificates requested but checked per call.
-func serveTLS(t testing.TB, srv *server.Server, authority *ca.Authority, clk *testutil.FakeClock) string {
+func serveTLS(t testing.TB, srv *server.Server, authority *ca.Authority, clk *testutil.FakeClock, jwtSigners ...server.JWTSVIDSigner) string {
 	t.Helper()
 	serving := server.NewServingCertificate(authority, nil, clk)
 	gs := grpc.NewServer(append(server.GRPCServerOptions(), grpc.Creds(credentials.NewTLS(&tls.Config{
@@ -153,6 +163,9 @@ func serveTLS(t testing.TB, srv *server.Server, authority *ca.Authority, clk *te
 	})))...)
 	pb.RegisterIstioCertificateServiceServer(gs, srv)
 	meshcapb.RegisterMeshCertificateServiceServer(gs, srv.MeshCA())
+	for _, j := range jwtSigners {
+		jwtsvidpb.RegisterJWTSVIDServiceServer(gs, srv.JWTSVID(j))
+	}
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)

@@ -45,7 +45,7 @@ func TestCAFlagsBuildConfig(t *testing.T) {
 	want := controlplane.DefaultConfig()
 	if cfg.StateDir != "/tmp/x" || cfg.GRPCAddr != want.GRPCAddr || cfg.MonitoringAddr != want.MonitoringAddr ||
 		cfg.TrustDomain != "cluster.local" || cfg.JWTAudience != "istio-ca" || !cfg.EnableNamespacesByDefault ||
-		cfg.WorkloadCertTTL != 24*time.Hour || cfg.MaxWorkloadCertTTL != 2160*time.Hour ||
+		cfg.WorkloadCertTTL != 24*time.Hour || cfg.MaxWorkloadCertTTL != 2160*time.Hour || cfg.JWTSVIDTTL != 5*time.Minute ||
 		cfg.SelfSigned.KeyAlgorithm != pki.ECDSA || cfg.CANamespace != "istio-system" || cfg.Logger == nil ||
 		cfg.XDSMaxStreams != 10000 || cfg.XDSMaxStreamsPerCredential != 100 || cfg.MaxConnectionAge != 30*time.Minute ||
 		cfg.MaxConnectionAgeGrace != 10*time.Second {
@@ -58,14 +58,14 @@ func TestCAFlagsBuildConfig(t *testing.T) {
 		"--workload-cert-ttl", "1h", "--max-workload-cert-ttl", "2h", "--self-signed-ca-cert-ttl", "48h",
 		"--self-signed-ca-org", "Org", "--grpc-host-identities", "ca.example.org, 10.0.0.1,", "--log-format", "json",
 		"--root-check-interval", "10m", "--root-rotation-threshold", "0.3", "--trust-bundle-overlap", "72h",
-		"--xds-config", "/x.yaml", "--xds-max-streams", "500", "--xds-max-streams-per-credential", "5", "--max-connection-age", "1h")
+		"--xds-config", "/x.yaml", "--xds-max-streams", "500", "--xds-max-streams-per-credential", "5", "--max-connection-age", "1h", "--jwt-svid-ttl", "2m")
 	if err != nil {
 		t.Fatal(err)
 	}
 	if cfg.CACertsDir != "/c" || cfg.GRPCAddr != "127.0.0.1:0" || cfg.MonitoringAddr != "" || cfg.TrustDomain != "example.org" ||
 		cfg.JWTKeysFile != "/k.pem" || cfg.JWTAudience != "aud" || cfg.JWTIssuer != "iss" || cfg.CANamespace != "mesh" ||
 		cfg.EnableNamespacesByDefault || cfg.WorkloadCertTTL != time.Hour || cfg.MaxWorkloadCertTTL != 2*time.Hour ||
-		cfg.SelfSigned.TTL != 48*time.Hour || cfg.SelfSigned.Org != "Org" ||
+		cfg.JWTSVIDTTL != 2*time.Minute || cfg.SelfSigned.TTL != 48*time.Hour || cfg.SelfSigned.Org != "Org" ||
 		strings.Join(cfg.GRPCHostIdentities, ",") != "ca.example.org,10.0.0.1" ||
 		cfg.RootCheckInterval != 10*time.Minute || cfg.RootRotationThreshold != 0.3 || cfg.TrustBundleOverlap != 72*time.Hour ||
 		cfg.XDSMaxStreams != 500 || cfg.XDSMaxStreamsPerCredential != 5 || cfg.MaxConnectionAge != time.Hour {

@@ -75,6 +75,8 @@ func allowed() map[string][]string {
 		// The Mesh CA protocol's generated stubs (caclient and ca/server speak it): nothing of
 		// the module.
 		"internal/meshcapb": {},
+		// meshid's JWT-SVID protocol's generated stubs (caclient and ca/server speak it).
+		"internal/jwtsvidpb": {},
 
 		// The TokenReview authenticator is one of ca/server's authenticators, and refuses a user
 		// that is not a service account as ca/token's verifier does.

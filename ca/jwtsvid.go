@@ -1,0 +1,204 @@
+package ca
+
+import (
+	"crypto"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/x509"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"path/filepath"
+	"slices"
+	"time"
+
+	jose "github.com/go-jose/go-jose/v4"
+	"github.com/golang-jwt/jwt/v5"
+
+	"github.com/meshid/meshid/internal/fsutil"
+	"github.com/meshid/meshid/internal/pki"
+)
+
+// JWTSVIDKeyFile is the state dir's JWT-SVID signing key. It is not the token key
+// (TokenKeyFile): the CA trusts that one for service-account tokens, and a JWT-SVID must never
+// pass for one.
+const JWTSVIDKeyFile = "jwt-svid-key.pem"
+
+// JWTSVIDKeyPath is where the CA whose state dir is stateDir keeps its JWT-SVID signing key.
+func JWTSVIDKeyPath(stateDir string) string { return filepath.Join(stateDir, JWTSVIDKeyFile) }
+
+// JWT-SVID lifetimes.
+const (
+	// DefaultJWTSVIDTTL is short: a JWT-SVID is a bearer token, and cannot be revoked.
+	DefaultJWTSVIDTTL = 5 * time.Minute
+	// MaxJWTSVIDTTL bounds the configured lifetime.
+	MaxJWTSVIDTTL = 24 * time.Hour
+)
+
+// jwtSVIDUse is the JWK use of a JWT-SVID key in a SPIFFE bundle.
+const jwtSVIDUse = "jwt-svid"
+
+// ErrAudience refuses a JWT-SVID asked for no audience (the standard requires one), or for
+// more or longer audiences than the CA signs.
+var ErrAudience = errors.New("invalid JWT-SVID audience")
+
+// Bounds of a JWT-SVID's audiences, which the caller chooses.
+const (
+	MaxJWTSVIDAudiences     = 16
+	MaxJWTSVIDAudienceBytes = 256
+)
+
+// JWTSVIDSigner signs JWT-SVIDs with one ES256 key, for the identities the server
+// authenticated. It holds no transport and no policy beyond the lifetime.
+type JWTSVIDSigner struct {
+	key    crypto.Signer
+	kid    string
+	ttl    time.Duration
+	bundle JWTBundle
+}
+
+// JWTBundle is what verifies a trust domain's JWT-SVIDs: the JWKS document the Workload API
+// hands out, and the same keys as PKIX DER, which the agent reads without a JWK parser.
+type JWTBundle struct {
+	TrustDomain string // spiffe://TRUST_DOMAIN
+	JWKS        []byte
+	Keys        []JWTKey
+}
+
+// JWTKey is one verification key of a JWTBundle.
+type JWTKey struct {
+	ID        string
+	PublicKey []byte // PKIX DER
+}
+
+// LoadOrCreateJWTSVIDSigner reads the JWT-SVID key of stateDir, or creates an ECDSA P-256 one
+// there (0600, written atomically), and reports whether it was created. ttl is the lifetime of
+// every JWT-SVID and the most a request gets; 0 means DefaultJWTSVIDTTL.
+func LoadOrCreateJWTSVIDSigner(stateDir, trustDomain string, ttl time.Duration) (*JWTSVIDSigner, bool, error) {
+	if ttl == 0 {
+		ttl = DefaultJWTSVIDTTL
+	}
+	if ttl < 0 || ttl > MaxJWTSVIDTTL {
+		return nil, false, fmt.Errorf("%w: JWT-SVID lifetime %s is not in (0, %s]", ErrInvalidTTL, ttl, MaxJWTSVIDTTL)
+	}
+	path := JWTSVIDKeyPath(stateDir)
+	key, created, err := loadOrCreateJWTKey(path)
+	if err != nil {
+		return nil, false, fmt.Errorf("JWT-SVID signing key %s: %w", path, err)
+	}
+	s, err := NewJWTSVIDSigner(key, trustDomain, ttl)
+	return s, created, err
+}
+
+func loadOrCreateJWTKey(path string) (crypto.Signer, bool, error) {
+	if err := fsutil.CheckKeyFile(path); err != nil {
+		return nil, false, err
+	}
+	data, ok, err := fsutil.ReadOptional(path)
+	if err != nil {
+		return nil, false, err
+	}
+	if ok {
+		key, err := pki.ParsePrivateKey(data)
+		return key, false, err
+	}
+	key, err := pki.GenerateKey(pki.ECDSA, 0)
+	if err != nil {
+		return nil, false, err
+	}
+	keyPEM, err := pki.EncodePrivateKey(key)
+	if err != nil {
+		return nil, false, err
+	}
+	if err := fsutil.WritePrivateFile(path, keyPEM); err != nil {
+		return nil, false, err
+	}
+	return key, true, nil
+}
+
+// NewJWTSVIDSigner returns a signer with key, an ECDSA P-256 key (ES256, the algorithm every
+// JWT-SVID validator supports).
+func NewJWTSVIDSigner(key crypto.Signer, trustDomain string, ttl time.Duration) (*JWTSVIDSigner, error) {
+	if err := pki.ValidateTrustDomain(trustDomain); err != nil {
+		return nil, err
+	}
+	pub, ok := key.Public().(*ecdsa.PublicKey)
+	if !ok || pub.Curve != elliptic.P256() {
+		return nil, fmt.Errorf("a JWT-SVID key must be ECDSA P-256, not %s", pki.DescribeKey(key.Public()))
+	}
+	jwk := jose.JSONWebKey{Key: pub, Algorithm: string(jose.ES256), Use: jwtSVIDUse}
+	thumb, err := jwk.Thumbprint(crypto.SHA256)
+	if err != nil {
+		return nil, fmt.Errorf("JWT-SVID key thumbprint: %w", err)
+	}
+	// The RFC 7638 thumbprint: any holder of the JWKS can check that the kid is the key's.
+	jwk.KeyID = base64.RawURLEncoding.EncodeToString(thumb)
+	jwks, err := json.Marshal(jose.JSONWebKeySet{Keys: []jose.JSONWebKey{jwk}})
+	if err != nil {
+		return nil, fmt.Errorf("JWT-SVID JWKS: %w", err)
+	}
+	der, err := x509.MarshalPKIXPublicKey(pub)
+	if err != nil {
+		return nil, fmt.Errorf("JWT-SVID public key: %w", err)
+	}
+	return &JWTSVIDSigner{
+		key: key, kid: jwk.KeyID, ttl: ttl,
+		bundle: JWTBundle{TrustDomain: "spiffe://" + trustDomain, JWKS: jwks, Keys: []JWTKey{{ID: jwk.KeyID, PublicKey: der}}},
+	}, nil
+}
+
+// KeyID is the kid of every JWT-SVID the signer signs.
+func (s *JWTSVIDSigner) KeyID() string { return s.kid }
+
+// TTL is the lifetime of the JWT-SVIDs signed, and the most a request gets.
+func (s *JWTSVIDSigner) TTL() time.Duration { return s.ttl }
+
+// Bundle returns the keys that verify the signer's JWT-SVIDs.
+func (s *JWTSVIDSigner) Bundle() JWTBundle { return s.bundle }
+
+// JWTSVIDRequest is one JWT-SVID to sign.
+type JWTSVIDRequest struct {
+	Identity pki.SPIFFEID // the authenticated caller's
+	Audience []string
+	TTL      time.Duration // 0: the signer's; more: clamped to it; negative: refused
+	Now      time.Time
+}
+
+// SignJWTSVID signs a JWT-SVID: sub the identity, aud the audiences, iat now, exp now+ttl, and
+// kid the signing key's thumbprint. It returns the token and its expiry.
+func (s *JWTSVIDSigner) SignJWTSVID(req JWTSVIDRequest) (string, time.Time, error) {
+	aud := slices.DeleteFunc(slices.Clone(req.Audience), func(a string) bool { return a == "" })
+	switch {
+	case len(aud) == 0:
+		return "", time.Time{}, fmt.Errorf("%w: none given, and the standard requires one", ErrAudience)
+	case len(aud) > MaxJWTSVIDAudiences:
+		return "", time.Time{}, fmt.Errorf("%w: %d audiences, more than %d", ErrAudience, len(aud), MaxJWTSVIDAudiences)
+	}
+	for _, a := range aud {
+		if len(a) > MaxJWTSVIDAudienceBytes {
+			return "", time.Time{}, fmt.Errorf("%w: an audience of %d bytes, more than %d", ErrAudience, len(a), MaxJWTSVIDAudienceBytes)
+		}
+	}
+	ttl := req.TTL
+	switch {
+	case ttl < 0:
+		return "", time.Time{}, fmt.Errorf("%w: %s", ErrInvalidTTL, ttl)
+	case ttl == 0 || ttl > s.ttl:
+		ttl = s.ttl
+	}
+	now := req.Now.Truncate(time.Second)
+	exp := now.Add(ttl)
+	tok := jwt.NewWithClaims(jwt.SigningMethodES256, jwt.RegisteredClaims{
+		Subject:   req.Identity.String(),
+		Audience:  jwt.ClaimStrings(aud),
+		IssuedAt:  jwt.NewNumericDate(now),
+		ExpiresAt: jwt.NewNumericDate(exp),
+	})
+	tok.Header["kid"] = s.kid
+	signed, err := tok.SignedString(s.key)
+	if err != nil {
+		return "", time.Time{}, fmt.Errorf("sign JWT-SVID: %w", err)
+	}
+	return signed, exp, nil
+}

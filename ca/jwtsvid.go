@@ -92,29 +92,18 @@ func LoadOrCreateJWTSVIDSigner(stateDir, trustDomain string, ttl time.Duration) 
 }
 
 func loadOrCreateJWTKey(path string) (crypto.Signer, bool, error) {
-	if err := fsutil.CheckKeyFile(path); err != nil {
-		return nil, false, err
-	}
-	data, ok, err := fsutil.ReadOptional(path)
+	data, created, err := fsutil.LoadOrCreateKeyFile(path, func() ([]byte, error) {
+		key, err := pki.GenerateKey(pki.ECDSA, 0)
+		if err != nil {
+			return nil, err
+		}
+		return pki.EncodePrivateKey(key)
+	})
 	if err != nil {
 		return nil, false, err
 	}
-	if ok {
-		key, err := pki.ParsePrivateKey(data)
-		return key, false, err
-	}
-	key, err := pki.GenerateKey(pki.ECDSA, 0)
-	if err != nil {
-		return nil, false, err
-	}
-	keyPEM, err := pki.EncodePrivateKey(key)
-	if err != nil {
-		return nil, false, err
-	}
-	if err := fsutil.WritePrivateFile(path, keyPEM); err != nil {
-		return nil, false, err
-	}
-	return key, true, nil
+	key, err := pki.ParsePrivateKey(data)
+	return key, created, err
 }
 
 // NewJWTSVIDSigner returns a signer with key, an ECDSA P-256 key (ES256, the algorithm every

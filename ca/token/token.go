@@ -250,6 +250,11 @@ func LoadKey(path string) (crypto.Signer, error) {
 	if !ok {
 		return nil, fmt.Errorf("token signing key %s: %w", path, fs.ErrNotExist)
 	}
+	return parseKey(path, data)
+}
+
+// parseKey parses a token signing key read from path.
+func parseKey(path string, data []byte) (crypto.Signer, error) {
 	key, err := pki.ParsePrivateKey(data)
 	if err != nil {
 		return nil, fmt.Errorf("token signing key %s: %w", path, err)
@@ -265,27 +270,21 @@ func LoadKey(path string) (crypto.Signer, error) {
 // that is not ours alone (a link, another user's, open to others) is refused, with
 // fsutil.ErrNotOwned.
 func LoadOrCreateKey(path string) (crypto.Signer, bool, error) {
-	if err := fsutil.CheckKeyFile(path); err != nil {
+	data, created, err := fsutil.LoadOrCreateKeyFile(path, newECDSAKeyPEM)
+	if err != nil {
 		return nil, false, fmt.Errorf("token signing key: %w", err)
 	}
-	if _, ok, err := fsutil.ReadOptional(path); err != nil {
-		return nil, false, err
-	} else if ok {
-		key, err := LoadKey(path)
-		return key, false, err
-	}
+	key, err := parseKey(path, data)
+	return key, created, err
+}
+
+// newECDSAKeyPEM is a new ECDSA P-256 key (ES256: every JWT library verifies it) in PEM.
+func newECDSAKeyPEM() ([]byte, error) {
 	key, err := pki.GenerateKey(pki.ECDSA, 0)
 	if err != nil {
-		return nil, false, err
+		return nil, err
 	}
-	keyPEM, err := pki.EncodePrivateKey(key)
-	if err != nil {
-		return nil, false, err
-	}
-	if err := fsutil.WritePrivateFile(path, keyPEM); err != nil {
-		return nil, false, err
-	}
-	return key, true, nil
+	return pki.EncodePrivateKey(key)
 }
 
 func newUUID() string {

@@ -176,3 +176,22 @@ func CheckDataKeyFile(dir, name string) error {
 	}
 	return CheckKeyFile(filepath.Join(generation, name))
 }
+
+// LoadOrCreateKeyFile returns the key file at path (checked as CheckKeyFile checks it) or, when
+// there is none, writes what create returns there (WritePrivateFile) and returns that, reporting
+// that it did: the start-up of a key a process keeps in its own state dir.
+func LoadOrCreateKeyFile(path string, create func() ([]byte, error)) (data []byte, created bool, err error) {
+	if err := CheckKeyFile(path); err != nil {
+		return nil, false, err
+	}
+	if data, ok, err := ReadOptional(path); err != nil || ok {
+		return data, false, err
+	}
+	if data, err = create(); err != nil {
+		return nil, false, err
+	}
+	if err := WritePrivateFile(path, data); err != nil {
+		return nil, false, err
+	}
+	return data, true, nil
+}

@@ -344,3 +344,33 @@ func TestTryLockPID(t *testing.T) {
 		t.Fatal("TryLock locked through a symbolic link")
 	}
 }
+
+// A key is created once, 0600, then read as it is; a key others can read is refused, not
+// replaced.
+func TestLoadOrCreateKeyFile(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "key.pem")
+	creates := 0
+	create := func() ([]byte, error) { creates++; return []byte("key " + strconv.Itoa(creates)), nil }
+	data, created, err := LoadOrCreateKeyFile(path, create)
+	if err != nil || !created || string(data) != "key 1" {
+		t.Fatalf("first start: %q, created %v, %v; want key 1 created", data, created, err)
+	}
+	if info, err := os.Stat(path); err != nil || info.Mode().Perm() != 0o600 {
+		t.Fatalf("the key file: %v, %v; want mode 0600", info, err)
+	}
+	data, created, err = LoadOrCreateKeyFile(path, create)
+	if err != nil || created || string(data) != "key 1" || creates != 1 {
+		t.Fatalf("restart: %q, created %v, %v (%d creations); want key 1 read back", data, created, err, creates)
+	}
+	if err := os.Chmod(path, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := LoadOrCreateKeyFile(path, create); !errors.Is(err, ErrNotOwned) || creates != 1 {
+		t.Fatalf("a key others can read: %v (%d creations), want ErrNotOwned and no new key", err, creates)
+	}
+	failed := errors.New("no entropy")
+	if _, _, err := LoadOrCreateKeyFile(filepath.Join(t.TempDir(), "key.pem"), func() ([]byte, error) { return nil, failed }); !errors.Is(err, failed) {
+		t.Fatalf("a failed creation: %v, want %v", err, failed)
+	}
+}

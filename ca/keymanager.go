@@ -242,12 +242,8 @@ func (m *KeyManager) runRootChecks(ctx context.Context) error {
 		m.checkRoot()
 		// ±5% so that replicas started together do not check in lockstep.
 		wait := time.Duration(float64(m.cfg.RootCheckInterval) * (0.95 + 0.1*m.cfg.Jitter()))
-		timer := m.clock.NewTimer(wait)
-		select {
-		case <-ctx.Done():
-			timer.Stop()
+		if !clock.Sleep(ctx, m.clock, wait) {
 			return nil
-		case <-timer.C():
 		}
 	}
 }
@@ -261,14 +257,8 @@ func (m *KeyManager) runUpstreamRenewals(ctx context.Context) error {
 		current := m.cfg.Authority.Bundle()
 		at := up.renewAt(current)
 		up.log.Info("next renewal of the signing certificate from the upstream CA", logkey.RenewAt, at, logkey.NotAfter, current.notAfter)
-		if wait := at.Sub(m.clock.Now()); wait > 0 {
-			timer := m.clock.NewTimer(wait)
-			select {
-			case <-ctx.Done():
-				timer.Stop()
-				return nil
-			case <-timer.C():
-			}
+		if wait := at.Sub(m.clock.Now()); wait > 0 && !clock.Sleep(ctx, m.clock, wait) {
+			return nil
 		}
 		next, err := up.renew(ctx, current)
 		if err != nil {
@@ -278,12 +268,8 @@ func (m *KeyManager) runUpstreamRenewals(ctx context.Context) error {
 			// Not in service, so the same certificate would be due again at once: wait a
 			// retry's longest before asking again rather than call the upstream in a loop.
 			up.log.Error("the renewed signing certificate was not put in service", logkey.Reason, string(ev.Kind))
-			timer := m.clock.NewTimer(upstreamRetryMax)
-			select {
-			case <-ctx.Done():
-				timer.Stop()
+			if !clock.Sleep(ctx, m.clock, upstreamRetryMax) {
 				return nil
-			case <-timer.C():
 			}
 		}
 	}

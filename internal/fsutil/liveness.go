@@ -36,12 +36,8 @@ func (p *LivenessFile) Run(ctx context.Context) error {
 			}
 			failing = err != nil
 		}
-		timer := p.Clock.NewTimer(p.Interval)
-		select {
-		case <-ctx.Done():
-			timer.Stop()
+		if !clock.Sleep(ctx, p.Clock, p.Interval) {
 			return nil
-		case <-timer.C():
 		}
 	}
 }

@@ -26,7 +26,7 @@ FUZZ_TARGETS := ./ca:FuzzCheckCSR ./ca:FuzzLoadCACerts ./ca/token:FuzzVerify \
                 ./discovery:FuzzParseConfig ./ca/controller:FuzzManifestFile ./ca/token:FuzzParseKeySet \
                 ./internal/pki:FuzzParseCertificates ./internal/pki:FuzzParsePrivateKey ./internal/pki:FuzzParsePublicKeys
 
-.PHONY: all build test vet race bench fuzz lint clean kube-env istio-env chaos images manifests
+.PHONY: all build test vet race bench fuzz lint clean kube-env istio-env spire-env chaos images manifests
 
 all: build
 
@@ -48,12 +48,13 @@ vet:
 # Unit, integration and fuzz-seed tests under the race detector, and with -tags external the ones
 # that need binaries from outside: the Kubernetes ones against a real kube-apiserver and etcd
 # (built once by hack/kube-env.sh into a cache outside the repo), the Istio interoperability ones
-# against a real pilot-agent (built once by hack/istio-env.sh). A plain go test ./... runs the
-# rest. atexit_sleep_ms=0: the race detector's default one-second wait at exit, per test binary,
-# buys nothing here.
+# against a real pilot-agent (built once by hack/istio-env.sh), and the Workload API ones against
+# SPIRE's own client, spire-agent's api commands (built once by hack/spire-env.sh). A plain
+# go test ./... runs the rest. atexit_sleep_ms=0: the race detector's default one-second wait at
+# exit, per test binary, buys nothing here.
 test: vet
-	@bin=$$(hack/kube-env.sh) && istio=$$(hack/istio-env.sh) && \
-	MESHID_KUBE_BIN=$$bin MESHID_ISTIO_BIN=$$istio GORACE=atexit_sleep_ms=0 $(GO) test -race -count=1 -tags external $(PKGS)
+	@bin=$$(hack/kube-env.sh) && istio=$$(hack/istio-env.sh) && spire=$$(hack/spire-env.sh) && \
+	MESHID_KUBE_BIN=$$bin MESHID_ISTIO_BIN=$$istio MESHID_SPIRE_BIN=$$spire GORACE=atexit_sleep_ms=0 $(GO) test -race -count=1 -tags external $(PKGS)
 
 # The fault suite's long form (e2e/chaos_test.go): more kills, longer outages, more rotations.
 # Its short form runs in `make test`.
@@ -67,6 +68,10 @@ kube-env:
 # Builds (or finds, when cached) the pilot-agent the Istio interoperability tests run.
 istio-env:
 	hack/istio-env.sh
+
+# Builds (or finds, when cached) the spire-agent whose api commands test the Workload API.
+spire-env:
+	hack/spire-env.sh
 
 # Go benchmarks; results go to $(BENCHOUT). See BENCHMARKS.md for the recorded figures.
 bench:

@@ -49,6 +49,8 @@ func allowed() map[string][]string {
 		"internal/testutil": {"internal/"},
 		// Tests only: what they import is not listed here.
 		"interop": {},
+		// Tests only: SPIRE's client against the agent's Workload API.
+		"interop/spire": {},
 		// Helpers import nothing of the module but two leaves: the clock, so that a helper that
 		// schedules (filewatch's debounce) runs on its caller's injected time, and the log keys.
 		"internal/clock":  {},

@@ -25,11 +25,42 @@ const tempInfix = ".tmp-"
 // never a mix: it writes a temporary file in the same directory with mode perm, syncs it, renames
 // it over path, and syncs the directory so that the rename survives a crash. A process killed
 // before the rename leaves the temporary file behind; see RemoveTempFiles.
-func WriteFileAtomic(path string, data []byte, perm os.FileMode) (err error) {
-	dir := filepath.Dir(path)
-	tmp, err := os.CreateTemp(dir, "."+filepath.Base(path)+tempInfix+"*")
+func WriteFileAtomic(path string, data []byte, perm os.FileMode) error {
+	tmp, err := writeTemp(path, data, perm)
 	if err != nil {
-		return fmt.Errorf("create temporary file for %s: %w", path, err)
+		return err
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		_ = os.Remove(tmp)
+		return fmt.Errorf("rename %s to %s: %w", tmp, path, err)
+	}
+	return SyncDir(filepath.Dir(path))
+}
+
+// CreateFileAtomic is WriteFileAtomic that never replaces: when path already exists (another
+// process created it first) it writes nothing and reports created false.
+func CreateFileAtomic(path string, data []byte, perm os.FileMode) (created bool, err error) {
+	tmp, err := writeTemp(path, data, perm)
+	if err != nil {
+		return false, err
+	}
+	defer func() { _ = os.Remove(tmp) }()
+	// A hard link, unlike a rename, fails on an existing name: of processes racing to create
+	// path, exactly one wins, and the others read what it wrote.
+	if err := os.Link(tmp, path); errors.Is(err, os.ErrExist) {
+		return false, nil
+	} else if err != nil {
+		return false, fmt.Errorf("link %s to %s: %w", tmp, path, err)
+	}
+	return true, SyncDir(filepath.Dir(path))
+}
+
+// writeTemp writes data, synced, to a new temporary file beside path with mode perm, and returns
+// its name.
+func writeTemp(path string, data []byte, perm os.FileMode) (name string, err error) {
+	tmp, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+tempInfix+"*")
+	if err != nil {
+		return "", fmt.Errorf("create temporary file for %s: %w", path, err)
 	}
 	defer func() {
 		if err != nil {
@@ -39,21 +70,18 @@ func WriteFileAtomic(path string, data []byte, perm os.FileMode) (err error) {
 	}()
 	// CreateTemp makes the file 0600; set the final mode before any byte is written.
 	if err := tmp.Chmod(perm); err != nil {
-		return fmt.Errorf("set mode of %s: %w", tmp.Name(), err)
+		return "", fmt.Errorf("set mode of %s: %w", tmp.Name(), err)
 	}
 	if _, err := tmp.Write(data); err != nil {
-		return fmt.Errorf("write %s: %w", tmp.Name(), err)
+		return "", fmt.Errorf("write %s: %w", tmp.Name(), err)
 	}
 	if err := tmp.Sync(); err != nil {
-		return fmt.Errorf("sync %s: %w", tmp.Name(), err)
+		return "", fmt.Errorf("sync %s: %w", tmp.Name(), err)
 	}
 	if err := tmp.Close(); err != nil {
-		return fmt.Errorf("close %s: %w", tmp.Name(), err)
+		return "", fmt.Errorf("close %s: %w", tmp.Name(), err)
 	}
-	if err := os.Rename(tmp.Name(), path); err != nil {
-		return fmt.Errorf("rename %s to %s: %w", tmp.Name(), path, err)
-	}
-	return SyncDir(dir)
+	return tmp.Name(), nil
 }
 
 // RemoveTempFiles removes the temporary files of WriteFileAtomic left in dir by a process killed

@@ -178,8 +178,9 @@ func CheckDataKeyFile(dir, name string) error {
 }
 
 // LoadOrCreateKeyFile returns the key file at path (checked as CheckKeyFile checks it) or, when
-// there is none, writes what create returns there (WritePrivateFile) and returns that, reporting
-// that it did: the start-up of a key a process keeps in its own state dir.
+// there is none, writes what create returns there (0600, CreateFileAtomic) and returns that,
+// reporting that it did: the start-up of a key a process keeps in its own state dir. Of processes
+// starting together on one state dir, one creates the key and the others read it.
 func LoadOrCreateKeyFile(path string, create func() ([]byte, error)) (data []byte, created bool, err error) {
 	if err := CheckKeyFile(path); err != nil {
 		return nil, false, err
@@ -190,8 +191,12 @@ func LoadOrCreateKeyFile(path string, create func() ([]byte, error)) (data []byt
 	if data, err = create(); err != nil {
 		return nil, false, err
 	}
-	if err := WritePrivateFile(path, data); err != nil {
+	if created, err = CreateFileAtomic(path, data, PrivateFileMode); err != nil || created {
+		return data, created, err
+	}
+	if err := CheckKeyFile(path); err != nil {
 		return nil, false, err
 	}
-	return data, true, nil
+	data, _, err = ReadOptional(path)
+	return data, false, err
 }

@@ -374,3 +374,27 @@ func TestLoadOrCreateKeyFile(t *testing.T) {
 		t.Fatalf("a failed creation: %v, want %v", err, failed)
 	}
 }
+
+// Two processes starting on one state dir: the one that creates the key second reads the first
+// one's, and never replaces it (a replaced key is one the first goes on signing with, on no disk).
+func TestLoadOrCreateKeyFileRace(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "key.pem")
+	// The other process creates its key while this one generates its own.
+	create := func() ([]byte, error) {
+		if _, _, err := LoadOrCreateKeyFile(path, func() ([]byte, error) { return []byte("first"), nil }); err != nil {
+			return nil, err
+		}
+		return []byte("second"), nil
+	}
+	data, created, err := LoadOrCreateKeyFile(path, create)
+	if err != nil || created || string(data) != "first" {
+		t.Fatalf("the later process: %q, created %v, %v; want the first key, not created", data, created, err)
+	}
+	if got, err := os.ReadFile(path); err != nil || string(got) != "first" {
+		t.Fatalf("the key file: %q, %v; want the first key, kept", got, err)
+	}
+	if left, err := filepath.Glob(filepath.Join(filepath.Dir(path), ".*")); err != nil || len(left) != 0 {
+		t.Fatalf("temporary files left: %v, %v", left, err)
+	}
+}

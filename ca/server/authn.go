@@ -35,6 +35,10 @@ type Caller struct {
 	// Pod is the pod the caller's token is bound to, when the authenticator knows it: a node
 	// agent's node is its pod's (NodeAuthorizer).
 	Pod BoundPod
+	// ByToken is set by the authenticators of bearer tokens, and only by them: what a token
+	// proves (a CA certificate, another workload's identity) is refused to every other caller,
+	// whatever a new authenticator names its method.
+	ByToken bool
 }
 
 // TokenCredential is the Caller.Credential of a caller authenticated by bearer token raw.
@@ -118,7 +122,7 @@ func (a *JWTAuthenticator) Authenticate(ctx context.Context) (Caller, error) {
 		return Caller{}, fmt.Errorf("bearer token: %w", err)
 	}
 	caller := Caller{Identity: pki.SPIFFEID{TrustDomain: a.trustDomain, Namespace: ns, ServiceAccount: sa}, Method: "jwt",
-		Credential: TokenCredential(raw)}
+		Credential: TokenCredential(raw), ByToken: true}
 	if k := claims.Kubernetes; k != nil && k.Pod != nil {
 		caller.Pod = BoundPod{Name: k.Pod.Name, UID: k.Pod.UID}
 	}

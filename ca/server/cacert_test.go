@@ -1,6 +1,7 @@
 package server_test
 
 import (
+	"context"
 	"crypto/x509"
 	"encoding/pem"
 	"strings"
@@ -9,10 +10,12 @@ import (
 
 	promtest "github.com/prometheus/client_golang/prometheus/testutil"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	pb "istio.io/api/security/v1alpha1"
 
 	"github.com/meshid/meshid/ca"
+	"github.com/meshid/meshid/ca/server"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
 )
@@ -198,4 +201,41 @@ func downstreamOf(t testing.TB, root *testutil.CA, clk *testutil.FakeClock) *tes
 		t.Fatal(err)
 	}
 	return &testutil.CA{Cert: issued.Leaf, Key: key}
+}
+
+// headerAuthenticator stands for an authenticator the CA may gain, of neither a token nor a
+// client certificate: it takes the caller's identity from a metadata header.
+type headerAuthenticator struct{}
+
+func (headerAuthenticator) Authenticate(ctx context.Context) (server.Caller, error) {
+	md, _ := metadata.FromIncomingContext(ctx)
+	ids := md.Get("x-test-identity")
+	if len(ids) != 1 {
+		return server.Caller{}, server.ErrNoCredentials
+	}
+	id, err := pki.ParseSPIFFEID(ids[0])
+	if err != nil {
+		return server.Caller{}, err
+	}
+	return server.Caller{Identity: id, Method: "header"}, nil
+}
+
+// What only a token proves is refused to any other authenticator's caller, not only to a client
+// certificate's: a CA certificate, and another workload's identity.
+func TestTokenOnlyRequestsRefusedToOtherAuthenticators(t *testing.T) {
+	t.Parallel()
+	node := server.NodeAccount{Namespace: "kube-system", ServiceAccount: "node-agent"}
+	h := newHarness(t, harnessOptions{caCertIDs: []pki.SPIFFEID{downstreamID()}, trustedNodes: []server.NodeAccount{node},
+		authenticators: []server.Authenticator{headerAuthenticator{}}})
+	client := h.dial(t, nil)
+	as := func(id string) context.Context {
+		return metadata.AppendToOutgoingContext(t.Context(), "x-test-identity", id)
+	}
+	if _, err := client.CreateCertificate(as(downstreamID().String()), caRequest(t, time.Hour)); status.Code(err) != codes.PermissionDenied {
+		t.Errorf("a CA certificate for a listed identity by a header: %v, want PermissionDenied", err)
+	}
+	req := impersonating(t, request(t, p256(t), nil, nil, 0), "spiffe://"+trustDomain+"/ns/shop/sa/web")
+	if _, err := client.CreateCertificate(as("spiffe://"+trustDomain+"/ns/kube-system/sa/node-agent"), req); status.Code(err) != codes.PermissionDenied {
+		t.Errorf("impersonation by a trusted node account by a header: %v, want PermissionDenied", err)
+	}
 }

@@ -96,7 +96,7 @@ func (s *Server) impersonate(ctx context.Context, caller Caller, imp impersonati
 		return pki.SPIFFEID{}, errImpersonationNotTrusted
 	}
 	// As a CA certificate: any CA under the root can mint a client certificate naming a node account.
-	if caller.Method == "mtls" {
+	if !caller.ByToken {
 		return pki.SPIFFEID{}, errImpersonationByCertificate
 	}
 	target, err := pki.ParseSPIFFEID(imp.raw)

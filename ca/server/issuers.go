@@ -52,5 +52,5 @@ func (a *IssuerAuthenticator) Authenticate(ctx context.Context) (Caller, error) 
 		return Caller{}, fmt.Errorf("bearer token of issuer %q: %w", iss, err)
 	}
 	return Caller{Identity: pki.SPIFFEID{TrustDomain: a.trustDomain, Namespace: ns, ServiceAccount: sa}, Method: "jwt",
-		Credential: TokenCredential(raw)}, nil
+		Credential: TokenCredential(raw), ByToken: true}, nil
 }

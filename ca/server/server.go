@@ -220,7 +220,7 @@ func (s *Server) issueChain(ctx context.Context, service string, req issueReques
 	switch {
 	case wantsCA && req.impersonation.ok:
 		return nil, refuse(ctx, caller, errImpersonationCACert)
-	case wantsCA && caller.Method == "mtls":
+	case wantsCA && !caller.ByToken:
 		return nil, refuse(ctx, caller, errCACertByCertificate)
 	}
 	start := time.Now()

@@ -17,6 +17,7 @@ import (
 	"log/slog"
 	"net"
 	"net/url"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -74,6 +75,8 @@ type harnessOptions struct {
 	nodes        server.NodeAuthorizer
 	// jwtSVIDTTL is the JWT-SVID signer's lifetime; 0: the default.
 	jwtSVIDTTL time.Duration
+	// authenticators are tried before the harness's own (JWT, mTLS).
+	authenticators []server.Authenticator
 }
 
 func newHarness(t testing.TB, opts harnessOptions) *harness {
@@ -132,10 +135,10 @@ func newHarness(t testing.TB, opts harnessOptions) *harness {
 	}
 	srv := server.New(server.Config{
 		Signer: signer,
-		Authenticators: []server.Authenticator{
+		Authenticators: append(slices.Clone(opts.authenticators),
 			server.NewJWTAuthenticator(verifier, trustDomain),
 			server.NewMTLSAuthenticator(authority, trustDomain, clk),
-		},
+		),
 		Targeting:           controller.NewTargeting(controller.TargetingConfig{Store: opts.store, CANamespace: "istio-system", EnabledByDefault: enabled}),
 		Metrics:             metrics,
 		Logger:              slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug})),

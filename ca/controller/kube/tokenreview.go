@@ -277,6 +277,7 @@ func (a *TokenReviewAuthenticator) check(st authenticationv1.TokenReviewStatus) 
 		Identity: pki.SPIFFEID{TrustDomain: a.trustDomain, Namespace: ns, ServiceAccount: sa},
 		Method:   MethodTokenReview,
 		Pod:      boundPod(st.User.Extra),
+		ByToken:  true,
 	}, nil
 }
 

@@ -75,7 +75,7 @@ func copyExecutable(t *testing.T, dir, name string) string {
 	}
 	defer func() { _ = in.Close() }()
 	path := filepath.Join(dir, name)
-	out, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_EXCL, 0o700) //nolint:gosec // an executable
+	out, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_EXCL, 0o700)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -175,6 +175,15 @@ func TestNodeAgentServesEachAttestedExecutableItsIdentity(t *testing.T) {
 	}
 	if _, err := bundles.GetJWTBundleForTrustDomain(td); err != nil {
 		t.Fatal(err)
+	}
+
+	_, page := httpGet(t, "http://"+a.DebugAddr()+"/debug/secrets")
+	if !strings.Contains(page, `"identities": [
+    "spiffe://cluster.local/ns/node/sa/tests",
+    "spiffe://cluster.local/ns/shop/sa/a",
+    "spiffe://cluster.local/ns/shop/sa/b"
+  ]`) {
+		t.Errorf("/debug/secrets does not list the identities held:\n%s", page)
 	}
 
 	// Envoy's SDS from this process is the test binary's identity too.

@@ -154,7 +154,7 @@ func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *p
 				return err
 			}
 			sdsCfg.Secrets, sdsCfg.Resolve, sdsCfg.Credentials = a.identities, resolver.Resolve, a.attestor.Credentials
-			api = workloadapi.Config{Secrets: a.identities, Identify: resolver.Names, JWT: nodeJWTIssuer{a.ca}}
+			api = workloadapi.Config{Secrets: a.identities, Identify: resolver.Names, JWT: nodeJWTIssuer{ca: a.ca, resolver: resolver}}
 		} else {
 			if err := a.buildSecrets(cfg, fetched, clk, log, registry); err != nil {
 				return err

@@ -310,18 +310,27 @@ func (a *Agent) buildNode(cfg Config, fetched tokenFunc, clk clock.Clock, log *s
 	}}, nil
 }
 
-// nodeJWTIssuer gives a node agent's callers the CA's JWT bundle; the CA's JWTSVIDService signs
-// only for the caller's own identity, the agent's, so the workloads are refused JWT-SVIDs.
-type nodeJWTIssuer struct{ ca *caclient.Client }
+// nodeJWTIssuer asks the CA for JWT-SVIDs of each caller's identity, as a trusted node account
+// (impersonated_identity), and for the bundle.
+type nodeJWTIssuer struct {
+	ca       *caclient.Client
+	resolver nodeResolver
+}
 
-// errNoNodeJWTSVID refuses a JWT-SVID to a node agent's caller.
-var errNoNodeJWTSVID = status.Error(codes.PermissionDenied,
-	"the CA signs JWT-SVIDs only for the agent's own identity, not for a node agent's workloads")
-
-func (nodeJWTIssuer) MintJWTSVID(context.Context, []string) (workloadapi.JWTSVID, error) {
-	return workloadapi.JWTSVID{}, errNoNodeJWTSVID
+func (j nodeJWTIssuer) MintJWTSVID(ctx context.Context, audience []string) (workloadapi.JWTSVID, error) {
+	id, err := j.resolver.identity(ctx)
+	if err != nil {
+		// The Workload API identified the caller a moment ago: its rule has just gone.
+		return workloadapi.JWTSVID{}, status.Error(codes.PermissionDenied, err.Error())
+	}
+	signer, err := j.ca.ForIdentity(id)
+	if err != nil {
+		return workloadapi.JWTSVID{}, err
+	}
+	svid, err := signer.MintJWTSVID(ctx, audience, 0) // the CA's lifetime
+	return workloadapi.JWTSVID(svid), err
 }
 
 func (j nodeJWTIssuer) FetchJWTBundle(ctx context.Context) (workloadapi.JWTBundle, error) {
-	return jwtIssuer(j).FetchJWTBundle(ctx)
+	return jwtIssuer{j.ca}.FetchJWTBundle(ctx)
 }

@@ -100,9 +100,8 @@ func realPath(t *testing.T, path string) string {
 // A node agent with its embedded CA (which trusts the agent's own account as a node account)
 // and rules naming real executables by path: two copies of an SDS client (this test binary)
 // each get "default" for their own identity, a third copy that no rule names is refused, and
-// go-spiffe's client in this process gets the X.509-SVID of the test binary's rule. JWT-SVIDs
-// are refused to a node agent's callers (the CA mints them only for the agent's own identity);
-// the JWT bundle is served.
+// go-spiffe's client in this process gets the X.509-SVID and a JWT-SVID of the test binary's
+// rule, which verifies against the JWT bundle.
 func TestNodeAgentServesEachAttestedExecutableItsIdentity(t *testing.T) {
 	t.Parallel()
 	bin := t.TempDir()
@@ -165,16 +164,20 @@ func TestNodeAgentServesEachAttestedExecutableItsIdentity(t *testing.T) {
 	if _, err := x509ctx.Bundles.GetX509BundleForTrustDomain(td); err != nil {
 		t.Fatal(err)
 	}
-	_, err = spiffeapi.FetchJWTSVID(ctx, jwtsvid.Params{Audience: "bank"}, addr)
-	if status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), "only for the agent's own identity") {
-		t.Fatalf("FetchJWTSVID: %v, want PermissionDenied", err)
+	jwt, err := spiffeapi.FetchJWTSVID(ctx, jwtsvid.Params{Audience: "bank"}, addr)
+	if err != nil {
+		t.Fatalf("FetchJWTSVID: %v", err)
+	}
+	if jwt.ID.String() != "spiffe://cluster.local/ns/node/sa/tests" {
+		t.Fatalf("JWT-SVID of %s, want the test binary's rule's identity", jwt.ID)
 	}
 	bundles, err := spiffeapi.FetchJWTBundles(ctx, addr)
 	if err != nil {
 		t.Fatalf("FetchJWTBundles: %v", err)
 	}
-	if _, err := bundles.GetJWTBundleForTrustDomain(td); err != nil {
-		t.Fatal(err)
+	// Verified as the application receiving it would, with the bundle (at the CA's time).
+	if _, err := jwtsvid.ParseAndValidate(jwt.Marshal(), bundles, []string{"bank"}); err != nil {
+		t.Fatalf("the JWT-SVID does not verify against the JWT bundle: %v", err)
 	}
 
 	_, page := httpGet(t, "http://"+a.DebugAddr()+"/debug/secrets")

@@ -491,7 +491,12 @@ type JWTSVID struct {
 // MintJWTSVID asks the CA for a JWT-SVID of the client's own identity for audience, over the
 // connection and credentials Sign uses, with its retries; ttl 0 asks for the CA's lifetime.
 func (c *Client) MintJWTSVID(ctx context.Context, audience []string, ttl time.Duration) (JWTSVID, error) {
-	req := &jwtsvidpb.MintJWTSVIDRequest{Audience: audience}
+	return c.mintJWTSVID(ctx, audience, ttl, "")
+}
+
+// mintJWTSVID is MintJWTSVID, for the identity impersonated when it is not empty.
+func (c *Client) mintJWTSVID(ctx context.Context, audience []string, ttl time.Duration, impersonated string) (JWTSVID, error) {
+	req := &jwtsvidpb.MintJWTSVIDRequest{Audience: audience, ImpersonatedIdentity: impersonated}
 	if ttl > 0 {
 		req.Ttl = durationpb.New(ttl)
 	}

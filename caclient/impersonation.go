@@ -40,6 +40,16 @@ func (c *Client) ForIdentity(id pki.SPIFFEID) (*IdentitySigner, error) {
 // Identity returns the identity s asks for.
 func (s *IdentitySigner) Identity() pki.SPIFFEID { return s.id }
 
+// MintJWTSVID asks the CA for a JWT-SVID of s's identity, as Client.MintJWTSVID asks for the
+// client's own; meshid ca signs it for a trusted node account as it signs certificates.
+func (s *IdentitySigner) MintJWTSVID(ctx context.Context, audience []string, ttl time.Duration) (JWTSVID, error) {
+	svid, err := s.c.mintJWTSVID(ctx, audience, ttl, s.id.String())
+	if err != nil {
+		return JWTSVID{}, fmt.Errorf("JWT-SVID for %s: %w", s.id, err)
+	}
+	return svid, nil
+}
+
 // Sign sends a DER CSR to the CA with the ImpersonatedIdentity metadata and returns the chain it
 // issued, leaf first; retries and errors are Client.Sign's.
 func (s *IdentitySigner) Sign(ctx context.Context, csrDER []byte, ttl time.Duration) ([]*x509.Certificate, error) {

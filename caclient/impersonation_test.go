@@ -45,6 +45,7 @@ func TestForIdentitySignsTheImpersonatedIdentity(t *testing.T) {
 			}
 			csr, _ := newCSR(t, pki.ECDSA, workload)
 			chain, err := signer.Sign(t.Context(), csr, time.Hour)
+			jwt, jwtErr := signer.MintJWTSVID(t.Context(), []string{"bank"}, time.Minute)
 			if tc.wantErr == "" {
 				if err != nil {
 					t.Fatal(err)
@@ -52,7 +53,13 @@ func TestForIdentitySignsTheImpersonatedIdentity(t *testing.T) {
 				if got := leafID(t, chain[0]); got != workload.String() {
 					t.Fatalf("leaf is %s, want %s", got, workload)
 				}
+				if jwtErr != nil || jwt.SPIFFEID != workload.String() {
+					t.Fatalf("JWT-SVID %+v, %v; want one of %s", jwt.SPIFFEID, jwtErr, workload)
+				}
 				return
+			}
+			if status.Code(jwtErr) != codes.PermissionDenied || !strings.Contains(jwtErr.Error(), tc.wantErr) {
+				t.Errorf("JWT-SVID error %v, want PermissionDenied saying %q", jwtErr, tc.wantErr)
 			}
 			if !errors.Is(err, caclient.ErrRejected) || status.Code(err) != codes.PermissionDenied {
 				t.Fatalf("error %v, want a PermissionDenied rejection", err)

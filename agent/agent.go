@@ -27,6 +27,7 @@ import (
 	"github.com/meshid/meshid/agent/promstats"
 	"github.com/meshid/meshid/caclient"
 	"github.com/meshid/meshid/internal/admission"
+	"github.com/meshid/meshid/internal/attest"
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/configerr"
 	"github.com/meshid/meshid/internal/fsutil"
@@ -67,10 +68,13 @@ type Agent struct {
 	embedded   ControlPlane           // embedded mode
 	unlocks    []func()               // release the embedded state dir and OUTPUT_CERTS
 	ca         *caclient.Client       // CA modes
-	secrets    *secretmanager.Manager // nil with an external SDS server
-	sds        *sds.Server            // nil with an external SDS server
-	xds        *xdsproxy.Proxy        // nil with PROXY_XDS_VIA_AGENT=false
-	xdsConn    *grpc.ClientConn       // the xDS proxy's upstream
+	secrets    *secretmanager.Manager // nil with an external SDS server, and in node mode
+	// identities and attestor serve node mode: a secret manager per caller's identity.
+	identities *identities
+	attestor   *attest.Attestor
+	sds        *sds.Server      // nil with an external SDS server
+	xds        *xdsproxy.Proxy  // nil with PROXY_XDS_VIA_AGENT=false
+	xdsConn    *grpc.ClientConn // the xDS proxy's upstream
 	status     *http.Server
 	statusLis  net.Listener
 	debug      *http.Server
@@ -130,13 +134,9 @@ func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *p
 	}
 
 	if a.source != SourceExternalSDS {
-		if err := a.buildSecrets(cfg, fetched, clk, log, registry); err != nil {
-			return err
-		}
-		if a.sds, err = sds.New(sds.Config{
+		sdsCfg := sds.Config{
 			SocketPath:    a.socketPath,
 			SocketMode:    cfg.SDS.SocketMode,
-			Secrets:       a.secrets,
 			DrainDuration: cfg.SDS.DrainDuration,
 			Clock:         clk,
 			Logger:        log.With(logkey.Component, "sds"),
@@ -146,10 +146,30 @@ func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *p
 			MaxStreamsPerConnection: cfg.SDS.MaxStreamsPerConnection,
 			SocketClock:             cfg.SocketClock,
 			OnSocket:                onSocket(cfg, a.socketPath),
-		}); err != nil {
+		}
+		var api workloadapi.Config
+		if cfg.nodeMode() {
+			resolver, err := a.buildNode(cfg, fetched, clk, log, registry)
+			if err != nil {
+				return err
+			}
+			sdsCfg.Secrets, sdsCfg.Resolve, sdsCfg.Credentials = a.identities, resolver.Resolve, a.attestor.Credentials
+			api = workloadapi.Config{Secrets: a.identities, Identify: resolver.Names, JWT: nodeJWTIssuer{ca: a.ca, resolver: resolver}}
+		} else {
+			if err := a.buildSecrets(cfg, fetched, clk, log, registry); err != nil {
+				return err
+			}
+			sdsCfg.Secrets = a.secrets
+			api = workloadapi.Config{Secrets: a.secrets}
+			if a.ca != nil {
+				// The CA signs the JWT-SVIDs; without one (mounted files) the JWT methods say so.
+				api.JWT = jwtIssuer{a.ca}
+			}
+		}
+		if a.sds, err = sds.New(sdsCfg); err != nil {
 			return err
 		}
-		if err := a.buildWorkloadAPI(cfg, clk, log, registry); err != nil {
+		if err := a.buildWorkloadAPI(cfg, api, clk, log, registry); err != nil {
 			return err
 		}
 	} else if cfg.SDS.WorkloadAPI {
@@ -178,29 +198,19 @@ func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *p
 	return a.buildServers(cfg, clk, log, registry)
 }
 
-// buildWorkloadAPI registers the SPIFFE Workload API on the SDS server: the same socket, bounds
-// and secrets, every caller the workload (single-workload mode), JWT-SVIDs from the CA client.
-func (a *Agent) buildWorkloadAPI(cfg Config, clk clock.Clock, log *slog.Logger, registry *prometheus.Registry) error {
+// buildWorkloadAPI registers the SPIFFE Workload API of api (its secrets, callers and JWT
+// issuer) on the SDS server: the same socket and bounds.
+func (a *Agent) buildWorkloadAPI(cfg Config, api workloadapi.Config, clk clock.Clock, log *slog.Logger, registry *prometheus.Registry) error {
 	if !cfg.SDS.WorkloadAPI {
 		log.Info("Workload API not served (--workload-api=false)")
 		return nil
 	}
-	var jwt workloadapi.JWTIssuer
-	if a.ca != nil {
-		// The CA signs the JWT-SVIDs; without one (mounted files) the JWT methods say so.
-		jwt = jwtIssuer{a.ca}
-	}
-	api, err := workloadapi.New(workloadapi.Config{
-		Secrets:    a.secrets,
-		JWT:        jwt,
-		Clock:      clk,
-		Logger:     log.With(logkey.Component, "workloadapi"),
-		Registerer: registry,
-	})
+	api.Clock, api.Logger, api.Registerer = clk, log.With(logkey.Component, "workloadapi"), registry
+	server, err := workloadapi.New(api)
 	if err != nil {
 		return err
 	}
-	api.Register(a.sds)
+	server.Register(a.sds)
 	return nil
 }
 
@@ -334,6 +344,8 @@ func decide(cfg *Config, socketPath string) (Source, string, error) {
 	}
 	dir := cfg.credentialsDir()
 	switch present, missing := secretmanager.CredentialFiles(dir); {
+	case cfg.nodeMode():
+		// The credentials dir is one workload's: a node agent's callers each have their own.
 	case len(missing) == 0:
 		return SourceFiles, "credential files found in " + dir, nil
 	case len(present) > 0:
@@ -381,42 +393,12 @@ func (a *Agent) buildSecrets(cfg Config, fetched tokenFunc, clk clock.Clock, log
 	if err != nil {
 		return err
 	}
-	up := upstream{address: cfg.CA.Address, rootCertFile: cfg.caRootCert(), tokenPath: cfg.CA.TokenPath}
-	if fetched != nil {
-		up.tokenPath, up.token = "", fetched
-	}
-	if a.source == SourceEmbeddedCA {
-		e, unlock, err := embed(cfg, id, clk, log)
-		if err != nil {
-			return err
-		}
-		a.unlocks = append(a.unlocks, unlock)
-		a.embedded = e
-		up = upstream{address: e.GRPCAddr(), rootCertFile: e.RootCertFile(), token: e.Token}
-	}
 	// The CA client presents the certificate the secret manager holds, so that renewals go on
 	// after a provisioned token expires; the manager signs through the CA client. The client is
 	// built first, and reaches the manager through held once it exists, before anything runs.
 	held := new(heldCertificate)
-	provider := cfg.CA.Provider
-	if provider == "" {
-		provider = CAProviderCitadel
-	}
-	log.Info("CA source", logkey.CAAddress, up.address, logkey.CAProvider, provider, logkey.CARoot, describePath(up.rootCertFile, "the system roots"), logkey.Identity, id.String())
-	if a.ca, err = caclient.New(caclient.Config{
-		Address:           up.address,
-		Provider:          provider,
-		Location:          cfg.caLocation(),
-		RootCertFile:      up.rootCertFile,
-		ServerName:        cfg.CA.ServerName,
-		TokenPath:         up.tokenPath,
-		Token:             up.token,
-		ClientCertificate: held.orProvisioned(provisioned(cfg, clk, log)),
-		ClusterID:         cfg.CA.ClusterID,
-		Clock:             clk,
-		Logger:            log.With(logkey.Component, "caclient"),
-		Registerer:        registry,
-	}); err != nil {
+	up, err := a.buildCAClient(cfg, fetched, id, held.orProvisioned(provisioned(cfg, clk, log)), clk, log, registry)
+	if err != nil {
 		return err
 	}
 	smCfg.Workload = &secretmanager.Rotation{
@@ -434,6 +416,46 @@ func (a *Agent) buildSecrets(cfg Config, fetched tokenFunc, clk clock.Clock, log
 	}
 	held.manager.Store(a.secrets)
 	return nil
+}
+
+// buildCAClient makes the CA client of the agent's identity id, starting the embedded control
+// plane first when it is the CA; it returns where the client finds the CA.
+func (a *Agent) buildCAClient(cfg Config, fetched tokenFunc, id pki.SPIFFEID, clientCert func() *tls.Certificate, clk clock.Clock, log *slog.Logger,
+	registry *prometheus.Registry) (upstream, error) {
+	up := upstream{address: cfg.CA.Address, rootCertFile: cfg.caRootCert(), tokenPath: cfg.CA.TokenPath}
+	if fetched != nil {
+		up.tokenPath, up.token = "", fetched
+	}
+	if a.source == SourceEmbeddedCA {
+		e, unlock, err := embed(cfg, id, clk, log)
+		if err != nil {
+			return upstream{}, err
+		}
+		a.unlocks = append(a.unlocks, unlock)
+		a.embedded = e
+		up = upstream{address: e.GRPCAddr(), rootCertFile: e.RootCertFile(), token: e.Token}
+	}
+	provider := cfg.CA.Provider
+	if provider == "" {
+		provider = CAProviderCitadel
+	}
+	log.Info("CA source", logkey.CAAddress, up.address, logkey.CAProvider, provider, logkey.CARoot, describePath(up.rootCertFile, "the system roots"), logkey.Identity, id.String())
+	var err error
+	a.ca, err = caclient.New(caclient.Config{
+		Address:           up.address,
+		Provider:          provider,
+		Location:          cfg.caLocation(),
+		RootCertFile:      up.rootCertFile,
+		ServerName:        cfg.CA.ServerName,
+		TokenPath:         up.tokenPath,
+		Token:             up.token,
+		ClientCertificate: clientCert,
+		ClusterID:         cfg.CA.ClusterID,
+		Clock:             clk,
+		Logger:            log.With(logkey.Component, "caclient"),
+		Registerer:        registry,
+	})
+	return up, err
 }
 
 // upstream is where the CA client finds the CA, how it verifies it, and how it gets its token.
@@ -556,6 +578,7 @@ func embed(cfg Config, id pki.SPIFFEID, clk clock.Clock, log *slog.Logger) (_ Co
 		SocketPath:  socket,
 		TrustDomain: cfg.Identity.TrustDomain,
 		Identity:    id,
+		NodeAgent:   cfg.nodeMode(),
 		Clock:       clk,
 		Logger:      log.With(logkey.Component, "embedded-ca"),
 	})
@@ -718,6 +741,12 @@ func (a *Agent) Run(ctx context.Context) error {
 	}
 	if a.secrets != nil {
 		g.Go(func() error { return a.secrets.Run(gctx) })
+	}
+	if a.identities != nil {
+		g.Go(func() error { return a.identities.Run(gctx) })
+		g.Go(func() error { return a.attestor.Run(gctx) })
+	}
+	if a.sds != nil {
 		g.Go(func() error { return a.sds.Run(gctx) })
 	}
 	if a.xds != nil {

@@ -189,6 +189,11 @@ type SDSConfig struct {
 	// WorkloadAPI serves the SPIFFE Workload API (X.509-SVIDs of the workload's identity) on the
 	// SDS socket, whenever the agent serves SDS.
 	WorkloadAPI bool
+	// WorkloadAttestation, when set, is the rules file of node mode (--workload-attestation):
+	// each caller on the socket is attested (internal/attest) and gets the identity its rule
+	// gives, obtained from the CA as a node agent (ImpersonatedIdentity); the agent's own
+	// identity is the node account the CA trusts. The file is watched.
+	WorkloadAttestation string
 }
 
 // XDSConfig is the proxy of Envoy's xDS to the discovery server.
@@ -285,8 +290,11 @@ type EmbedConfig struct {
 	SocketPath  string
 	TrustDomain string
 	Identity    pki.SPIFFEID
-	Clock       clock.Clock
-	Logger      *slog.Logger
+	// NodeAgent: the agent is a node agent, and the control plane trusts Identity's account to
+	// ask for its workloads' identities (as meshid ca --trusted-node-accounts).
+	NodeAgent bool
+	Clock     clock.Clock
+	Logger    *slog.Logger
 }
 
 // ControlPlane is a control plane run in-process, as the agent uses it.
@@ -380,6 +388,36 @@ func (c *Config) fileResourceDirs() []string {
 	return []string{c.credentialsDir(), c.path(DefaultMountedCerts)}
 }
 
+// nodeMode reports whether the agent serves every workload of its node (WorkloadAttestation).
+func (c *Config) nodeMode() bool { return c.SDS.WorkloadAttestation != "" }
+
+// checkNodeMode refuses what node mode cannot do: one workload's credentials (files, OUTPUT_CERTS)
+// and the Mesh CA protocol, whose requests cannot name another identity.
+func (c *Config) checkNodeMode() []error {
+	if !c.nodeMode() {
+		return nil
+	}
+	var errs []error
+	const why = "{SDS.WorkloadAttestation} serves each caller its own identity, "
+	if c.Output.Dir != "" {
+		errs = append(errs, configerr.Errorf("Output.Dir", why+"so there is no one key pair to write to {Output.Dir}; unset it"))
+	}
+	if c.SDS.FileMountedCerts {
+		errs = append(errs, configerr.Errorf("SDS.FileMountedCerts", why+"from the CA: {SDS.FileMountedCerts} would serve every caller one workload's files; unset it"))
+	}
+	if c.SDS.CredentialsDir != "" {
+		errs = append(errs, configerr.Errorf("SDS.CredentialsDir", why+"from the CA: the files of {SDS.CredentialsDir} are one workload's, and are not served in node mode; unset it"))
+	}
+	if c.CA.Provider == CAProviderGoogleCA {
+		errs = append(errs, configerr.Errorf("CA.Provider", why+"which the CA signs on the agent's request: {CA.Provider} %s cannot ask for another identity (the Mesh CA's request has no metadata); use %s",
+			CAProviderGoogleCA, CAProviderCitadel))
+	}
+	if c.CA.ProvCert != "" {
+		errs = append(errs, configerr.Errorf("CA.ProvCert", why+"which the CA signs only for a caller authenticated by a token: {CA.ProvCert}'s certificate would not be enough; unset it"))
+	}
+	return errs
+}
+
 // embedded reports whether the agent runs its own control plane: no CA is given.
 func (c *Config) embedded() bool { return c.CA.Address == "" }
 
@@ -431,6 +469,7 @@ func (c *Config) Validate() error {
 	errs = append(errs, c.checkCredentialFetcher()...)
 	errs = append(errs, c.checkTokenExchange()...)
 	errs = append(errs, c.checkCAProvider()...)
+	errs = append(errs, c.checkNodeMode()...)
 	if c.Output.KeyGroupRead && !c.Output.GroupRead {
 		errs = append(errs, configerr.Errorf("Output.KeyGroupRead", "{Output.KeyGroupRead}: a group-readable {Output.Dir} key needs group-readable directories too"))
 	}

@@ -126,7 +126,12 @@ func (a *Agent) debugHandler(clk clock.Clock, cfg Config) http.Handler {
 		w.Header().Set("Content-Type", "application/json")
 		enc := json.NewEncoder(w)
 		enc.SetIndent("", "  ")
-		_ = enc.Encode(map[string]any{"source": a.source, "sds_socket": a.socketPath, "secrets": out})
+		page := map[string]any{"source": a.source, "sds_socket": a.socketPath, "secrets": out}
+		if a.identities != nil {
+			// Node mode: the identities whose certificates are held for callers.
+			page["identities"] = a.identities.held()
+		}
+		_ = enc.Encode(page)
 	})
 	return mux
 }

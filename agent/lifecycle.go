@@ -228,8 +228,11 @@ func (a *Agent) unmet(ctx context.Context) []string {
 		if err := a.sds.SocketProblem(); err != nil {
 			why = append(why, err.Error())
 		}
-		if ok, reason := a.secrets.Ready(); !ok {
-			why = append(why, reason)
+		// A node agent has no certificate of its own: it is ready once it serves.
+		if a.secrets != nil {
+			if ok, reason := a.secrets.Ready(); !ok {
+				why = append(why, reason)
+			}
 		}
 	}
 	if a.life.envoy != nil {

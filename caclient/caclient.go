@@ -196,6 +196,12 @@ func New(cfg Config) (*Client, error) {
 // Sign sends a DER CSR to the CA and returns the chain it issued: leaf first, root last.
 // Transient failures (unavailable, timed out) are retried with backoff, up to MaxAttempts.
 func (c *Client) Sign(ctx context.Context, csrDER []byte, ttl time.Duration) ([]*x509.Certificate, error) {
+	return c.sign(ctx, csrDER, ttl, "")
+}
+
+// sign is Sign, asking for the identity impersonated instead of the caller's own when it is not
+// empty (Istio's protocol only: ForIdentity refuses the Mesh CA's).
+func (c *Client) sign(ctx context.Context, csrDER []byte, ttl time.Duration, impersonated string) ([]*x509.Certificate, error) {
 	csrPEM := string(pem.EncodeToMemory(&pem.Block{Type: pki.BlockCertificateRequest, Bytes: csrDER}))
 	seconds := int64((ttl + time.Second - 1) / time.Second) // never 0, which asks for the CA's default
 	var rpc createCertificate
@@ -203,7 +209,7 @@ func (c *Client) Sign(ctx context.Context, csrDER []byte, ttl time.Duration) ([]
 	if c.cfg.Provider == ProviderGoogleCA {
 		rpc, err = c.meshCARequest(csrPEM, seconds)
 	} else {
-		rpc, err = c.istioRequest(csrPEM, seconds)
+		rpc, err = c.istioRequest(csrPEM, seconds, impersonated)
 	}
 	if err != nil {
 		return nil, err
@@ -253,10 +259,17 @@ func retry[T any](c *Client, ctx context.Context, rpc attempt[T], timed bool) (T
 	return out, nil
 }
 
-func (c *Client) istioRequest(csrPEM string, seconds int64) (createCertificate, error) {
+func (c *Client) istioRequest(csrPEM string, seconds int64, impersonated string) (createCertificate, error) {
 	req := &pb.IstioCertificateRequest{Csr: csrPEM, ValidityDuration: seconds}
+	fields := map[string]any{}
 	if c.cfg.ClusterID != "" {
-		meta, err := structpb.NewStruct(map[string]any{"ClusterID": c.cfg.ClusterID})
+		fields["ClusterID"] = c.cfg.ClusterID
+	}
+	if impersonated != "" {
+		fields[ImpersonatedIdentityKey] = impersonated
+	}
+	if len(fields) > 0 {
+		meta, err := structpb.NewStruct(fields)
 		if err != nil {
 			return nil, err
 		}
@@ -478,7 +491,12 @@ type JWTSVID struct {
 // MintJWTSVID asks the CA for a JWT-SVID of the client's own identity for audience, over the
 // connection and credentials Sign uses, with its retries; ttl 0 asks for the CA's lifetime.
 func (c *Client) MintJWTSVID(ctx context.Context, audience []string, ttl time.Duration) (JWTSVID, error) {
-	req := &jwtsvidpb.MintJWTSVIDRequest{Audience: audience}
+	return c.mintJWTSVID(ctx, audience, ttl, "")
+}
+
+// mintJWTSVID is MintJWTSVID, for the identity impersonated when it is not empty.
+func (c *Client) mintJWTSVID(ctx context.Context, audience []string, ttl time.Duration, impersonated string) (JWTSVID, error) {
+	req := &jwtsvidpb.MintJWTSVIDRequest{Audience: audience, ImpersonatedIdentity: impersonated}
 	if ttl > 0 {
 		req.Ttl = durationpb.New(ttl)
 	}

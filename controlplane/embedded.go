@@ -19,8 +19,11 @@ type EmbeddedConfig struct {
 	SocketPath  string // the private socket the CA protocol is served on
 	TrustDomain string
 	Identity    pki.SPIFFEID // the workload the agent mints tokens for
-	Clock       clock.Clock
-	Logger      *slog.Logger
+	// NodeAgent trusts Identity's account as a node account (TrustedNodeAccounts): the agent
+	// asks for its callers' identities.
+	NodeAgent bool
+	Clock     clock.Clock
+	Logger    *slog.Logger
 }
 
 // Embedded is a control plane run in-process by an agent given no CA address: it serves on a
@@ -61,6 +64,9 @@ func NewEmbedded(e EmbeddedConfig) (*Embedded, error) {
 	cfg.GRPCAddr = fsutil.UnixScheme + e.SocketPath
 	cfg.MonitoringAddr = ""
 	cfg.TrustDomain = e.TrustDomain
+	if e.NodeAgent {
+		cfg.TrustedNodeAccounts = []string{e.Identity.Namespace + "/" + e.Identity.ServiceAccount}
+	}
 	cfg.Clock = e.Clock
 	cfg.Logger = e.Logger
 	cp, err := New(cfg)

@@ -26,9 +26,15 @@ const (
 // waits for the handlers, as GracefulStop does: Run returns after the last (grpc's Stop alone
 // returns while they may still run).
 func (s *Server) grpcOptions() []grpc.ServerOption {
-	return append(admission.LocalServerOptions(s.gate, s.cfg.MaxStreamsPerConnection, maxRequestSize, func(who string, _ error) {
+	refused := func(who string, _ error) {
 		_ = s.refuse(refusal{peer: who, reason: reasonTooManyConnections, code: codeClosed})
-	}), grpc.WaitForHandlers(true))
+	}
+	opts := admission.LocalServerOptions(s.gate, s.cfg.MaxStreamsPerConnection, maxRequestSize, refused)
+	if wrap := s.cfg.Credentials; wrap != nil {
+		// The last grpc.Creds wins: the same admission, wrapped.
+		opts = append(opts, grpc.Creds(wrap(admission.UnixPeerCredentials(s.gate, refused))))
+	}
+	return append(opts, grpc.WaitForHandlers(true))
 }
 
 // admit lets a stream or a fetch in while fewer than MaxStreams streams and calls are open; the

@@ -85,6 +85,11 @@ func (s *servedSecret) validAt(now time.Time) bool {
 	return s.notAfter.IsZero() || now.Before(s.notAfter)
 }
 
+// unresolved is fetch's error for a name its caller was given no key for.
+type unresolved struct{ error }
+
+func (u unresolved) Unwrap() error { return u.error }
+
 // errClosed answers a request that comes while the server stops.
 var errClosed = status.Error(codes.Unavailable, "the SDS server is stopping")
 
@@ -318,24 +323,36 @@ func (c *secretCache) subscriptions() map[string]int {
 // fetch answers with each named secret as soon as the secret manager has said what it has, or
 // with Unavailable and the reason when it has none. A name the manager refuses is returned with
 // its refusal.
-func (c *secretCache) fetch(ctx context.Context, requested []string) (resp *discovery.DiscoveryResponse, refused string, err error) {
-	var names []string
-	defer func() { c.unpin(names) }()
+//
+// resolve gives each name's key; a name it refuses is returned with an unresolved error.
+func (c *secretCache) fetch(ctx context.Context, requested []string, resolve func(string) (string, error)) (resp *discovery.DiscoveryResponse, refused string, err error) {
+	var names, keys []string
+	defer func() { c.unpin(keys) }()
 	for _, name := range requested {
 		if name == "*" || slices.Contains(names, name) {
 			continue
 		}
-		if err := c.subscribe(name); err != nil {
+		key, err := resolve(name)
+		if err != nil {
+			return nil, name, unresolved{err}
+		}
+		if err := c.subscribe(key); err != nil {
 			return nil, name, err
 		}
 		names = append(names, name)
+		keys = append(keys, key)
 	}
-	slices.Sort(names)
+	order := make([]int, len(names))
+	for i := range order {
+		order[i] = i
+	}
+	slices.SortFunc(order, func(a, b int) int { return strings.Compare(names[a], names[b]) })
 	resources := make([]*anypb.Any, 0, len(names))
 	versions := make(map[string]string, len(names))
-	for _, name := range names {
+	for _, i := range order {
+		name := names[i]
 		c.mu.Lock()
-		e := c.entryLocked(name)
+		e := c.entryLocked(keys[i])
 		c.mu.Unlock()
 		select {
 		case <-e.known:

@@ -21,6 +21,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/status"
 
 	"github.com/meshid/meshid/internal/admission"
@@ -68,6 +69,36 @@ type Config struct {
 	// OnSocket, when set, is told after the fact when the socket path stops leading to the
 	// server (why) and when it leads there again (nil).
 	OnSocket func(error)
+
+	// Resolve, when set, turns the name a caller asks for into the key of the secret it gets
+	// (a node agent: each caller's own "default"), for every stream request and fetch; ctx is
+	// the call's. Secrets is subscribed to by key, and the secret it gives keeps the name Envoy
+	// asked for. Two names never resolve to one key. An error refuses the stream or fetch with
+	// PermissionDenied. Nil: the key is the name (one workload).
+	Resolve func(ctx context.Context, requested string) (key string, err error)
+	// Credentials, when set, wraps the transport credentials of the socket's connections (which
+	// admit and name them), to learn more of each caller at the handshake: a node agent's
+	// attestation, which Resolve then reads from the call's peer.
+	Credentials func(credentials.TransportCredentials) credentials.TransportCredentials
+}
+
+// resolve returns the key of the secret that the caller of ctx gets for name.
+func (s *Server) resolve(ctx context.Context, name string) (string, error) {
+	if s.cfg.Resolve == nil {
+		return name, nil
+	}
+	key, err := s.cfg.Resolve(ctx, name)
+	if err != nil {
+		return "", fmt.Errorf("caller not given secret %q: %w", name, err)
+	}
+	return key, nil
+}
+
+// unidentified is the refusal r of a caller Resolve gave no key for name.
+func (s *Server) unidentified(r refusal, name string, err error) error {
+	r.names, r.reason = []string{name}, reasonUnidentified
+	r.err = status.Error(codes.PermissionDenied, err.Error())
+	return s.refuse(r)
 }
 
 // Server is the SDS server.
@@ -255,6 +286,7 @@ const (
 	reasonForbidden       = "forbidden_path"
 	reasonTooMany         = "too_many_secrets"
 	reasonStaleNonce      = "stale_nonce"
+	reasonUnidentified    = "unidentified" // Resolve refused the caller
 	reasonStopping        = "stopping"
 	// Over the bounds of the server (boundary.go).
 	reasonTooManyStreams     = "too_many_streams"

@@ -47,6 +47,8 @@ type watcher struct {
 	pushes   *sync.WaitGroup // the server's: counts the push goroutines
 	// send writes one response with the given nonce; it runs with mu held.
 	send func(nonce string, changed []pushed) error
+	// resolve gives the cache key of a name for this stream's caller.
+	resolve func(name string) (string, error)
 
 	// pushing is set while a goroutine sends what changed; wake asks it to look once more.
 	pushing, wake atomic.Bool
@@ -56,6 +58,7 @@ type watcher struct {
 	mu        sync.Mutex
 	ended     bool              // the handler is returning: grpc forbids a Send after it
 	names     []string          // subscribed, sorted, without the wildcard
+	keys      map[string]string // the cache key of each name
 	entries   []*entry          // the cache's entry of each name
 	known     map[string]string // name → version the stream was last sent
 	awaiting  bool              // a response was sent and no request has come since
@@ -87,6 +90,8 @@ func (s *Server) openWatcher(ctx context.Context, protocol string, send func(str
 		metrics:  s.metrics,
 		pushes:   &s.pushes,
 		send:     send,
+		resolve:  func(name string) (string, error) { return s.resolve(ctx, name) },
+		keys:     map[string]string{},
 		known:    map[string]string{},
 	}, nil
 }
@@ -179,18 +184,25 @@ var errStaleNonce = errors.New("stale nonce")
 // (errStaleNonce): it would change the subscription behind the client's back.
 func (s *Server) follow(w *watcher, req request) error {
 	// Subscribing refuses at once what cannot be served; the pins end once w is indexed.
-	var pinned []string
+	var pinned, requested []string
+	resolved := map[string]string{}
 	defer func() { s.cache.unpin(pinned) }()
 	for _, name := range req.subscribe {
 		if name == "*" {
 			continue // SDS serves named secrets only
 		}
-		if err := s.cache.subscribe(name); err != nil {
+		key, err := w.resolve(name)
+		if err != nil {
+			return s.unidentified(w.refusal(), name, err)
+		}
+		if err := s.cache.subscribe(key); err != nil {
 			r := w.refusal()
 			r.names, r.reason, r.err = []string{name}, refusalReason(err), refusalStatus(name, err)
 			return s.refuse(r)
 		}
-		pinned = append(pinned, name)
+		pinned = append(pinned, key)
+		requested = append(requested, name)
+		resolved[name] = key
 	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
@@ -199,15 +211,27 @@ func (s *Server) follow(w *watcher, req request) error {
 	}
 	var names []string
 	if req.replace {
-		names = slices.Clone(pinned)
+		names = requested
 	} else {
-		names = slices.Concat(w.names, pinned)
+		names = slices.Concat(w.names, requested)
 		names = slices.DeleteFunc(names, func(n string) bool { return slices.Contains(req.unsubscribe, n) })
 	}
 	slices.Sort(names)
 	names = slices.Compact(names)
+	keys := make([]string, len(names))
+	for i, name := range names {
+		if key, ok := resolved[name]; ok {
+			w.keys[name] = key // resolved again: the rules may have changed
+		}
+		keys[i] = w.keys[name]
+	}
 	w.names = names
-	w.entries = s.cache.watch(w, names)
+	w.entries = s.cache.watch(w, keys)
+	for name := range w.keys {
+		if !slices.Contains(names, name) {
+			delete(w.keys, name)
+		}
+	}
 	for name := range w.known {
 		if !slices.Contains(names, name) {
 			delete(w.known, name) // sent again if subscribed again
@@ -382,7 +406,10 @@ func (v service) FetchSecrets(ctx context.Context, req *discovery.DiscoveryReque
 	if err := s.checkRequest(r, req.GetTypeUrl()); err != nil {
 		return nil, err
 	}
-	resp, refused, err := s.cache.fetch(ctx, req.GetResourceNames())
+	resp, refused, err := s.cache.fetch(ctx, req.GetResourceNames(), func(name string) (string, error) { return s.resolve(ctx, name) })
+	if u := (unresolved{}); errors.As(err, &u) {
+		return nil, s.unidentified(r, refused, u.error)
+	}
 	if refused != "" {
 		r.names, r.reason, r.err = []string{refused}, refusalReason(err), refusalStatus(refused, err)
 		return nil, s.refuse(r)

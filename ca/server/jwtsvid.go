@@ -40,7 +40,8 @@ const (
 )
 
 // MintJWTSVID signs a JWT-SVID of the caller's own identity for the audiences asked, for the
-// lifetime asked clamped to the CA's (none: the CA's).
+// lifetime asked clamped to the CA's (none: the CA's); or, for a trusted node account, of the
+// workload named in impersonated_identity, as CreateCertificate signs one (impersonate).
 func (j *JWTSVIDServer) MintJWTSVID(ctx context.Context, req *jwtsvidpb.MintJWTSVIDRequest) (*jwtsvidpb.MintJWTSVIDResponse, error) {
 	resp, err := j.mint(ctx, req)
 	j.count(methodMintJWTSVID, err)
@@ -59,11 +60,24 @@ func (j *JWTSVIDServer) mint(ctx context.Context, req *jwtsvidpb.MintJWTSVIDRequ
 		}
 		ttl = d.AsDuration()
 	}
+	subject, refuse := caller.Identity, j.s.refuse
+	if raw := req.GetImpersonatedIdentity(); raw != "" {
+		refuse = func(ctx context.Context, caller Caller, err error) error {
+			return j.s.refuseWith(ctx, caller, err, logkey.Impersonated, logkey.Untrusted(raw))
+		}
+		if subject, err = j.s.impersonate(ctx, caller, impersonation{raw: raw, ok: true}); err != nil {
+			return nil, refuse(ctx, caller, err)
+		}
+		// Authorize checked the caller's namespace; the workload's is checked here.
+		if err := j.s.serves(ctx, subject.Namespace); err != nil {
+			return nil, refuse(ctx, caller, err)
+		}
+	}
 	tok, expires, err := j.signer.SignJWTSVID(ca.JWTSVIDRequest{
-		Identity: caller.Identity, Audience: req.GetAudience(), TTL: ttl, Now: j.s.clock.Now(),
+		Identity: subject, Audience: req.GetAudience(), TTL: ttl, Now: j.s.clock.Now(),
 	})
 	if err != nil {
-		return nil, j.s.refuse(ctx, caller, err)
+		return nil, refuse(ctx, caller, err)
 	}
 	if m := j.s.metrics; m != nil {
 		m.jwtSVIDs.WithLabelValues(caller.Method).Inc()
@@ -71,12 +85,12 @@ func (j *JWTSVIDServer) mint(ctx context.Context, req *jwtsvidpb.MintJWTSVIDRequ
 	// The token is never logged; who got one for how long is, at debug level.
 	if j.s.log.Enabled(ctx, slog.LevelDebug) {
 		j.s.log.LogAttrs(ctx, slog.LevelDebug, "JWT-SVID issued",
-			slog.String(logkey.Identity, caller.Identity.String()),
+			slog.String(logkey.Identity, subject.String()),
 			slog.String(logkey.Method, caller.Method),
 			slog.Int(logkey.Audience, len(req.GetAudience())),
 			slog.Time(logkey.Expires, expires))
 	}
-	return &jwtsvidpb.MintJWTSVIDResponse{Token: tok, SpiffeId: caller.Identity.String()}, nil
+	return &jwtsvidpb.MintJWTSVIDResponse{Token: tok, SpiffeId: subject.String()}, nil
 }
 
 // FetchJWTBundle returns the keys that verify this CA's JWT-SVIDs. They are public, but asked

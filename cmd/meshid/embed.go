@@ -9,7 +9,7 @@ import (
 func embedControlPlane(e agent.EmbedConfig) (agent.ControlPlane, error) {
 	cp, err := controlplane.NewEmbedded(controlplane.EmbeddedConfig{
 		StateDir: e.StateDir, SocketPath: e.SocketPath, TrustDomain: e.TrustDomain,
-		Identity: e.Identity, Clock: e.Clock, Logger: e.Logger,
+		Identity: e.Identity, NodeAgent: e.NodeAgent, Clock: e.Clock, Logger: e.Logger,
 	})
 	if err != nil {
 		return nil, err

@@ -71,7 +71,7 @@ func Token(t testing.TB, stateDir, ns, sa string, now time.Time, ttl time.Durati
 func Embed(e agent.EmbedConfig) (agent.ControlPlane, error) {
 	cp, err := controlplane.NewEmbedded(controlplane.EmbeddedConfig{
 		StateDir: e.StateDir, SocketPath: e.SocketPath, TrustDomain: e.TrustDomain,
-		Identity: e.Identity, Clock: e.Clock, Logger: e.Logger,
+		Identity: e.Identity, NodeAgent: e.NodeAgent, Clock: e.Clock, Logger: e.Logger,
 	})
 	if err != nil {
 		return nil, err

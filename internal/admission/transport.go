@@ -114,12 +114,20 @@ type peerInfo struct {
 func (peerInfo) AuthType() string { return "unix-peer" }
 
 // Peer says who is at the other end of a stream's or an HTTP request's connection: "conn=N
-// pid=P uid=U" for a gRPC connection made through UnixPeerCredentials, "pid=P uid=U" or the
+// pid=P uid=U" for a gRPC connection made through UnixPeerCredentials (or credentials wrapping
+// them, whose AuthInfo has an Unwrap() credentials.AuthInfo method), "pid=P uid=U" or the
 // remote address for an HTTP connection of a server with ConnContext, "" otherwise.
 func Peer(ctx context.Context) string {
 	if p, ok := peer.FromContext(ctx); ok {
-		if info, ok := p.AuthInfo.(peerInfo); ok {
-			return info.who
+		for info := p.AuthInfo; info != nil; {
+			if pi, ok := info.(peerInfo); ok {
+				return pi.who
+			}
+			w, ok := info.(interface{ Unwrap() credentials.AuthInfo })
+			if !ok {
+				break
+			}
+			info = w.Unwrap()
 		}
 	}
 	if who, ok := ctx.Value(httpPeerKey{}).(string); ok {

@@ -31,9 +31,12 @@ type MintJWTSVIDRequest struct {
 	// The aud claim: at least one.
 	Audience []string `protobuf:"bytes,1,rep,name=audience,proto3" json:"audience,omitempty"`
 	// The lifetime asked for; unset asks for the CA's default, more than its maximum gets the maximum.
-	Ttl           *durationpb.Duration `protobuf:"bytes,2,opt,name=ttl,proto3" json:"ttl,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Ttl *durationpb.Duration `protobuf:"bytes,2,opt,name=ttl,proto3" json:"ttl,omitempty"`
+	// A node agent's workload (its SPIFFE ID), as ImpersonatedIdentity in Istio's certificate
+	// protocol: signed only for a trusted node account authenticated by a token. Empty: the caller.
+	ImpersonatedIdentity string `protobuf:"bytes,3,opt,name=impersonated_identity,json=impersonatedIdentity,proto3" json:"impersonated_identity,omitempty"`
+	unknownFields        protoimpl.UnknownFields
+	sizeCache            protoimpl.SizeCache
 }
 
 func (x *MintJWTSVIDRequest) Reset() {
@@ -78,6 +81,13 @@ func (x *MintJWTSVIDRequest) GetTtl() *durationpb.Duration {
 		return x.Ttl
 	}
 	return nil
+}
+
+func (x *MintJWTSVIDRequest) GetImpersonatedIdentity() string {
+	if x != nil {
+		return x.ImpersonatedIdentity
+	}
+	return ""
 }
 
 type MintJWTSVIDResponse struct {
@@ -292,10 +302,11 @@ var File_internal_jwtsvidpb_jwtsvid_proto protoreflect.FileDescriptor
 
 const file_internal_jwtsvidpb_jwtsvid_proto_rawDesc = "" +
 	"\n" +
-	" internal/jwtsvidpb/jwtsvid.proto\x12\fmeshid.ca.v1\x1a\x1egoogle/protobuf/duration.proto\"]\n" +
+	" internal/jwtsvidpb/jwtsvid.proto\x12\fmeshid.ca.v1\x1a\x1egoogle/protobuf/duration.proto\"\x92\x01\n" +
 	"\x12MintJWTSVIDRequest\x12\x1a\n" +
 	"\baudience\x18\x01 \x03(\tR\baudience\x12+\n" +
-	"\x03ttl\x18\x02 \x01(\v2\x19.google.protobuf.DurationR\x03ttl\"H\n" +
+	"\x03ttl\x18\x02 \x01(\v2\x19.google.protobuf.DurationR\x03ttl\x123\n" +
+	"\x15impersonated_identity\x18\x03 \x01(\tR\x14impersonatedIdentity\"H\n" +
 	"\x13MintJWTSVIDResponse\x12\x14\n" +
 	"\x05token\x18\x01 \x01(\tR\x05token\x12\x1b\n" +
 	"\tspiffe_id\x18\x02 \x01(\tR\bspiffeId\"\x17\n" +

@@ -207,6 +207,7 @@ func (o *agentOptions) bind(f *pflag.FlagSet) {
 	f.IntVar(&o.cfg.SDS.MaxStreams, "sds-max-streams", o.cfg.SDS.MaxStreams, "SDS streams and FetchSecrets calls open at once, over all connections, and open connections; past it a stream is refused (ResourceExhausted) and a connection closed. Envoy opens one stream per secret name: a sidecar a handful, a gateway one more per file-mounted certificate; each costs about 17 kB")
 	f.IntVar(&o.cfg.SDS.MaxStreamsPerConnection, "sds-max-streams-per-connection", o.cfg.SDS.MaxStreamsPerConnection, "SDS streams one connection may carry at once, told to the client (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS), which holds further ones back until one ends")
 	f.BoolVar(&o.cfg.SDS.WorkloadAPI, "workload-api", o.cfg.SDS.WorkloadAPI, "serve the SPIFFE Workload API (X.509-SVIDs of this workload's identity, pushed on every rotation, and JWT-SVIDs the CA signs) on the SDS socket, for go-spiffe and other SPIFFE clients (SPIFFE_ENDPOINT_SOCKET=unix://<socket>); not when another server answers on the socket (no Istio variable)")
+	f.StringVar(&o.cfg.SDS.WorkloadAttestation, "workload-attestation", "", "node mode: a YAML rules file (watched) that gives each caller on the SDS socket, identified by the kernel (uid, gid, pid, executable path, cgroup, pod), its namespace and service account; the agent then serves every workload of its node, asking the CA for each identity as a trusted node account (meshid ca --trusted-node-accounts; the embedded CA trusts the agent's own account). A caller no rule matches is refused. Not with --output-certs, --file-mounted-certs, --credentials-dir, --prov-cert or --ca-provider GoogleCA (no Istio variable)")
 	f.StringVar(&o.cfg.XDS.DiscoveryAddress, "discovery-addr", "", "discovery server Envoy's xDS is proxied to, HOST:PORT (Istio's discoveryAddress; CA_ADDR defaults to it); default: the CA's address, or the in-process control plane")
 	f.StringVar(&o.cfg.XDS.Socket, "xds-socket", "", "Unix socket Envoy's ADS connects to (default <root-dir>/etc/istio/proxy/XDS)")
 	f.StringVar(&o.cfg.XDS.RootCert, "xds-root-cert", "", "PEM roots that verify the discovery server (XDS_ROOT_CA); default: the CA's roots")
@@ -571,6 +572,7 @@ func agentFieldFlags() map[string]string {
 		"SDS.MaxStreams":                    "sds-max-streams",
 		"SDS.MaxStreamsPerConnection":       "sds-max-streams-per-connection",
 		"SDS.WorkloadAPI":                   "workload-api",
+		"SDS.WorkloadAttestation":           "workload-attestation",
 		"XDS.DiscoveryAddress":              "discovery-addr",
 		"XDS.RootCert":                      "xds-root-cert",
 		"XDS.Proxy":                         "proxy-xds-via-agent",

@@ -155,6 +155,10 @@ func TestAgentRefusesBadInput(t *testing.T) {
 		{"ratio out of range", base, []string{"--grace-period-ratio", "1.2"}, "--grace-period-ratio"},
 		{"no SDS streams", base, []string{"--sds-max-streams", "0"}, "--sds-max-streams 0 must be positive"},
 		{"negative SDS streams per connection", base, []string{"--sds-max-streams-per-connection", "-1"}, "--sds-max-streams-per-connection -1 must be positive"},
+		{"node mode with output certs", base, []string{"--workload-attestation", "/rules.yaml", "--output-certs", "/o"},
+			"--workload-attestation serves each caller its own identity, so there is no one key pair to write to --output-certs (OUTPUT_CERTS)"},
+		{"node mode with the Mesh CA", with("CA_PROVIDER", "GoogleCA"), []string{"--workload-attestation", "/rules.yaml"},
+			"--ca-provider (CA_PROVIDER) GoogleCA cannot ask for another identity"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -279,6 +283,10 @@ func TestAgentWorkloadAPIFlag(t *testing.T) {
 		if cfg.SDS.WorkloadAPI != tc.want {
 			t.Fatalf("with %v: WorkloadAPI %t, want %t", tc.args, cfg.SDS.WorkloadAPI, tc.want)
 		}
+	}
+	cfg, err := runAgentCommand(t, env, "--workload-attestation", "/etc/meshid/rules.yaml")
+	if err != nil || cfg.SDS.WorkloadAttestation != "/etc/meshid/rules.yaml" {
+		t.Fatalf("--workload-attestation: %q, %v", cfg.SDS.WorkloadAttestation, err)
 	}
 }
 

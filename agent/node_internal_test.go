@@ -1,0 +1,148 @@
+package agent
+
+import (
+	"context"
+	"crypto/x509"
+	"errors"
+	"log/slog"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/meshid/meshid/internal/pki"
+	"github.com/meshid/meshid/internal/testutil"
+	"github.com/meshid/meshid/secretmanager"
+)
+
+// csrSigner signs each CSR for the identity it asks, with a test root: a CA that trusts the node
+// agent for every identity.
+type csrSigner struct {
+	t    *testing.T
+	root *testutil.CA
+}
+
+func (s csrSigner) Sign(_ context.Context, der []byte, ttl time.Duration) ([]*x509.Certificate, error) {
+	csr, err := x509.ParseCertificateRequest(der)
+	if err != nil {
+		return nil, err
+	}
+	now := time.Now()
+	leaf := s.root.Issue(s.t, &x509.Certificate{
+		URIs: csr.URIs, NotBefore: now.Add(-time.Hour), NotAfter: now.Add(ttl),
+		KeyUsage:    x509.KeyUsageDigitalSignature,
+		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
+	}, csr.PublicKey)
+	return []*x509.Certificate{leaf, s.root.Cert}, nil
+}
+
+// The registry makes a manager per identity on first ask, serves each its own "default", and
+// releases an identity once no one has asked for it for IdentityIdleRelease, not before.
+func TestIdentitiesMadeOnDemandAndReleasedWhenIdle(t *testing.T) {
+	t.Parallel()
+	clk := testutil.NewFakeClock(time.Now())
+	signer := csrSigner{t: t, root: testutil.NewRootCA(t, testutil.CAOptions{})}
+	made := map[pki.SPIFFEID]int{}
+	r := newIdentities(func(id pki.SPIFFEID) (*secretmanager.Manager, error) {
+		made[id]++
+		return secretmanager.New(secretmanager.Config{
+			Workload: &secretmanager.Rotation{Signer: signer, Identity: id, TTL: 24 * time.Hour},
+			Clock:    clk,
+		})
+	}, clk, slog.New(slog.DiscardHandler))
+	sweeps := make(chan struct{}, 1)
+	r.swept = func() { sweeps <- struct{}{} } // once the next sweep's timer is armed
+	a := pki.SPIFFEID{TrustDomain: "cluster.local", Namespace: "shop", ServiceAccount: "a"}
+	b := pki.SPIFFEID{TrustDomain: "cluster.local", Namespace: "shop", ServiceAccount: "b"}
+
+	// Asked before Run: started when it runs.
+	got := make(chan string, 4)
+	cancelA, err := r.Subscribe(nodeKey(secretmanager.WorkloadCertName, a), func(s *secretmanager.Secret, _ error) {
+		if s != nil {
+			got <- s.Name + " " + s.KeyPair.Leaf().URIs[0].String()
+		}
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	}()
+	if s := receiveWithin(t, got); s != "default "+a.String() {
+		t.Fatalf("a got %q", s)
+	}
+	cancelB, err := r.Subscribe(nodeKey(secretmanager.WorkloadCertName, b), func(s *secretmanager.Secret, _ error) {
+		if s != nil {
+			got <- s.Name + " " + s.KeyPair.Leaf().URIs[0].String()
+		}
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cancelB()
+	if s := receiveWithin(t, got); s != "default "+b.String() {
+		t.Fatalf("b got %q", s)
+	}
+	// A second ask of a shares its manager.
+	cancelA2, err := r.Subscribe(nodeKey(secretmanager.RootCertName, a), func(*secretmanager.Secret, error) {})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if made[a] != 1 || made[b] != 1 {
+		t.Fatalf("managers made: %v, want one each", made)
+	}
+	for _, key := range []string{"file-root:/etc/certs/root.pem", "default", "default@not-an-id", "other@" + a.String()} {
+		if _, err := r.Subscribe(key, func(*secretmanager.Secret, error) {}); !errors.Is(err, secretmanager.ErrUnknownSecret) {
+			t.Errorf("Subscribe(%q): %v, want ErrUnknownSecret", key, err)
+		}
+	}
+
+	cancelA()
+	cancelA2()
+	waitCtx, stop := context.WithTimeout(t.Context(), 30*time.Second)
+	defer stop()
+	idleFrom := clk.Now()
+	for clk.Now().Sub(idleFrom) < IdentityIdleRelease {
+		if !slices.Equal(r.held(), []string{a.String(), b.String()}) {
+			t.Fatalf("held %v after %s idle, want both", r.held(), clk.Now().Sub(idleFrom))
+		}
+		if err := clk.WaitForDeadline(waitCtx, clk.Now().Add(identitySweep)); err != nil {
+			t.Fatal(err)
+		}
+		clk.Advance(identitySweep)
+		select {
+		case <-sweeps:
+		case <-waitCtx.Done():
+			t.Fatal("no sweep")
+		}
+	}
+	// The sweep at IdentityIdleRelease released a, not b, which is still asked for.
+	if held := r.held(); !slices.Equal(held, []string{b.String()}) {
+		t.Fatalf("held %v, want only %s", held, b)
+	}
+	// Asked again, a is made again.
+	cancelA3, err := r.Subscribe(nodeKey(secretmanager.WorkloadCertName, a), func(*secretmanager.Secret, error) {})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cancelA3()
+	if made[a] != 2 {
+		t.Fatalf("a made %d times, want 2", made[a])
+	}
+}
+
+func receiveWithin(t *testing.T, ch <-chan string) string {
+	t.Helper()
+	select {
+	case s := <-ch:
+		return s
+	case <-time.After(30 * time.Second):
+		t.Fatal("nothing came")
+		return ""
+	}
+}

@@ -1,0 +1,26 @@
+package agent_test
+
+import (
+	"testing"
+
+	"github.com/meshid/meshid/agent"
+)
+
+// Node mode refuses at start what would give every caller one workload's credentials, or what
+// cannot ask the CA for another identity.
+func TestNodeModeRefusals(t *testing.T) {
+	t.Parallel()
+	node := func(edit func(*agent.Config)) func(*agent.Config) {
+		return func(c *agent.Config) {
+			c.SDS.WorkloadAttestation = "/etc/meshid/rules.yaml"
+			edit(c)
+		}
+	}
+	wantRefused(t, []refusal{
+		{"output certs", node(func(c *agent.Config) { c.Output.Dir = "/out" }), "Output.Dir", "no one key pair"},
+		{"file-mounted certs", node(func(c *agent.Config) { c.SDS.FileMountedCerts = true }), "SDS.FileMountedCerts", "one workload's files"},
+		{"credentials dir", node(func(c *agent.Config) { c.SDS.CredentialsDir = "/creds" }), "SDS.CredentialsDir", "not served in node mode"},
+		{"Mesh CA", node(func(c *agent.Config) { withCA(c); c.CA.Provider = agent.CAProviderGoogleCA }), "CA.Provider", "cannot ask for another identity"},
+		{"provisioned certificate", node(func(c *agent.Config) { withCA(c); c.CA.ProvCert = "/prov" }), "CA.ProvCert", "authenticated by a token"},
+	})
+}

@@ -27,7 +27,6 @@ import (
 	"github.com/meshid/meshid/agent/promstats"
 	"github.com/meshid/meshid/caclient"
 	"github.com/meshid/meshid/internal/admission"
-	"github.com/meshid/meshid/internal/attest"
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/configerr"
 	"github.com/meshid/meshid/internal/fsutil"
@@ -71,7 +70,7 @@ type Agent struct {
 	secrets    *secretmanager.Manager // nil with an external SDS server, and in node mode
 	// identities and attestor serve node mode: a secret manager per caller's identity.
 	identities *identities
-	attestor   *attest.Attestor
+	attestor   Attestor
 	sds        *sds.Server      // nil with an external SDS server
 	xds        *xdsproxy.Proxy  // nil with PROXY_XDS_VIA_AGENT=false
 	xdsConn    *grpc.ClientConn // the xDS proxy's upstream

@@ -21,6 +21,9 @@ import (
 	"strings"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc/credentials"
+
 	"github.com/meshid/meshid/agent/appprobe"
 	"github.com/meshid/meshid/agent/envoy"
 	"github.com/meshid/meshid/agent/promstats"
@@ -194,6 +197,30 @@ type SDSConfig struct {
 	// gives, obtained from the CA as a node agent (ImpersonatedIdentity); the agent's own
 	// identity is the node account the CA trusts. The file is watched.
 	WorkloadAttestation string
+	// Attest makes node mode's attestor; cmd/meshid supplies it, and meshid-agent, the binary of
+	// a sidecar that serves one workload, does not, so that it links no rules parser.
+	Attest AttestFunc
+}
+
+// AttestFunc makes node mode's attestor of the rules file (internal/attest's New).
+type AttestFunc func(AttestConfig) (Attestor, error)
+
+// AttestConfig is what the agent gives an AttestFunc.
+type AttestConfig struct {
+	RulesFile  string
+	Clock      clock.Clock
+	Logger     *slog.Logger
+	Registerer prometheus.Registerer
+}
+
+// Attestor says who each caller on the SDS socket is: its credentials attest every connection,
+// Caller gives a call's caller the namespace and service account of its rule, Run watches the
+// rules file. internal/attest's Attestor is one; the agent does not import it, so that
+// meshid-agent links none of it.
+type Attestor interface {
+	Credentials(inner credentials.TransportCredentials) credentials.TransportCredentials
+	Caller(ctx context.Context) (namespace, serviceAccount string, err error)
+	Run(ctx context.Context) error
 }
 
 // XDSConfig is the proxy of Envoy's xDS to the discovery server.
@@ -399,6 +426,9 @@ func (c *Config) checkNodeMode() []error {
 	}
 	var errs []error
 	const why = "{SDS.WorkloadAttestation} serves each caller its own identity, "
+	if c.SDS.Attest == nil {
+		errs = append(errs, configerr.Errorf("SDS.WorkloadAttestation", "{SDS.WorkloadAttestation}: node mode is in meshid (meshid agent); this binary, a sidecar's, serves one workload and carries no attestation"))
+	}
 	if c.Output.Dir != "" {
 		errs = append(errs, configerr.Errorf("Output.Dir", why+"so there is no one key pair to write to {Output.Dir}; unset it"))
 	}

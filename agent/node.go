@@ -17,7 +17,6 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/meshid/meshid/caclient"
-	"github.com/meshid/meshid/internal/attest"
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/internal/pki"
@@ -266,7 +265,7 @@ func (r *identities) held() []string {
 // registry whose managers sign through it for each identity asked for.
 func (a *Agent) buildNode(cfg Config, fetched tokenFunc, clk clock.Clock, log *slog.Logger, registry *prometheus.Registry) (nodeResolver, error) {
 	var err error
-	if a.attestor, err = attest.New(attest.Config{RulesFile: cfg.SDS.WorkloadAttestation, Clock: clk,
+	if a.attestor, err = cfg.SDS.Attest(AttestConfig{RulesFile: cfg.SDS.WorkloadAttestation, Clock: clk,
 		Logger: log.With(logkey.Component, "attest"), Registerer: registry}); err != nil {
 		return nodeResolver{}, &FieldError{Field: "SDS.WorkloadAttestation", Value: cfg.SDS.WorkloadAttestation, Err: err}
 	}
@@ -305,8 +304,7 @@ func (a *Agent) buildNode(cfg Config, fetched tokenFunc, clk clock.Clock, log *s
 	log.Info("node mode: each caller on the socket gets the identity its rule gives", logkey.Path, cfg.SDS.WorkloadAttestation,
 		logkey.Identity, self.String())
 	return nodeResolver{trustDomain: cfg.Identity.TrustDomain, identify: func(ctx context.Context) (string, string, error) {
-		id, err := a.attestor.Identify(ctx)
-		return id.Namespace, id.ServiceAccount, err
+		return a.attestor.Caller(ctx)
 	}}, nil
 }
 

@@ -24,7 +24,7 @@ It is the agent of meshid for sidecar images: it links no CA and no Kubernetes c
 it needs a CA at --ca-addr ("meshid agent" can run one in-process).`, g)
 	root.AddCommand(
 		// No embedded CA, and no Envoy types to merge a bootstrap override with.
-		cli.NewAgentCommand(g, run, lookupEnv, nil, nil),
+		cli.NewAgentCommand(g, run, lookupEnv, nil, nil, nil),
 		cli.NewBootstrapCommand(g, lookupEnv, environ, nil, nil),
 		cli.NewCertsCommand(),
 		cli.NewProbeCommand(),

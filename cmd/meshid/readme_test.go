@@ -255,7 +255,7 @@ func TestREADMEAgentTable(t *testing.T) {
 	}
 
 	// meshid-agent builds its agent command so: no embedded CA, no bootstrap check.
-	slim := cli.NewAgentCommand(&cli.Globals{}, cli.RunAgent, func(string) (string, bool) { return "", false }, nil, nil)
+	slim := cli.NewAgentCommand(&cli.Globals{}, cli.RunAgent, func(string) (string, bool) { return "", false }, nil, nil, nil)
 	slimFlags := map[string]bool{}
 	slim.Flags().VisitAll(func(f *pflag.Flag) { slimFlags[f.Name] = true })
 	for name := range flags {

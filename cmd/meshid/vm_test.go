@@ -105,7 +105,7 @@ func TestVMUnitAndBundleConfigureTheAgent(t *testing.T) {
 	g := &cli.Globals{}
 	root := cli.NewRoot("meshid-agent", "", "", g)
 	root.AddCommand(cli.NewAgentCommand(g, func(_ context.Context, cfg agent.Config) error { got = cfg; return nil },
-		func(k string) (string, bool) { v, ok := env[k]; return v, ok }, nil, nil))
+		func(k string) (string, bool) { v, ok := env[k]; return v, ok }, nil, nil, nil))
 	var stderr bytes.Buffer
 	root.SetErr(&stderr)
 	// The unit's Envoy is the VM's; here a stand-in, so that the command line is checked as it is.

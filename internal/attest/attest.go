@@ -233,6 +233,12 @@ func (a *Attestor) Identify(ctx context.Context) (Identity, error) {
 	return a.IdentifyProcess(ctx, info.Process, info.Err)
 }
 
+// Caller is Identify for a consumer that takes the names alone (the agent's node mode).
+func (a *Attestor) Caller(ctx context.Context) (namespace, serviceAccount string, err error) {
+	id, err := a.Identify(ctx)
+	return id.Namespace, id.ServiceAccount, err
+}
+
 // IdentifyProcess gives p, as Attest read it (with its error), its identity, or a *Refusal.
 // The pid is checked again: a process that is gone, or whose pid now names another process, is
 // refused.

@@ -158,9 +158,10 @@ type agentOptions struct {
 // them all, KEY=value (os.LookupEnv and os.Environ in production; nil environ: none); embed
 // starts the control plane in-process when no CA is given (nil in a binary without a CA); check
 // checks Envoy's bootstrap and merges the override (nil in a binary without Envoy's types).
-func newAgentOptions(lookupEnv func(string) (string, bool), environ func() []string, embed agent.EmbedFunc, check agent.BootstrapCheckFunc) *agentOptions {
+func newAgentOptions(lookupEnv func(string) (string, bool), environ func() []string, embed agent.EmbedFunc, check agent.BootstrapCheckFunc, attest agent.AttestFunc) *agentOptions {
 	o := &agentOptions{cfg: agent.DefaultConfig(""), lookupEnv: lookupEnv, environ: environ}
 	o.cfg.CA.Embed = embed
+	o.cfg.SDS.Attest = attest
 	o.cfg.Envoy.CheckBootstrap = check
 	return o
 }
@@ -207,7 +208,7 @@ func (o *agentOptions) bind(f *pflag.FlagSet) {
 	f.IntVar(&o.cfg.SDS.MaxStreams, "sds-max-streams", o.cfg.SDS.MaxStreams, "SDS streams and FetchSecrets calls open at once, over all connections, and open connections; past it a stream is refused (ResourceExhausted) and a connection closed. Envoy opens one stream per secret name: a sidecar a handful, a gateway one more per file-mounted certificate; each costs about 17 kB")
 	f.IntVar(&o.cfg.SDS.MaxStreamsPerConnection, "sds-max-streams-per-connection", o.cfg.SDS.MaxStreamsPerConnection, "SDS streams one connection may carry at once, told to the client (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS), which holds further ones back until one ends")
 	f.BoolVar(&o.cfg.SDS.WorkloadAPI, "workload-api", o.cfg.SDS.WorkloadAPI, "serve the SPIFFE Workload API (X.509-SVIDs of this workload's identity, pushed on every rotation, and JWT-SVIDs the CA signs) on the SDS socket, for go-spiffe and other SPIFFE clients (SPIFFE_ENDPOINT_SOCKET=unix://<socket>); not when another server answers on the socket (no Istio variable)")
-	f.StringVar(&o.cfg.SDS.WorkloadAttestation, "workload-attestation", "", "node mode: a YAML rules file (watched) that gives each caller on the SDS socket, identified by the kernel (uid, gid, pid, executable path, cgroup, pod), its namespace and service account; the agent then serves every workload of its node, asking the CA for each identity as a trusted node account (meshid ca --trusted-node-accounts; the embedded CA trusts the agent's own account). A caller no rule matches is refused. Not with --output-certs, --file-mounted-certs, --credentials-dir, --prov-cert or --ca-provider GoogleCA (no Istio variable)")
+	f.StringVar(&o.cfg.SDS.WorkloadAttestation, "workload-attestation", "", "node mode: a YAML rules file (watched) that gives each caller on the SDS socket, identified by the kernel (uid, gid, pid, executable path, cgroup, pod), its namespace and service account; the agent then serves every workload of its node, asking the CA for each identity as a trusted node account (meshid ca --trusted-node-accounts; the embedded CA trusts the agent's own account). A caller no rule matches is refused. Not with --output-certs, --file-mounted-certs, --credentials-dir, --prov-cert or --ca-provider GoogleCA; meshid agent only: meshid-agent, a sidecar's binary, serves one workload (no Istio variable)")
 	f.StringVar(&o.cfg.XDS.DiscoveryAddress, "discovery-addr", "", "discovery server Envoy's xDS is proxied to, HOST:PORT (Istio's discoveryAddress; CA_ADDR defaults to it); default: the CA's address, or the in-process control plane")
 	f.StringVar(&o.cfg.XDS.Socket, "xds-socket", "", "Unix socket Envoy's ADS connects to (default <root-dir>/etc/istio/proxy/XDS)")
 	f.StringVar(&o.cfg.XDS.RootCert, "xds-root-cert", "", "PEM roots that verify the discovery server (XDS_ROOT_CA); default: the CA's roots")
@@ -429,10 +430,11 @@ func bootstrapCommandPath(agentCmd *cobra.Command) string {
 // NewAgentCommand returns `agent`. lookupEnv reads the environment (os.LookupEnv in production);
 // embed starts the control plane in-process when no CA is given (nil in a binary without a CA);
 // check merges the bootstrap override of the Envoy the agent runs (nil in a binary without
-// Envoy's types: Envoy merges it).
-func NewAgentCommand(g *Globals, run AgentRunner, lookupEnv func(string) (string, bool), embed agent.EmbedFunc, check agent.BootstrapCheckFunc) *cobra.Command {
+// Envoy's types: Envoy merges it); attest makes node mode's attestor (nil in a sidecar's binary,
+// which serves one workload).
+func NewAgentCommand(g *Globals, run AgentRunner, lookupEnv func(string) (string, bool), embed agent.EmbedFunc, check agent.BootstrapCheckFunc, attest agent.AttestFunc) *cobra.Command {
 	// The agent reads no ISTIO_META_*: only the bootstrap carries them.
-	o := newAgentOptions(lookupEnv, nil, embed, check)
+	o := newAgentOptions(lookupEnv, nil, embed, check, attest)
 	caSource := `  3. else a CA: the one at --ca-addr or, when none is given, a control plane run in-process
      under --root-dir (meshid agent --root-dir ./run needs nothing else).`
 	if embed == nil {

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/meshid/meshid/agent"
+	"github.com/meshid/meshid/internal/attest"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/sds"
 	"github.com/meshid/meshid/xdsproxy"
@@ -37,7 +38,7 @@ func runAgentCommandWith(t *testing.T, embed agent.EmbedFunc, env map[string]str
 	root.AddCommand(NewAgentCommand(g, func(_ context.Context, cfg agent.Config) error {
 		got = cfg
 		return nil
-	}, func(k string) (string, bool) { v, ok := env[k]; return v, ok }, embed, nil))
+	}, func(k string) (string, bool) { v, ok := env[k]; return v, ok }, embed, nil, testAttest))
 	root.SetArgs(append([]string{"agent"}, args...))
 	err := root.ExecuteContext(t.Context())
 	return got, err
@@ -499,4 +500,13 @@ func TestAgentTokenExchangeFlags(t *testing.T) {
 	if cfg.CA.TokenExchangeURL != "http://127.0.0.1:8080/token" || cfg.CA.TokenExchangeAudience != "" {
 		t.Fatalf("loopback http token exchange: %+v", cfg.CA)
 	}
+}
+
+// testAttest is meshid's attestor hook, which meshid-agent leaves out.
+func testAttest(c agent.AttestConfig) (agent.Attestor, error) {
+	a, err := attest.New(attest.Config{RulesFile: c.RulesFile, Clock: c.Clock, Logger: c.Logger, Registerer: c.Registerer})
+	if err != nil {
+		return nil, err
+	}
+	return a, nil
 }

@@ -20,7 +20,7 @@ const bootstrapUse = "bootstrap"
 // checks the bootstrap with Envoy's types and merges the override, nil in a binary that leaves
 // them out, which then refuses an override.
 func NewBootstrapCommand(g *Globals, lookupEnv func(string) (string, bool), environ func() []string, embed agent.EmbedFunc, check agent.BootstrapCheckFunc) *cobra.Command {
-	o := newAgentOptions(lookupEnv, environ, embed, check)
+	o := newAgentOptions(lookupEnv, environ, embed, check, nil)
 	overrideHelp := `--bootstrap-override (ISTIO_BOOTSTRAP_OVERRIDE) names a bootstrap file, JSON or YAML, merged
 over this one as Istio merges it: a value the file sets replaces the written one, a message is
 merged field by field, and a list (clusters, listeners) is appended to. A field Envoy does not

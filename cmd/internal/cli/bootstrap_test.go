@@ -36,7 +36,7 @@ func mainMeshidAgent(t *testing.T, env map[string]string, args ...string) (code 
 		}
 		return kvs
 	}
-	agentCmd := NewAgentCommand(g, nil, lookupEnv, stubEmbed, bootstrapcheck.Merge)
+	agentCmd := NewAgentCommand(g, nil, lookupEnv, stubEmbed, bootstrapcheck.Merge, nil)
 	agentCmd.AddCommand(NewBootstrapCommand(g, lookupEnv, environ, stubEmbed, bootstrapcheck.Merge))
 	root.AddCommand(agentCmd)
 	var out, errOut bytes.Buffer

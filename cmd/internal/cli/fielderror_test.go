@@ -120,7 +120,7 @@ func TestAgentBadGraceRatioNamesFlagAndVariable(t *testing.T) {
 // Every field the agent may name has a flag of the agent command.
 func TestAgentFieldFlagsExist(t *testing.T) {
 	t.Parallel()
-	cmd := NewAgentCommand(&Globals{}, nil, func(string) (string, bool) { return "", false }, stubEmbed, nil)
+	cmd := NewAgentCommand(&Globals{}, nil, func(string) (string, bool) { return "", false }, stubEmbed, nil, nil)
 	for field, flag := range agentFieldFlags() {
 		if cmd.Flags().Lookup(flag) == nil {
 			t.Errorf("%s: no flag --%s", field, flag)

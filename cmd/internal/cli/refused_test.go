@@ -24,7 +24,7 @@ func mainAgent(t *testing.T, env map[string]string, args ...string) (int, string
 		cancel()
 		return RunAgent(ctx, cfg)
 	}
-	root.AddCommand(NewAgentCommand(g, startAndStop, func(k string) (string, bool) { v, ok := env[k]; return v, ok }, stubEmbed, nil))
+	root.AddCommand(NewAgentCommand(g, startAndStop, func(k string) (string, bool) { v, ok := env[k]; return v, ok }, stubEmbed, nil, nil))
 	var out bytes.Buffer
 	root.SetOut(&out)
 	root.SetErr(&out)

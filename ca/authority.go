@@ -270,7 +270,8 @@ func (a *Authority) issue(pol policy, p Params) (*Issued, error) {
 	}
 	if pol.ca {
 		// Path length 0: the downstream signs workloads, not further CAs. The name constraint
-		// keeps what it signs in its trust domain, whatever its key is made to sign.
+		// keeps the SPIFFE IDs it signs in its trust domain; DNS names are not constrained, since
+		// its own serving certificate carries the CA's names (SECURITY.md says what that allows).
 		tmpl.Subject = pkix.Name{Organization: []string{p.Identity.TrustDomain}, CommonName: p.Identity.Namespace + "/" + p.Identity.ServiceAccount}
 		tmpl.IsCA, tmpl.MaxPathLen, tmpl.MaxPathLenZero = true, 0, true
 		tmpl.KeyUsage = x509.KeyUsageCertSign | x509.KeyUsageCRLSign

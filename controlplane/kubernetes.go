@@ -112,8 +112,11 @@ func newOnKubernetes(cfg Config, reg prometheus.Registerer) (*onKubernetes, erro
 		Logger: log.With(logkey.Component, "kube-store"), Registerer: reg})
 	if len(cfg.TrustedNodeAccounts) > 0 {
 		// Every pod of the cluster, watched only when some node agent may ask for them.
-		k.nodePods = kube.NewNodePods(kube.NodePodsConfig{Clients: clients,
-			Logger: log.With(logkey.Component, "node-pods"), Registerer: reg})
+		var err error
+		if k.nodePods, err = kube.NewNodePods(kube.NodePodsConfig{Clients: clients,
+			Logger: log.With(logkey.Component, "node-pods"), Registerer: reg}); err != nil {
+			return nil, err
+		}
 	}
 	if cfg.Upstream.Enabled() {
 		// The signing certificate comes from the upstream CA, kept in the state dir (a volume):

@@ -45,10 +45,10 @@ var (
 	// ErrNoBoundPod: the caller's token is bound to no pod, so its node is unknown. PermissionDenied.
 	ErrNoBoundPod = errors.New("the caller's token is bound to no pod, so its node is unknown")
 	// ErrCallerPodUnknown: the pod the caller's token is bound to is not (or no longer) a
-	// running pod of the caller's service account on a node. PermissionDenied.
-	ErrCallerPodUnknown = errors.New("the caller's pod is not a running pod of its service account on a node")
-	// ErrNotOnNode: the identity asked for has no running pod on the caller's node. PermissionDenied.
-	ErrNotOnNode = errors.New("the identity asked for has no running pod on the caller's node")
+	// live pod of the caller's service account on a node. PermissionDenied.
+	ErrCallerPodUnknown = errors.New("the caller's pod is not a live pod of its service account on a node")
+	// ErrNotOnNode: the identity asked for has no live pod on the caller's node. PermissionDenied.
+	ErrNotOnNode = errors.New("the identity asked for has no live pod on the caller's node")
 	// ErrNodesUnavailable: the pods are not known yet; the caller may retry. Unavailable.
 	ErrNodesUnavailable = errors.New("the CA does not know the cluster's pods yet")
 )

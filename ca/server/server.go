@@ -49,7 +49,7 @@ type Config struct {
 	// (ImpersonatedIdentityKey), as node agents do for the workloads of their node; empty:
 	// nobody may.
 	TrustedNodeAccounts []NodeAccount
-	// Nodes, when set (on Kubernetes), further requires that identity to have a running pod on
+	// Nodes, when set (on Kubernetes), further requires that identity to have a live pod on
 	// the node of the caller's own pod; nil: the trusted account suffices.
 	Nodes NodeAuthorizer
 }

@@ -70,9 +70,9 @@ the request's metadata names it, ImpersonatedIdentity: spiffe://<trust-domain>/n
 is signed only when the caller's service account is in --trusted-node-accounts
 (CA_TRUSTED_NODE_ACCOUNTS), authenticated by a token, for an identity of this trust domain
 whose namespace this instance serves, never as a CA certificate. On Kubernetes, the CA also
-watches every running pod: the caller's token must be bound to its own running pod, and the
-identity must have a running pod on that pod's node. Off Kubernetes there are no pods: the
-trusted account alone decides. Istio's protocol only (the Mesh CA's has no metadata). Each
+watches every live pod (not Succeeded or Failed): the caller's token must be bound to its
+own live pod, and the identity must have a live pod on that pod's node. Off Kubernetes there
+are no pods: the trusted account alone decides. Istio's protocol only (the Mesh CA's has no metadata). Each
 refusal is PermissionDenied (InvalidArgument for a malformed identity), logged with who asked
 for whom, and counted by reason (impersonation_*).
 
@@ -263,7 +263,7 @@ One root can serve several CAs, each with its own intermediate (Citadel's upstre
 	f.StringVar(&cfg.Upstream.TokenPath, "upstream-token-path", "", "token this CA authenticates to the upstream CA with (its identity must be in the upstream's --ca-cert-identities), read at every request")
 	f.DurationVar(&cfg.Upstream.RequestedTTL, "requested-ca-cert-ttl", cfg.Upstream.RequestedTTL, "lifetime of the CA certificate asked of the upstream CA (it may give less: its --max-workload-cert-ttl, its own certificate's expiry)")
 	f.BoolVar(&cfg.SignCACerts, "sign-ca-certs", false, "sign CA certificates for other CAs (their --upstream-ca-address is this one), for the identities of --ca-cert-identities only; not with --upstream-ca-address")
-	f.StringSliceVar(&cfg.TrustedNodeAccounts, "trusted-node-accounts", nil, "service accounts, NAMESPACE/NAME comma-separated (env CA_TRUSTED_NODE_ACCOUNTS, as istiod reads it), that may ask for another workload's certificate, as node agents (ztunnel, meshid's node agent) do: the ImpersonatedIdentity metadata of Istio's protocol, with a token, not a client certificate. On Kubernetes only for a service account with a running pod on the node of the pod the caller's token is bound to (the CA then watches every pod); off Kubernetes there are no pods to check, and the trusted account alone decides")
+	f.StringSliceVar(&cfg.TrustedNodeAccounts, "trusted-node-accounts", nil, "service accounts, NAMESPACE/NAME comma-separated (env CA_TRUSTED_NODE_ACCOUNTS, as istiod reads it), that may ask for another workload's certificate, as node agents (ztunnel, meshid's node agent) do: the ImpersonatedIdentity metadata of Istio's protocol, with a token, not a client certificate. On Kubernetes only for a service account with a live pod (scheduled, not Succeeded or Failed) on the node of the pod the caller's token is bound to (the CA then watches every pod); off Kubernetes there are no pods to check, and the trusted account alone decides")
 	f.StringSliceVar(&cfg.CACertIdentities, "ca-cert-identities", nil, "SPIFFE IDs (spiffe://<trust-domain>/ns/NS/sa/SA, comma-separated) that may have a CA certificate; needs --sign-ca-certs")
 	cmd.AddCommand(newCATargetsCommand(g))
 	return cmd

@@ -27,7 +27,7 @@ type NodePodsConfig struct {
 	Registerer prometheus.Registerer // optional
 }
 
-// NodePods answers, from an informer of the cluster's running pods, whether a service account
+// NodePods answers, from an informer of the cluster's live pods, whether a service account
 // has a pod on a node agent's node: the CA's node authorization (caserver.NodeAuthorizer), as
 // Istio's NodeAuthorizer does for CA_TRUSTED_NODE_ACCOUNTS.
 type NodePods struct {
@@ -41,7 +41,7 @@ var _ caserver.NodeAuthorizer = (*NodePods)(nil)
 // NewNodePods returns NodePods; it starts no goroutine: call Run. Its informer lists and watches
 // every pod of the cluster that has not ended (phase neither Succeeded nor Failed): a pod that ends
 // leaves it as a deleted one does.
-func NewNodePods(cfg NodePodsConfig) *NodePods {
+func NewNodePods(cfg NodePodsConfig) (*NodePods, error) {
 	log := cfg.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
@@ -54,8 +54,10 @@ func NewNodePods(cfg NodePodsConfig) *NodePods {
 		log, watchErrors(cfg.Registerer))
 	// A cluster has many pods and this reads four fields of each: keep only those. It replaces
 	// newInformer's transform, which this one subsumes; the informer has not started.
-	_ = pods.SetTransform(slimPod)
-	return &NodePods{pods: pods, synced: make(chan struct{})}
+	if err := pods.SetTransform(slimPod); err != nil {
+		return nil, fmt.Errorf("pods of the nodes: %w", err)
+	}
+	return &NodePods{pods: pods, synced: make(chan struct{})}, nil
 }
 
 // slimPod keeps what node authorization reads of a pod.
@@ -104,8 +106,8 @@ func (n *NodePods) Run(ctx context.Context) error {
 func (n *NodePods) Synced() <-chan struct{} { return n.synced }
 
 // OnCallersNode implements caserver.NodeAuthorizer: the caller's token must be bound to a pod
-// that is still a running pod of the caller's service account (same UID: not a pod re-created
-// under its name) on a node, and target must have a running pod on that node.
+// that is still a live pod of the caller's service account (same UID: not a pod re-created
+// under its name) on a node, and target must have a live pod on that node.
 func (n *NodePods) OnCallersNode(_ context.Context, caller caserver.Caller, target pki.SPIFFEID) error {
 	select {
 	case <-n.synced:
@@ -124,7 +126,7 @@ func (n *NodePods) OnCallersNode(_ context.Context, caller caserver.Caller, targ
 	pod, ok := obj.(*corev1.Pod)
 	switch {
 	case !found || !ok:
-		return fmt.Errorf("%w: no running pod %s/%s", caserver.ErrCallerPodUnknown, ns, logkey.Untrusted(bound.Name))
+		return fmt.Errorf("%w: no live pod %s/%s", caserver.ErrCallerPodUnknown, ns, logkey.Untrusted(bound.Name))
 	case string(pod.UID) != bound.UID:
 		// The pod was re-created under its name; a token of the new one will do.
 		return fmt.Errorf("%w: pod %s/%s is another pod now (UID %s, the token's %s)", caserver.ErrCallerPodUnknown,
@@ -141,7 +143,7 @@ func (n *NodePods) OnCallersNode(_ context.Context, caller caserver.Caller, targ
 		return fmt.Errorf("%w: %w", caserver.ErrNodesUnavailable, err)
 	}
 	if len(on) == 0 {
-		return fmt.Errorf("%w: no running pod of %s/%s on node %s", caserver.ErrNotOnNode, target.Namespace, target.ServiceAccount, node)
+		return fmt.Errorf("%w: no live pod of %s/%s on node %s", caserver.ErrNotOnNode, target.Namespace, target.ServiceAccount, node)
 	}
 	return nil
 }

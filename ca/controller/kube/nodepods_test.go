@@ -89,7 +89,10 @@ func TestNodePodsAuthorizeNodeAgents(t *testing.T) {
 	createPod(t, ns, "app-b", "app-b", "node-b")
 	batch := createPod(t, ns, "batch", "batch", "node-a")
 
-	np := kube.NewNodePods(kube.NodePodsConfig{Clients: clientsFor(t, env.As(t, ns, "ca")), Logger: testLogger(t)})
+	np, err := kube.NewNodePods(kube.NodePodsConfig{Clients: clientsFor(t, env.As(t, ns, "ca")), Logger: testLogger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
 	id := func(sa string) pki.SPIFFEID {
 		return pki.SPIFFEID{TrustDomain: reviewTrustDomain, Namespace: ns, ServiceAccount: sa}
 	}

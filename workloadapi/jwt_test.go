@@ -362,10 +362,11 @@ func TestJWTBundlesStreamPushesOnChange(t *testing.T) {
 	}
 }
 
-// With no bundle to be had, the stream ends Unavailable, and the next one fetches again.
+// With no bundle to be had, the stream ends Unavailable; the CA is not asked again for 30 s,
+// and the next stream after that fetches again.
 func TestJWTBundlesUnavailable(t *testing.T) {
 	t.Parallel()
-	h, iss, _ := startJWT(t)
+	h, iss, clk := startJWT(t)
 	iss.mu.Lock()
 	iss.fetchErr = errors.New("CA unreachable")
 	iss.mu.Unlock()
@@ -382,6 +383,17 @@ func TestJWTBundlesUnavailable(t *testing.T) {
 	iss.mu.Lock()
 	iss.fetchErr = nil
 	iss.mu.Unlock()
+	stream, err = h.client.FetchJWTBundles(ctx(t), &workload.JWTBundlesRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st := recvErr(t, stream.Recv); st.Code() != codes.Unavailable {
+		t.Fatalf("a stream right after a failed fetch: %v, want Unavailable", st.Err())
+	}
+	if _, fetches := iss.counts(); fetches != 1 {
+		t.Fatalf("%d fetches, want 1: the CA is not asked again within 30 s of a failure", fetches)
+	}
+	clk.Advance(30 * time.Second)
 	stream, err = h.client.FetchJWTBundles(ctx(t), &workload.JWTBundlesRequest{})
 	if err != nil {
 		t.Fatal(err)

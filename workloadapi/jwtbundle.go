@@ -20,20 +20,27 @@ import (
 // jwtBundles holds the CA's JWT bundle: fetched when first asked (the first FetchJWTBundles
 // stream, or ValidateJWTSVID), and again when asked once it is older than maxAge. Open streams
 // ask every maxAge on the injected clock, so that a new key reaches them; nothing runs without a
-// stream. A failed fetch keeps the bundle held.
+// stream. One fetch runs at a time, and a caller waiting for it leaves when its context ends. A
+// failed fetch keeps the bundle held, and for jwtBundleRetry (or maxAge, if shorter) callers get
+// it, or the failure, without asking the CA again: a CA that is down is not called once per
+// validation.
 type jwtBundles struct {
 	issuer JWTIssuer
 	clock  clock.Clock
 	maxAge time.Duration
 
-	fetchMu sync.Mutex // one fetch at a time
-
-	mu      sync.Mutex
-	cur     *JWTBundle
-	version uint64        // 0: none yet; one more at each change
-	fetched time.Time     // of cur
-	changed chan struct{} // closed at the next change
+	mu       sync.Mutex
+	cur      *JWTBundle
+	version  uint64        // 0: none yet; one more at each change
+	fetched  time.Time     // of cur
+	changed  chan struct{} // closed at the next change
+	fetching chan struct{} // closed when the fetch in flight ends; nil: none
+	failed   error         // of the last fetch, until retryAt
+	retryAt  time.Time
 }
+
+// jwtBundleRetry is how long after a failed fetch the next one waits.
+const jwtBundleRetry = 30 * time.Second
 
 // bundleView is the bundle at one version, and what is closed when it changes.
 type bundleView struct {
@@ -52,28 +59,52 @@ func (j *jwtBundles) view() bundleView {
 // get returns the bundle, fetching it first when there is none or it is older than maxAge. A
 // failed fetch returns its error with the bundle held, if any (view.bundle nil: none).
 func (j *jwtBundles) get(ctx context.Context) (bundleView, error) {
-	fresh := func() (bundleView, bool) {
+	for {
+		j.mu.Lock()
+		now := j.clock.Now()
+		switch {
+		case j.cur != nil && now.Sub(j.fetched) < j.maxAge:
+			defer j.mu.Unlock()
+			return j.view(), nil
+		case now.Before(j.retryAt):
+			defer j.mu.Unlock()
+			return j.view(), j.failed
+		case j.fetching != nil:
+			done := j.fetching
+			j.mu.Unlock()
+			select {
+			case <-done:
+				continue
+			case <-ctx.Done():
+				j.mu.Lock()
+				defer j.mu.Unlock()
+				return j.view(), ctx.Err()
+			}
+		}
+		done := make(chan struct{})
+		j.fetching = done
+		j.mu.Unlock()
+		b, err := j.issuer.FetchJWTBundle(ctx)
+		if err == nil && (len(b.JWKS) == 0 || len(b.Keys) == 0 || b.TrustDomain == "") {
+			err = errors.New("the CA's JWT bundle is empty")
+		}
 		j.mu.Lock()
 		defer j.mu.Unlock()
-		return j.view(), j.cur != nil && j.clock.Now().Sub(j.fetched) < j.maxAge
+		j.fetching = nil
+		close(done)
+		return j.fetchedLocked(ctx, b, err)
 	}
-	if v, ok := fresh(); ok {
-		return v, nil
-	}
-	j.fetchMu.Lock()
-	defer j.fetchMu.Unlock()
-	if v, ok := fresh(); ok { // another caller fetched meanwhile
-		return v, nil
-	}
-	b, err := j.issuer.FetchJWTBundle(ctx)
-	if err == nil && (len(b.JWKS) == 0 || len(b.Keys) == 0 || b.TrustDomain == "") {
-		err = errors.New("the CA's JWT bundle is empty")
-	}
-	j.mu.Lock()
-	defer j.mu.Unlock()
+}
+
+// fetchedLocked records what a fetch returned.
+func (j *jwtBundles) fetchedLocked(ctx context.Context, b JWTBundle, err error) (bundleView, error) {
 	if err != nil {
+		if ctx.Err() == nil { // the CA's failure, not a caller that left
+			j.failed, j.retryAt = err, j.clock.Now().Add(min(jwtBundleRetry, j.maxAge))
+		}
 		return j.view(), err
 	}
+	j.failed, j.retryAt = nil, time.Time{}
 	j.fetched = j.clock.Now()
 	if j.cur == nil || j.cur.TrustDomain != b.TrustDomain || !bytes.Equal(j.cur.JWKS, b.JWKS) {
 		j.cur = &b

@@ -1,7 +1,6 @@
 package ca
 
 import (
-	"bytes"
 	"crypto"
 	"crypto/sha256"
 	"crypto/x509"
@@ -82,7 +81,7 @@ func NewBundle(p BundleParams) (*Bundle, error) {
 
 	roots := p.Roots
 	if len(roots) == 0 {
-		if !isSelfSigned(cert) {
+		if !pki.IsSelfSigned(cert) {
 			return nil, fmt.Errorf("no root certificate given and signing certificate %q is not self-signed", cert.Subject)
 		}
 		roots = []*x509.Certificate{cert}
@@ -247,10 +246,6 @@ func (b *Bundle) Source() Source { return b.source }
 
 // NotAfter is the earliest expiry along the chain: no leaf is issued past it.
 func (b *Bundle) NotAfter() time.Time { return b.notAfter }
-
-func isSelfSigned(c *x509.Certificate) bool {
-	return bytes.Equal(c.RawIssuer, c.RawSubject) && c.CheckSignatureFrom(c) == nil
-}
 
 func containsCert(certs []*x509.Certificate, c *x509.Certificate) bool {
 	for _, x := range certs {

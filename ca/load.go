@@ -303,7 +303,7 @@ func completeInterruptedPair(cfg StartupConfig) error {
 	}
 	certs, certErr := pki.ParseCertificates(pending)
 	key, keyErr := pki.ParsePrivateKey(keyPEM)
-	if certErr != nil || keyErr != nil || !pki.KeyMatchesCertificate(key, certs[0]) || !isSelfSigned(certs[0]) {
+	if certErr != nil || keyErr != nil || !pki.KeyMatchesCertificate(key, certs[0]) || !pki.IsSelfSigned(certs[0]) {
 		return nil
 	}
 	if err := commitPendingRoot(dir); err != nil {

@@ -1,7 +1,6 @@
 package workloadapi
 
 import (
-	"bytes"
 	"context"
 	"crypto/x509"
 	"errors"
@@ -15,6 +14,7 @@ import (
 
 	"github.com/meshid/meshid/internal/logkey"
 
+	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/secretmanager"
 )
 
@@ -192,7 +192,7 @@ func parseSPIFFEID(s string) (*url.URL, error) {
 func withoutRoot(chain []*x509.Certificate) []*x509.Certificate {
 	if n := len(chain); n > 1 {
 		last := chain[n-1]
-		if bytes.Equal(last.RawIssuer, last.RawSubject) && last.CheckSignatureFrom(last) == nil {
+		if pki.IsSelfSigned(last) {
 			return chain[:n-1]
 		}
 	}

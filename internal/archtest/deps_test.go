@@ -40,8 +40,9 @@ func allowed() map[string][]string {
 		"ca/token":                      {"internal/"},
 		"ca":                            {"internal/"},
 		"sds":                           {"secretmanager", "internal/"},
-		// The SPIFFE Workload API: secrets as SDS has them, the socket's admission and its logs.
-		"workloadapi":       {"secretmanager", "internal/admission", "internal/clock", "internal/logkey"},
+		// The SPIFFE Workload API: secrets as SDS has them, the socket's admission and its logs,
+		// and a chain's root told as pki tells it.
+		"workloadapi":       {"secretmanager", "internal/admission", "internal/clock", "internal/logkey", "internal/pki"},
 		"secretmanager":     {"internal/"},
 		"caclient":          {"internal/"},
 		"xdsproxy":          {"internal/"},

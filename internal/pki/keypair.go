@@ -1,6 +1,7 @@
 package pki
 
 import (
+	"bytes"
 	"crypto"
 	"crypto/x509"
 	"errors"
@@ -27,4 +28,10 @@ func CheckKeyPair(chain []*x509.Certificate, key crypto.Signer, spiffeID string,
 		return fmt.Errorf("the certificate does not name %s", spiffeID)
 	}
 	return nil
+}
+
+// IsSelfSigned reports whether c is self-signed: its issuer is its subject and its own key
+// verifies its signature (a root, or a self-issued certificate standing for one).
+func IsSelfSigned(c *x509.Certificate) bool {
+	return bytes.Equal(c.RawIssuer, c.RawSubject) && c.CheckSignatureFrom(c) == nil
 }

@@ -15,6 +15,7 @@ import (
 	"testing"
 
 	"github.com/meshid/meshid/internal/pki"
+	"github.com/meshid/meshid/internal/testutil"
 )
 
 func TestGenerateKey(t *testing.T) {
@@ -178,5 +179,28 @@ func TestKeyID(t *testing.T) {
 	}
 	if _, err := pki.KeyID("not a key"); err == nil {
 		t.Error("KeyID(string) succeeded, want error")
+	}
+}
+
+// A root is self-signed; a certificate it issued, or one whose issuer names itself but whose
+// signature is another key's, is not.
+func TestIsSelfSigned(t *testing.T) {
+	t.Parallel()
+	root := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "root"})
+	inter := root.NewIntermediate(t, testutil.CAOptions{CommonName: "intermediate"})
+	other := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "root"}) // same name, another key
+	forged := *other.Cert
+	forged.Signature = root.Cert.Signature
+	for name, tc := range map[string]struct {
+		cert *x509.Certificate
+		want bool
+	}{
+		"root":                                 {root.Cert, true},
+		"intermediate":                         {inter.Cert, false},
+		"issuer names itself, wrong signature": {&forged, false},
+	} {
+		if got := pki.IsSelfSigned(tc.cert); got != tc.want {
+			t.Errorf("%s: IsSelfSigned = %v, want %v", name, got, tc.want)
+		}
 	}
 }

@@ -399,7 +399,7 @@ func selfSignedRoot(data map[string][]byte) (*x509.Certificate, crypto.Signer, b
 		return nil, nil, false
 	}
 	root := certs[0]
-	if !root.IsCA || !bytes.Equal(root.RawIssuer, root.RawSubject) || root.CheckSignatureFrom(root) != nil {
+	if !root.IsCA || !pki.IsSelfSigned(root) {
 		return nil, nil, false
 	}
 	return root, key, true

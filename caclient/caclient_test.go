@@ -428,23 +428,7 @@ func TestRefusalsAreExplainedAndNotRetried(t *testing.T) {
 			c := newClient(t, cfg)
 
 			res := c.sign(t, tt.csr, time.Hour)
-			if got := outcomeOf(res.err); got != rejected {
-				t.Fatalf("error %v: %s, want %s", res.err, got, rejected)
-			}
-			if got := status.Code(res.err); got != tt.wantCode {
-				t.Errorf("code %s, want %s", got, tt.wantCode)
-			}
-			for _, want := range []string{ca.addr, tt.wantText} {
-				if !strings.Contains(res.err.Error(), want) {
-					t.Errorf("error %q does not mention %q", res.err, want)
-				}
-			}
-			if res.backoffs != 0 {
-				t.Errorf("the client backed off %d times before giving up, want no retry", res.backoffs)
-			}
-			if got := ca.metric(t, tt.series); got != "1" {
-				t.Errorf("%s = %q, want 1: the CA must see exactly one request", tt.series, got)
-			}
+			assertRejectedOnce(t, res, ca, tt.wantCode, tt.wantText, tt.series)
 		})
 	}
 }
@@ -733,5 +717,28 @@ func TestNewValidates(t *testing.T) {
 	}
 	if _, err := caclient.New(caclient.Config{Address: "127.0.0.1:1", Registerer: reg}); err == nil {
 		t.Error("a second client registered the same metric on one registry without error")
+	}
+}
+
+// assertRejectedOnce checks a refusal as the client reports it: rejected, not retried, with the
+// CA's code and an error naming the CA and why, and the one request counted by the CA in series.
+func assertRejectedOnce(t *testing.T, res signed, ca *realCA, code codes.Code, why, series string) {
+	t.Helper()
+	if got := outcomeOf(res.err); got != rejected {
+		t.Fatalf("error %v: %s, want %s", res.err, got, rejected)
+	}
+	if got := status.Code(res.err); got != code {
+		t.Errorf("code %s, want %s", got, code)
+	}
+	for _, want := range []string{ca.addr, why} {
+		if !strings.Contains(res.err.Error(), want) {
+			t.Errorf("error %q does not mention %q", res.err, want)
+		}
+	}
+	if res.backoffs != 0 {
+		t.Errorf("the client backed off %d times before giving up, want no retry", res.backoffs)
+	}
+	if got := ca.metric(t, series); got != "1" {
+		t.Errorf("%s = %q, want 1: the CA must see exactly one request", series, got)
 	}
 }

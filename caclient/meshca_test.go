@@ -123,23 +123,7 @@ func TestMeshCARefusalsAreExplainedAndNotRetried(t *testing.T) {
 			c := newClient(t, cfg)
 			csr, _ := newCSR(t, pki.ECDSA, tt.csrID)
 			res := c.sign(t, csr, time.Hour)
-			if got := outcomeOf(res.err); got != rejected {
-				t.Fatalf("error %v: %s, want %s", res.err, got, rejected)
-			}
-			if got := status.Code(res.err); got != tt.wantCode {
-				t.Errorf("code %s, want %s", got, tt.wantCode)
-			}
-			for _, want := range []string{ca.addr, tt.wantText} {
-				if !strings.Contains(res.err.Error(), want) {
-					t.Errorf("error %q does not mention %q", res.err, want)
-				}
-			}
-			if res.backoffs != 0 {
-				t.Errorf("the client backed off %d times, want no retry", res.backoffs)
-			}
-			if got := ca.metric(t, tt.series); got != "1" {
-				t.Errorf("%s = %q, want 1: the CA must see exactly one request", tt.series, got)
-			}
+			assertRejectedOnce(t, res, ca, tt.wantCode, tt.wantText, tt.series)
 		})
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/x509"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -17,6 +18,9 @@ import (
 	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	"github.com/spiffe/go-spiffe/v2/bundle/jwtbundle"
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"github.com/spiffe/go-spiffe/v2/svid/jwtsvid"
 
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
@@ -330,4 +334,51 @@ func TestFetchX509WithTheWorkloadAPIOff(t *testing.T) {
 		t.Errorf("spire-agent api fetch x509: exit %d, stderr %q, want 1 and code = Unimplemented (stdout %q)", code, stderr, stdout)
 	}
 	sdsKeyPair(t, socket) // Envoy's SDS is still served
+}
+
+// spire-agent's `api fetch jwt` gets a JWT-SVID of the agent's identity for the audience asked,
+// with the trust domain's JWT bundle; go-spiffe verifies the token against that bundle, and
+// spire-agent's `api validate jwt` (the agent's ValidateJWTSVID) accepts it for its audience and
+// refuses it for another.
+func TestFetchAndValidateJWT(t *testing.T) {
+	t.Parallel()
+	spire := spireAgent(t)
+	_, socket := startAgent(t)
+
+	code, stdout, stderr := spireRun(t, spire, "api", "fetch", "jwt", "-audience", "demo", "-socketPath", socket, "-output", "json", "-timeout", wait.String())
+	if code != 0 {
+		t.Fatalf("spire-agent api fetch jwt: exit %d\nstdout:\n%s\nstderr:\n%s", code, stdout, stderr)
+	}
+	var fetched []struct {
+		SVIDs []struct {
+			SPIFFEID string `json:"spiffe_id"`
+			SVID     string `json:"svid"`
+		} `json:"svids"`
+		Bundles map[string][]byte `json:"bundles"`
+	}
+	if err := json.Unmarshal([]byte(stdout), &fetched); err != nil || len(fetched) != 2 || len(fetched[0].SVIDs) != 1 {
+		t.Fatalf("spire-agent api fetch jwt printed %q (%v), want one SVID and the bundles", stdout, err)
+	}
+	svid := fetched[0].SVIDs[0]
+	if svid.SPIFFEID != spiffeID {
+		t.Fatalf("JWT-SVID of %s, want %s", svid.SPIFFEID, spiffeID)
+	}
+	td := spiffeid.RequireTrustDomainFromString("cluster.local")
+	bundle, err := jwtbundle.Parse(td, fetched[1].Bundles[td.IDString()])
+	if err != nil {
+		t.Fatalf("the JWT bundle spire-agent got: %v", err)
+	}
+	parsed, err := jwtsvid.ParseAndValidate(svid.SVID, bundle, []string{"demo"})
+	if err != nil || parsed.ID.String() != spiffeID {
+		t.Fatalf("go-spiffe on the token: %v (%v), want a JWT-SVID of %s", parsed, err, spiffeID)
+	}
+
+	code, stdout, stderr = spireRun(t, spire, "api", "validate", "jwt", "-audience", "demo", "-svid", svid.SVID, "-socketPath", socket, "-output", "json")
+	if code != 0 || !strings.Contains(stdout, `"spiffe_id":"`+spiffeID+`"`) {
+		t.Fatalf("spire-agent api validate jwt: exit %d\nstdout:\n%s\nstderr:\n%s", code, stdout, stderr)
+	}
+	code, stdout, stderr = spireRun(t, spire, "api", "validate", "jwt", "-audience", "other", "-svid", svid.SVID, "-socketPath", socket)
+	if code != 1 || !strings.Contains(stdout+stderr, `not for the audience "other"`) {
+		t.Fatalf("spire-agent api validate jwt for another audience: exit %d, want 1 naming the audience\nstdout:\n%s\nstderr:\n%s", code, stdout, stderr)
+	}
 }

@@ -5,6 +5,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"syscall"
 	"testing"
 )
 
@@ -44,7 +45,11 @@ func TestStatusServerAnswersApplicationProbes(t *testing.T) {
 // that listens on the pod IP alone is probed there, not on 127.0.0.1.
 func TestApplicationProbesGoToTheInstanceIP(t *testing.T) {
 	t.Parallel()
-	app, err := net.Listen("tcp", "127.0.0.2:0") // loopback, but not 127.0.0.1
+	// The port is held on 127.0.0.1 by a socket bound but not listening, so that the probe of
+	// 127.0.0.1 is refused whatever else runs: with the port only free there, a parallel test
+	// that bound 127.0.0.1 on it made the probe answer 200.
+	port := reservePort(t)
+	app, err := net.Listen("tcp", fmt.Sprintf("127.0.0.2:%d", port)) // loopback, but not 127.0.0.1
 	if err != nil {
 		t.Skipf("no 127.0.0.2 to stand for a pod IP here: %v", err)
 	}
@@ -58,11 +63,7 @@ func TestApplicationProbesGoToTheInstanceIP(t *testing.T) {
 			_ = c.Close()
 		}
 	}()
-	_, port, err := net.SplitHostPort(app.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	probers := fmt.Sprintf(`{"/app-health/web/livez":{"tcpSocket":{"port":%s}}}`, port)
+	probers := fmt.Sprintf(`{"/app-health/web/livez":{"tcpSocket":{"port":%d}}}`, port)
 	for _, tc := range []struct {
 		instanceIP string
 		want       int
@@ -75,4 +76,25 @@ func TestApplicationProbesGoToTheInstanceIP(t *testing.T) {
 			t.Errorf("INSTANCE_IP %q: GET /app-health/web/livez = %d %q, want %d", tc.instanceIP, code, body, tc.want)
 		}
 	}
+}
+
+// reservePort binds a TCP socket to 127.0.0.1 on a port the kernel picks, without listening, and
+// holds it for the test: a connection to 127.0.0.1 on that port is refused, and no other socket
+// can take it.
+func reservePort(t *testing.T) int {
+	t.Helper()
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	syscall.CloseOnExec(fd) // the agents of the tests start children
+	t.Cleanup(func() { _ = syscall.Close(fd) })
+	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+		t.Fatal(err)
+	}
+	sa, err := syscall.Getsockname(fd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return sa.(*syscall.SockaddrInet4).Port
 }

@@ -16,7 +16,7 @@ import (
 // The Secret, in the CA namespace, that holds the JWT-SVID signing key: one key for every
 // replica, so that a JWT-SVID minted through one verifies with the bundle any other serves.
 const (
-	JWTSVIDKeySecret = "meshid-jwt-svid"
+	JWTSVIDKeySecret = "meshid-jwt-svid" //nolint:gosec // a Secret's name, not a credential
 	// JWTSVIDKeySecretType is the type of the Secret we create; a Secret made by hand
 	// (kubectl create secret generic) is read too.
 	JWTSVIDKeySecretType corev1.SecretType = "meshid.io/jwt-svid-key" //nolint:gosec // a type name, not a credential

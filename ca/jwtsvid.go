@@ -76,14 +76,16 @@ type JWTKey struct {
 // there (0600, written atomically), and reports whether it was created. ttl is the lifetime of
 // every JWT-SVID and the most a request gets; 0 means DefaultJWTSVIDTTL.
 func LoadOrCreateJWTSVIDSigner(stateDir, trustDomain string, ttl time.Duration) (*JWTSVIDSigner, bool, error) {
-	if ttl == 0 {
-		ttl = DefaultJWTSVIDTTL
-	}
-	if ttl < 0 || ttl > MaxJWTSVIDTTL {
-		return nil, false, fmt.Errorf("%w: JWT-SVID lifetime %s is not in (0, %s]", ErrInvalidTTL, ttl, MaxJWTSVIDTTL)
+	// Checked before the state dir is touched.
+	if _, err := jwtSVIDTTL(ttl); err != nil {
+		return nil, false, err
 	}
 	path := JWTSVIDKeyPath(stateDir)
-	key, created, err := loadOrCreateJWTKey(path)
+	data, created, err := fsutil.LoadOrCreateKeyFile(path, GenerateJWTSVIDKey)
+	if err != nil {
+		return nil, false, fmt.Errorf("JWT-SVID signing key %s: %w", path, err)
+	}
+	key, err := ParseJWTSVIDKey(data)
 	if err != nil {
 		return nil, false, fmt.Errorf("JWT-SVID signing key %s: %w", path, err)
 	}
@@ -91,30 +93,63 @@ func LoadOrCreateJWTSVIDSigner(stateDir, trustDomain string, ttl time.Duration) 
 	return s, created, err
 }
 
-func loadOrCreateJWTKey(path string) (crypto.Signer, bool, error) {
-	data, created, err := fsutil.LoadOrCreateKeyFile(path, func() ([]byte, error) {
-		key, err := pki.GenerateKey(pki.ECDSA, 0)
-		if err != nil {
-			return nil, err
-		}
-		return pki.EncodePrivateKey(key)
-	})
+// GenerateJWTSVIDKey returns a new JWT-SVID signing key, ECDSA P-256, as PEM.
+func GenerateJWTSVIDKey() ([]byte, error) {
+	key, err := pki.GenerateKey(pki.ECDSA, 0)
 	if err != nil {
-		return nil, false, err
+		return nil, err
 	}
-	key, err := pki.ParsePrivateKey(data)
-	return key, created, err
+	return pki.EncodePrivateKey(key)
+}
+
+// ParseJWTSVIDKey parses a JWT-SVID signing key from PEM, and refuses any key but ECDSA P-256.
+func ParseJWTSVIDKey(keyPEM []byte) (crypto.Signer, error) {
+	key, err := pki.ParsePrivateKey(keyPEM)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := checkJWTSVIDKey(key); err != nil {
+		return nil, err
+	}
+	return key, nil
+}
+
+// ErrJWTSVIDKey refuses a JWT-SVID signing key that is not ECDSA P-256.
+var ErrJWTSVIDKey = errors.New("a JWT-SVID key must be ECDSA P-256 (ES256)")
+
+// checkJWTSVIDKey returns key's public key when it is ECDSA P-256.
+func checkJWTSVIDKey(key crypto.Signer) (*ecdsa.PublicKey, error) {
+	pub, ok := key.Public().(*ecdsa.PublicKey)
+	if !ok || pub.Curve != elliptic.P256() {
+		return nil, fmt.Errorf("%w, not %s", ErrJWTSVIDKey, pki.DescribeKey(key.Public()))
+	}
+	return pub, nil
+}
+
+// jwtSVIDTTL returns the lifetime of the JWT-SVIDs: ttl, or DefaultJWTSVIDTTL for 0.
+func jwtSVIDTTL(ttl time.Duration) (time.Duration, error) {
+	if ttl == 0 {
+		return DefaultJWTSVIDTTL, nil
+	}
+	if ttl < 0 || ttl > MaxJWTSVIDTTL {
+		return 0, fmt.Errorf("%w: JWT-SVID lifetime %s is not in (0, %s]", ErrInvalidTTL, ttl, MaxJWTSVIDTTL)
+	}
+	return ttl, nil
 }
 
 // NewJWTSVIDSigner returns a signer with key, an ECDSA P-256 key (ES256, the algorithm every
-// JWT-SVID validator supports).
+// JWT-SVID validator supports). ttl is as for LoadOrCreateJWTSVIDSigner.
 func NewJWTSVIDSigner(key crypto.Signer, trustDomain string, ttl time.Duration) (*JWTSVIDSigner, error) {
+	ttl, err := jwtSVIDTTL(ttl)
+	if err != nil {
+		return nil, err
+	}
 	if err := pki.ValidateTrustDomain(trustDomain); err != nil {
 		return nil, err
 	}
-	pub, ok := key.Public().(*ecdsa.PublicKey)
-	if !ok || pub.Curve != elliptic.P256() {
-		return nil, fmt.Errorf("a JWT-SVID key must be ECDSA P-256, not %s", pki.DescribeKey(key.Public()))
+	pub, err := checkJWTSVIDKey(key)
+	if err != nil {
+		return nil, err
 	}
 	jwk := jose.JSONWebKey{Key: pub, Algorithm: string(jose.ES256), Use: jwtSVIDUse}
 	thumb, err := jwk.Thumbprint(crypto.SHA256)

@@ -87,7 +87,51 @@ func TestJWTSVIDSignerPolicy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := ca.NewJWTSVIDSigner(rsaKey, "cluster.local", time.Minute); err == nil {
-		t.Error("an RSA key signs JWT-SVIDs; want ES256 only")
+	if _, err := ca.NewJWTSVIDSigner(rsaKey, "cluster.local", time.Minute); !errors.Is(err, ca.ErrJWTSVIDKey) {
+		t.Errorf("an RSA key: %v, want ErrJWTSVIDKey", err)
+	}
+	ecKey, err := pki.GenerateKey(pki.ECDSA, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ca.NewJWTSVIDSigner(ecKey, "cluster.local", ca.MaxJWTSVIDTTL+time.Second); !errors.Is(err, ca.ErrInvalidTTL) {
+		t.Errorf("a signer of too long a lifetime: %v, want ErrInvalidTTL", err)
+	}
+	rsaPEM, err := pki.EncodePrivateKey(rsaKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ca.ParseJWTSVIDKey(rsaPEM); !errors.Is(err, ca.ErrJWTSVIDKey) {
+		t.Errorf("ParseJWTSVIDKey of an RSA key: %v, want ErrJWTSVIDKey", err)
+	}
+	genPEM, err := ca.GenerateJWTSVIDKey()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ca.ParseJWTSVIDKey(genPEM); err != nil {
+		t.Errorf("ParseJWTSVIDKey of a generated key: %v", err)
+	}
+}
+
+// A state dir's JWT-SVID key that is not ECDSA P-256 stops the start; it is not replaced.
+func TestJWTSVIDKeyFileOfAnotherAlgorithmIsRefused(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	rsaKey, err := pki.GenerateKey(pki.RSA, 2048)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rsaPEM, err := pki.EncodePrivateKey(rsaKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(ca.JWTSVIDKeyPath(dir), rsaPEM, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := ca.LoadOrCreateJWTSVIDSigner(dir, "cluster.local", 0); !errors.Is(err, ca.ErrJWTSVIDKey) {
+		t.Fatalf("load: %v, want ErrJWTSVIDKey", err)
+	}
+	if got, err := os.ReadFile(ca.JWTSVIDKeyPath(dir)); err != nil || string(got) != string(rsaPEM) {
+		t.Fatalf("the refused key file was changed: %v", err)
 	}
 }

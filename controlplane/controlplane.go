@@ -140,7 +140,7 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 	if err != nil {
 		return nil, err
 	}
-	jwtSigner, err := newJWTSVIDSigner(cfg)
+	jwtSigner, err := newJWTSVIDSigner(cfg, st)
 	if err != nil {
 		return nil, err
 	}
@@ -495,18 +495,27 @@ func newServers(cfg Config, st stores, authority *ca.Authority, jwtSigner *ca.JW
 	}, disco, nil
 }
 
-// newJWTSVIDSigner loads the state dir's JWT-SVID key, or creates it at the first start.
-func newJWTSVIDSigner(cfg Config) (*ca.JWTSVIDSigner, error) {
+// newJWTSVIDSigner loads the JWT-SVID key, or creates it at the first start: on Kubernetes in a
+// Secret that every replica shares, elsewhere in the state dir.
+func newJWTSVIDSigner(cfg Config, st stores) (*ca.JWTSVIDSigner, error) {
+	if st.kube != nil {
+		return st.kube.jwtSVIDSigner(cfg)
+	}
 	signer, created, err := ca.LoadOrCreateJWTSVIDSigner(cfg.StateDir, cfg.TrustDomain, cfg.JWTSVIDTTL)
 	if err != nil {
 		return nil, err
 	}
+	logJWTSVIDKey(cfg, signer, created, logkey.Path, ca.JWTSVIDKeyPath(cfg.StateDir))
+	return signer, nil
+}
+
+// logJWTSVIDKey says where the JWT-SVID key came from and its kid; never the key.
+func logJWTSVIDKey(cfg Config, signer *ca.JWTSVIDSigner, created bool, whereKey, where string) {
 	msg := "JWT-SVID signing key loaded"
 	if created {
 		msg = "JWT-SVID signing key created"
 	}
-	cfg.Logger.Info(msg, logkey.Path, ca.JWTSVIDKeyPath(cfg.StateDir), logkey.KeyID, signer.KeyID(), logkey.Duration, signer.TTL())
-	return signer, nil
+	cfg.Logger.Info(msg, whereKey, where, logkey.KeyID, signer.KeyID(), logkey.Duration, signer.TTL())
 }
 
 // newMonitor returns the monitoring server, or nil without its listener.

@@ -19,9 +19,9 @@ import (
 )
 
 // KubernetesConfig puts the control plane on Kubernetes: the API server is its store of
-// namespaces and service accounts, keeps its key material (the cacerts Secret) and the
-// service-account secrets, authenticates tokens (TokenReview) and elects the replica that runs
-// the secret controller (a Lease in the CA namespace).
+// namespaces and service accounts, keeps its key material (the cacerts Secret, and the JWT-SVID
+// key's Secret) and the service-account secrets, authenticates tokens (TokenReview) and elects
+// the replica that runs the secret controller (a Lease in the CA namespace).
 type KubernetesConfig struct {
 	// Kubeconfig is the kubeconfig file to use; with InCluster, the pod's own service account.
 	Kubeconfig string
@@ -34,8 +34,9 @@ type KubernetesConfig struct {
 	StartTimeout time.Duration
 }
 
-// DefaultKubernetesStartTimeout bounds loading or creating cacerts at start-up: a CA that cannot
-// reach its API server fails and is restarted, rather than hanging unready.
+// DefaultKubernetesStartTimeout bounds loading or creating cacerts and the JWT-SVID key's Secret
+// at start-up: a CA that cannot reach its API server fails and is restarted, rather than hanging
+// unready.
 const DefaultKubernetesStartTimeout = time.Minute
 
 // LeaseName is the Lease, in the CA namespace, whose holder runs the secret controller.
@@ -153,6 +154,24 @@ func (k *onKubernetes) initialBundle(cacertsDir string, now time.Time) (*ca.Bund
 	ctx, cancel := context.WithTimeout(context.Background(), k.cfg.StartTimeout)
 	defer cancel()
 	return k.cacerts.Load(ctx)
+}
+
+// jwtSVIDSigner returns the signer of JWT-SVIDs with the key of the CA namespace's Secret,
+// which the first replica to start creates and every other loads: one key, so that a JWT-SVID
+// minted through one replica verifies with the bundle any replica serves.
+func (k *onKubernetes) jwtSVIDSigner(cfg Config) (*ca.JWTSVIDSigner, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), k.cfg.StartTimeout)
+	defer cancel()
+	key, created, err := kube.LoadOrCreateJWTSVIDKey(ctx, k.clients, k.caNamespace)
+	if err != nil {
+		return nil, fmt.Errorf("load the JWT-SVID signing key: %w", err)
+	}
+	signer, err := ca.NewJWTSVIDSigner(key, cfg.TrustDomain, cfg.JWTSVIDTTL)
+	if err != nil {
+		return nil, err
+	}
+	logJWTSVIDKey(cfg, signer, created, logkey.Object, "secret "+k.caNamespace+"/"+kube.JWTSVIDKeySecret)
+	return signer, nil
 }
 
 // newLeaderWork builds what the elected replica runs besides the secret controller, and the

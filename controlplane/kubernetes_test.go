@@ -5,13 +5,17 @@ package controlplane_test
 import (
 	"context"
 	"crypto/x509"
+	"errors"
 	"fmt"
+	"maps"
+	"os"
 	"path/filepath"
 	"slices"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/golang-jwt/jwt/v5"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
@@ -21,6 +25,7 @@ import (
 
 	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/ca/controller/kube/kubetest"
+	"github.com/meshid/meshid/caclient"
 	"github.com/meshid/meshid/controlplane"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
@@ -113,7 +118,7 @@ func eventually(t *testing.T, what string, cond func() bool) {
 }
 
 // The acceptance, on a real API server: two replicas share one root created from
-// nothing; a token from TokenRequest gets a certificate through TokenReview; override=false takes
+// nothing, and one JWT-SVID key; a token from TokenRequest gets a certificate through TokenReview; override=false takes
 // a namespace's secrets and certificates away and override=true gives them back; an operator's
 // cacerts replaces the generated root on both replicas with no restart; the leader's exit hands
 // the secret controller over. It alone uses istio-system, which the manifests name.
@@ -133,6 +138,7 @@ func TestTwoReplicasOnKubernetes(t *testing.T) {
 	// What an earlier run of this test left (go test -count): the test starts from nothing.
 	t.Cleanup(func() {
 		_ = core.Secrets("istio-system").Delete(context.Background(), "cacerts", metav1.DeleteOptions{})
+		_ = core.Secrets("istio-system").Delete(context.Background(), "meshid-jwt-svid", metav1.DeleteOptions{})
 		_ = leases.Leases("istio-system").Delete(context.Background(), controlplane.LeaseName, metav1.DeleteOptions{})
 	})
 	type started struct {
@@ -180,6 +186,8 @@ func TestTwoReplicasOnKubernetes(t *testing.T) {
 			t.Fatalf("certificate for %s, want %s", got, id)
 		}
 	}
+	sameJWTSVIDKey(t, a, b, tok)
+
 	wrongAudience := kubeEnv.Token(t, app, "web", time.Hour, "someone-else")
 	if _, err := createCertificate(t, a.cp.GRPCAddr(), a.rootFile(), wrongAudience, id); status.Code(err) != codes.Unauthenticated {
 		t.Fatalf("a token for another audience: %v, want Unauthenticated", err)
@@ -323,5 +331,51 @@ func TestMountedCACertsOnKubernetes(t *testing.T) {
 	}
 	if got := r.cp.Authority().Bundle().SigningCert(); !got.Equal(inter.Cert) {
 		t.Fatalf("signing with %s after a cacerts Secret appeared, want the mounted intermediate", got.Subject)
+	}
+}
+
+// sameJWTSVIDKey checks that two replicas sign JWT-SVIDs with one key, the Secret meshid-jwt-svid's
+// and not a state dir's: both serve a bundle of the same single kid, and a JWT-SVID minted
+// through either verifies with the bundle the other serves.
+func sameJWTSVIDKey(t *testing.T, a, b *replica, tok string) {
+	t.Helper()
+	secret, err := kubeEnv.Core().Secrets("istio-system").Get(t.Context(), "meshid-jwt-svid", metav1.GetOptions{})
+	if err != nil {
+		t.Fatalf("no meshid-jwt-svid Secret: %v", err)
+	}
+	if secret.Type != "meshid.io/jwt-svid-key" || len(secret.Data["key.pem"]) == 0 {
+		t.Fatalf("meshid-jwt-svid: type %q, want meshid.io/jwt-svid-key with key.pem", secret.Type)
+	}
+	bundles := make([]caclient.JWTBundle, 2)
+	for i, r := range []*replica{a, b} {
+		if _, err := os.Stat(ca.JWTSVIDKeyPath(r.cfg.StateDir)); !errors.Is(err, os.ErrNotExist) {
+			t.Fatalf("a JWT-SVID key file in the state dir on Kubernetes: %v", err)
+		}
+		if bundles[i], err = jwtClient(t, r.cp.GRPCAddr(), r.cfg.StateDir, tok).FetchJWTBundle(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+		if len(bundles[i].Keys) != 1 {
+			t.Fatalf("replica %s serves %d JWT-SVID keys, want 1", r.cfg.Kubernetes.Identity, len(bundles[i].Keys))
+		}
+	}
+	if kids := [2][]string{slices.Collect(maps.Keys(bundles[0].Keys)), slices.Collect(maps.Keys(bundles[1].Keys))}; kids[0][0] != kids[1][0] {
+		t.Fatalf("the replicas serve the JWT-SVID kids %v", kids)
+	}
+	for i, r := range []*replica{a, b} {
+		svid, err := jwtClient(t, r.cp.GRPCAddr(), r.cfg.StateDir, tok).MintJWTSVID(t.Context(), []string{"db"}, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		other := bundles[1-i]
+		keyOf := func(tok *jwt.Token) (any, error) {
+			kid, _ := tok.Header["kid"].(string)
+			if k, ok := other.Keys[kid]; ok {
+				return k, nil
+			}
+			return nil, fmt.Errorf("kid %q is not in the other replica's bundle", kid)
+		}
+		if _, err := jwt.Parse(svid.Token, keyOf, jwt.WithValidMethods([]string{"ES256"}), jwt.WithAudience("db")); err != nil {
+			t.Fatalf("a JWT-SVID minted through %s does not verify with the other's bundle: %v", r.cfg.Kubernetes.Identity, err)
+		}
 	}
 }

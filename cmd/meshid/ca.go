@@ -249,7 +249,7 @@ One root can serve several CAs, each with its own intermediate (Citadel's upstre
 	f.BoolVar(&cfg.EnableNamespacesByDefault, "enable-namespaces-by-default", cfg.EnableNamespacesByDefault, "serve namespaces that carry neither the ca.istio.io/override nor the ca.istio.io/env label")
 	f.DurationVar(&cfg.WorkloadCertTTL, "workload-cert-ttl", cfg.WorkloadCertTTL, "lifetime of a workload certificate when the request asks for none")
 	f.DurationVar(&cfg.MaxWorkloadCertTTL, "max-workload-cert-ttl", cfg.MaxWorkloadCertTTL, "longest workload certificate lifetime; longer requests are clamped")
-	f.DurationVar(&cfg.JWTSVIDTTL, "jwt-svid-ttl", cfg.JWTSVIDTTL, "lifetime of a JWT-SVID (signed for the Workload API's FetchJWTSVID with <state-dir>/jwt-svid-key.pem), and the most a request gets; at most 24h")
+	f.DurationVar(&cfg.JWTSVIDTTL, "jwt-svid-ttl", cfg.JWTSVIDTTL, "lifetime of a JWT-SVID (signed for the Workload API's FetchJWTSVID with <state-dir>/jwt-svid-key.pem, on Kubernetes with the Secret meshid-jwt-svid), and the most a request gets; at most 24h")
 	f.StringSliceVar(&cfg.GRPCHostIdentities, "grpc-host-identities", nil, "extra DNS names or IPs for the CA's serving certificate, comma-separated (istiod.istio-system.svc, istio-ca, localhost and loopback are always there)")
 	f.StringVar(&cfg.Secrets.ListenedNamespace, "listened-namespace", "", "the only namespace whose service accounts get secrets (env NAMESPACE); empty: every served namespace. Needs --manifests or Kubernetes")
 	f.Float64Var(&cfg.Secrets.GracePeriodRatio, "workload-cert-grace-period-ratio", cfg.Secrets.GracePeriodRatio, "re-issue a service-account secret when less than this share of its lifetime is left. Needs --manifests or Kubernetes")

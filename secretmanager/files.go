@@ -165,6 +165,11 @@ func readFileResolved(path string, dirs []string, resolve func(string) (string, 
 	var f *os.File
 	for attempt := 1; ; attempt++ {
 		resolved, err := resolve(path)
+		// The same swap seen earlier: the generation ..data led to is removed while the links
+		// are being followed.
+		if errors.Is(err, fs.ErrNotExist) && attempt < resolveAttempts {
+			continue
+		}
 		if err != nil {
 			return nil, err
 		}

@@ -861,6 +861,19 @@ func TestReadFileResolvesAgainWhenTheGenerationIsRemoved(t *testing.T) {
 		t.Fatalf("read %q, %v after %d resolutions; want the new generation's file after 2", got, err, resolutions)
 	}
 
+	// The generation is removed while its links are followed: resolved again, it is the new one.
+	resolutions = 0
+	got, err = readFileResolved(path, []string{dir}, func(p string) (string, error) {
+		resolutions++
+		if resolutions == 1 {
+			return "", &fs.PathError{Op: "lstat", Path: filepath.Join(dir, "..gone"), Err: fs.ErrNotExist}
+		}
+		return filepath.EvalSymlinks(p)
+	})
+	if err != nil || string(got) != "new" || resolutions != 2 {
+		t.Fatalf("read %q, %v after %d resolutions; want the new generation's file after 2", got, err, resolutions)
+	}
+
 	// A file that is really gone stays an error, after a bounded number of tries.
 	resolutions = 0
 	if _, err := readFileResolved(filepath.Join(dir, "..data", "gone"), nil, func(p string) (string, error) {

@@ -219,9 +219,10 @@ var (
 	podAndContainer  = regexp.MustCompile(`^(.+\.slice):[a-z-]+:([0-9a-f]{64})$`)
 )
 
-// kubernetesIDs finds the pod UID and container ID in cgroup paths. The last pod segment of a
-// path wins (a kind node nests the kubelet's cgroups under its own container's); the container
-// is the segment right under the pod's.
+// kubernetesIDs finds the pod UID and container ID in cgroup paths. The first pod segment of a
+// path wins: it is the one the kubelet placed (a kind node nests the kubelet's cgroups under its
+// own container's, which is no pod), and one a process with a delegated subtree makes inside its
+// own cgroup comes after it. The container is the segment right under the pod's.
 func kubernetesIDs(cgroups []string) (podUID, containerID string) {
 	for _, p := range cgroups {
 		segs := strings.Split(path.Clean(p), "/")
@@ -230,19 +231,20 @@ func kubernetesIDs(cgroups []string) (podUID, containerID string) {
 			if m := podAndContainer.FindStringSubmatch(seg); m != nil {
 				if pm := podSegment.FindStringSubmatch(m[1]); pm != nil {
 					pod, container = pm[1], m[2]
-					continue
+					break
 				}
 			}
 			m := podSegment.FindStringSubmatch(seg)
 			if m == nil {
 				continue
 			}
-			pod, container = m[1], ""
+			pod = m[1]
 			if i+1 < len(segs) {
 				if c := containerSegment.FindStringSubmatch(segs[i+1]); c != nil {
 					container = c[1]
 				}
 			}
+			break
 		}
 		if pod != "" {
 			return normalizePodUID(pod), container

@@ -191,6 +191,10 @@ func TestKubernetesIDs(t *testing.T) {
 		{name: "containerd under its own service", path: "/system.slice/containerd.service/kubepods-burstable-pod" + podUIDSnake + ".slice:cri-containerd:" + containerID, pod: podUID, container: containerID},
 		{name: "kind node nests the kubelet's under its container", path: "/docker/" + containerID + "/kubepods/besteffort/pod" + podUID + "/" + strings.Repeat("f", 64), pod: podUID, container: strings.Repeat("f", 64)},
 		{name: "static pod's hash uid", path: "/kubepods/burstable/pod" + staticPod + "/" + containerID, pod: staticPod, container: containerID},
+		// A process with a delegated subtree names a cgroup inside its own like another pod's:
+		// the kubelet's segment, outermost, is the one believed.
+		{name: "a pod's cgroup made inside another pod's", path: "/kubepods/burstable/pod" + podUID + "/" + containerID + "/kubepods/besteffort/pod" + staticPod + "/" + strings.Repeat("e", 64), pod: podUID, container: containerID},
+		{name: "a systemd pod slice made inside another pod's", path: "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod" + podUIDSnake + ".slice/cri-containerd-" + containerID + ".scope/kubepods-besteffort-pod" + staticPod + ".slice", pod: podUID, container: containerID},
 		{name: "a process in the pod's cgroup itself", path: "/kubepods/burstable/pod" + podUID, pod: podUID},
 		{name: "plain docker container", path: "/system.slice/docker-" + containerID + ".scope"},
 		{name: "systemd service", path: "/system.slice/sshd.service"},

@@ -257,8 +257,6 @@ func TestSignReturnsChainForTheTokenIdentity(t *testing.T) {
 	t.Parallel()
 	ca := startCA(t)
 	root := ca.root(t)
-	roots := x509.NewCertPool()
-	roots.AddCert(root)
 
 	tests := []struct {
 		name string
@@ -284,30 +282,10 @@ func TestSignReturnsChainForTheTokenIdentity(t *testing.T) {
 			if res.err != nil {
 				t.Fatal(res.err)
 			}
-			chain := res.chain
-			if len(chain) < 2 {
-				t.Fatalf("chain of %d certificates, want leaf and root at least", len(chain))
-			}
-			leaf := chain[0]
-			if got := leafID(t, leaf); got != id.String() {
-				t.Errorf("leaf names %s, want %s", got, id)
-			}
-			if !pki.PublicKeysEqual(leaf.PublicKey, key.Public()) {
-				t.Error("leaf does not carry the CSR's key")
-			}
-			if !chain[len(chain)-1].Equal(root) {
-				t.Error("chain does not end with the root in root-cert.pem")
-			}
-			inter := x509.NewCertPool()
-			for _, c := range chain[1 : len(chain)-1] {
-				inter.AddCert(c)
-			}
-			if _, err := leaf.Verify(x509.VerifyOptions{Roots: roots, Intermediates: inter}); err != nil {
-				t.Errorf("leaf does not verify to the root: %v", err)
-			}
+			checkIssued(t, res.chain, id.String(), key, root)
 			// Certificate times have whole seconds, rounded up: the TTL is never cut.
 			lo, hi := before.Add(tt.ttl), after.Add(tt.ttl).Add(time.Second)
-			if leaf.NotAfter.Before(lo) || leaf.NotAfter.After(hi) {
+			if leaf := res.chain[0]; leaf.NotAfter.Before(lo) || leaf.NotAfter.After(hi) {
 				t.Errorf("NotAfter %s, want between %s and %s", leaf.NotAfter, lo, hi)
 			}
 		})
@@ -740,5 +718,32 @@ func assertRejectedOnce(t *testing.T, res signed, ca *realCA, code codes.Code, w
 	}
 	if got := ca.metric(t, series); got != "1" {
 		t.Errorf("%s = %q, want 1: the CA must see exactly one request", series, got)
+	}
+}
+
+// checkIssued checks a chain the CA signed for a CSR of key: the leaf names id and carries key,
+// and the chain, leaf first, ends with root and verifies to it.
+func checkIssued(t *testing.T, chain []*x509.Certificate, id string, key crypto.Signer, root *x509.Certificate) {
+	t.Helper()
+	if len(chain) < 2 {
+		t.Fatalf("chain of %d certificates, want leaf and root at least", len(chain))
+	}
+	leaf := chain[0]
+	if got := leafID(t, leaf); got != id {
+		t.Errorf("leaf names %s, want %s", got, id)
+	}
+	if !pki.PublicKeysEqual(leaf.PublicKey, key.Public()) {
+		t.Error("leaf does not carry the CSR's key")
+	}
+	if !chain[len(chain)-1].Equal(root) {
+		t.Error("chain does not end with the root in root-cert.pem")
+	}
+	roots, inter := x509.NewCertPool(), x509.NewCertPool()
+	roots.AddCert(root)
+	for _, c := range chain[1 : len(chain)-1] {
+		inter.AddCert(c)
+	}
+	if _, err := leaf.Verify(x509.VerifyOptions{Roots: roots, Intermediates: inter}); err != nil {
+		t.Errorf("leaf does not verify to the root: %v", err)
 	}
 }

@@ -2,7 +2,6 @@ package caclient_test
 
 import (
 	"context"
-	"crypto/x509"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -32,8 +31,6 @@ func TestMeshCASignReturnsChainForTheTokenIdentity(t *testing.T) {
 	t.Parallel()
 	ca := startCA(t)
 	root := ca.root(t)
-	roots := x509.NewCertPool()
-	roots.AddCert(root)
 	tests := []struct {
 		name string
 		alg  pki.KeyAlgorithm
@@ -57,31 +54,14 @@ func TestMeshCASignReturnsChainForTheTokenIdentity(t *testing.T) {
 			if res.err != nil {
 				t.Fatal(res.err)
 			}
-			chain := res.chain
-			leaf := chain[0]
-			if got := leafID(t, leaf); got != id.String() {
-				t.Errorf("leaf names %s, want %s", got, id)
-			}
-			if !pki.PublicKeysEqual(leaf.PublicKey, key.Public()) {
-				t.Error("leaf does not carry the CSR's key")
-			}
-			if len(chain) < 2 || !chain[len(chain)-1].Equal(root) {
-				t.Fatal("chain does not end with the root in root-cert.pem")
-			}
-			inter := x509.NewCertPool()
-			for _, c := range chain[1 : len(chain)-1] {
-				inter.AddCert(c)
-			}
-			if _, err := leaf.Verify(x509.VerifyOptions{Roots: roots, Intermediates: inter}); err != nil {
-				t.Errorf("leaf does not verify to the root: %v", err)
-			}
+			checkIssued(t, res.chain, id.String(), key, root)
 			// The validity goes in whole seconds, rounded up: never cut.
 			ttl := tt.ttl.Round(time.Second)
 			if ttl < tt.ttl {
 				ttl += time.Second
 			}
 			lo, hi := before.Add(ttl).Add(-time.Second), after.Add(ttl).Add(time.Second)
-			if leaf.NotAfter.Before(lo) || leaf.NotAfter.After(hi) {
+			if leaf := res.chain[0]; leaf.NotAfter.Before(lo) || leaf.NotAfter.After(hi) {
 				t.Errorf("NotAfter %s, want between %s and %s", leaf.NotAfter, lo, hi)
 			}
 		})

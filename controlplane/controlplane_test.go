@@ -20,6 +20,7 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/structpb"
 	pb "istio.io/api/security/v1alpha1"
 
 	"github.com/meshid/meshid/ca"
@@ -54,6 +55,12 @@ func mint(t *testing.T, stateDir, ns, sa string) string {
 // and the server name istiod.istio-system.svc, a bearer token, a PEM CSR for the SPIFFE ID.
 func createCertificate(t *testing.T, addr, rootFile, tok, spiffeID string) ([]*x509.Certificate, error) {
 	t.Helper()
+	return createCertificateWith(t, addr, rootFile, tok, spiffeID, nil)
+}
+
+// createCertificateWith is createCertificate with the request's metadata md (nil: none).
+func createCertificateWith(t *testing.T, addr, rootFile, tok, spiffeID string, md *structpb.Struct) ([]*x509.Certificate, error) {
+	t.Helper()
 	rootPEM, err := os.ReadFile(rootFile)
 	if err != nil {
 		t.Fatal(err)
@@ -82,7 +89,7 @@ func createCertificate(t *testing.T, addr, rootFile, tok, spiffeID string) ([]*x
 		t.Fatal(err)
 	}
 	ctx := metadata.AppendToOutgoingContext(t.Context(), "authorization", "Bearer "+tok)
-	resp, err := pb.NewIstioCertificateServiceClient(conn).CreateCertificate(ctx, &pb.IstioCertificateRequest{Csr: string(csr), ValidityDuration: 3600})
+	resp, err := pb.NewIstioCertificateServiceClient(conn).CreateCertificate(ctx, &pb.IstioCertificateRequest{Csr: string(csr), ValidityDuration: 3600, Metadata: md})
 	if err != nil {
 		return nil, err
 	}

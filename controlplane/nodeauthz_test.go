@@ -4,19 +4,13 @@ package controlplane_test
 
 import (
 	"context"
-	"crypto/tls"
 	"crypto/x509"
-	"os"
 	"testing"
 	"time"
 
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials"
-	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/structpb"
-	pb "istio.io/api/security/v1alpha1"
 	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -24,7 +18,6 @@ import (
 	"github.com/meshid/meshid/ca/controller/kube/kubetest"
 	caserver "github.com/meshid/meshid/ca/server"
 	"github.com/meshid/meshid/controlplane"
-	"github.com/meshid/meshid/internal/pki"
 )
 
 // placePod creates a pod of ns/sa on node, as a scheduler would have placed it (the API server
@@ -48,46 +41,15 @@ func placePod(t *testing.T, ns, name, sa, node string) *corev1.Pod {
 // as ztunnel does.
 func impersonate(t *testing.T, r *replica, tok, spiffeID string) (*x509.Certificate, error) {
 	t.Helper()
-	rootPEM, err := os.ReadFile(r.rootFile())
-	if err != nil {
-		t.Fatal(err)
-	}
-	pool := x509.NewCertPool()
-	pool.AppendCertsFromPEM(rootPEM)
-	conn, err := grpc.NewClient(r.cp.GRPCAddr(), grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{
-		RootCAs: pool, ServerName: "istiod.istio-system.svc", MinVersion: tls.VersionTLS12,
-	})))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = conn.Close() }()
-	key, err := pki.GenerateKey(pki.ECDSA, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	id, err := pki.ParseSPIFFEID(spiffeID)
-	if err != nil {
-		t.Fatal(err)
-	}
-	csr, err := pki.CreateCSR(key, id)
-	if err != nil {
-		t.Fatal(err)
-	}
 	md, err := structpb.NewStruct(map[string]any{caserver.ImpersonatedIdentityKey: spiffeID})
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx := metadata.AppendToOutgoingContext(t.Context(), "authorization", "Bearer "+tok)
-	resp, err := pb.NewIstioCertificateServiceClient(conn).CreateCertificate(ctx,
-		&pb.IstioCertificateRequest{Csr: string(csr), ValidityDuration: 3600, Metadata: md})
+	chain, err := createCertificateWith(t, r.cp.GRPCAddr(), r.rootFile(), tok, spiffeID, md)
 	if err != nil {
 		return nil, err
 	}
-	leaf, err := pki.ParseCertificates([]byte(resp.CertChain[0]))
-	if err != nil {
-		t.Fatal(err)
-	}
-	return leaf[0], nil
+	return chain[0], nil
 }
 
 // Issue 28 part 2 on a real API server: a node agent whose token TokenRequest bound to its pod

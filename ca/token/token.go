@@ -7,7 +7,6 @@ import (
 	"crypto"
 	"crypto/ecdsa"
 	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/rsa"
 	"encoding/json"
 	"errors"
@@ -17,6 +16,7 @@ import (
 	"time"
 
 	"github.com/golang-jwt/jwt/v5"
+	"github.com/google/uuid"
 
 	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/logkey"
@@ -180,7 +180,7 @@ func (m *Minter) Mint(p MintParams) (string, error) {
 	}
 	uid := p.ServiceAccountUID
 	if uid == "" {
-		uid = newUUID()
+		uid = uuid.NewString()
 	}
 	now := p.Now
 	if now.IsZero() {
@@ -195,7 +195,7 @@ func (m *Minter) Mint(p MintParams) (string, error) {
 			ExpiresAt: jwt.NewNumericDate(now.Add(p.TTL)),
 			NotBefore: jwt.NewNumericDate(now),
 			IssuedAt:  jwt.NewNumericDate(now),
-			ID:        newUUID(),
+			ID:        uuid.NewString(),
 		},
 		Kubernetes: &KubernetesClaims{
 			Namespace:      p.Namespace,
@@ -285,12 +285,4 @@ func newECDSAKeyPEM() ([]byte, error) {
 		return nil, err
 	}
 	return pki.EncodePrivateKey(key)
-}
-
-func newUUID() string {
-	var b [16]byte
-	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails
-	b[6] = b[6]&0x0f | 0x40
-	b[8] = b[8]&0x3f | 0x80
-	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16])
 }

@@ -837,7 +837,7 @@ func startTmpfsAgent(t *testing.T, ca *caProcess, w workload, o agentOptions) *t
 
 // outputDir is OUTPUT_CERTS as seen from the test.
 func (a *tmpfsAgent) outputDir() string {
-	return filepath.Join("/proc", fmt.Sprint(a.pid), "root", a.mountpoint)
+	return filepath.Join("/proc", fmt.Sprint(a.Pid), "root", a.mountpoint)
 }
 
 // fill writes a filler file on the tmpfs until it is full, and returns its path.

@@ -61,9 +61,8 @@ func TestOneContainerShape(t *testing.T) {
 
 	a.signal(t, syscall.SIGTERM)
 	a.awaitLog(t, "Envoy has no active connections left", nil)
-	a.awaitExit(t)
-	if a.code != 0 {
-		t.Errorf("the agent exited %d after SIGTERM, want 0", a.code)
+	if code := a.awaitExit(t); code != 0 {
+		t.Errorf("the agent exited %d after SIGTERM, want 0", code)
 	}
 	if err := syscall.Kill(envoyPID, 0); !errors.Is(err, syscall.ESRCH) {
 		t.Errorf("Envoy (pid %d) outlived the agent: %v", envoyPID, err)
@@ -90,9 +89,8 @@ func TestOneContainerShapeEndsTogether(t *testing.T) {
 				if err := syscall.Kill(envoyPID, syscall.SIGKILL); err != nil {
 					t.Fatal(err)
 				}
-				a.awaitExit(t)
-				if a.code != 128+int(syscall.SIGKILL) {
-					t.Errorf("the agent exited %d after Envoy was killed, want Envoy's 137", a.code)
+				if code := a.awaitExit(t); code != 128+int(syscall.SIGKILL) {
+					t.Errorf("the agent exited %d after Envoy was killed, want Envoy's 137", code)
 				}
 				return
 			}

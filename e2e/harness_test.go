@@ -2,7 +2,6 @@ package e2e_test
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
@@ -54,45 +53,21 @@ func TestMain(m *testing.M) {
 }
 
 func buildAndRun(m *testing.M) int {
-	dir, err := os.MkdirTemp("", "meshid-e2e-bin")
+	dir, err := testutil.BuildCommands("./cmd/meshid", "./cmd/meshid-agent")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
 	defer func() { _ = os.RemoveAll(dir) }()
-	root, err := exec.Command("go", "list", "-m", "-f", "{{.Dir}}").Output()
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "go list -m:", err)
-		return 1
-	}
-	build := exec.Command("go", "build", "-o", dir+string(filepath.Separator), "./cmd/meshid", "./cmd/meshid-agent")
-	build.Dir = strings.TrimSpace(string(root))
-	if out, err := build.CombinedOutput(); err != nil {
-		fmt.Fprintf(os.Stderr, "go build: %v\n%s", err, out)
-		return 1
-	}
 	binDir = dir
 	return m.Run()
 }
 
 // ---- processes ----
 
-// process is one of the binaries running, started with --log-format json. Its output is kept,
-// printed when the test fails, and its log records can be waited for.
-type process struct {
-	label string
-	pid   int
-	// exited is closed when the process has ended and been waited for; code is then its exit
-	// status (-1: killed by a signal).
-	exited chan struct{}
-	code   int
-
-	mu      sync.Mutex
-	output  bytes.Buffer
-	records []map[string]any
-	grew    chan struct{} // closed and replaced at every new line
-	ended   chan struct{} // closed when the output ends: the process is gone
-}
+// process is one of the binaries running, started with --log-format json: its log records can be
+// waited for.
+type process struct{ *testutil.Process }
 
 // start runs binary (meshid or meshid-agent) with args; the process is killed when the test ends.
 func start(t *testing.T, label, binary string, args ...string) *process {
@@ -104,66 +79,11 @@ func start(t *testing.T, label, binary string, args ...string) *process {
 // when not nil, adjusts the command before it starts.
 func startPath(t *testing.T, label, path string, configure func(*exec.Cmd), args ...string) *process {
 	t.Helper()
-	p := &process{label: label, grew: make(chan struct{}), ended: make(chan struct{}), exited: make(chan struct{})}
-	ctx, cancel := context.WithCancel(context.Background())
-	cmd := exec.CommandContext(ctx, path, append(args, "--log-format", "json")...)
-	r, w, err := os.Pipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd.Stdout, cmd.Stderr = w, w
+	cmd := exec.Command(path, append(args, "--log-format", "json")...)
 	if configure != nil {
 		configure(cmd)
 	}
-	if err := cmd.Start(); err != nil {
-		t.Fatalf("start %s: %v", label, err)
-	}
-	_ = w.Close()
-	p.pid = cmd.Process.Pid
-	go p.read(r)
-	go func() {
-		_ = cmd.Wait()
-		p.code = cmd.ProcessState.ExitCode()
-		close(p.exited)
-	}()
-	t.Cleanup(func() {
-		cancel() // kills it
-		<-p.exited
-		<-p.ended
-		if t.Failed() {
-			t.Logf("---- %s (%s %s) ----\n%s", label, filepath.Base(path), strings.Join(args, " "), p.String())
-		}
-	})
-	return p
-}
-
-func (p *process) read(r io.ReadCloser) {
-	defer close(p.ended)
-	defer func() { _ = r.Close() }()
-	sc := bufio.NewScanner(r)
-	sc.Buffer(nil, 1<<20)
-	for sc.Scan() {
-		line := sc.Bytes()
-		var rec map[string]any
-		if json.Unmarshal(line, &rec) != nil {
-			rec = nil // a line that is not a log record, such as "terminated"
-		}
-		p.mu.Lock()
-		p.output.Write(line)
-		p.output.WriteByte('\n')
-		if rec != nil {
-			p.records = append(p.records, rec)
-		}
-		close(p.grew)
-		p.grew = make(chan struct{})
-		p.mu.Unlock()
-	}
-}
-
-func (p *process) String() string {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.output.String()
+	return &process{testutil.StartProcess(t, label, cmd)}
 }
 
 // awaitLog waits for the first log record, from the start, whose msg is msg and that ok accepts
@@ -173,14 +93,10 @@ func (p *process) awaitLog(t *testing.T, msg string, ok func(map[string]any) boo
 	return p.awaitLogFrom(t, 0, msg, ok)
 }
 
-// mark is the number of log records so far, for awaitLogFrom: what comes after it.
-func (p *process) mark() int {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return len(p.records)
-}
+// mark is the number of lines so far, for awaitLogFrom: what comes after it.
+func (p *process) mark() int { return p.Mark() }
 
-// awaitLogFrom is awaitLog from the record numbered from (a mark) on.
+// awaitLogFrom is awaitLog from the line numbered from (a mark) on.
 func (p *process) awaitLogFrom(t *testing.T, from int, msg string, ok func(map[string]any) bool) map[string]any {
 	t.Helper()
 	rec, _, err := p.findLog(from, msg, ok)
@@ -190,7 +106,7 @@ func (p *process) awaitLogFrom(t *testing.T, from int, msg string, ok func(map[s
 	return rec
 }
 
-// awaitLogRecord is awaitLogFrom that also returns where the records after the one found begin.
+// awaitLogRecord is awaitLogFrom that also returns where the lines after the record found begin.
 func (p *process) awaitLogRecord(t *testing.T, from int, msg string, ok func(map[string]any) bool) (int, map[string]any) {
 	t.Helper()
 	rec, next, err := p.findLog(from, msg, ok)
@@ -208,27 +124,18 @@ func (p *process) awaitLogIndex(t *testing.T, from int, msg string) int {
 }
 
 // findLog is awaitLogFrom that returns an error rather than failing the test, and the number of
-// the record after the one found.
+// the line after the record found. Lines that are not log records, such as "terminated", are
+// passed over.
 func (p *process) findLog(from int, msg string, ok func(map[string]any) bool) (map[string]any, int, error) {
-	deadline := time.After(wait)
-	for seen := from; ; {
-		p.mu.Lock()
-		records, grew := p.records[seen:], p.grew
-		p.mu.Unlock()
-		for i, rec := range records {
-			if rec["msg"] == msg && (ok == nil || ok(rec)) {
-				return rec, seen + i + 1, nil
-			}
-		}
-		seen += len(records)
-		select {
-		case <-grew:
-		case <-p.ended:
-			return nil, 0, fmt.Errorf("%s ended before logging %q", p.label, msg)
-		case <-deadline:
-			return nil, 0, fmt.Errorf("%s did not log %q within %s", p.label, msg, wait)
-		}
+	var rec map[string]any
+	at, err := p.FindLine(from, wait, fmt.Sprintf("the log record %q", msg), func(line string) bool {
+		rec = nil
+		return json.Unmarshal([]byte(line), &rec) == nil && rec["msg"] == msg && (ok == nil || ok(rec))
+	})
+	if err != nil {
+		return nil, 0, err
 	}
+	return rec, at + 1, nil
 }
 
 // kill sends SIGKILL and waits until the process and its output have ended.
@@ -240,19 +147,19 @@ func (p *process) kill(t *testing.T) {
 
 func (p *process) signal(t *testing.T, sig syscall.Signal) {
 	t.Helper()
-	if err := syscall.Kill(p.pid, sig); err != nil {
-		t.Fatalf("%s: %v: %v", p.label, sig, err)
+	if err := syscall.Kill(p.Pid, sig); err != nil {
+		t.Fatalf("%s: %v: %v", p.Label, sig, err)
 	}
 }
 
-func (p *process) awaitExit(t *testing.T) {
+// awaitExit waits for the process to end and returns its exit status (-1: killed by a signal).
+func (p *process) awaitExit(t *testing.T) int {
 	t.Helper()
-	select {
-	case <-p.exited:
-	case <-time.After(wait):
-		t.Fatalf("%s did not exit within %s", p.label, wait)
+	code, err := p.AwaitExit(wait)
+	if err != nil {
+		t.Fatal(err)
 	}
-	<-p.ended
+	return code
 }
 
 // ---- the CA ----

@@ -151,6 +151,12 @@ func TestNodeAgentServesEachAttestedExecutableItsIdentity(t *testing.T) {
 	if got := metric(t, a, `meshid_sds_refusals_total{code="PermissionDenied",reason="unidentified"}`); got != "1" {
 		t.Errorf("unidentified SDS refusals %q, want 1", got)
 	}
+	// Each identity's secret manager's series, labelled with it.
+	for _, id := range []string{"spiffe://cluster.local/ns/shop/sa/a", "spiffe://cluster.local/ns/shop/sa/b"} {
+		if got := metric(t, a, `meshid_agent_cert_valid{identity="`+id+`"}`); got != "1" {
+			t.Errorf("cert_valid of %s %q, want 1", id, got)
+		}
+	}
 
 	addr := spiffeapi.WithAddr("unix://" + a.SocketPath())
 	x509ctx, err := spiffeapi.FetchX509Context(ctx, addr)

@@ -119,7 +119,7 @@ func TestNodeAgentServesEachAttestedExecutableItsIdentity(t *testing.T) {
 		t.Fatal(err)
 	}
 	cfg := testConfig(t, newFakeClock(), newLogSink(t), nil)
-	cfg.SDS.WorkloadAttestation, cfg.SDS.Attest = rules, newAttestor
+	cfg.SDS.WorkloadAttestation, cfg.SDS.Attest, cfg.XDS.Proxy = rules, newAttestor, false
 	a := newAgent(t, cfg)
 	runAgent(t, a)
 	ctx, cancel := context.WithTimeout(t.Context(), wait)

@@ -215,12 +215,14 @@ type AttestConfig struct {
 
 // Attestor says who each caller on the SDS socket is: its credentials attest every connection,
 // Caller gives a call's caller the namespace and service account of its rule, Run watches the
-// rules file. internal/attest's Attestor is one; the agent does not import it, so that
-// meshid-agent links none of it.
+// rules file, and Loaded's channel is closed after each load (the agent then checks the open
+// streams' callers again). internal/attest's Attestor is one; the agent does not import it, so
+// that meshid-agent links none of it.
 type Attestor interface {
 	Credentials(inner credentials.TransportCredentials) credentials.TransportCredentials
 	Caller(ctx context.Context) (namespace, serviceAccount string, err error)
 	Run(ctx context.Context) error
+	Loaded() <-chan struct{}
 }
 
 // XDSConfig is the proxy of Envoy's xDS to the discovery server.

@@ -60,10 +60,25 @@ type identify func(ctx context.Context) (namespace, serviceAccount string, err e
 type nodeResolver struct {
 	trustDomain string
 	identify    identify
+	// streams, when set, is told the identity each stream is given.
+	streams *nodeStreams
 }
 
-// identity is the SPIFFE ID of the caller of ctx.
+// identity is the SPIFFE ID of the caller of ctx, noted as its stream's when ctx is a stream's.
 func (n nodeResolver) identity(ctx context.Context) (pki.SPIFFEID, error) {
+	if n.streams == nil {
+		return n.lookup(ctx)
+	}
+	generation := n.streams.generationNow()
+	id, err := n.lookup(ctx)
+	if err == nil {
+		n.streams.note(ctx, id, generation)
+	}
+	return id, err
+}
+
+// lookup is the SPIFFE ID the rules give the caller of ctx now.
+func (n nodeResolver) lookup(ctx context.Context) (pki.SPIFFEID, error) {
 	ns, sa, err := n.identify(ctx)
 	if err != nil {
 		return pki.SPIFFEID{}, err
@@ -356,11 +371,16 @@ func (a *Agent) buildNode(cfg Config, fetched tokenFunc, clk clock.Clock, log *s
 		})
 	}
 	a.identities = newIdentities(newManager, registry, clk, log.With(logkey.Component, "identities"))
+	resolver := nodeResolver{trustDomain: cfg.Identity.TrustDomain, identify: func(ctx context.Context) (string, string, error) {
+		return a.attestor.Caller(ctx)
+	}}
+	if a.nodeStreams, err = newNodeStreams(resolver.lookup, log.With(logkey.Component, "node-streams"), registry); err != nil {
+		return nodeResolver{}, err
+	}
+	resolver.streams = a.nodeStreams
 	log.Info("node mode: each caller on the socket gets the identity its rule gives", logkey.Path, cfg.SDS.WorkloadAttestation,
 		logkey.Identity, self.String())
-	return nodeResolver{trustDomain: cfg.Identity.TrustDomain, identify: func(ctx context.Context) (string, string, error) {
-		return a.attestor.Caller(ctx)
-	}}, nil
+	return resolver, nil
 }
 
 // nodeJWTIssuer asks the CA for JWT-SVIDs of each caller's identity, as a trusted node account

@@ -330,19 +330,20 @@ func (o *agentOptions) resolve(cmd *cobra.Command, log *slog.Logger) []error {
 	if cfg.CA.Address == "" && cfg.XDS.DiscoveryAddress != "" {
 		cfg.CA.Address = cfg.XDS.DiscoveryAddress // CA_ADDR defaults to the discovery address, as in Istio
 	}
+	proxyOff := "--proxy-xds-via-agent=false (PROXY_XDS_VIA_AGENT)"
 	if cfg.SDS.WorkloadAttestation != "" && !flags.Changed("proxy-xds-via-agent") {
 		// Off by default in node mode: upstream, the proxy could only be the node agent. Asked
 		// for (flag or variable), it is refused by the config's validation.
-		cfg.XDS.Proxy = false
+		cfg.XDS.Proxy, proxyOff = false, "node mode (--workload-attestation)"
 	}
 	if !cfg.XDS.Proxy {
 		if flags.Changed("proxy-xds-debug-via-agent") && cfg.XDS.ProxyDebug {
-			errs = append(errs, errors.New("--proxy-xds-debug-via-agent (PROXY_XDS_DEBUG_VIA_AGENT) needs the xDS proxy: --proxy-xds-via-agent (PROXY_XDS_VIA_AGENT) is false"))
+			errs = append(errs, fmt.Errorf("--proxy-xds-debug-via-agent (PROXY_XDS_DEBUG_VIA_AGENT) needs the xDS proxy, which %s turns off", proxyOff))
 		}
 		for _, name := range []string{"discovery-addr", "xds-socket", "xds-root-cert", "xds-debug-socket", "xds-debug-tcp",
 			"xds-proxy-max-streams", "xds-proxy-max-streams-per-connection"} {
 			if flags.Changed(name) {
-				errs = append(errs, fmt.Errorf("--%s configures the xDS proxy, which --proxy-xds-via-agent=false (PROXY_XDS_VIA_AGENT) turns off", name))
+				errs = append(errs, fmt.Errorf("--%s configures the xDS proxy, which %s turns off", name, proxyOff))
 			}
 		}
 		cfg.XDS.ProxyDebug = false

@@ -164,6 +164,8 @@ func TestAgentRefusesBadInput(t *testing.T) {
 			"--workload-attestation serves each caller its own identity, but --proxy-xds-via-agent (PROXY_XDS_VIA_AGENT) would proxy every Envoy's xDS as the node agent's own identity"},
 		{"node mode with PROXY_XDS_VIA_AGENT=true", with("PROXY_XDS_VIA_AGENT", "true"), []string{"--workload-attestation", "/rules.yaml"},
 			"--workload-attestation serves each caller its own identity, but --proxy-xds-via-agent (PROXY_XDS_VIA_AGENT) would proxy"},
+		{"node mode with an xDS proxy flag", base, []string{"--workload-attestation", "/rules.yaml", "--xds-socket", "/tmp/XDS"},
+			"--xds-socket configures the xDS proxy, which node mode (--workload-attestation) turns off"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

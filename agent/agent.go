@@ -71,13 +71,15 @@ type Agent struct {
 	// identities and attestor serve node mode: a secret manager per caller's identity.
 	identities *identities
 	attestor   Attestor
-	sds        *sds.Server      // nil with an external SDS server
-	xds        *xdsproxy.Proxy  // nil with PROXY_XDS_VIA_AGENT=false
-	xdsConn    *grpc.ClientConn // the xDS proxy's upstream
-	status     *http.Server
-	statusLis  net.Listener
-	debug      *http.Server
-	debugLis   net.Listener
+	// nodeStreams ends the streams whose caller a reload of the rules gave another identity.
+	nodeStreams *nodeStreams
+	sds         *sds.Server      // nil with an external SDS server
+	xds         *xdsproxy.Proxy  // nil with PROXY_XDS_VIA_AGENT=false
+	xdsConn     *grpc.ClientConn // the xDS proxy's upstream
+	status      *http.Server
+	statusLis   net.Listener
+	debug       *http.Server
+	debugLis    net.Listener
 	// xdsDebug serves /debug/<type> on xdsDebugSocket, next to the XDS socket.
 	xdsDebug       *http.Server
 	xdsDebugSocket *fsutil.Socket
@@ -153,6 +155,7 @@ func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *p
 				return err
 			}
 			sdsCfg.Secrets, sdsCfg.Resolve, sdsCfg.Credentials = a.identities, resolver.Resolve, a.attestor.Credentials
+			sdsCfg.StreamInterceptor = a.nodeStreams.intercept
 			api = workloadapi.Config{Secrets: a.identities, Identify: resolver.Names, JWT: nodeJWTIssuer{ca: a.ca, resolver: resolver}}
 		} else {
 			if err := a.buildSecrets(cfg, fetched, clk, log, registry); err != nil {
@@ -744,6 +747,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	if a.identities != nil {
 		g.Go(func() error { return a.identities.Run(gctx) })
 		g.Go(func() error { return a.attestor.Run(gctx) })
+		g.Go(func() error { return a.nodeStreams.Run(gctx, a.attestor.Loaded) })
 	}
 	if a.sds != nil {
 		g.Go(func() error { return a.sds.Run(gctx) })

@@ -215,12 +215,14 @@ type AttestConfig struct {
 
 // Attestor says who each caller on the SDS socket is: its credentials attest every connection,
 // Caller gives a call's caller the namespace and service account of its rule, Run watches the
-// rules file. internal/attest's Attestor is one; the agent does not import it, so that
-// meshid-agent links none of it.
+// rules file, and Loaded's channel is closed after each load (the agent then checks the open
+// streams' callers again). internal/attest's Attestor is one; the agent does not import it, so
+// that meshid-agent links none of it.
 type Attestor interface {
 	Credentials(inner credentials.TransportCredentials) credentials.TransportCredentials
 	Caller(ctx context.Context) (namespace, serviceAccount string, err error)
 	Run(ctx context.Context) error
+	Loaded() <-chan struct{}
 }
 
 // XDSConfig is the proxy of Envoy's xDS to the discovery server.
@@ -418,8 +420,9 @@ func (c *Config) fileResourceDirs() []string {
 // nodeMode reports whether the agent serves every workload of its node (WorkloadAttestation).
 func (c *Config) nodeMode() bool { return c.SDS.WorkloadAttestation != "" }
 
-// checkNodeMode refuses what node mode cannot do: one workload's credentials (files, OUTPUT_CERTS)
-// and the Mesh CA protocol, whose requests cannot name another identity.
+// checkNodeMode refuses what node mode cannot do: one workload's credentials (files, OUTPUT_CERTS),
+// the Mesh CA protocol, whose requests cannot name another identity, and the xDS proxy, which
+// has only the node's.
 func (c *Config) checkNodeMode() []error {
 	if !c.nodeMode() {
 		return nil
@@ -444,6 +447,11 @@ func (c *Config) checkNodeMode() []error {
 	}
 	if c.CA.ProvCert != "" {
 		errs = append(errs, configerr.Errorf("CA.ProvCert", why+"which the CA signs only for a caller authenticated by a token: {CA.ProvCert}'s certificate would not be enough; unset it"))
+	}
+	if c.XDS.Proxy {
+		// The proxy authenticates upstream as the agent: every Envoy on the node would get the
+		// node account's configuration.
+		errs = append(errs, configerr.Errorf("XDS.Proxy", why+"but {XDS.Proxy} would proxy every Envoy's xDS as the node agent's own identity, and so give any workload the node's configuration; unset it"))
 	}
 	return errs
 }

@@ -60,10 +60,25 @@ type identify func(ctx context.Context) (namespace, serviceAccount string, err e
 type nodeResolver struct {
 	trustDomain string
 	identify    identify
+	// streams, when set, is told the identity each stream is given.
+	streams *nodeStreams
 }
 
-// identity is the SPIFFE ID of the caller of ctx.
+// identity is the SPIFFE ID of the caller of ctx, noted as its stream's when ctx is a stream's.
 func (n nodeResolver) identity(ctx context.Context) (pki.SPIFFEID, error) {
+	if n.streams == nil {
+		return n.lookup(ctx)
+	}
+	generation := n.streams.generationNow()
+	id, err := n.lookup(ctx)
+	if err == nil {
+		n.streams.note(ctx, id, generation)
+	}
+	return id, err
+}
+
+// lookup is the SPIFFE ID the rules give the caller of ctx now.
+func (n nodeResolver) lookup(ctx context.Context) (pki.SPIFFEID, error) {
 	ns, sa, err := n.identify(ctx)
 	if err != nil {
 		return pki.SPIFFEID{}, err
@@ -95,9 +110,13 @@ func (n nodeResolver) Names(ctx context.Context) (workloadapi.Names, error) {
 
 // identities holds a secret manager per workload identity a caller asked for: made on the first
 // ask, run under Run (so renewed proactively like a sidecar's), and released once no stream or
-// call has asked for it for idle.
+// call has asked for it for idle. Each manager's metrics are registered with its identity as the
+// label "identity", and unregistered when it is released, so that the series come and go with
+// the identities.
 type identities struct {
-	newManager func(pki.SPIFFEID) (*secretmanager.Manager, error)
+	// newManager makes id's manager, registering its metrics with reg.
+	newManager func(id pki.SPIFFEID, reg prometheus.Registerer) (*secretmanager.Manager, error)
+	registerer prometheus.Registerer // nil: the managers' metrics are not registered
 	clock      clock.Clock
 	log        *slog.Logger
 	idle       time.Duration
@@ -118,13 +137,55 @@ type heldIdentity struct {
 	users   int       // subscriptions open
 	since   time.Time // when users last fell to 0
 	stop    context.CancelFunc
+	metrics *trackedRegisterer
+}
+
+// identityLabel labels a node agent's per-identity series with the identity's SPIFFE ID.
+const identityLabel = "identity"
+
+// trackedRegisterer registers with a registerer and remembers what, so that it can all be
+// unregistered when the identity whose metrics they are is released.
+type trackedRegisterer struct {
+	reg        prometheus.Registerer
+	collectors []prometheus.Collector
+}
+
+func (t *trackedRegisterer) Register(c prometheus.Collector) error {
+	if err := t.reg.Register(c); err != nil {
+		return err
+	}
+	t.collectors = append(t.collectors, c)
+	return nil
+}
+
+func (t *trackedRegisterer) MustRegister(cs ...prometheus.Collector) {
+	for _, c := range cs {
+		if err := t.Register(c); err != nil {
+			panic(err)
+		}
+	}
+}
+
+func (t *trackedRegisterer) Unregister(c prometheus.Collector) bool {
+	t.collectors = slices.DeleteFunc(t.collectors, func(held prometheus.Collector) bool { return held == c })
+	return t.reg.Unregister(c)
+}
+
+// unregisterAll removes every series registered through t.
+func (t *trackedRegisterer) unregisterAll() {
+	for _, c := range t.collectors {
+		t.reg.Unregister(c)
+	}
+	t.collectors = nil
 }
 
 // errNodeAgentStopped refuses a subscription that comes once the agent stops.
 var errNodeAgentStopped = errors.New("the node agent is stopping")
 
-func newIdentities(newManager func(pki.SPIFFEID) (*secretmanager.Manager, error), clk clock.Clock, log *slog.Logger) *identities {
-	return &identities{newManager: newManager, clock: clk, log: log, idle: IdentityIdleRelease, entries: map[pki.SPIFFEID]*heldIdentity{}}
+func newIdentities(newManager func(pki.SPIFFEID, prometheus.Registerer) (*secretmanager.Manager, error), registerer prometheus.Registerer,
+	clk clock.Clock, log *slog.Logger) *identities {
+	return &identities{newManager: newManager, registerer: registerer, clock: clk, log: log, idle: IdentityIdleRelease,
+		entries: map[pki.SPIFFEID]*heldIdentity{}}
 }
 
 // Subscribe is secretmanager.Manager.Subscribe over keys of nodeKey: the named secret of the
@@ -159,11 +220,18 @@ func (r *identities) acquire(id pki.SPIFFEID) (*heldIdentity, error) {
 	}
 	h := r.entries[id]
 	if h == nil {
-		m, err := r.newManager(id)
+		var reg prometheus.Registerer
+		tracked := &trackedRegisterer{}
+		if r.registerer != nil {
+			tracked.reg = prometheus.WrapRegistererWith(prometheus.Labels{identityLabel: id.String()}, r.registerer)
+			reg = tracked
+		}
+		m, err := r.newManager(id, reg)
 		if err != nil {
+			tracked.unregisterAll()
 			return nil, fmt.Errorf("identity %s: %w", id, err)
 		}
-		h = &heldIdentity{id: id, manager: m}
+		h = &heldIdentity{id: id, manager: m, metrics: tracked}
 		r.entries[id] = h
 		r.log.Info("identity asked for: obtaining and renewing its certificate", logkey.Identity, id.String())
 		if r.runCtx != nil {
@@ -196,6 +264,7 @@ func (r *identities) startLocked(h *heldIdentity) {
 			r.mu.Lock()
 			if r.entries[h.id] == h {
 				delete(r.entries, h.id)
+				h.metrics.unregisterAll()
 			}
 			r.mu.Unlock()
 		}
@@ -244,6 +313,7 @@ func (r *identities) sweep() {
 		}
 		delete(r.entries, id)
 		h.stop()
+		h.metrics.unregisterAll()
 		r.log.Info("identity released: no caller has asked for it", logkey.Identity, id.String(), logkey.Duration, r.idle)
 	}
 }
@@ -278,12 +348,11 @@ func (a *Agent) buildNode(cfg Config, fetched tokenFunc, clk clock.Clock, log *s
 	if err != nil {
 		return nodeResolver{}, err
 	}
-	newManager := func(id pki.SPIFFEID) (*secretmanager.Manager, error) {
+	newManager := func(id pki.SPIFFEID, reg prometheus.Registerer) (*secretmanager.Manager, error) {
 		signer, err := a.ca.ForIdentity(id)
 		if err != nil {
 			return nil, err
 		}
-		// Not registered: the registry would refuse a second manager's metrics of one name.
 		return secretmanager.New(secretmanager.Config{
 			Workload: &secretmanager.Rotation{
 				Signer:           signer,
@@ -295,17 +364,23 @@ func (a *Agent) buildNode(cfg Config, fetched tokenFunc, clk clock.Clock, log *s
 				GraceRatioJitter: cfg.Certificate.GraceRatioJitter,
 				RootCertFile:     up.rootCertFile,
 			},
-			Clock:   clk,
-			Logger:  log.With(logkey.Component, "secretmanager", logkey.Identity, id.String()),
-			OnEvent: cfg.OnEvent,
+			Clock:      clk,
+			Logger:     log.With(logkey.Component, "secretmanager", logkey.Identity, id.String()),
+			OnEvent:    cfg.OnEvent,
+			Registerer: reg,
 		})
 	}
-	a.identities = newIdentities(newManager, clk, log.With(logkey.Component, "identities"))
+	a.identities = newIdentities(newManager, registry, clk, log.With(logkey.Component, "identities"))
+	resolver := nodeResolver{trustDomain: cfg.Identity.TrustDomain, identify: func(ctx context.Context) (string, string, error) {
+		return a.attestor.Caller(ctx)
+	}}
+	if a.nodeStreams, err = newNodeStreams(resolver.lookup, log.With(logkey.Component, "node-streams"), registry); err != nil {
+		return nodeResolver{}, err
+	}
+	resolver.streams = a.nodeStreams
 	log.Info("node mode: each caller on the socket gets the identity its rule gives", logkey.Path, cfg.SDS.WorkloadAttestation,
 		logkey.Identity, self.String())
-	return nodeResolver{trustDomain: cfg.Identity.TrustDomain, identify: func(ctx context.Context) (string, string, error) {
-		return a.attestor.Caller(ctx)
-	}}, nil
+	return resolver, nil
 }
 
 // nodeJWTIssuer asks the CA for JWT-SVIDs of each caller's identity, as a trusted node account

@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
 	"github.com/meshid/meshid/secretmanager"
@@ -35,20 +37,47 @@ func (s csrSigner) Sign(_ context.Context, der []byte, ttl time.Duration) ([]*x5
 	return []*x509.Certificate{leaf, s.root.Cert}, nil
 }
 
+// identitySeries returns the identities of the series of the metric named name in reg.
+func identitySeries(t *testing.T, reg *prometheus.Registry, name string) []string {
+	t.Helper()
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ids []string
+	for _, f := range families {
+		if f.GetName() != name {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == identityLabel {
+					ids = append(ids, l.GetValue())
+				}
+			}
+		}
+	}
+	slices.Sort(ids)
+	return ids
+}
+
 // The registry makes a manager per identity on first ask, serves each its own "default", and
-// releases an identity once no one has asked for it for IdentityIdleRelease, not before.
+// releases an identity once no one has asked for it for IdentityIdleRelease, not before; each
+// identity's metrics carry its identity as a label and leave with it.
 func TestIdentitiesMadeOnDemandAndReleasedWhenIdle(t *testing.T) {
 	t.Parallel()
 	clk := testutil.NewFakeClock(time.Now())
 	signer := csrSigner{t: t, root: testutil.NewRootCA(t, testutil.CAOptions{})}
 	made := map[pki.SPIFFEID]int{}
-	r := newIdentities(func(id pki.SPIFFEID) (*secretmanager.Manager, error) {
+	reg := prometheus.NewRegistry()
+	r := newIdentities(func(id pki.SPIFFEID, reg prometheus.Registerer) (*secretmanager.Manager, error) {
 		made[id]++
 		return secretmanager.New(secretmanager.Config{
-			Workload: &secretmanager.Rotation{Signer: signer, Identity: id, TTL: 24 * time.Hour},
-			Clock:    clk,
+			Workload:   &secretmanager.Rotation{Signer: signer, Identity: id, TTL: 24 * time.Hour},
+			Clock:      clk,
+			Registerer: reg,
 		})
-	}, clk, slog.New(slog.DiscardHandler))
+	}, reg, clk, slog.New(slog.DiscardHandler))
 	sweeps := make(chan struct{}, 1)
 	r.swept = func() { sweeps <- struct{}{} } // once the next sweep's timer is armed
 	a := pki.SPIFFEID{TrustDomain: "cluster.local", Namespace: "shop", ServiceAccount: "a"}
@@ -96,6 +125,11 @@ func TestIdentitiesMadeOnDemandAndReleasedWhenIdle(t *testing.T) {
 	if made[a] != 1 || made[b] != 1 {
 		t.Fatalf("managers made: %v, want one each", made)
 	}
+	for _, name := range []string{"meshid_agent_cert_valid", "meshid_agent_cert_rotations_total", "meshid_agent_cert_expiry_timestamp_seconds"} {
+		if got := identitySeries(t, reg, name); !slices.Equal(got, []string{a.String(), b.String()}) {
+			t.Errorf("%s of identities %v, want %s and %s", name, got, a, b)
+		}
+	}
 	for _, key := range []string{"file-root:/etc/certs/root.pem", "default", "default@not-an-id", "other@" + a.String()} {
 		if _, err := r.Subscribe(key, func(*secretmanager.Secret, error) {}); !errors.Is(err, secretmanager.ErrUnknownSecret) {
 			t.Errorf("Subscribe(%q): %v, want ErrUnknownSecret", key, err)
@@ -124,6 +158,12 @@ func TestIdentitiesMadeOnDemandAndReleasedWhenIdle(t *testing.T) {
 	// The sweep at IdentityIdleRelease released a, not b, which is still asked for.
 	if held := r.held(); !slices.Equal(held, []string{b.String()}) {
 		t.Fatalf("held %v, want only %s", held, b)
+	}
+	// Its series went with it; b's stay.
+	for _, name := range []string{"meshid_agent_cert_valid", "meshid_agent_cert_rotations_total", "meshid_agent_cert_expiry_timestamp_seconds"} {
+		if got := identitySeries(t, reg, name); !slices.Equal(got, []string{b.String()}) {
+			t.Errorf("%s of identities %v after %s's release, want only %s", name, got, a, b)
+		}
 	}
 	// Asked again, a is made again.
 	cancelA3, err := r.Subscribe(nodeKey(secretmanager.WorkloadCertName, a), func(*secretmanager.Secret, error) {})

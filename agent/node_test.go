@@ -16,14 +16,15 @@ func newAttestor(c agent.AttestConfig) (agent.Attestor, error) {
 	return a, nil
 }
 
-// Node mode refuses at start what would give every caller one workload's credentials, or what
-// cannot ask the CA for another identity.
+// Node mode refuses at start what would give every caller one workload's credentials (or, the
+// xDS proxy, the node's configuration), or what cannot ask the CA for another identity.
 func TestNodeModeRefusals(t *testing.T) {
 	t.Parallel()
 	node := func(edit func(*agent.Config)) func(*agent.Config) {
 		return func(c *agent.Config) {
 			c.SDS.WorkloadAttestation = "/etc/meshid/rules.yaml"
 			c.SDS.Attest = newAttestor
+			c.XDS.Proxy = false
 			edit(c)
 		}
 	}
@@ -33,6 +34,7 @@ func TestNodeModeRefusals(t *testing.T) {
 		{"credentials dir", node(func(c *agent.Config) { c.SDS.CredentialsDir = "/creds" }), "SDS.CredentialsDir", "not served in node mode"},
 		{"Mesh CA", node(func(c *agent.Config) { withCA(c); c.CA.Provider = agent.CAProviderGoogleCA }), "CA.Provider", "cannot ask for another identity"},
 		{"provisioned certificate", node(func(c *agent.Config) { withCA(c); c.CA.ProvCert = "/prov" }), "CA.ProvCert", "authenticated by a token"},
+		{"the xDS proxy", node(func(c *agent.Config) { c.XDS.Proxy = true }), "XDS.Proxy", "as the node agent's own identity"},
 		{"a binary without attestation (meshid-agent)", node(func(c *agent.Config) { c.SDS.Attest = nil }), "SDS.WorkloadAttestation", "node mode is in meshid"},
 	})
 }

@@ -119,7 +119,7 @@ func TestNodeAgentServesEachAttestedExecutableItsIdentity(t *testing.T) {
 		t.Fatal(err)
 	}
 	cfg := testConfig(t, newFakeClock(), newLogSink(t), nil)
-	cfg.SDS.WorkloadAttestation, cfg.SDS.Attest = rules, newAttestor
+	cfg.SDS.WorkloadAttestation, cfg.SDS.Attest, cfg.XDS.Proxy = rules, newAttestor, false
 	a := newAgent(t, cfg)
 	runAgent(t, a)
 	ctx, cancel := context.WithTimeout(t.Context(), wait)
@@ -150,6 +150,12 @@ func TestNodeAgentServesEachAttestedExecutableItsIdentity(t *testing.T) {
 	}
 	if got := metric(t, a, `meshid_sds_refusals_total{code="PermissionDenied",reason="unidentified"}`); got != "1" {
 		t.Errorf("unidentified SDS refusals %q, want 1", got)
+	}
+	// Each identity's secret manager's series, labelled with it.
+	for _, id := range []string{"spiffe://cluster.local/ns/shop/sa/a", "spiffe://cluster.local/ns/shop/sa/b"} {
+		if got := metric(t, a, `meshid_agent_cert_valid{identity="`+id+`"}`); got != "1" {
+			t.Errorf("cert_valid of %s %q, want 1", id, got)
+		}
 	}
 
 	addr := spiffeapi.WithAddr("unix://" + a.SocketPath())

@@ -96,9 +96,11 @@ type ControlPlane struct {
 }
 
 // New opens the listeners, so that the bound addresses are known before Run, then loads or
-// creates the CA's key material and builds the servers. It starts no goroutines; call Run, or
-// Close if Run will not be called.
-func New(cfg Config) (_ *ControlPlane, err error) {
+// creates the CA's key material and builds the servers. What it asks of the network (an upstream
+// CA's first certificate, on Kubernetes the cacerts and JWT-SVID key Secrets) is bounded by the
+// start timeouts and ends with ctx: a start cut short (SIGTERM) returns ctx's error at once. It
+// starts no goroutines; call Run, or Close if Run will not be called.
+func New(ctx context.Context, cfg Config) (_ *ControlPlane, err error) {
 	if err := cfg.check(); err != nil {
 		return nil, err
 	}
@@ -119,7 +121,7 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 	if err != nil {
 		return nil, err
 	}
-	authority, keys, upstream, err := newAuthority(cfg, st, registry)
+	authority, keys, upstream, err := newAuthority(ctx, cfg, st, registry)
 	if err != nil {
 		return nil, err
 	}
@@ -140,7 +142,7 @@ func New(cfg Config) (_ *ControlPlane, err error) {
 	if err != nil {
 		return nil, err
 	}
-	jwtSigner, err := newJWTSVIDSigner(cfg, st)
+	jwtSigner, err := newJWTSVIDSigner(ctx, cfg, st)
 	if err != nil {
 		return nil, err
 	}
@@ -290,7 +292,7 @@ func (s stores) nodeAuthorizer() caserver.NodeAuthorizer {
 // unless the mounted files hold a complete bundle; with an upstream CA, from the state dir or the
 // upstream) and returns the authority that signs with it, the key manager that keeps it current,
 // and the client of the upstream CA (nil without one), which the caller closes.
-func newAuthority(cfg Config, st stores, reg prometheus.Registerer) (_ *ca.Authority, _ *ca.KeyManager, _ *caclient.Client, err error) {
+func newAuthority(ctx context.Context, cfg Config, st stores, reg prometheus.Registerer) (_ *ca.Authority, _ *ca.KeyManager, _ *caclient.Client, err error) {
 	var (
 		initial       *ca.Bundle
 		initialOrigin ca.Origin
@@ -307,14 +309,14 @@ func newAuthority(cfg Config, st stores, reg prometheus.Registerer) (_ *ca.Autho
 		if client, upstream, err = newUpstream(cfg, reg); err != nil {
 			return nil, nil, nil, err
 		}
-		ctx, cancel := context.WithTimeout(context.Background(), cfg.Upstream.StartTimeout)
+		ctx, cancel := context.WithTimeout(ctx, cfg.Upstream.StartTimeout)
 		initial, initialOrigin, err = upstream.Load(ctx)
 		cancel()
 		if err != nil {
 			return nil, nil, nil, fmt.Errorf("load CA key material: %w", err)
 		}
 	case st.kube != nil:
-		if initial, initialOrigin, err = st.kube.initialBundle(cfg.CACertsDir, cfg.Clock.Now()); err != nil {
+		if initial, initialOrigin, err = st.kube.initialBundle(ctx, cfg.CACertsDir, cfg.Clock.Now()); err != nil {
 			return nil, nil, nil, fmt.Errorf("load CA key material: %w", err)
 		}
 	}
@@ -497,9 +499,9 @@ func newServers(cfg Config, st stores, authority *ca.Authority, jwtSigner *ca.JW
 
 // newJWTSVIDSigner loads the JWT-SVID key, or creates it at the first start: on Kubernetes in a
 // Secret that every replica shares, elsewhere in the state dir.
-func newJWTSVIDSigner(cfg Config, st stores) (*ca.JWTSVIDSigner, error) {
+func newJWTSVIDSigner(ctx context.Context, cfg Config, st stores) (*ca.JWTSVIDSigner, error) {
 	if st.kube != nil {
-		return st.kube.jwtSVIDSigner(cfg)
+		return st.kube.jwtSVIDSigner(ctx, cfg)
 	}
 	signer, created, err := ca.LoadOrCreateJWTSVIDSigner(cfg.StateDir, cfg.TrustDomain, cfg.JWTSVIDTTL)
 	if err != nil {

@@ -310,7 +310,7 @@ func TestNewFailsClearly(t *testing.T) {
 			t.Parallel()
 			cfg := testConfig(t.TempDir())
 			tt.modify(&cfg)
-			_, err := controlplane.New(cfg)
+			_, err := controlplane.New(t.Context(), cfg)
 			if err == nil || !strings.Contains(err.Error(), tt.want) {
 				t.Fatalf("error %v, want one mentioning %q", err, tt.want)
 			}
@@ -321,7 +321,7 @@ func TestNewFailsClearly(t *testing.T) {
 // runBriefly starts a control plane on cfg and stops it once it serves, as a first start would.
 func runBriefly(t *testing.T, cfg controlplane.Config) {
 	t.Helper()
-	cp, err := controlplane.New(cfg)
+	cp, err := controlplane.New(t.Context(), cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -349,7 +349,7 @@ func readFile(t *testing.T, path string) string {
 func TestRunStoppedAtOnce(t *testing.T) {
 	t.Parallel()
 	for i := range 20 {
-		cp, err := controlplane.New(testConfig(t.TempDir()))
+		cp, err := controlplane.New(t.Context(), testConfig(t.TempDir()))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -383,7 +383,7 @@ func TestNewRefusesMissingCACertsDir(t *testing.T) {
 	base := t.TempDir()
 	cfg := testConfig(filepath.Join(base, "state"))
 	cfg.CACertsDir = filepath.Join(base, "cacerts-typo")
-	_, err := controlplane.New(cfg)
+	_, err := controlplane.New(t.Context(), cfg)
 	if err == nil || !strings.Contains(err.Error(), "CACertsDir") || !strings.Contains(err.Error(), cfg.CACertsDir) {
 		t.Fatalf("error %v, want one naming CACertsDir and %s", err, cfg.CACertsDir)
 	}
@@ -409,7 +409,7 @@ func TestNewRefusesMissingDirsAsConfig(t *testing.T) {
 	base := t.TempDir()
 	cfg := testConfig(filepath.Join(base, "state"))
 	cfg.CACertsDir, cfg.Manifests = filepath.Join(base, "cacerts"), filepath.Join(base, "manifests")
-	_, err := controlplane.New(cfg)
+	_, err := controlplane.New(t.Context(), cfg)
 	if !errors.Is(err, controlplane.ErrConfigRefused) {
 		t.Fatalf("error %v, want ErrConfigRefused", err)
 	}
@@ -454,7 +454,7 @@ func TestNewBindsBeforeWriting(t *testing.T) {
 			socket := filepath.Join(testutil.ShortTempDir(t), "ca.sock")
 			cfg.GRPCAddr = "unix://" + socket
 			tt.modify(&cfg)
-			if _, err := controlplane.New(cfg); err == nil || !strings.Contains(err.Error(), tt.want) {
+			if _, err := controlplane.New(t.Context(), cfg); err == nil || !strings.Contains(err.Error(), tt.want) {
 				t.Fatalf("error %v, want one naming %q", err, tt.want)
 			}
 			if _, err := os.Stat(cfg.StateDir); !tt.stateAfter && !errors.Is(err, os.ErrNotExist) {
@@ -480,7 +480,7 @@ func TestUnixSocketListener(t *testing.T) {
 	}
 	cfg := testConfig(filepath.Join(t.TempDir(), "state"))
 	cfg.GRPCAddr = "unix://" + socket
-	if _, err := controlplane.New(cfg); !errors.Is(err, fsutil.ErrSocketInUse) {
+	if _, err := controlplane.New(t.Context(), cfg); !errors.Is(err, fsutil.ErrSocketInUse) {
 		t.Fatalf("a CA on a live socket: %v, want ErrSocketInUse", err)
 	}
 	if conn, err := net.Dial("unix", socket); err != nil {
@@ -490,7 +490,7 @@ func TestUnixSocketListener(t *testing.T) {
 	}
 	live.(*net.UnixListener).SetUnlinkOnClose(false)
 	_ = live.Close() // now stale
-	cp, err := controlplane.New(cfg)
+	cp, err := controlplane.New(t.Context(), cfg)
 	if err != nil {
 		t.Fatalf("a stale socket was not replaced: %v", err)
 	}

@@ -69,7 +69,9 @@ func NewEmbedded(e EmbeddedConfig) (*Embedded, error) {
 	}
 	cfg.Clock = e.Clock
 	cfg.Logger = e.Logger
-	cp, err := New(cfg)
+	// No upstream CA and no Kubernetes: nothing of this start waits on the network, and there
+	// is nothing for a caller's context to cut short (the agent builds it in New, before Run).
+	cp, err := New(context.Background(), cfg)
 	if err != nil {
 		return nil, err
 	}

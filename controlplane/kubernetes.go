@@ -141,7 +141,7 @@ func newOnKubernetes(cfg Config, reg prometheus.Registerer) (*onKubernetes, erro
 
 // initialBundle returns the key material from the cacerts Secret, or nil when the mounted
 // cacerts files hold a complete bundle (the RFC's first step, which the key manager takes).
-func (k *onKubernetes) initialBundle(cacertsDir string, now time.Time) (*ca.Bundle, ca.Origin, error) {
+func (k *onKubernetes) initialBundle(ctx context.Context, cacertsDir string, now time.Time) (*ca.Bundle, ca.Origin, error) {
 	if cacertsDir != "" {
 		_, err := ca.LoadPluggedIn(cacertsDir, now)
 		if err == nil {
@@ -151,7 +151,7 @@ func (k *onKubernetes) initialBundle(cacertsDir string, now time.Time) (*ca.Bund
 			return nil, "", &configerr.FieldError{Field: "CACertsDir", Err: err}
 		}
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), k.cfg.StartTimeout)
+	ctx, cancel := context.WithTimeout(ctx, k.cfg.StartTimeout)
 	defer cancel()
 	return k.cacerts.Load(ctx)
 }
@@ -159,8 +159,8 @@ func (k *onKubernetes) initialBundle(cacertsDir string, now time.Time) (*ca.Bund
 // jwtSVIDSigner returns the signer of JWT-SVIDs with the key of the CA namespace's Secret,
 // which the first replica to start creates and every other loads: one key, so that a JWT-SVID
 // minted through one replica verifies with the bundle any replica serves.
-func (k *onKubernetes) jwtSVIDSigner(cfg Config) (*ca.JWTSVIDSigner, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), k.cfg.StartTimeout)
+func (k *onKubernetes) jwtSVIDSigner(ctx context.Context, cfg Config) (*ca.JWTSVIDSigner, error) {
+	ctx, cancel := context.WithTimeout(ctx, k.cfg.StartTimeout)
 	defer cancel()
 	key, created, err := kube.LoadOrCreateJWTSVIDKey(ctx, k.clients, k.caNamespace)
 	if err != nil {

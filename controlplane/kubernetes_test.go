@@ -64,7 +64,7 @@ func replicaConfig(t *testing.T, identity string, mutate ...func(*controlplane.C
 // runReplica runs the control plane until the test ends, and returns once it serves; it may be
 // called from any goroutine.
 func runReplica(t *testing.T, cfg controlplane.Config) (*replica, error) {
-	cp, err := controlplane.New(cfg)
+	cp, err := controlplane.New(t.Context(), cfg)
 	if err != nil {
 		return nil, fmt.Errorf("replica %s: %w", cfg.Kubernetes.Identity, err)
 	}

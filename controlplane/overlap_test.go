@@ -26,7 +26,7 @@ import (
 // runUntilStopped runs a control plane on cfg until the returned stop is called.
 func runUntilStopped(t *testing.T, cfg controlplane.Config) (*controlplane.ControlPlane, func()) {
 	t.Helper()
-	cp, err := controlplane.New(cfg)
+	cp, err := controlplane.New(t.Context(), cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -27,7 +27,7 @@ func TestStopCutsCallsPastTheGraceOnTheClock(t *testing.T) {
 	clk := testutil.NewFakeClock(time.Now().Truncate(time.Second))
 	cfg := testConfig(t.TempDir())
 	cfg.Clock = clk
-	cp, err := controlplane.New(cfg)
+	cp, err := controlplane.New(t.Context(), cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -51,7 +51,7 @@ func TestStateDirNotOursIsRefused(t *testing.T) {
 			}
 			tt.prepare(t, dir)
 			before := entries(t, dir)
-			cp, err := controlplane.New(testConfig(dir))
+			cp, err := controlplane.New(t.Context(), testConfig(dir))
 			if err == nil {
 				cp.Close()
 				t.Fatal("the control plane started")

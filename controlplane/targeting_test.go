@@ -88,7 +88,7 @@ func TestNewRefusesMissingManifestsDir(t *testing.T) {
 	base := t.TempDir()
 	cfg := testConfig(filepath.Join(base, "state"))
 	cfg.Manifests = filepath.Join(base, "manifests-typo")
-	_, err := controlplane.New(cfg)
+	_, err := controlplane.New(t.Context(), cfg)
 	if err == nil || !strings.Contains(err.Error(), "Manifests") || !strings.Contains(err.Error(), cfg.Manifests) {
 		t.Fatalf("error %v, want one naming Manifests and %s", err, cfg.Manifests)
 	}

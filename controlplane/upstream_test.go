@@ -111,7 +111,7 @@ func TestDownstreamCASignsUnderUpstreamRoot(t *testing.T) {
 	rogueCfg.Upstream = downCfg.Upstream
 	rogueCfg.Upstream.TokenPath = rogueToken
 	rogueCfg.Upstream.StartTimeout = 30 * time.Second
-	if cp, err := controlplane.New(rogueCfg); status.Code(err) != codes.PermissionDenied {
+	if cp, err := controlplane.New(t.Context(), rogueCfg); status.Code(err) != codes.PermissionDenied {
 		if err == nil {
 			cp.Close()
 		}

@@ -34,6 +34,9 @@ func (s *Server) grpcOptions() []grpc.ServerOption {
 		// The last grpc.Creds wins: the same admission, wrapped.
 		opts = append(opts, grpc.Creds(wrap(admission.UnixPeerCredentials(s.gate, refused))))
 	}
+	if s.cfg.StreamInterceptor != nil {
+		opts = append(opts, grpc.ChainStreamInterceptor(s.cfg.StreamInterceptor))
+	}
 	return append(opts, grpc.WaitForHandlers(true))
 }
 

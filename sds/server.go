@@ -80,6 +80,9 @@ type Config struct {
 	// admit and name them), to learn more of each caller at the handshake: a node agent's
 	// attestation, which Resolve then reads from the call's peer.
 	Credentials func(credentials.TransportCredentials) credentials.TransportCredentials
+	// StreamInterceptor, when set, wraps every stream on the socket (SDS's and the services'
+	// registered): a node agent's, to end the streams whose caller's identity changed.
+	StreamInterceptor grpc.StreamServerInterceptor
 }
 
 // resolve returns the key of the secret that the caller of ctx gets for name.

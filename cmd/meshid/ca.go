@@ -20,7 +20,7 @@ import (
 type caRunner func(ctx context.Context, cfg controlplane.Config) error
 
 func runCA(ctx context.Context, cfg controlplane.Config) error {
-	cp, err := controlplane.New(cfg)
+	cp, err := controlplane.New(ctx, cfg)
 	if err != nil {
 		return err
 	}

@@ -72,7 +72,7 @@ func TestCAConfigErrorsNameFlags(t *testing.T) {
 			tt.modify(&cfg)
 			err := cfg.Validate()
 			if err == nil {
-				_, err = controlplane.New(cfg)
+				_, err = controlplane.New(t.Context(), cfg)
 			}
 			err = cli.RenderConfigErrors(err, caFields())
 			for _, want := range tt.want {
@@ -146,7 +146,7 @@ func TestCAFieldKeysHaveFlags(t *testing.T) {
 		tt.modify(&cfg)
 		err := cfg.Validate()
 		if err == nil {
-			_, err = controlplane.New(cfg)
+			_, err = controlplane.New(t.Context(), cfg)
 		}
 		fields := configerr.Fields(err)
 		if !slices.Contains(fields, tt.key) {

@@ -27,7 +27,7 @@ func Config(t testing.TB) controlplane.Config {
 // Start builds a control plane from cfg, runs it until the test ends, and returns once it serves.
 func Start(t testing.TB, cfg controlplane.Config) *controlplane.ControlPlane {
 	t.Helper()
-	cp, err := controlplane.New(cfg)
+	cp, err := controlplane.New(t.Context(), cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -216,7 +216,7 @@ func (o *agentOptions) bind(f *pflag.FlagSet) {
 	f.IntVar(&o.cfg.XDS.MaxStreamsPerConnection, "xds-proxy-max-streams-per-connection", o.cfg.XDS.MaxStreamsPerConnection, "ADS streams one connection to the xDS proxy may carry at once, told to the client (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS)")
 	f.StringVar(&o.cfg.XDS.DebugSocket, "xds-debug-socket", "", "Unix socket of /debug/<type>, with the XDS socket's mode (default: "+agent.XDSDebugSocketName+" next to --xds-socket)")
 	f.BoolVar(&o.cfg.XDS.DebugTCP, "xds-debug-tcp", false, "also answer /debug/<type> on --debug-addr: any local user, not only who may open the XDS socket, can then read this namespace's configuration and its other proxies")
-	f.BoolVar(&o.cfg.XDS.Proxy, "proxy-xds-via-agent", o.cfg.XDS.Proxy, "serve Envoy's ADS on --xds-socket and proxy it to the discovery server (PROXY_XDS_VIA_AGENT)")
+	f.BoolVar(&o.cfg.XDS.Proxy, "proxy-xds-via-agent", o.cfg.XDS.Proxy, "serve Envoy's ADS on --xds-socket and proxy it to the discovery server (PROXY_XDS_VIA_AGENT); off, and refused, with --workload-attestation: the proxy authenticates as the agent alone")
 	f.BoolVar(&o.cfg.XDS.ProxyDebug, "proxy-xds-debug-via-agent", o.cfg.XDS.ProxyDebug, "answer /debug/<type> on --xds-debug-socket with the discovery server's istio.io/debug/<type> for this proxy (PROXY_XDS_DEBUG_VIA_AGENT)")
 	f.StringVar(&o.cfg.Servers.StatusAddr, "status-addr", o.cfg.Servers.StatusAddr, "listen address of /healthz/ready, /metrics, /stats/prometheus, /app-health/ and POST /quitquitquit (loopback only)")
 	f.StringVar(&o.cfg.Servers.AppProbers, "istio-kube-app-probers", "", `the workload's probes as Istio's injector writes them (ISTIO_KUBE_APP_PROBERS), JSON of path: probe, such as {"/app-health/web/livez":{"httpGet":{"path":"/healthz","port":8080},"timeoutSeconds":1}}; each path is answered on --status-addr by running its httpGet, tcpSocket or grpc probe on --instance-ip (127.0.0.1 when empty), at most 4 of a path at once`)
@@ -330,14 +330,20 @@ func (o *agentOptions) resolve(cmd *cobra.Command, log *slog.Logger) []error {
 	if cfg.CA.Address == "" && cfg.XDS.DiscoveryAddress != "" {
 		cfg.CA.Address = cfg.XDS.DiscoveryAddress // CA_ADDR defaults to the discovery address, as in Istio
 	}
+	proxyOff := "--proxy-xds-via-agent=false (PROXY_XDS_VIA_AGENT)"
+	if cfg.SDS.WorkloadAttestation != "" && !flags.Changed("proxy-xds-via-agent") {
+		// Off by default in node mode: upstream, the proxy could only be the node agent. Asked
+		// for (flag or variable), it is refused by the config's validation.
+		cfg.XDS.Proxy, proxyOff = false, "node mode (--workload-attestation)"
+	}
 	if !cfg.XDS.Proxy {
 		if flags.Changed("proxy-xds-debug-via-agent") && cfg.XDS.ProxyDebug {
-			errs = append(errs, errors.New("--proxy-xds-debug-via-agent (PROXY_XDS_DEBUG_VIA_AGENT) needs the xDS proxy: --proxy-xds-via-agent (PROXY_XDS_VIA_AGENT) is false"))
+			errs = append(errs, fmt.Errorf("--proxy-xds-debug-via-agent (PROXY_XDS_DEBUG_VIA_AGENT) needs the xDS proxy, which %s turns off", proxyOff))
 		}
 		for _, name := range []string{"discovery-addr", "xds-socket", "xds-root-cert", "xds-debug-socket", "xds-debug-tcp",
 			"xds-proxy-max-streams", "xds-proxy-max-streams-per-connection"} {
 			if flags.Changed(name) {
-				errs = append(errs, fmt.Errorf("--%s configures the xDS proxy, which --proxy-xds-via-agent=false (PROXY_XDS_VIA_AGENT) turns off", name))
+				errs = append(errs, fmt.Errorf("--%s configures the xDS proxy, which %s turns off", name, proxyOff))
 			}
 		}
 		cfg.XDS.ProxyDebug = false

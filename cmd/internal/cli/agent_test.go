@@ -160,6 +160,12 @@ func TestAgentRefusesBadInput(t *testing.T) {
 			"--workload-attestation serves each caller its own identity, so there is no one key pair to write to --output-certs (OUTPUT_CERTS)"},
 		{"node mode with the Mesh CA", with("CA_PROVIDER", "GoogleCA"), []string{"--workload-attestation", "/rules.yaml"},
 			"--ca-provider (CA_PROVIDER) GoogleCA cannot ask for another identity"},
+		{"node mode with the xDS proxy asked for", base, []string{"--workload-attestation", "/rules.yaml", "--proxy-xds-via-agent"},
+			"--workload-attestation serves each caller its own identity, but --proxy-xds-via-agent (PROXY_XDS_VIA_AGENT) would proxy every Envoy's xDS as the node agent's own identity"},
+		{"node mode with PROXY_XDS_VIA_AGENT=true", with("PROXY_XDS_VIA_AGENT", "true"), []string{"--workload-attestation", "/rules.yaml"},
+			"--workload-attestation serves each caller its own identity, but --proxy-xds-via-agent (PROXY_XDS_VIA_AGENT) would proxy"},
+		{"node mode with an xDS proxy flag", base, []string{"--workload-attestation", "/rules.yaml", "--xds-socket", "/tmp/XDS"},
+			"--xds-socket configures the xDS proxy, which node mode (--workload-attestation) turns off"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -288,6 +294,10 @@ func TestAgentWorkloadAPIFlag(t *testing.T) {
 	cfg, err := runAgentCommand(t, env, "--workload-attestation", "/etc/meshid/rules.yaml")
 	if err != nil || cfg.SDS.WorkloadAttestation != "/etc/meshid/rules.yaml" {
 		t.Fatalf("--workload-attestation: %q, %v", cfg.SDS.WorkloadAttestation, err)
+	}
+	// The xDS proxy, on by default, is off in node mode.
+	if !agent.DefaultConfig("").XDS.Proxy || cfg.XDS.Proxy {
+		t.Fatalf("node mode: xDS proxy %t, want off (the default is on: %t)", cfg.XDS.Proxy, agent.DefaultConfig("").XDS.Proxy)
 	}
 }
 

@@ -32,18 +32,21 @@ import (
 // streams, each side with a CA process of its own.
 
 const (
-	nodeScaleIdentities = 20
+	nodeScaleIdentities = 500
 	nodeScaleStreams    = 20
 	// nodeScaleTTL is the workload certificates' lifetime: with the default grace ratio (0.5)
 	// and no jitter each identity renews once, TTL/2 after it got its first certificate, long
 	// after all are served.
-	nodeScaleTTL = 20 * time.Second
+	nodeScaleTTL = time.Minute
 	// nodeScaleAccount is the node agent's own account, which the CA trusts as a node account.
 	nodeScaleNamespace, nodeScaleServiceAccount = "meshid-system", "node-agent"
 	// sidecarBudgetKB is what one sidecar agent and its streams may take of the machine's
 	// available memory (about 17 MB RSS idle), with room: the baseline runs as many at once as
 	// MemAvailable allows, less 2 GB.
 	sidecarBudgetKB = 40 << 10
+	// sidecarInotify is the inotify instances a sidecar agent holds (its secret manager's
+	// watcher); inotifyMargin is left to what else runs as this user.
+	sidecarInotify, inotifyMargin = 1, 20
 )
 
 // nodeClientSource is a workload of the node agent: one connection to the socket of
@@ -170,8 +173,8 @@ type chainTracker struct {
 	want []string // the SPIFFE ID each workload must get
 
 	mu       sync.Mutex
-	chains   [][][]chainSeen // [workload][stream]: the distinct chains in order
-	atLeast  [3]int          // streams that have received at least 1 and 2 chains
+	chains   [][][]chainSeen   // [workload][stream]: the distinct chains in order
+	atLeast  [3]int            // streams that have received at least 1 and 2 chains
 	ids      map[string]string // leafID's
 	err      error
 	progress chan struct{} // signalled on every change
@@ -342,6 +345,53 @@ func memAvailableKB(b *testing.B) float64 {
 	return 0
 }
 
+// inotifyInstances is how many inotify instances the process holds (its descriptors that are
+// one).
+func inotifyInstances(pid int) int {
+	fds, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
+	if err != nil {
+		return 0 // gone, or not ours to read
+	}
+	n := 0
+	for _, fd := range fds {
+		if target, err := os.Readlink(fmt.Sprintf("/proc/%d/fd/%s", pid, fd.Name())); err == nil && target == "anon_inode:inotify" {
+			n++
+		}
+	}
+	return n
+}
+
+// inotifyFree is how many more inotify instances this user may make: fs.inotify.max_user_instances
+// less those its processes hold. The node agent makes one per identity and each sidecar one.
+func inotifyFree(b *testing.B) (limit, free int) {
+	b.Helper()
+	data, err := os.ReadFile("/proc/sys/fs/inotify/max_user_instances")
+	if err != nil {
+		b.Fatal(err)
+	}
+	limit, err = strconv.Atoi(strings.TrimSpace(string(data)))
+	if err != nil {
+		b.Fatal(err)
+	}
+	procs, err := os.ReadDir("/proc")
+	if err != nil {
+		b.Fatal(err)
+	}
+	used, uid := 0, uint32(os.Getuid())
+	for _, p := range procs {
+		pid, err := strconv.Atoi(p.Name())
+		if err != nil {
+			continue
+		}
+		if info, err := p.Info(); err == nil {
+			if st, ok := info.Sys().(*syscall.Stat_t); ok && st.Uid == uid {
+				used += inotifyInstances(pid)
+			}
+		}
+	}
+	return limit, limit - used
+}
+
 // caCost is the CA's CPU time and memory at one moment.
 type caCost struct{ cpu, rssMB, heapMB float64 }
 
@@ -402,6 +452,13 @@ func BenchmarkNodeAgent(b *testing.B) {
 		want[i] = workloadID(i).String()
 	}
 	b.Run("node-agent", func(b *testing.B) {
+		// The node agent holds an inotify instance per identity (each identity's secret manager
+		// watches the CA's root file); past the limit an identity's manager does not start and
+		// its callers wait with nothing.
+		if limit, free := inotifyFree(b); free < len(want)+inotifyMargin {
+			b.Skipf("fs.inotify.max_user_instances is %d and %d are free: the node agent needs one per identity, %d (sysctl -w fs.inotify.max_user_instances=%d)",
+				limit, free, len(want)+inotifyMargin, limit-free+len(want)+inotifyMargin)
+		}
 		for range b.N {
 			nodeAgentOnce(b, want)
 		}
@@ -551,6 +608,7 @@ func nodeAgentOnce(b *testing.B, want []string) {
 	b.ReportMetric(rss/1024, "agent-rss-MB")
 	b.ReportMetric(pss/1024, "agent-pss-MB")
 	b.ReportMetric(cpuSeconds(b, agentPid)*1000, "agent-cpu-ms")
+	b.ReportMetric(float64(inotifyInstances(agentPid)), "agent-inotify")
 	b.ReportMetric(clientsPSS/1024, "workloads-pss-sum-MB")
 	reportCA(b, caStart, caServed, caRotated)
 }
@@ -561,14 +619,16 @@ func nodeAgentOnce(b *testing.B, want []string) {
 // machine); the memory of one does not depend on its neighbours.
 func sidecarsOnce(b *testing.B, want []string) {
 	b.Helper()
-	batch := min(len(want), int((memAvailableKB(b)-2<<20)/sidecarBudgetKB))
+	_, free := inotifyFree(b)
+	batch := min(len(want), int((memAvailableKB(b)-2<<20)/sidecarBudgetKB), (free-inotifyMargin)/sidecarInotify)
 	if batch < 10 {
-		b.Skipf("%.0f MB available: too little to run the sidecars", memAvailableKB(b)/1024)
+		b.Skipf("%.0f MB available and %d inotify instances free: too little to run the sidecars", memAvailableKB(b)/1024, free)
 	}
 	ca := startCAProcess(b, "--trusted-node-accounts", nodeScaleNamespace+"/"+nodeScaleServiceAccount)
 	tokens := b.TempDir()
 	var (
 		rss, pss, agentsCPU       float64
+		inotify                   int
 		firstServed, allServed    []time.Duration
 		spread, late              []time.Duration
 		serveAll                  time.Duration
@@ -602,6 +662,7 @@ func sidecarsOnce(b *testing.B, want []string) {
 		for _, p := range agents {
 			rss += rssOf(b, p.cmd.Process.Pid)
 			pss += smapsKB(b, p.cmd.Process.Pid, "Pss")
+			inotify = max(inotify, inotifyInstances(p.cmd.Process.Pid))
 		}
 		t.waitFor(b, 2, nodeScaleTTL)
 		rotated := ca.cost(b)
@@ -622,6 +683,7 @@ func sidecarsOnce(b *testing.B, want []string) {
 		}
 	}
 	b.ReportMetric(float64(batch), "sidecars-at-once")
+	b.ReportMetric(float64(inotify), "sidecar-inotify-max")
 	b.ReportMetric(float64(serveAll.Milliseconds()), "serve-all-ms")
 	reportDurations(b, firstServed, "identity-first-stream")
 	reportDurations(b, allServed, "identity-all-streams")

@@ -262,15 +262,29 @@ func (t *chainTracker) waitFor(b *testing.B, gen int, timeout time.Duration) {
 	}
 }
 
-// rotationStats checks that the streams of each workload received the same first chain and the
-// same second one, and returns per workload: when its first stream got the first chain, when
-// the last did, how long the second took to reach all its streams (from the first of them to
-// get it to the last), and how late its renewal came (the second chain's first arrival against
-// the first chain's first arrival plus half the lifetime). The times served are since from.
-func (t *chainTracker) rotationStats(b *testing.B, ttl time.Duration, from time.Time) (firstServed, allServed, spread, late []time.Duration, lastServed time.Time) {
+// served is what the tracker saw, once every stream has received two chains.
+type served struct {
+	// Per workload, since the start: when its first stream had its first chain, and when its
+	// last stream had it.
+	first, all []time.Duration
+	// Per workload, how long its second chain took to reach all its streams: from the first
+	// of them to get it to the last.
+	spread  []time.Duration
+	last    time.Time     // when the last stream had its first chain
+	window  time.Duration // from the first second chain anywhere to the last
+	rotated int           // streams that received a second chain, every one the same as their workload's others
+}
+
+// servedSince checks that the streams of each workload received the same first chain and the
+// same second one, and returns what they saw, counted from start.
+func (t *chainTracker) servedSince(b *testing.B, start time.Time) served {
 	b.Helper()
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	var (
+		r                 served
+		rotFirst, rotLast time.Time
+	)
 	for w, streams := range t.chains {
 		var first, second []time.Time
 		for s, seen := range streams {
@@ -279,17 +293,42 @@ func (t *chainTracker) rotationStats(b *testing.B, ttl time.Duration, from time.
 					seen[0].hash, seen[1].hash, streams[0][0].hash, streams[0][1].hash)
 			}
 			first, second = append(first, seen[0].at), append(second, seen[1].at)
+			r.rotated++
 		}
 		f0, f1 := slices.MinFunc(first, time.Time.Compare), slices.MaxFunc(first, time.Time.Compare)
 		s0, s1 := slices.MinFunc(second, time.Time.Compare), slices.MaxFunc(second, time.Time.Compare)
-		firstServed, allServed = append(firstServed, f0.Sub(from)), append(allServed, f1.Sub(from))
-		spread = append(spread, s1.Sub(s0))
-		late = append(late, s0.Sub(f0)-ttl/2)
-		if f1.After(lastServed) {
-			lastServed = f1
+		r.first, r.all, r.spread = append(r.first, f0.Sub(start)), append(r.all, f1.Sub(start)), append(r.spread, s1.Sub(s0))
+		if f1.After(r.last) {
+			r.last = f1
+		}
+		if rotFirst.IsZero() || s0.Before(rotFirst) {
+			rotFirst = s0
+		}
+		if s1.After(rotLast) {
+			rotLast = s1
 		}
 	}
-	return firstServed, allServed, spread, late, lastServed
+	r.window = rotLast.Sub(rotFirst)
+	return r
+}
+
+// merge adds o's workloads to r (the sidecars' batches).
+func (r *served) merge(o served, start time.Time) {
+	r.first, r.all, r.spread = append(r.first, o.first...), append(r.all, o.all...), append(r.spread, o.spread...)
+	r.window = max(r.window, o.window)
+	r.rotated += o.rotated
+	r.last = r.last.Add(o.last.Sub(start)) // the batches' serving times, added up
+}
+
+// report reports what r saw; the time to serve all is r.last since start.
+func (r served) report(b *testing.B, start time.Time) {
+	b.Helper()
+	b.ReportMetric(float64(r.last.Sub(start).Milliseconds()), "serve-all-ms")
+	reportDurations(b, r.first, "identity-first-stream")
+	reportDurations(b, r.all, "identity-all-streams")
+	reportDurations(b, r.spread, "rotation-spread")
+	b.ReportMetric(float64(r.window.Milliseconds()), "rotation-window-ms")
+	b.ReportMetric(float64(r.rotated), "streams-rotated")
 }
 
 // reportDurations reports p50, p99 and max of ds under name.
@@ -578,7 +617,7 @@ func nodeAgentOnce(b *testing.B, want []string) {
 	var done atomic.Bool
 	defer done.Store(true) // before the cleanups kill the clients
 	clients := startNodeClients(b, links, filepath.Join(socketDir, "socket"), t, &done)
-	rssIdle, pssIdle := rssOf(b, agentPid), smapsKB(b, agentPid, "Pss")
+	idle, agentCPUIdle := memoryOf(b, agentPid), cpuSeconds(b, agentPid)
 	caStart := ca.cost(b)
 
 	release := time.Now()
@@ -589,29 +628,39 @@ func nodeAgentOnce(b *testing.B, want []string) {
 	}
 	t.waitFor(b, 1, time.Minute)
 	caServed := ca.cost(b)
-	rss, pss := rssOf(b, agentPid), smapsKB(b, agentPid, "Pss")
-	var clientsPSS float64
+	mem := memoryOf(b, agentPid)
+	agentCPUServed := cpuSeconds(b, agentPid)
+	var workloadsPSS, workloadsCPU float64
 	for _, c := range clients {
-		clientsPSS += smapsKB(b, c.cmd.Process.Pid, "Pss")
+		workloadsPSS += smapsKB(b, c.cmd.Process.Pid, "Pss")
+		workloadsCPU += cpuSeconds(b, c.cmd.Process.Pid)
 	}
 
 	t.waitFor(b, 2, nodeScaleTTL)
 	caRotated := ca.cost(b)
-	firstServed, allServed, spread, late, lastServed := t.rotationStats(b, nodeScaleTTL, release)
-	b.ReportMetric(float64(lastServed.Sub(release).Milliseconds()), "serve-all-ms")
-	reportDurations(b, firstServed, "identity-first-stream")
-	reportDurations(b, allServed, "identity-all-streams")
-	reportDurations(b, spread, "rotation-spread")
-	reportDurations(b, late, "renewal-late")
-	b.ReportMetric(rssIdle/1024, "agent-rss-idle-MB")
-	b.ReportMetric(pssIdle/1024, "agent-pss-idle-MB")
-	b.ReportMetric(rss/1024, "agent-rss-MB")
-	b.ReportMetric(pss/1024, "agent-pss-MB")
-	b.ReportMetric(cpuSeconds(b, agentPid)*1000, "agent-cpu-ms")
+	t.servedSince(b, release).report(b, release)
+	b.ReportMetric(idle.rss/1024, "agent-rss-idle-MB")
+	b.ReportMetric(idle.pss/1024, "agent-pss-idle-MB")
+	b.ReportMetric(mem.rss/1024, "agent-rss-MB")
+	b.ReportMetric(mem.pss/1024, "agent-pss-MB")
+	b.ReportMetric(mem.anon/1024, "agent-anon-MB")
+	b.ReportMetric((agentCPUServed-agentCPUIdle)*1000, "agent-cpu-serve-ms")
+	b.ReportMetric((cpuSeconds(b, agentPid)-agentCPUServed)*1000, "agent-cpu-rotate-ms")
 	b.ReportMetric(float64(inotifyInstances(agentPid)), "agent-inotify")
-	b.ReportMetric(clientsPSS/1024, "workloads-pss-sum-MB")
+	b.ReportMetric(workloadsPSS/1024, "workloads-pss-sum-MB")
+	b.ReportMetric(workloadsCPU*1000, "workloads-cpu-sum-ms")
 	reportCA(b, caStart, caServed, caRotated)
 }
+
+// memory is a process's resident memory, from /proc, in kB.
+type memory struct{ rss, pss, anon float64 }
+
+func memoryOf(b *testing.B, pid int) memory {
+	b.Helper()
+	return memory{rss: rssOf(b, pid), pss: smapsKB(b, pid, "Pss"), anon: smapsKB(b, pid, "Anonymous")}
+}
+
+func (m *memory) add(o memory) { m.rss, m.pss, m.anon = m.rss+o.rss, m.pss+o.pss, m.anon+o.anon }
 
 // sidecarsOnce: 500 `meshid-agent` processes, each with its own token for its own identity,
 // each with the same 20 streams, opened by the benchmark process on one connection per agent.
@@ -627,14 +676,15 @@ func sidecarsOnce(b *testing.B, want []string) {
 	ca := startCAProcess(b, "--trusted-node-accounts", nodeScaleNamespace+"/"+nodeScaleServiceAccount)
 	tokens := b.TempDir()
 	var (
-		rss, pss, agentsCPU       float64
+		mem                       memory
+		cpuServe, cpuRotate       float64
 		inotify                   int
-		firstServed, allServed    []time.Duration
-		spread, late              []time.Duration
-		serveAll                  time.Duration
+		all                       served
+		epoch                     = time.Now() // the batches' serving times are added to it
 		caStart, caServed, caLast = ca.cost(b), caCost{}, caCost{}
 		signCPU, renewCPU         float64
 	)
+	all.last = epoch
 	for from := 0; from < len(want); from += batch {
 		ids := want[from:min(from+batch, len(want))]
 		before := ca.cost(b)
@@ -658,40 +708,38 @@ func sidecarsOnce(b *testing.B, want []string) {
 			}
 		}
 		t.waitFor(b, 1, time.Minute)
-		served := ca.cost(b)
-		for _, p := range agents {
-			rss += rssOf(b, p.cmd.Process.Pid)
-			pss += smapsKB(b, p.cmd.Process.Pid, "Pss")
+		caAtServed := ca.cost(b)
+		cpuAtServed := make([]float64, len(agents))
+		for i, p := range agents {
+			mem.add(memoryOf(b, p.cmd.Process.Pid))
+			cpuAtServed[i] = cpuSeconds(b, p.cmd.Process.Pid)
+			cpuServe += cpuAtServed[i]
 			inotify = max(inotify, inotifyInstances(p.cmd.Process.Pid))
 		}
 		t.waitFor(b, 2, nodeScaleTTL)
 		rotated := ca.cost(b)
-		signCPU += served.cpu - before.cpu
-		renewCPU += rotated.cpu - served.cpu
-		caServed.rssMB, caLast.rssMB = max(caServed.rssMB, served.rssMB), max(caLast.rssMB, rotated.rssMB)
+		signCPU += caAtServed.cpu - before.cpu
+		renewCPU += rotated.cpu - caAtServed.cpu
+		caServed.rssMB, caLast.rssMB = max(caServed.rssMB, caAtServed.rssMB), max(caLast.rssMB, rotated.rssMB)
 		caLast.heapMB = max(caLast.heapMB, rotated.heapMB)
-		fs, as, sp, lt, last := t.rotationStats(b, nodeScaleTTL, start)
-		firstServed, allServed = append(firstServed, fs...), append(allServed, as...)
-		spread, late = append(spread, sp...), append(late, lt...)
-		serveAll += last.Sub(start)
+		all.merge(t.servedSince(b, start), start)
 		done.Store(true)
 		cancel()
 		for i, p := range agents {
-			agentsCPU += cpuSeconds(b, p.cmd.Process.Pid)
+			cpuRotate += cpuSeconds(b, p.cmd.Process.Pid) - cpuAtServed[i]
 			_ = conns[i].Close()
 			p.stop()
 		}
 	}
 	b.ReportMetric(float64(batch), "sidecars-at-once")
 	b.ReportMetric(float64(inotify), "sidecar-inotify-max")
-	b.ReportMetric(float64(serveAll.Milliseconds()), "serve-all-ms")
-	reportDurations(b, firstServed, "identity-first-stream")
-	reportDurations(b, allServed, "identity-all-streams")
-	reportDurations(b, spread, "rotation-spread")
-	reportDurations(b, late, "renewal-late")
-	b.ReportMetric(rss/1024, "agents-rss-sum-MB")
-	b.ReportMetric(pss/1024, "agents-pss-sum-MB")
-	b.ReportMetric(agentsCPU*1000, "agents-cpu-sum-ms")
+	all.report(b, epoch)
+	b.ReportMetric(mem.rss/1024, "agents-rss-sum-MB")
+	b.ReportMetric(mem.pss/1024, "agents-pss-sum-MB")
+	b.ReportMetric(mem.anon/1024, "agents-anon-sum-MB")
+	// From exec: a sidecar's start is what it costs to serve its workload.
+	b.ReportMetric(cpuServe*1000, "agents-cpu-serve-sum-ms")
+	b.ReportMetric(cpuRotate*1000, "agents-cpu-rotate-sum-ms")
 	caServed.cpu, caLast.cpu = caStart.cpu+signCPU, caStart.cpu+signCPU+renewCPU
 	reportCA(b, caStart, caServed, caLast)
 }

@@ -275,9 +275,9 @@ type served struct {
 	rotated int           // streams that received a second chain, every one the same as their workload's others
 }
 
-// servedSince checks that the streams of each workload received the same first chain and the
-// same second one, and returns what they saw, counted from start.
-func (t *chainTracker) servedSince(b *testing.B, start time.Time) served {
+// servedSince checks that the streams of each workload received the same first chain and, when
+// rotated, the same second one, and returns what they saw, counted from start.
+func (t *chainTracker) servedSince(b *testing.B, start time.Time, rotated bool) served {
 	b.Helper()
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -288,19 +288,28 @@ func (t *chainTracker) servedSince(b *testing.B, start time.Time) served {
 	for w, streams := range t.chains {
 		var first, second []time.Time
 		for s, seen := range streams {
-			if seen[0].hash != streams[0][0].hash || seen[1].hash != streams[0][1].hash {
-				b.Fatalf("workload %d: stream %d got chains %s, %s; stream 0 %s, %s", w, s,
-					seen[0].hash, seen[1].hash, streams[0][0].hash, streams[0][1].hash)
+			if seen[0].hash != streams[0][0].hash {
+				b.Fatalf("workload %d: stream %d got chain %s, stream 0 %s", w, s, seen[0].hash, streams[0][0].hash)
 			}
-			first, second = append(first, seen[0].at), append(second, seen[1].at)
-			r.rotated++
+			first = append(first, seen[0].at)
+			if rotated {
+				if seen[1].hash != streams[0][1].hash {
+					b.Fatalf("workload %d: stream %d got second chain %s, stream 0 %s", w, s, seen[1].hash, streams[0][1].hash)
+				}
+				second = append(second, seen[1].at)
+				r.rotated++
+			}
 		}
 		f0, f1 := slices.MinFunc(first, time.Time.Compare), slices.MaxFunc(first, time.Time.Compare)
-		s0, s1 := slices.MinFunc(second, time.Time.Compare), slices.MaxFunc(second, time.Time.Compare)
-		r.first, r.all, r.spread = append(r.first, f0.Sub(start)), append(r.all, f1.Sub(start)), append(r.spread, s1.Sub(s0))
+		r.first, r.all = append(r.first, f0.Sub(start)), append(r.all, f1.Sub(start))
 		if f1.After(r.last) {
 			r.last = f1
 		}
+		if !rotated {
+			continue
+		}
+		s0, s1 := slices.MinFunc(second, time.Time.Compare), slices.MaxFunc(second, time.Time.Compare)
+		r.spread = append(r.spread, s1.Sub(s0))
 		if rotFirst.IsZero() || s0.Before(rotFirst) {
 			rotFirst = s0
 		}
@@ -321,23 +330,30 @@ func (r *served) merge(o served, start time.Time) {
 }
 
 // report reports what r saw; the time to serve all is r.last since start.
-func (r served) report(b *testing.B, start time.Time) {
-	b.Helper()
-	b.ReportMetric(float64(r.last.Sub(start).Milliseconds()), "serve-all-ms")
-	reportDurations(b, r.first, "identity-first-stream")
-	reportDurations(b, r.all, "identity-all-streams")
-	reportDurations(b, r.spread, "rotation-spread")
-	b.ReportMetric(float64(r.window.Milliseconds()), "rotation-window-ms")
-	b.ReportMetric(float64(r.rotated), "streams-rotated")
+func (r served) report(report metricFunc, start time.Time) {
+	report(float64(r.last.Sub(start).Milliseconds()), "serve-all-ms")
+	reportDurations(report, r.first, "identity-first-stream")
+	reportDurations(report, r.all, "identity-all-streams")
+	if len(r.spread) > 0 {
+		reportDurations(report, r.spread, "rotation-spread")
+		report(float64(r.window.Milliseconds()), "rotation-window-ms")
+		report(float64(r.rotated), "streams-rotated")
+	}
+}
+
+// metricFunc reports a metric of a benchmark, its unit prefixed with the part measured.
+type metricFunc func(v float64, unit string)
+
+func prefixed(b *testing.B, prefix string) metricFunc {
+	return func(v float64, unit string) { b.ReportMetric(v, prefix+unit) }
 }
 
 // reportDurations reports p50, p99 and max of ds under name.
-func reportDurations(b *testing.B, ds []time.Duration, name string) {
-	b.Helper()
+func reportDurations(report metricFunc, ds []time.Duration, name string) {
 	slices.Sort(ds)
-	b.ReportMetric(percentile(ds, 0.5), name+"-p50-ms")
-	b.ReportMetric(percentile(ds, 0.99), name+"-p99-ms")
-	b.ReportMetric(percentile(ds, 1), name+"-max-ms")
+	report(percentile(ds, 0.5), name+"-p50-ms")
+	report(percentile(ds, 0.99), name+"-p99-ms")
+	report(percentile(ds, 1), name+"-max-ms")
 }
 
 // cpuSeconds is the user and system CPU time the process has used (/proc/PID/stat, in the
@@ -441,14 +457,13 @@ func (ca *caProcess) cost(b *testing.B) caCost {
 
 // reportCA reports the CA's CPU time for the signings (start → all served) and the renewals
 // (all served → all rotated), and its memory after the renewals.
-func reportCA(b *testing.B, start, served, rotated caCost) {
-	b.Helper()
-	b.ReportMetric((served.cpu-start.cpu)*1000, "ca-cpu-sign-ms")
-	b.ReportMetric((rotated.cpu-served.cpu)*1000, "ca-cpu-renew-ms")
-	b.ReportMetric(start.rssMB, "ca-rss-start-MB")
-	b.ReportMetric(served.rssMB, "ca-rss-served-MB")
-	b.ReportMetric(rotated.rssMB, "ca-rss-rotated-MB")
-	b.ReportMetric(rotated.heapMB, "ca-heap-rotated-MB")
+func reportCA(report metricFunc, start, served, rotated caCost) {
+	report((served.cpu-start.cpu)*1000, "ca-cpu-sign-ms")
+	report((rotated.cpu-served.cpu)*1000, "ca-cpu-renew-ms")
+	report(start.rssMB, "ca-rss-start-MB")
+	report(served.rssMB, "ca-rss-served-MB")
+	report(rotated.rssMB, "ca-rss-rotated-MB")
+	report(rotated.heapMB, "ca-heap-rotated-MB")
 }
 
 // writeToken mints a token for namespace/serviceAccount with the CA's key into a file.
@@ -490,23 +505,26 @@ func BenchmarkNodeAgent(b *testing.B) {
 	for i := range want {
 		want[i] = workloadID(i).String()
 	}
-	b.Run("node-agent", func(b *testing.B) {
-		// The node agent holds an inotify instance per identity (each identity's secret manager
-		// watches the CA's root file); past the limit an identity's manager does not start and
-		// its callers wait with nothing.
-		if limit, free := inotifyFree(b); free < len(want)+inotifyMargin {
-			b.Skipf("fs.inotify.max_user_instances is %d and %d are free: the node agent needs one per identity, %d (sysctl -w fs.inotify.max_user_instances=%d)",
-				limit, free, len(want)+inotifyMargin, limit-free+len(want)+inotifyMargin)
-		}
-		for range b.N {
-			nodeAgentOnce(b, want)
-		}
-	})
-	b.Run("sidecars", func(b *testing.B) {
-		for range b.N {
-			sidecarsOnce(b, want)
-		}
-	})
+	// The node agent holds an inotify instance per identity (each identity's secret manager
+	// watches the CA's root file); past the limit an identity's manager does not start and its
+	// callers wait with nothing.
+	if limit, free := inotifyFree(b); free < len(want)+inotifyMargin {
+		b.Skipf("fs.inotify.max_user_instances is %d and %d are free: the node agent needs one per identity, %d (sysctl -w fs.inotify.max_user_instances=%d)",
+			limit, free, len(want)+inotifyMargin, limit-free+len(want)+inotifyMargin)
+	}
+	if _, err := sidecarBatch(b, len(want)); err != nil {
+		b.Skip(err)
+	}
+	// One benchmark, not three: each part takes from seconds to minutes, and as a benchmark of
+	// its own the shortest would be run again and again to fill -benchtime. Each part stops what
+	// it started before the next begins.
+	for range b.N {
+		nodeAgentOnce(b, want, nodeScaleStreams, true, prefixed(b, "node-"))
+		// The same workloads with one stream each, not rotated: what an identity and its
+		// connection cost the node agent, apart from the streams.
+		nodeAgentOnce(b, want, 1, false, prefixed(b, "node1-"))
+		sidecarsOnce(b, want, prefixed(b, "sidecars-"))
+	}
 }
 
 // nodeClient is one workload of the node agent, started and waiting to be released.
@@ -518,13 +536,13 @@ type nodeClient struct {
 // startNodeClients starts the workloads, workload i as the hard link links[i], and returns once
 // each has said it is ready. Their chains go to t; a workload that ends before done is set is a
 // failure.
-func startNodeClients(b *testing.B, links []string, socket string, t *chainTracker, done *atomic.Bool) []*nodeClient {
+func startNodeClients(b *testing.B, links []string, socket string, streams int, t *chainTracker, done *atomic.Bool) []*nodeClient {
 	b.Helper()
 	clients := make([]*nodeClient, len(links))
 	var ready sync.WaitGroup
 	for i, link := range links {
 		cmd := exec.Command(link)
-		cmd.Env = append(os.Environ(), "NODECLIENT_SOCKET="+socket, "NODECLIENT_STREAMS="+strconv.Itoa(nodeScaleStreams))
+		cmd.Env = append(os.Environ(), "NODECLIENT_SOCKET="+socket, "NODECLIENT_STREAMS="+strconv.Itoa(streams))
 		cmd.Stderr = os.Stderr
 		stdin, err := cmd.StdinPipe()
 		if err != nil {
@@ -555,7 +573,7 @@ func startNodeClients(b *testing.B, links []string, socket string, t *chainTrack
 				case len(f) == 5 && f[0] == "chain":
 					stream, err1 := strconv.Atoi(f[1])
 					nanos, err2 := strconv.ParseInt(f[2], 10, 64)
-					if err1 != nil || err2 != nil || stream < 0 || stream >= nodeScaleStreams {
+					if err1 != nil || err2 != nil || stream < 0 || stream >= streams {
 						t.fail(fmt.Errorf("workload %d: bad line %q", i, sc.Text()))
 						continue
 					}
@@ -578,7 +596,7 @@ func startNodeClients(b *testing.B, links []string, socket string, t *chainTrack
 // nodeAgentOnce: one `meshid agent` in node mode, its rules giving each of 500 hard links of one
 // client program its own identity; the clients started, then released at once to open their
 // streams.
-func nodeAgentOnce(b *testing.B, want []string) {
+func nodeAgentOnce(b *testing.B, want []string, streams int, rotate bool, report metricFunc) {
 	b.Helper()
 	ca := startCAProcess(b, "--trusted-node-accounts", nodeScaleNamespace+"/"+nodeScaleServiceAccount)
 	client := overlayBinary(b, "nodeclient", nodeClientSource)
@@ -610,13 +628,20 @@ func nodeAgentOnce(b *testing.B, want []string) {
 		"--namespace", nodeScaleNamespace, "--service-account", nodeScaleServiceAccount, "--workload-attestation", rulesFile,
 		"--secret-ttl", nodeScaleTTL.String(), "--grace-period-ratio-jitter", "0",
 		// Every workload's streams and connection, with room.
-		"--sds-max-streams", strconv.Itoa(len(want)*(nodeScaleStreams+1)+100))
+		"--sds-max-streams", strconv.Itoa(len(want)*(streams+1)+100))
 	agentPid := agent.Process.Pid
 
-	t := newChainTracker(want, nodeScaleStreams)
+	t := newChainTracker(want, streams)
 	var done atomic.Bool
-	defer done.Store(true) // before the cleanups kill the clients
-	clients := startNodeClients(b, links, filepath.Join(socketDir, "socket"), t, &done)
+	clients := startNodeClients(b, links, filepath.Join(socketDir, "socket"), streams, t, &done)
+	defer func() { // the cleanups wait for them
+		done.Store(true)
+		for _, c := range clients {
+			_ = c.cmd.Process.Kill()
+		}
+		_ = agent.Process.Kill()
+		_ = ca.cmd.Process.Kill()
+	}()
 	idle, agentCPUIdle := memoryOf(b, agentPid), cpuSeconds(b, agentPid)
 	caStart := ca.cost(b)
 
@@ -630,26 +655,28 @@ func nodeAgentOnce(b *testing.B, want []string) {
 	caServed := ca.cost(b)
 	mem := memoryOf(b, agentPid)
 	agentCPUServed := cpuSeconds(b, agentPid)
-	var workloadsPSS, workloadsCPU float64
+	var workloadsPSS float64
 	for _, c := range clients {
 		workloadsPSS += smapsKB(b, c.cmd.Process.Pid, "Pss")
-		workloadsCPU += cpuSeconds(b, c.cmd.Process.Pid)
 	}
-
+	report(idle.rss/1024, "agent-rss-idle-MB")
+	report(idle.pss/1024, "agent-pss-idle-MB")
+	report(mem.rss/1024, "agent-rss-MB")
+	report(mem.pss/1024, "agent-pss-MB")
+	report(mem.anon/1024, "agent-anon-MB")
+	report((agentCPUServed-agentCPUIdle)*1000, "agent-cpu-serve-ms")
+	report(float64(inotifyInstances(agentPid)), "agent-inotify")
+	report(workloadsPSS/1024, "workloads-pss-sum-MB")
+	if !rotate {
+		t.servedSince(b, release, false).report(report, release)
+		report((caServed.cpu-caStart.cpu)*1000, "ca-cpu-sign-ms")
+		return
+	}
 	t.waitFor(b, 2, nodeScaleTTL)
 	caRotated := ca.cost(b)
-	t.servedSince(b, release).report(b, release)
-	b.ReportMetric(idle.rss/1024, "agent-rss-idle-MB")
-	b.ReportMetric(idle.pss/1024, "agent-pss-idle-MB")
-	b.ReportMetric(mem.rss/1024, "agent-rss-MB")
-	b.ReportMetric(mem.pss/1024, "agent-pss-MB")
-	b.ReportMetric(mem.anon/1024, "agent-anon-MB")
-	b.ReportMetric((agentCPUServed-agentCPUIdle)*1000, "agent-cpu-serve-ms")
-	b.ReportMetric((cpuSeconds(b, agentPid)-agentCPUServed)*1000, "agent-cpu-rotate-ms")
-	b.ReportMetric(float64(inotifyInstances(agentPid)), "agent-inotify")
-	b.ReportMetric(workloadsPSS/1024, "workloads-pss-sum-MB")
-	b.ReportMetric(workloadsCPU*1000, "workloads-cpu-sum-ms")
-	reportCA(b, caStart, caServed, caRotated)
+	t.servedSince(b, release, true).report(report, release)
+	report((cpuSeconds(b, agentPid)-agentCPUServed)*1000, "agent-cpu-rotate-ms")
+	reportCA(report, caStart, caServed, caRotated)
 }
 
 // memory is a process's resident memory, from /proc, in kB.
@@ -666,14 +693,14 @@ func (m *memory) add(o memory) { m.rss, m.pss, m.anon = m.rss+o.rss, m.pss+o.pss
 // each with the same 20 streams, opened by the benchmark process on one connection per agent.
 // As many run at once as the machine's available memory allows (all of them on the usual
 // machine); the memory of one does not depend on its neighbours.
-func sidecarsOnce(b *testing.B, want []string) {
+func sidecarsOnce(b *testing.B, want []string, report metricFunc) {
 	b.Helper()
-	_, free := inotifyFree(b)
-	batch := min(len(want), int((memAvailableKB(b)-2<<20)/sidecarBudgetKB), (free-inotifyMargin)/sidecarInotify)
-	if batch < 10 {
-		b.Skipf("%.0f MB available and %d inotify instances free: too little to run the sidecars", memAvailableKB(b)/1024, free)
+	batch, err := sidecarBatch(b, len(want))
+	if err != nil {
+		b.Fatal(err)
 	}
 	ca := startCAProcess(b, "--trusted-node-accounts", nodeScaleNamespace+"/"+nodeScaleServiceAccount)
+	defer func() { _ = ca.cmd.Process.Kill() }() // the cleanup waits for it
 	tokens := b.TempDir()
 	var (
 		mem                       memory
@@ -722,7 +749,7 @@ func sidecarsOnce(b *testing.B, want []string) {
 		renewCPU += rotated.cpu - caAtServed.cpu
 		caServed.rssMB, caLast.rssMB = max(caServed.rssMB, caAtServed.rssMB), max(caLast.rssMB, rotated.rssMB)
 		caLast.heapMB = max(caLast.heapMB, rotated.heapMB)
-		all.merge(t.servedSince(b, start), start)
+		all.merge(t.servedSince(b, start, true), start)
 		done.Store(true)
 		cancel()
 		for i, p := range agents {
@@ -731,17 +758,30 @@ func sidecarsOnce(b *testing.B, want []string) {
 			p.stop()
 		}
 	}
-	b.ReportMetric(float64(batch), "sidecars-at-once")
-	b.ReportMetric(float64(inotify), "sidecar-inotify-max")
-	all.report(b, epoch)
-	b.ReportMetric(mem.rss/1024, "agents-rss-sum-MB")
-	b.ReportMetric(mem.pss/1024, "agents-pss-sum-MB")
-	b.ReportMetric(mem.anon/1024, "agents-anon-sum-MB")
+	report(float64(batch), "at-once")
+	report(float64(inotify), "agent-inotify-max")
+	all.report(report, epoch)
+	report(mem.rss/1024, "agents-rss-sum-MB")
+	report(mem.pss/1024, "agents-pss-sum-MB")
+	report(mem.anon/1024, "agents-anon-sum-MB")
 	// From exec: a sidecar's start is what it costs to serve its workload.
-	b.ReportMetric(cpuServe*1000, "agents-cpu-serve-sum-ms")
-	b.ReportMetric(cpuRotate*1000, "agents-cpu-rotate-sum-ms")
+	report(cpuServe*1000, "agents-cpu-serve-sum-ms")
+	report(cpuRotate*1000, "agents-cpu-rotate-sum-ms")
 	caServed.cpu, caLast.cpu = caStart.cpu+signCPU, caStart.cpu+signCPU+renewCPU
-	reportCA(b, caStart, caServed, caLast)
+	reportCA(report, caStart, caServed, caLast)
+}
+
+// sidecarBatch is how many sidecars run at once: as many as the machine's available memory, less
+// 2 GB, and the inotify instances free allow, at most n; at least 10, else an error.
+func sidecarBatch(b *testing.B, n int) (int, error) {
+	b.Helper()
+	_, free := inotifyFree(b)
+	avail := memAvailableKB(b)
+	batch := min(n, int((avail-2<<20)/sidecarBudgetKB), (free-inotifyMargin)/sidecarInotify)
+	if batch < 10 {
+		return 0, fmt.Errorf("%.0f MB available and %d inotify instances free: too little to run the sidecars", avail/1024, free)
+	}
+	return batch, nil
 }
 
 // followChains is one sidecar's stream for "default", recording each chain it receives as

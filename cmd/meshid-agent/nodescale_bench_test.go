@@ -38,7 +38,7 @@ const (
 	// and no jitter each identity renews once, TTL/2 after it got its first certificate, long
 	// after all are served.
 	nodeScaleTTL = time.Minute
-	// nodeScaleAccount is the node agent's own account, which the CA trusts as a node account.
+	// The node agent's own account, which the CA trusts as a node account.
 	nodeScaleNamespace, nodeScaleServiceAccount = "meshid-system", "node-agent"
 	// sidecarBudgetKB is what one sidecar agent and its streams may take of the machine's
 	// available memory (about 17 MB RSS idle), with room: the baseline runs as many at once as
@@ -356,28 +356,33 @@ func reportDurations(report metricFunc, ds []time.Duration, name string) {
 	report(percentile(ds, 1), name+"-max-ms")
 }
 
-// cpuSeconds is the user and system CPU time the process has used (/proc/PID/stat, in the
-// kernel's USER_HZ ticks, 100 a second).
+// cpuSeconds is the CPU time the process's threads have run, from each thread's
+// /proc/PID/task/TID/schedstat (nanoseconds; /proc/PID/stat counts 10 ms ticks, too coarse for
+// a workload that runs a few milliseconds). A thread that has ended is not counted: Go's rarely
+// do. A process gone reads as 0.
 func cpuSeconds(b *testing.B, pid int) float64 {
 	b.Helper()
-	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
 	if err != nil {
-		b.Fatal(err)
+		return 0
 	}
-	// The fields after the command's name, which is in parentheses and may hold anything.
-	fields := strings.Fields(string(data[strings.LastIndexByte(string(data), ')')+1:]))
-	if len(fields) < 13 {
-		b.Fatalf("/proc/%d/stat: %d fields after the name", pid, len(fields))
-	}
-	var ticks float64
-	for _, f := range fields[11:13] { // utime, stime
-		v, err := strconv.ParseFloat(f, 64)
+	var ns float64
+	for _, task := range tasks {
+		data, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/schedstat", pid, task.Name()))
+		if err != nil {
+			continue // the thread ended
+		}
+		fields := strings.Fields(string(data))
+		if len(fields) != 3 {
+			b.Fatalf("/proc/%d/task/%s/schedstat: %q", pid, task.Name(), data)
+		}
+		v, err := strconv.ParseFloat(fields[0], 64)
 		if err != nil {
 			b.Fatal(err)
 		}
-		ticks += v
+		ns += v
 	}
-	return ticks / 100
+	return ns / 1e9
 }
 
 // memAvailableKB reads MemAvailable from /proc/meminfo.
@@ -644,6 +649,10 @@ func nodeAgentOnce(b *testing.B, want []string, streams int, rotate bool, report
 	}()
 	idle, agentCPUIdle := memoryOf(b, agentPid), cpuSeconds(b, agentPid)
 	caStart := ca.cost(b)
+	workloadsCPU := 0.0
+	for _, c := range clients {
+		workloadsCPU -= cpuSeconds(b, c.cmd.Process.Pid)
+	}
 
 	release := time.Now()
 	for _, c := range clients {
@@ -658,6 +667,7 @@ func nodeAgentOnce(b *testing.B, want []string, streams int, rotate bool, report
 	var workloadsPSS float64
 	for _, c := range clients {
 		workloadsPSS += smapsKB(b, c.cmd.Process.Pid, "Pss")
+		workloadsCPU += cpuSeconds(b, c.cmd.Process.Pid)
 	}
 	report(idle.rss/1024, "agent-rss-idle-MB")
 	report(idle.pss/1024, "agent-pss-idle-MB")
@@ -667,6 +677,7 @@ func nodeAgentOnce(b *testing.B, want []string, streams int, rotate bool, report
 	report((agentCPUServed-agentCPUIdle)*1000, "agent-cpu-serve-ms")
 	report(float64(inotifyInstances(agentPid)), "agent-inotify")
 	report(workloadsPSS/1024, "workloads-pss-sum-MB")
+	report(workloadsCPU*1000, "workloads-cpu-serve-sum-ms")
 	if !rotate {
 		t.servedSince(b, release, false).report(report, release)
 		report((caServed.cpu-caStart.cpu)*1000, "ca-cpu-sign-ms")

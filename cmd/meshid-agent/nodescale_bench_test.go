@@ -262,7 +262,8 @@ func (t *chainTracker) waitFor(b *testing.B, gen int, timeout time.Duration) {
 	}
 }
 
-// served is what the tracker saw, once every stream has received two chains.
+// served is what the tracker saw, once every stream has received its first chain and, when
+// rotated, its second.
 type served struct {
 	// Per workload, since the start: when its first stream had its first chain, and when its
 	// last stream had it.

@@ -305,28 +305,35 @@ func main() {
 }
 `
 
-// floorBinary builds floorSource as the binaries are built, as a package of this module that
-// exists only in a build overlay: nothing is written into the tree.
+// floorBinary builds floorSource as the binaries are built.
 func floorBinary(b *testing.B) string {
 	b.Helper()
+	return overlayBinary(b, "floor", floorSource)
+}
+
+// overlayBinary builds the program src as the binaries are built, as the package
+// cmd/meshid-agent/<name> of this module that exists only in a build overlay: nothing is
+// written into the tree.
+func overlayBinary(b *testing.B, name, src string) string {
+	b.Helper()
 	dir := b.TempDir()
-	src, pkgDir := filepath.Join(dir, "main.go"), filepath.Join(moduleRoot(b), "cmd", "meshid-agent", "floor")
-	if err := os.WriteFile(src, []byte(floorSource), 0o600); err != nil {
+	file, pkgDir := filepath.Join(dir, "main.go"), filepath.Join(moduleRoot(b), "cmd", "meshid-agent", name)
+	if err := os.WriteFile(file, []byte(src), 0o600); err != nil {
 		b.Fatal(err)
 	}
-	overlay, err := json.Marshal(map[string]map[string]string{"Replace": {filepath.Join(pkgDir, "main.go"): src}})
+	overlay, err := json.Marshal(map[string]map[string]string{"Replace": {filepath.Join(pkgDir, "main.go"): file}})
 	if err != nil {
 		b.Fatal(err)
 	}
 	if err := os.WriteFile(filepath.Join(dir, "overlay.json"), overlay, 0o600); err != nil {
 		b.Fatal(err)
 	}
-	bin := filepath.Join(dir, "floor")
+	bin := filepath.Join(dir, name)
 	cmd := exec.Command("go", "build", "-overlay", filepath.Join(dir, "overlay.json"), "-trimpath", "-tags", "grpcnotrace",
-		"-ldflags", "-s -w", "-o", bin, "./floor")
+		"-ldflags", "-s -w", "-o", bin, "./"+name)
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if out, err := cmd.CombinedOutput(); err != nil {
-		b.Fatalf("build the floor program: %v: %s", err, out)
+		b.Fatalf("build the %s program: %v: %s", name, err, out)
 	}
 	return bin
 }
@@ -431,12 +438,18 @@ func BenchmarkIdleRSS(b *testing.B) {
 // anonKB reads the process's anonymous resident memory (smaps_rollup's Anonymous) in kB.
 func anonKB(b *testing.B, pid int) float64 {
 	b.Helper()
+	return smapsKB(b, pid, "Anonymous")
+}
+
+// smapsKB reads one field of the process's /proc/PID/smaps_rollup (Pss, Anonymous, ...) in kB.
+func smapsKB(b *testing.B, pid int, field string) float64 {
+	b.Helper()
 	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/smaps_rollup", pid))
 	if err != nil {
 		b.Fatal(err)
 	}
 	for line := range strings.Lines(string(data)) {
-		if rest, ok := strings.CutPrefix(line, "Anonymous:"); ok {
+		if rest, ok := strings.CutPrefix(line, field+":"); ok {
 			kb, err := strconv.ParseFloat(strings.TrimSuffix(strings.TrimSpace(rest), " kB"), 64)
 			if err != nil {
 				b.Fatal(err)
@@ -444,7 +457,7 @@ func anonKB(b *testing.B, pid int) float64 {
 			return kb
 		}
 	}
-	b.Fatal("no Anonymous in smaps_rollup")
+	b.Fatalf("no %s in smaps_rollup", field)
 	return 0
 }
 

@@ -100,11 +100,12 @@ type caProcess struct {
 	minter   *token.Minter
 }
 
-func startCAProcess(b *testing.B) *caProcess {
+// startCAProcess starts `meshid ca` with args after its state dir and addresses.
+func startCAProcess(b *testing.B, args ...string) *caProcess {
 	b.Helper()
 	state := b.TempDir()
-	cmd, rec := startLogged(b, agentBinary(b), "CA started", "ca", "--state-dir", state,
-		"--grpc-addr", "127.0.0.1:0", "--monitoring-addr", "127.0.0.1:0")
+	cmd, rec := startLogged(b, agentBinary(b), "CA started", append([]string{"ca", "--state-dir", state,
+		"--grpc-addr", "127.0.0.1:0", "--monitoring-addr", "127.0.0.1:0"}, args...)...)
 	addr, _ := rec["address"].(string)
 	monitor, _ := rec["monitoring_address"].(string)
 	minter, err := token.LoadMinter(ca.TokenKeyPath(state))

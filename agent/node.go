@@ -265,8 +265,11 @@ func (r *identities) held() []string {
 // registry whose managers sign through it for each identity asked for.
 func (a *Agent) buildNode(cfg Config, fetched tokenFunc, clk clock.Clock, log *slog.Logger, registry *prometheus.Registry) (nodeResolver, error) {
 	var err error
-	if a.attestor, err = cfg.SDS.Attest(AttestConfig{RulesFile: cfg.SDS.WorkloadAttestation, Clock: clk,
+	if a.attestor, err = cfg.SDS.Attest(AttestConfig{RulesFile: cfg.SDS.WorkloadAttestation, Pods: cfg.SDS.AttestPods, Clock: clk,
 		Logger: log.With(logkey.Component, "attest"), Registerer: registry}); err != nil {
+		if cfg.SDS.WorkloadAttestation == "" {
+			return nodeResolver{}, &FieldError{Field: "SDS.AttestPods.Enabled", Err: err}
+		}
 		return nodeResolver{}, &FieldError{Field: "SDS.WorkloadAttestation", Value: cfg.SDS.WorkloadAttestation, Err: err}
 	}
 	self, err := cfg.SPIFFEID()
@@ -301,8 +304,8 @@ func (a *Agent) buildNode(cfg Config, fetched tokenFunc, clk clock.Clock, log *s
 		})
 	}
 	a.identities = newIdentities(newManager, clk, log.With(logkey.Component, "identities"))
-	log.Info("node mode: each caller on the socket gets the identity its rule gives", logkey.Path, cfg.SDS.WorkloadAttestation,
-		logkey.Identity, self.String())
+	log.Info("node mode: each caller on the socket gets the identity its rule, or its pod on this node, gives", logkey.Path, cfg.SDS.WorkloadAttestation,
+		logkey.Node, cfg.SDS.AttestPods.NodeName, logkey.Identity, self.String())
 	return nodeResolver{trustDomain: cfg.Identity.TrustDomain, identify: func(ctx context.Context) (string, string, error) {
 		return a.attestor.Caller(ctx)
 	}}, nil

@@ -150,6 +150,9 @@ func (p *LocalPods) Run(ctx context.Context) error {
 	return nil
 }
 
+// Node is the node whose pods these are.
+func (p *LocalPods) Node() string { return p.node }
+
 // Synced is closed once the node's pods have been listed.
 func (p *LocalPods) Synced() <-chan struct{} { return p.synced }
 

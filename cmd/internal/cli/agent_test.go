@@ -291,6 +291,30 @@ func TestAgentWorkloadAPIFlag(t *testing.T) {
 	}
 }
 
+// Node mode's Kubernetes source: the flags, NODE_NAME under --node-name, alone or with the
+// rules; NODE_NAME without the source is left alone (the downward API may set it in any pod).
+func TestAgentWorkloadAttestationPodsFlags(t *testing.T) {
+	t.Parallel()
+	env := map[string]string{"CA_ADDR": "127.0.0.1:15012", "POD_NAMESPACE": "istio-system", "SERVICE_ACCOUNT": "node-agent", "NODE_NAME": "env-node"}
+	for _, tc := range []struct {
+		args []string
+		want agent.AttestPods
+	}{
+		{[]string{"--workload-attestation-pods", "--in-cluster"}, agent.AttestPods{Enabled: true, NodeName: "env-node", InCluster: true}},
+		{[]string{"--workload-attestation-pods", "--node-name", "n1", "--kubeconfig", "/kc", "--workload-attestation", "/rules.yaml"},
+			agent.AttestPods{Enabled: true, NodeName: "n1", Kubeconfig: "/kc"}},
+		{nil, agent.AttestPods{NodeName: "env-node"}},
+	} {
+		cfg, err := runAgentCommand(t, env, tc.args...)
+		if err != nil {
+			t.Fatalf("%v: %v", tc.args, err)
+		}
+		if cfg.SDS.AttestPods != tc.want {
+			t.Errorf("%v: %+v, want %+v", tc.args, cfg.SDS.AttestPods, tc.want)
+		}
+	}
+}
+
 // The xDS proxy's limits and its debug endpoint: defaults, flags, and refusals of what cannot
 // work.
 func TestAgentXDSProxyLimitsAndDebug(t *testing.T) {

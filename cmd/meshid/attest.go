@@ -9,14 +9,19 @@ import (
 	"github.com/meshid/meshid/agent"
 	"github.com/meshid/meshid/ca/controller/kube"
 	"github.com/meshid/meshid/internal/attest"
+	"github.com/meshid/meshid/internal/clock"
 )
 
 // newAttestor makes node mode's attestor, which meshid-agent, a sidecar's binary serving one
 // workload, leaves out with its rules parser and the Kubernetes client.
-func newAttestor(c agent.AttestConfig) (agent.Attestor, error) { return newAttestorIn("", c) }
+func newAttestor(c agent.AttestConfig) (agent.Attestor, error) { return newAttestorIn("", nil, c) }
 
-// newAttestorIn is newAttestor reading processes from the /proc tree at proc ("": the real one).
-func newAttestorIn(proc string, c agent.AttestConfig) (agent.Attestor, error) {
+// newAttestorIn is newAttestor reading processes from the /proc tree at proc ("": the real
+// one), and timing the wait for a pod not listed yet on podClock (nil: the agent's clock).
+func newAttestorIn(proc string, podClock clock.Clock, c agent.AttestConfig) (agent.Attestor, error) {
+	if podClock == nil {
+		podClock = c.Clock
+	}
 	cfg := attest.Config{RulesFile: c.RulesFile, Proc: proc, Clock: c.Clock, Logger: c.Logger, Registerer: c.Registerer}
 	var pods *kube.LocalPods
 	if c.Pods.Enabled {
@@ -29,7 +34,7 @@ func newAttestorIn(proc string, c agent.AttestConfig) (agent.Attestor, error) {
 		if err != nil {
 			return nil, fmt.Errorf("Kubernetes client: %w", err)
 		}
-		if pods, err = kube.NewLocalPods(kube.LocalPodsConfig{Clients: clients, NodeName: c.Pods.NodeName, Clock: c.Clock,
+		if pods, err = kube.NewLocalPods(kube.LocalPodsConfig{Clients: clients, NodeName: c.Pods.NodeName, Clock: podClock,
 			Logger: c.Logger, Registerer: c.Registerer}); err != nil {
 			return nil, err
 		}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"regexp"
 	"sync"
 	"time"
 
@@ -27,6 +28,9 @@ const (
 	podUIDIndex    = "uid"
 	mirrorPodIndex = "mirror"
 )
+
+// configHash is a static pod's UID as the kubelet makes it, and names its cgroup: 32 hex digits.
+var configHash = regexp.MustCompile(`^[0-9a-f]{32}$`)
 
 // DefaultServiceAccount is the account of a pod that names none: a static pod, whose mirror pod
 // may not reference service accounts (the ServiceAccount admission plugin refuses it).
@@ -218,7 +222,10 @@ func (p *LocalPods) lookup(podUID string) (_ attest.Identity, found bool, _ erro
 	if err != nil {
 		return attest.Identity{}, false, fmt.Errorf("pods of node %s: %w", p.node, err)
 	}
-	if len(objs) == 0 {
+	// Only a static pod's form of UID, a config hash, is looked for among the mirror pods: a
+	// pod's annotations are its creator's to write, and must not name a pod the API server
+	// made (one deleted while its processes linger, say).
+	if len(objs) == 0 && configHash.MatchString(podUID) {
 		if objs, err = idx.ByIndex(mirrorPodIndex, podUID); err != nil {
 			return attest.Identity{}, false, fmt.Errorf("pods of node %s: %w", p.node, err)
 		}

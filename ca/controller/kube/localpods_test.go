@@ -38,8 +38,15 @@ func resolveAsync(t *testing.T, lp *kube.LocalPods, clk *testutil.FakeClock, uid
 	}()
 	ctx, cancel := context.WithTimeout(t.Context(), waitLimit)
 	defer cancel()
-	if err := clk.WaitForTimers(ctx, armed+1); err != nil {
-		t.Fatalf("lookup of %s: not waiting: %v", uid, err)
+	waiting := make(chan error, 1)
+	go func() { waiting <- clk.WaitForTimers(ctx, armed+1) }()
+	select {
+	case err := <-waiting:
+		if err != nil {
+			t.Fatalf("lookup of %s: not waiting: %v", uid, err)
+		}
+	case r := <-out:
+		t.Fatalf("lookup of %s: answered without waiting: %+v, %v", uid, r.id, r.err)
 	}
 	return out
 }
@@ -180,6 +187,18 @@ func TestLocalPodsResolve(t *testing.T) {
 		return errors.Is(err, context.Canceled)
 	})
 	missing(t, lp, clk, string(appA.UID), "a deleted pod")
+
+	// A pod whose mirror annotation names the deleted pod's UID does not stand in for it: only a
+	// config hash is looked for among mirror pods. The marker, created after it, says when the
+	// watch has brought it.
+	createMirrorPod(t, ns, "claims-app-a-"+node, node, string(appA.UID))
+	marker := mirrorHash(t)
+	createMirrorPod(t, ns, "marker-"+node, node, marker)
+	waitFor(t, "the marker is seen", func() bool {
+		_, err := resolveNow(lp, marker)
+		return err == nil
+	})
+	missing(t, lp, clk, string(appA.UID), "a deleted pod that another pod's annotation names")
 }
 
 // Pods that are never listed (the agent may not list pods): a lookup is refused when the bound

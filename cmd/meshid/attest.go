@@ -32,7 +32,7 @@ func newAttestorIn(proc string, podClock clock.Clock, c agent.AttestConfig) (age
 		rest.UserAgent = "meshid-node-agent"
 		clients, err := kube.NewClients(rest)
 		if err != nil {
-			return nil, fmt.Errorf("Kubernetes client: %w", err)
+			return nil, fmt.Errorf("the node agent's Kubernetes client: %w", err)
 		}
 		if pods, err = kube.NewLocalPods(kube.LocalPodsConfig{Clients: clients, NodeName: c.Pods.NodeName, Clock: podClock,
 			Logger: c.Logger, Registerer: c.Registerer}); err != nil {

@@ -220,7 +220,7 @@ type AttestFunc func(AttestConfig) (Attestor, error)
 
 // AttestConfig is what the agent gives an AttestFunc.
 type AttestConfig struct {
-	RulesFile  string
+	RulesFile  string // "": none
 	Pods       AttestPods
 	Clock      clock.Clock
 	Logger     *slog.Logger
@@ -460,6 +460,10 @@ func (c *Config) checkAttestPods() []error {
 		errs = append(errs, configerr.Errorf("SDS.AttestPods.Kubeconfig", "{SDS.AttestPods.Kubeconfig} and {SDS.AttestPods.InCluster} both name the Kubernetes API: give one"))
 	case p.Kubeconfig == "" && !p.InCluster:
 		errs = append(errs, configerr.Errorf("SDS.AttestPods.Enabled", "{SDS.AttestPods.Enabled} reads the pods from the Kubernetes API: give {SDS.AttestPods.Kubeconfig} or {SDS.AttestPods.InCluster}"))
+	case p.Kubeconfig != "":
+		if _, err := statRegular(p.Kubeconfig); err != nil {
+			errs = append(errs, &FieldError{Field: "SDS.AttestPods.Kubeconfig", Value: p.Kubeconfig, Err: err})
+		}
 	}
 	return errs
 }

@@ -92,6 +92,10 @@ func TestMistakesExitTwo(t *testing.T) {
 			return []string{"agent", "--root-dir", dir, "--status-addr", "127.0.0.1:0", "--debug-addr", "", "--workload-attestation-pods", "--node-name", "n1",
 				"--kubeconfig", filepath.Join(dir, "kubeconfig"), "--in-cluster"}
 		}, []string{"--kubeconfig", "and --in-cluster both name the Kubernetes API: give one"}},
+		{"agent pods with a kubeconfig that is not there", func(dir string) []string {
+			return []string{"agent", "--root-dir", dir, "--status-addr", "127.0.0.1:0", "--debug-addr", "", "--workload-attestation-pods", "--node-name", "n1",
+				"--kubeconfig", filepath.Join(dir, "kubeconfig")}
+		}, []string{"--kubeconfig", "kubeconfig\": does not exist"}},
 		{"agent kubeconfig without pods", func(dir string) []string {
 			return []string{"agent", "--root-dir", dir, "--status-addr", "127.0.0.1:0", "--debug-addr", "", "--kubeconfig", filepath.Join(dir, "kubeconfig")}
 		}, []string{"--kubeconfig", "is the API of --workload-attestation-pods, which is not set"}},

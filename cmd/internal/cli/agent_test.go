@@ -296,13 +296,17 @@ func TestAgentWorkloadAPIFlag(t *testing.T) {
 func TestAgentWorkloadAttestationPodsFlags(t *testing.T) {
 	t.Parallel()
 	env := map[string]string{"CA_ADDR": "127.0.0.1:15012", "POD_NAMESPACE": "istio-system", "SERVICE_ACCOUNT": "node-agent", "NODE_NAME": "env-node"}
+	kubeconfig := filepath.Join(t.TempDir(), "kubeconfig")
+	if err := os.WriteFile(kubeconfig, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
 	for _, tc := range []struct {
 		args []string
 		want agent.AttestPods
 	}{
 		{[]string{"--workload-attestation-pods", "--in-cluster"}, agent.AttestPods{Enabled: true, NodeName: "env-node", InCluster: true}},
-		{[]string{"--workload-attestation-pods", "--node-name", "n1", "--kubeconfig", "/kc", "--workload-attestation", "/rules.yaml"},
-			agent.AttestPods{Enabled: true, NodeName: "n1", Kubeconfig: "/kc"}},
+		{[]string{"--workload-attestation-pods", "--node-name", "n1", "--kubeconfig", kubeconfig, "--workload-attestation", "/rules.yaml"},
+			agent.AttestPods{Enabled: true, NodeName: "n1", Kubeconfig: kubeconfig}},
 		{nil, agent.AttestPods{NodeName: "env-node"}},
 	} {
 		cfg, err := runAgentCommand(t, env, tc.args...)

@@ -182,15 +182,19 @@ func (p *LocalPods) ResolvePod(ctx context.Context, podUID string) (attest.Ident
 	}
 	timer := p.clock.NewTimer(p.wait)
 	defer timer.Stop()
+	synced := p.synced // nil once seen closed, so that the wait does not spin on it
 	for {
 		changed := p.changes()
+		if isClosed(synced) {
+			synced = nil
+		}
 		// Looked up again after taking changed: a pod added in between closes it.
 		if id, found, err := p.listedLookup(podUID); found || err != nil {
 			return id, err
 		}
 		select {
 		case <-changed:
-		case <-p.synced:
+		case <-synced:
 		case <-timer.C():
 			if !isClosed(p.synced) {
 				return attest.Identity{}, fmt.Errorf("the pods of node %s have not been listed within %s", p.node, p.wait)

@@ -486,7 +486,8 @@ start when set. A path given must exist (--credentials-dir, --prov-cert) and a r
 a PEM certificate (--ca-root-cert, --xds-root-cert); only the defaults may be absent. Addresses are HOST:PORT. A refusal exits 2, before anything runs.
 
 The status server (--status-addr) answers /healthz/ready, 200 once the workload certificate is
-held (and written to --output-certs), Envoy's sockets lead to the agent, an Envoy connected to
+held (and written to --output-certs; a node agent holds none, and with --workload-attestation-pods
+waits for its node's pods to be listed), Envoy's sockets lead to the agent, an Envoy connected to
 the xDS proxy has acknowledged clusters and listeners, and the Envoy the agent runs says LIVE;
 otherwise 503 naming every condition unmet. It answers /metrics (the agent's) and
 /stats/prometheus (the agent's, Envoy's and, with --istio-prometheus-annotations, the

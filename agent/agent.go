@@ -149,7 +149,7 @@ func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *p
 			OnSocket:                onSocket(cfg, a.socketPath),
 		}
 		var api workloadapi.Config
-		if cfg.nodeMode() {
+		if cfg.NodeMode() {
 			resolver, err := a.buildNode(cfg, fetched, clk, log, registry)
 			if err != nil {
 				return err
@@ -346,7 +346,7 @@ func decide(cfg *Config, socketPath string) (Source, string, error) {
 	}
 	dir := cfg.credentialsDir()
 	switch present, missing := secretmanager.CredentialFiles(dir); {
-	case cfg.nodeMode():
+	case cfg.NodeMode():
 		// The credentials dir is one workload's: a node agent's callers each have their own.
 	case len(missing) == 0:
 		return SourceFiles, "credential files found in " + dir, nil
@@ -580,7 +580,7 @@ func embed(cfg Config, id pki.SPIFFEID, clk clock.Clock, log *slog.Logger) (_ Co
 		SocketPath:  socket,
 		TrustDomain: cfg.Identity.TrustDomain,
 		Identity:    id,
-		NodeAgent:   cfg.nodeMode(),
+		NodeAgent:   cfg.NodeMode(),
 		Clock:       clk,
 		Logger:      log.With(logkey.Component, "embedded-ca"),
 	})

@@ -197,9 +197,22 @@ type SDSConfig struct {
 	// gives, obtained from the CA as a node agent (ImpersonatedIdentity); the agent's own
 	// identity is the node account the CA trusts. The file is watched.
 	WorkloadAttestation string
+	// AttestPods, when Enabled, is node mode's Kubernetes source, alone or after the rules: a
+	// caller in a pod no rule matches gets its pod's namespace and service account, among the
+	// pods the API server has bound to this node.
+	AttestPods AttestPods
 	// Attest makes node mode's attestor; cmd/meshid supplies it, and meshid-agent, the binary of
 	// a sidecar that serves one workload, does not, so that it links no rules parser.
 	Attest AttestFunc
+}
+
+// AttestPods is where node mode finds the pods of its node: the Kubernetes API of Kubeconfig,
+// or of the cluster the agent runs in (InCluster); exactly one.
+type AttestPods struct {
+	Enabled    bool
+	NodeName   string
+	Kubeconfig string
+	InCluster  bool
 }
 
 // AttestFunc makes node mode's attestor of the rules file (internal/attest's New).
@@ -207,7 +220,8 @@ type AttestFunc func(AttestConfig) (Attestor, error)
 
 // AttestConfig is what the agent gives an AttestFunc.
 type AttestConfig struct {
-	RulesFile  string
+	RulesFile  string // "": none
+	Pods       AttestPods
 	Clock      clock.Clock
 	Logger     *slog.Logger
 	Registerer prometheus.Registerer
@@ -215,9 +229,11 @@ type AttestConfig struct {
 
 // Attestor says who each caller on the SDS socket is: its credentials attest every connection,
 // Caller gives a call's caller the namespace and service account of its rule, Run watches the
-// rules file, and Loaded's channel is closed after each load (the agent then checks the open
-// streams' callers again). internal/attest's Attestor is one; the agent does not import it, so
-// that meshid-agent links none of it.
+// rules file (and the pods of the node), and Loaded's channel is closed after each load (the
+// agent then checks the open streams' callers again). internal/attest's Attestor is one; the
+// agent does not import it, so that meshid-agent links none of it. An Attestor that cannot
+// identify callers yet (the node's pods not listed) says why with a Problem() error method; the
+// agent is not ready meanwhile.
 type Attestor interface {
 	Credentials(inner credentials.TransportCredentials) credentials.TransportCredentials
 	Caller(ctx context.Context) (namespace, serviceAccount string, err error)
@@ -417,41 +433,79 @@ func (c *Config) fileResourceDirs() []string {
 	return []string{c.credentialsDir(), c.path(DefaultMountedCerts)}
 }
 
-// nodeMode reports whether the agent serves every workload of its node (WorkloadAttestation).
-func (c *Config) nodeMode() bool { return c.SDS.WorkloadAttestation != "" }
+// NodeMode reports whether the agent serves every workload of its node (WorkloadAttestation,
+// AttestPods).
+func (c *Config) NodeMode() bool { return c.SDS.WorkloadAttestation != "" || c.SDS.AttestPods.Enabled }
+
+// checkAttestPods refuses a Kubernetes source of node mode that names no node or no API, or
+// two, and its settings without it.
+func (c *Config) checkAttestPods() []error {
+	p := c.SDS.AttestPods
+	var errs []error
+	if !p.Enabled {
+		if p.Kubeconfig != "" {
+			errs = append(errs, configerr.Errorf("SDS.AttestPods.Kubeconfig", "{SDS.AttestPods.Kubeconfig} is the API of {SDS.AttestPods.Enabled}, which is not set: set it, or unset {SDS.AttestPods.Kubeconfig}"))
+		}
+		if p.InCluster {
+			errs = append(errs, configerr.Errorf("SDS.AttestPods.InCluster", "{SDS.AttestPods.InCluster} is the API of {SDS.AttestPods.Enabled}, which is not set: set it, or unset {SDS.AttestPods.InCluster}"))
+		}
+		return errs
+	}
+	if c.SDS.Attest == nil {
+		errs = append(errs, configerr.Errorf("SDS.AttestPods.Enabled", "{SDS.AttestPods.Enabled}: node mode is in meshid (meshid agent); this binary, a sidecar's, serves one workload and links no Kubernetes client"))
+	}
+	if p.NodeName == "" {
+		errs = append(errs, configerr.Errorf("SDS.AttestPods.NodeName", "{SDS.AttestPods.NodeName} is required with {SDS.AttestPods.Enabled}: the pods watched are the ones bound to this node"))
+	}
+	switch {
+	case p.Kubeconfig != "" && p.InCluster:
+		errs = append(errs, configerr.Errorf("SDS.AttestPods.Kubeconfig", "{SDS.AttestPods.Kubeconfig} and {SDS.AttestPods.InCluster} both name the Kubernetes API: give one"))
+	case p.Kubeconfig == "" && !p.InCluster:
+		errs = append(errs, configerr.Errorf("SDS.AttestPods.Enabled", "{SDS.AttestPods.Enabled} reads the pods from the Kubernetes API: give {SDS.AttestPods.Kubeconfig} or {SDS.AttestPods.InCluster}"))
+	case p.Kubeconfig != "":
+		if _, err := statRegular(p.Kubeconfig); err != nil {
+			errs = append(errs, &FieldError{Field: "SDS.AttestPods.Kubeconfig", Value: p.Kubeconfig, Err: err})
+		}
+	}
+	return errs
+}
 
 // checkNodeMode refuses what node mode cannot do: one workload's credentials (files, OUTPUT_CERTS),
 // the Mesh CA protocol, whose requests cannot name another identity, and the xDS proxy, which
 // has only the node's.
 func (c *Config) checkNodeMode() []error {
-	if !c.nodeMode() {
+	if !c.NodeMode() {
 		return nil
 	}
 	var errs []error
-	const why = "{SDS.WorkloadAttestation} serves each caller its own identity, "
-	if c.SDS.Attest == nil {
+	mode := "SDS.WorkloadAttestation"
+	if c.SDS.WorkloadAttestation == "" {
+		mode = "SDS.AttestPods.Enabled"
+	}
+	why := "{" + mode + "} serves each caller its own identity, "
+	if c.SDS.Attest == nil && c.SDS.WorkloadAttestation != "" {
 		errs = append(errs, configerr.Errorf("SDS.WorkloadAttestation", "{SDS.WorkloadAttestation}: node mode is in meshid (meshid agent); this binary, a sidecar's, serves one workload and carries no attestation"))
 	}
 	if c.Output.Dir != "" {
-		errs = append(errs, configerr.Errorf("Output.Dir", why+"so there is no one key pair to write to {Output.Dir}; unset it"))
+		errs = append(errs, configerr.Errorf("Output.Dir", "%sso there is no one key pair to write to {Output.Dir}; unset it", why))
 	}
 	if c.SDS.FileMountedCerts {
-		errs = append(errs, configerr.Errorf("SDS.FileMountedCerts", why+"from the CA: {SDS.FileMountedCerts} would serve every caller one workload's files; unset it"))
+		errs = append(errs, configerr.Errorf("SDS.FileMountedCerts", "%sfrom the CA: {SDS.FileMountedCerts} would serve every caller one workload's files; unset it", why))
 	}
 	if c.SDS.CredentialsDir != "" {
-		errs = append(errs, configerr.Errorf("SDS.CredentialsDir", why+"from the CA: the files of {SDS.CredentialsDir} are one workload's, and are not served in node mode; unset it"))
+		errs = append(errs, configerr.Errorf("SDS.CredentialsDir", "%sfrom the CA: the files of {SDS.CredentialsDir} are one workload's, and are not served in node mode; unset it", why))
 	}
 	if c.CA.Provider == CAProviderGoogleCA {
-		errs = append(errs, configerr.Errorf("CA.Provider", why+"which the CA signs on the agent's request: {CA.Provider} %s cannot ask for another identity (the Mesh CA's request has no metadata); use %s",
-			CAProviderGoogleCA, CAProviderCitadel))
+		errs = append(errs, configerr.Errorf("CA.Provider", "%swhich the CA signs on the agent's request: {CA.Provider} %s cannot ask for another identity (the Mesh CA's request has no metadata); use %s",
+			why, CAProviderGoogleCA, CAProviderCitadel))
 	}
 	if c.CA.ProvCert != "" {
-		errs = append(errs, configerr.Errorf("CA.ProvCert", why+"which the CA signs only for a caller authenticated by a token: {CA.ProvCert}'s certificate would not be enough; unset it"))
+		errs = append(errs, configerr.Errorf("CA.ProvCert", "%swhich the CA signs only for a caller authenticated by a token: {CA.ProvCert}'s certificate would not be enough; unset it", why))
 	}
 	if c.XDS.Proxy {
 		// The proxy authenticates upstream as the agent: every Envoy on the node would get the
 		// node account's configuration.
-		errs = append(errs, configerr.Errorf("XDS.Proxy", why+"but {XDS.Proxy} would proxy every Envoy's xDS as the node agent's own identity, and so give any workload the node's configuration; unset it"))
+		errs = append(errs, configerr.Errorf("XDS.Proxy", "%sbut {XDS.Proxy} would proxy every Envoy's xDS as the node agent's own identity, and so give any workload the node's configuration; unset it", why))
 	}
 	return errs
 }
@@ -508,6 +562,7 @@ func (c *Config) Validate() error {
 	errs = append(errs, c.checkTokenExchange()...)
 	errs = append(errs, c.checkCAProvider()...)
 	errs = append(errs, c.checkNodeMode()...)
+	errs = append(errs, c.checkAttestPods()...)
 	if c.Output.KeyGroupRead && !c.Output.GroupRead {
 		errs = append(errs, configerr.Errorf("Output.KeyGroupRead", "{Output.KeyGroupRead}: a group-readable {Output.Dir} key needs group-readable directories too"))
 	}

@@ -228,7 +228,13 @@ func (a *Agent) unmet(ctx context.Context) []string {
 		if err := a.sds.SocketProblem(); err != nil {
 			why = append(why, err.Error())
 		}
-		// A node agent has no certificate of its own: it is ready once it serves.
+		// A node agent has no certificate of its own: it is ready once it serves, and can
+		// identify its callers.
+		if p, ok := a.attestor.(interface{ Problem() error }); ok {
+			if err := p.Problem(); err != nil {
+				why = append(why, err.Error())
+			}
+		}
 		if a.secrets != nil {
 			if ok, reason := a.secrets.Ready(); !ok {
 				why = append(why, reason)

@@ -335,8 +335,11 @@ func (r *identities) held() []string {
 // registry whose managers sign through it for each identity asked for.
 func (a *Agent) buildNode(cfg Config, fetched tokenFunc, clk clock.Clock, log *slog.Logger, registry *prometheus.Registry) (nodeResolver, error) {
 	var err error
-	if a.attestor, err = cfg.SDS.Attest(AttestConfig{RulesFile: cfg.SDS.WorkloadAttestation, Clock: clk,
+	if a.attestor, err = cfg.SDS.Attest(AttestConfig{RulesFile: cfg.SDS.WorkloadAttestation, Pods: cfg.SDS.AttestPods, Clock: clk,
 		Logger: log.With(logkey.Component, "attest"), Registerer: registry}); err != nil {
+		if cfg.SDS.WorkloadAttestation == "" {
+			return nodeResolver{}, &FieldError{Field: "SDS.AttestPods.Enabled", Err: err}
+		}
 		return nodeResolver{}, &FieldError{Field: "SDS.WorkloadAttestation", Value: cfg.SDS.WorkloadAttestation, Err: err}
 	}
 	self, err := cfg.SPIFFEID()
@@ -378,8 +381,8 @@ func (a *Agent) buildNode(cfg Config, fetched tokenFunc, clk clock.Clock, log *s
 		return nodeResolver{}, err
 	}
 	resolver.streams = a.nodeStreams
-	log.Info("node mode: each caller on the socket gets the identity its rule gives", logkey.Path, cfg.SDS.WorkloadAttestation,
-		logkey.Identity, self.String())
+	log.Info("node mode: each caller on the socket gets the identity its rule, or its pod on this node, gives", logkey.Path, cfg.SDS.WorkloadAttestation,
+		logkey.Node, cfg.SDS.AttestPods.NodeName, logkey.Identity, self.String())
 	return resolver, nil
 }
 

@@ -37,4 +37,26 @@ func TestNodeModeRefusals(t *testing.T) {
 		{"the xDS proxy", node(func(c *agent.Config) { c.XDS.Proxy = true }), "XDS.Proxy", "as the node agent's own identity"},
 		{"a binary without attestation (meshid-agent)", node(func(c *agent.Config) { c.SDS.Attest = nil }), "SDS.WorkloadAttestation", "node mode is in meshid"},
 	})
+	pods := func(edit func(*agent.AttestPods)) func(*agent.Config) {
+		return func(c *agent.Config) {
+			c.SDS.AttestPods = agent.AttestPods{Enabled: true, NodeName: "n1", InCluster: true}
+			c.SDS.Attest = newAttestor
+			edit(&c.SDS.AttestPods)
+		}
+	}
+	wantRefused(t, []refusal{
+		{"pods without a node", pods(func(p *agent.AttestPods) { p.NodeName = "" }), "SDS.AttestPods.NodeName", "is required"},
+		{"pods without an API", pods(func(p *agent.AttestPods) { p.InCluster = false }), "SDS.AttestPods.Enabled", "give SDS.AttestPods.Kubeconfig or"},
+		{"pods with two APIs", pods(func(p *agent.AttestPods) { p.Kubeconfig = "/kc" }), "SDS.AttestPods.Kubeconfig", "give one"},
+		{"a kubeconfig without pods", func(c *agent.Config) { c.SDS.AttestPods.Kubeconfig = "/kc" }, "SDS.AttestPods.Kubeconfig", "which is not set"},
+		{"in-cluster without pods", func(c *agent.Config) { c.SDS.AttestPods.InCluster = true }, "SDS.AttestPods.InCluster", "which is not set"},
+		{"pods in a binary without attestation (meshid-agent)", func(c *agent.Config) {
+			pods(func(*agent.AttestPods) {})(c)
+			c.SDS.Attest = nil
+		}, "SDS.AttestPods.Enabled", "links no Kubernetes client"},
+		{"pods only, output certs", func(c *agent.Config) {
+			pods(func(*agent.AttestPods) {})(c)
+			c.Output.Dir = "/out"
+		}, "Output.Dir", "SDS.AttestPods.Enabled serves each caller its own identity, so there is no one key pair"},
+	})
 }

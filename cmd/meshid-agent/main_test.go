@@ -94,6 +94,24 @@ func TestAgentWithoutACAExitsTwo(t *testing.T) {
 	}
 }
 
+// Node mode's Kubernetes source is meshid's: the sidecar's binary links no Kubernetes client,
+// and refuses it at start (exit 2) saying where it is.
+func TestAgentRefusesWorkloadAttestationPods(t *testing.T) {
+	t.Parallel()
+	root := newRootCommand(cli.RunAgent, func(string) (string, bool) { return "", false }, nil)
+	var stderr bytes.Buffer
+	root.SetErr(&stderr)
+	root.SetArgs([]string{"agent", "--root-dir", testutil.ShortTempDir(t), "--status-addr", "127.0.0.1:0", "--debug-addr", "",
+		"--ca-addr", "127.0.0.1:15012", "--namespace", "istio-system", "--service-account", "node-agent",
+		"--workload-attestation-pods", "--node-name", "n1", "--in-cluster"})
+	if code := cli.Main(root); code != cli.ExitUsage {
+		t.Fatalf("exit code %d, want %d; stderr:\n%s", code, cli.ExitUsage, stderr.String())
+	}
+	if want := "--workload-attestation-pods: node mode is in meshid (meshid agent); this binary, a sidecar's, serves one workload and links no Kubernetes client"; !strings.Contains(stderr.String(), want) {
+		t.Fatalf("stderr does not say %q:\n%s", want, stderr.String())
+	}
+}
+
 // The agent container of deploy/kubernetes/sidecar, with the values Kubernetes gives its
 // variables, is accepted by this binary, and the agent's default paths are where the pod mounts
 // the token, the CA root and the two sockets Envoy dials.

@@ -81,6 +81,34 @@ func TestMistakesExitTwo(t *testing.T) {
 		{"agent credentials dir typo", func(dir string) []string {
 			return []string{"agent", "--root-dir", dir, "--status-addr", "127.0.0.1:0", "--debug-addr", "", "--credentials-dir", filepath.Join(dir, "credentals-typo")}
 		}, []string{"--credentials-dir", "credentals-typo does not exist"}},
+		// Node mode's Kubernetes source: a node, and exactly one API.
+		{"agent pods without a node", func(dir string) []string {
+			return []string{"agent", "--root-dir", dir, "--status-addr", "127.0.0.1:0", "--debug-addr", "", "--workload-attestation-pods", "--in-cluster"}
+		}, []string{"--node-name (NODE_NAME) is required with --workload-attestation-pods"}},
+		{"agent pods without an API", func(dir string) []string {
+			return []string{"agent", "--root-dir", dir, "--status-addr", "127.0.0.1:0", "--debug-addr", "", "--workload-attestation-pods", "--node-name", "n1"}
+		}, []string{"--workload-attestation-pods reads the pods from the Kubernetes API: give --kubeconfig or --in-cluster"}},
+		{"agent pods with two APIs", func(dir string) []string {
+			return []string{"agent", "--root-dir", dir, "--status-addr", "127.0.0.1:0", "--debug-addr", "", "--workload-attestation-pods", "--node-name", "n1",
+				"--kubeconfig", filepath.Join(dir, "kubeconfig"), "--in-cluster"}
+		}, []string{"--kubeconfig", "and --in-cluster both name the Kubernetes API: give one"}},
+		{"agent pods with a kubeconfig that is not there", func(dir string) []string {
+			return []string{"agent", "--root-dir", dir, "--status-addr", "127.0.0.1:0", "--debug-addr", "", "--workload-attestation-pods", "--node-name", "n1",
+				"--kubeconfig", filepath.Join(dir, "kubeconfig")}
+		}, []string{"--kubeconfig", "kubeconfig\": does not exist"}},
+		{"agent kubeconfig without pods", func(dir string) []string {
+			return []string{"agent", "--root-dir", dir, "--status-addr", "127.0.0.1:0", "--debug-addr", "", "--kubeconfig", filepath.Join(dir, "kubeconfig")}
+		}, []string{"--kubeconfig", "is the API of --workload-attestation-pods, which is not set"}},
+		{"agent in-cluster without pods", func(dir string) []string {
+			return []string{"agent", "--root-dir", dir, "--status-addr", "127.0.0.1:0", "--debug-addr", "", "--in-cluster"}
+		}, []string{"--in-cluster", "is the API of --workload-attestation-pods, which is not set"}},
+		{"agent node name without pods", func(dir string) []string {
+			return []string{"agent", "--root-dir", dir, "--status-addr", "127.0.0.1:0", "--debug-addr", "", "--node-name", "n1"}
+		}, []string{"--node-name names the node whose pods --workload-attestation-pods reads, which is not given"}},
+		{"agent pods with output certs", func(dir string) []string {
+			return []string{"agent", "--root-dir", dir, "--status-addr", "127.0.0.1:0", "--debug-addr", "", "--workload-attestation-pods", "--node-name", "n1",
+				"--in-cluster", "--output-certs", filepath.Join(dir, "out")}
+		}, []string{"--workload-attestation-pods serves each caller its own identity, so there is no one key pair to write to --output-certs"}},
 		// Item 2: the probe dials HOST:PORT.
 		{"probe without a port", probe("--addr", "127.0.0.1"), []string{"--addr", `"127.0.0.1"`, "no port", "HOST:PORT"}},
 		{"probe with a scheme", probe("--addr", "http://127.0.0.1:15020"), []string{"--addr", "http://", `give HOST:PORT, as in "127.0.0.1:15020"`}},

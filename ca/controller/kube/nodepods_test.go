@@ -26,7 +26,13 @@ import (
 // the pod watch must need no more than.
 func nodePodsRules(t *testing.T) []rbacv1.PolicyRule {
 	t.Helper()
-	data, err := os.ReadFile(filepath.Join("..", "..", "..", "deploy", "kubernetes", "rbac-node-agents.yaml"))
+	return clusterRoleRules(t, "rbac-node-agents.yaml")
+}
+
+// clusterRoleRules are the rules of the ClusterRole of deploy/kubernetes/file.
+func clusterRoleRules(t *testing.T, file string) []rbacv1.PolicyRule {
+	t.Helper()
+	data, err := os.ReadFile(filepath.Join("..", "..", "..", "deploy", "kubernetes", file))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -39,7 +45,7 @@ func nodePodsRules(t *testing.T) []rbacv1.PolicyRule {
 			return role.Rules
 		}
 	}
-	t.Fatal("rbac-node-agents.yaml holds no ClusterRole")
+	t.Fatal(file + " holds no ClusterRole")
 	return nil
 }
 

@@ -72,6 +72,7 @@ func agentEnv() []envBinding {
 		{"minimum-drain-duration", "MINIMUM_DRAIN_DURATION"},
 		{"termination-drain-duration-seconds", "TERMINATION_DRAIN_DURATION_SECONDS"},
 		{"exit-on-zero-active-connections", "EXIT_ON_ZERO_ACTIVE_CONNECTIONS"},
+		{"node-name", "NODE_NAME"},
 	}
 }
 
@@ -209,6 +210,10 @@ func (o *agentOptions) bind(f *pflag.FlagSet) {
 	f.IntVar(&o.cfg.SDS.MaxStreamsPerConnection, "sds-max-streams-per-connection", o.cfg.SDS.MaxStreamsPerConnection, "SDS streams one connection may carry at once, told to the client (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS), which holds further ones back until one ends")
 	f.BoolVar(&o.cfg.SDS.WorkloadAPI, "workload-api", o.cfg.SDS.WorkloadAPI, "serve the SPIFFE Workload API (X.509-SVIDs of this workload's identity, pushed on every rotation, and JWT-SVIDs the CA signs) on the SDS socket, for go-spiffe and other SPIFFE clients (SPIFFE_ENDPOINT_SOCKET=unix://<socket>); not when another server answers on the socket (no Istio variable)")
 	f.StringVar(&o.cfg.SDS.WorkloadAttestation, "workload-attestation", "", "node mode: a YAML rules file (watched) that gives each caller on the SDS socket, identified by the kernel (uid, gid, pid, executable path, cgroup, pod), its namespace and service account; the agent then serves every workload of its node, asking the CA for each identity as a trusted node account (meshid ca --trusted-node-accounts; the embedded CA trusts the agent's own account). A caller no rule matches is refused. Not with --output-certs, --file-mounted-certs, --credentials-dir, --prov-cert or --ca-provider GoogleCA; meshid agent only: meshid-agent, a sidecar's binary, serves one workload (no Istio variable)")
+	f.BoolVar(&o.cfg.SDS.AttestPods.Enabled, "workload-attestation-pods", false, "node mode on Kubernetes, alone or with --workload-attestation (its rules are tried first): a caller in a pod, found by the pod UID of its cgroup (a static pod by its config hash), gets that pod's namespace and service account, among the pods the API server has bound to --node-name, watched with --kubeconfig or --in-cluster (deploy/kubernetes/rbac-node-agent-pods.yaml grants the watch). A pod not listed yet is waited for a few seconds; one of another node, ended or unknown is refused. The agent is not ready until the pods are listed. meshid agent only (no Istio variable)")
+	f.StringVar(&o.cfg.SDS.AttestPods.NodeName, "node-name", "", "the node whose pods --workload-attestation-pods reads (NODE_NAME; the pod's spec.nodeName through the downward API); required with it")
+	f.StringVar(&o.cfg.SDS.AttestPods.Kubeconfig, "kubeconfig", "", "kubeconfig file of the Kubernetes API that --workload-attestation-pods reads the node's pods from; or --in-cluster")
+	f.BoolVar(&o.cfg.SDS.AttestPods.InCluster, "in-cluster", false, "read the node's pods for --workload-attestation-pods from the Kubernetes API of the cluster this pod runs in, as its service account; or --kubeconfig")
 	f.StringVar(&o.cfg.XDS.DiscoveryAddress, "discovery-addr", "", "discovery server Envoy's xDS is proxied to, HOST:PORT (Istio's discoveryAddress; CA_ADDR defaults to it); default: the CA's address, or the in-process control plane")
 	f.StringVar(&o.cfg.XDS.Socket, "xds-socket", "", "Unix socket Envoy's ADS connects to (default <root-dir>/etc/istio/proxy/XDS)")
 	f.StringVar(&o.cfg.XDS.RootCert, "xds-root-cert", "", "PEM roots that verify the discovery server (XDS_ROOT_CA); default: the CA's roots")
@@ -331,10 +336,10 @@ func (o *agentOptions) resolve(cmd *cobra.Command, log *slog.Logger) []error {
 		cfg.CA.Address = cfg.XDS.DiscoveryAddress // CA_ADDR defaults to the discovery address, as in Istio
 	}
 	proxyOff := "--proxy-xds-via-agent=false (PROXY_XDS_VIA_AGENT)"
-	if cfg.SDS.WorkloadAttestation != "" && !flags.Changed("proxy-xds-via-agent") {
+	if cfg.NodeMode() && !flags.Changed("proxy-xds-via-agent") {
 		// Off by default in node mode: upstream, the proxy could only be the node agent. Asked
 		// for (flag or variable), it is refused by the config's validation.
-		cfg.XDS.Proxy, proxyOff = false, "node mode (--workload-attestation)"
+		cfg.XDS.Proxy, proxyOff = false, "node mode (--workload-attestation, --workload-attestation-pods)"
 	}
 	if !cfg.XDS.Proxy {
 		if flags.Changed("proxy-xds-debug-via-agent") && cfg.XDS.ProxyDebug {
@@ -349,6 +354,11 @@ func (o *agentOptions) resolve(cmd *cobra.Command, log *slog.Logger) []error {
 		cfg.XDS.ProxyDebug = false
 	} else if !cfg.XDS.ProxyDebug && flags.Changed("xds-debug-socket") {
 		errs = append(errs, errors.New("--xds-debug-socket serves /debug/<type>, which --proxy-xds-debug-via-agent=false (PROXY_XDS_DEBUG_VIA_AGENT) turns off"))
+	}
+	// NODE_NAME may be set for other reasons (the downward API in any pod): only the flag is
+	// refused without the source that reads it.
+	if o.given["node-name"] && !cfg.SDS.AttestPods.Enabled {
+		errs = append(errs, errors.New("--node-name names the node whose pods --workload-attestation-pods reads, which is not given: give it, or drop --node-name"))
 	}
 	cfg.Logger = log
 	return errs
@@ -482,7 +492,8 @@ start when set. A path given must exist (--credentials-dir, --prov-cert) and a r
 a PEM certificate (--ca-root-cert, --xds-root-cert); only the defaults may be absent. Addresses are HOST:PORT. A refusal exits 2, before anything runs.
 
 The status server (--status-addr) answers /healthz/ready, 200 once the workload certificate is
-held (and written to --output-certs), Envoy's sockets lead to the agent, an Envoy connected to
+held (and written to --output-certs; a node agent holds none, and with --workload-attestation-pods
+waits for its node's pods to be listed), Envoy's sockets lead to the agent, an Envoy connected to
 the xDS proxy has acknowledged clusters and listeners, and the Envoy the agent runs says LIVE;
 otherwise 503 naming every condition unmet. It answers /metrics (the agent's) and
 /stats/prometheus (the agent's, Envoy's and, with --istio-prometheus-annotations, the
@@ -581,6 +592,10 @@ func agentFieldFlags() map[string]string {
 		"SDS.MaxStreamsPerConnection":       "sds-max-streams-per-connection",
 		"SDS.WorkloadAPI":                   "workload-api",
 		"SDS.WorkloadAttestation":           "workload-attestation",
+		"SDS.AttestPods.Enabled":            "workload-attestation-pods",
+		"SDS.AttestPods.NodeName":           "node-name",
+		"SDS.AttestPods.Kubeconfig":         "kubeconfig",
+		"SDS.AttestPods.InCluster":          "in-cluster",
 		"XDS.DiscoveryAddress":              "discovery-addr",
 		"XDS.RootCert":                      "xds-root-cert",
 		"XDS.Proxy":                         "proxy-xds-via-agent",

@@ -165,7 +165,7 @@ func TestAgentRefusesBadInput(t *testing.T) {
 		{"node mode with PROXY_XDS_VIA_AGENT=true", with("PROXY_XDS_VIA_AGENT", "true"), []string{"--workload-attestation", "/rules.yaml"},
 			"--workload-attestation serves each caller its own identity, but --proxy-xds-via-agent (PROXY_XDS_VIA_AGENT) would proxy"},
 		{"node mode with an xDS proxy flag", base, []string{"--workload-attestation", "/rules.yaml", "--xds-socket", "/tmp/XDS"},
-			"--xds-socket configures the xDS proxy, which node mode (--workload-attestation) turns off"},
+			"--xds-socket configures the xDS proxy, which node mode (--workload-attestation, --workload-attestation-pods) turns off"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -298,6 +298,42 @@ func TestAgentWorkloadAPIFlag(t *testing.T) {
 	// The xDS proxy, on by default, is off in node mode.
 	if !agent.DefaultConfig("").XDS.Proxy || cfg.XDS.Proxy {
 		t.Fatalf("node mode: xDS proxy %t, want off (the default is on: %t)", cfg.XDS.Proxy, agent.DefaultConfig("").XDS.Proxy)
+	}
+}
+
+// Node mode's Kubernetes source: the flags, NODE_NAME under --node-name, alone or with the
+// rules; NODE_NAME without the source is left alone (the downward API may set it in any pod).
+func TestAgentWorkloadAttestationPodsFlags(t *testing.T) {
+	t.Parallel()
+	env := map[string]string{"CA_ADDR": "127.0.0.1:15012", "POD_NAMESPACE": "istio-system", "SERVICE_ACCOUNT": "node-agent", "NODE_NAME": "env-node"}
+	kubeconfig := filepath.Join(t.TempDir(), "kubeconfig")
+	if err := os.WriteFile(kubeconfig, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		args []string
+		want agent.AttestPods
+	}{
+		{[]string{"--workload-attestation-pods", "--in-cluster"}, agent.AttestPods{Enabled: true, NodeName: "env-node", InCluster: true}},
+		{[]string{"--workload-attestation-pods", "--node-name", "n1", "--kubeconfig", kubeconfig, "--workload-attestation", "/rules.yaml"},
+			agent.AttestPods{Enabled: true, NodeName: "n1", Kubeconfig: kubeconfig}},
+		{nil, agent.AttestPods{NodeName: "env-node"}},
+	} {
+		cfg, err := runAgentCommand(t, env, tc.args...)
+		if err != nil {
+			t.Fatalf("%v: %v", tc.args, err)
+		}
+		if cfg.SDS.AttestPods != tc.want {
+			t.Errorf("%v: %+v, want %+v", tc.args, cfg.SDS.AttestPods, tc.want)
+		}
+		// Node mode, from either source, turns the xDS proxy off.
+		if cfg.XDS.Proxy != !tc.want.Enabled {
+			t.Errorf("%v: xDS proxy %t, want %t", tc.args, cfg.XDS.Proxy, !tc.want.Enabled)
+		}
+	}
+	if _, err := runAgentCommand(t, env, "--workload-attestation-pods", "--in-cluster", "--xds-socket", "/tmp/XDS"); err == nil ||
+		!strings.Contains(err.Error(), "--xds-socket configures the xDS proxy, which node mode (--workload-attestation, --workload-attestation-pods) turns off") {
+		t.Errorf("--xds-socket with the pods source: %v", err)
 	}
 }
 

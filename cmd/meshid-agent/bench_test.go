@@ -14,6 +14,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -218,6 +219,19 @@ func BenchmarkFirstSecret(b *testing.B) {
 			firstOutput(b, caArgs...)
 		}
 	})
+	// Exec → "default" over SDS and exec → ready, quiet and then with the disk busy; the
+	// contended case reports its ratio to the quiet one just before it, in the same run.
+	for _, tc := range []struct {
+		name string
+		args []string
+	}{
+		{"ca-loopback-output-certs-sds/p256", append([]string{"--output-certs", ""}, caArgs...)},
+		{"ca-loopback-ready/p256", caArgs},
+	} {
+		var quiet firstFigures
+		b.Run(tc.name+"/quiet", func(b *testing.B) { quiet = secretAndReadyCase(b, tc.args, false, firstFigures{}) })
+		b.Run(tc.name+"/contended", func(b *testing.B) { secretAndReadyCase(b, tc.args, true, quiet) })
+	}
 	for _, tc := range []struct {
 		name  string
 		args  []string
@@ -589,4 +603,142 @@ func mountedCredentials(b *testing.B) (dir string, writePair func() string) {
 		return string(files["cert-chain.pem"])
 	}
 	return dir, writePair
+}
+
+// firstFigures are the means of one case of secretAndReadyCase, in ms.
+type firstFigures struct{ sds, ready float64 }
+
+// secretAndReadyCase measures exec → "default" over SDS (sds-ms) and exec → /healthz/ready 200
+// (ready-ms, and ns/op), on a fresh root dir each time; an empty --output-certs is given a
+// directory under it. With contended, diskContention keeps the root dir's file system busy
+// flushing for the whole case; a non-zero quiet gives the ratios to it (x-quiet).
+func secretAndReadyCase(b *testing.B, args []string, contended bool, quiet firstFigures) firstFigures {
+	b.Helper()
+	bin := agentBinary(b, args...)
+	if contended {
+		stop := diskContention(b, 3)
+		defer stop()
+	}
+	var sum firstFigures
+	b.ResetTimer()
+	for range b.N {
+		got := secretAndReady(b, bin, args)
+		sum.sds += got.sds
+		sum.ready += got.ready
+	}
+	b.StopTimer()
+	mean := firstFigures{sds: sum.sds / float64(b.N), ready: sum.ready / float64(b.N)}
+	b.ReportMetric(mean.sds, "sds-ms")
+	b.ReportMetric(mean.ready, "ready-ms")
+	if quiet.sds > 0 && quiet.ready > 0 {
+		b.ReportMetric(mean.sds/quiet.sds, "sds-x-quiet")
+		b.ReportMetric(mean.ready/quiet.ready, "ready-x-quiet")
+	}
+	return mean
+}
+
+// secretAndReady starts the agent under a fresh root dir and returns the times from exec to the
+// first "default" over SDS and to /healthz/ready answering 200, in ms.
+func secretAndReady(b *testing.B, bin string, args []string) firstFigures {
+	b.Helper()
+	b.StopTimer()
+	root := testutil.ShortTempDir(b)
+	socketDir := filepath.Join(root, "uds")
+	args = slices.Clone(args)
+	if i := slices.Index(args, "--output-certs"); i >= 0 && args[i+1] == "" {
+		args[i+1] = filepath.Join(root, "out")
+	}
+	args = append([]string{"agent", "--root-dir", root, "--workload-socket-dir", socketDir,
+		"--status-addr", "127.0.0.1:0", "--debug-addr", ""}, args...)
+	b.StartTimer()
+	start := time.Now()
+	// The status address is the kernel's choice: the agent logs it once it serves.
+	cmd, started := startLogged(b, bin, "agent started", args...)
+	conn := dial(b, filepath.Join(socketDir, sds.SocketName))
+	defer func() { _ = conn.Close() }()
+	s, err := openStream(b.Context(), conn, "bench", "default")
+	if err != nil {
+		b.Fatal(err)
+	}
+	if chain, err := s.next("default"); err != nil || chain == "" {
+		b.Fatalf("first secret: no certificate chain (%v)", err)
+	}
+	sdsTook := time.Since(start)
+	ready(b, started["status_address"].(string))
+	readyTook := time.Since(start)
+	b.StopTimer()
+	stopProcess(cmd)
+	b.StartTimer()
+	return firstFigures{sds: float64(sdsTook.Microseconds()) / 1000, ready: float64(readyTook.Microseconds()) / 1000}
+}
+
+// diskContention keeps the file system of the temporary directory (where every agent's root dir
+// is) busy, as other work on the same disk does: writers goroutines each write 32 MiB to a file
+// of their own there and fsync it, over and over, until stop is called. stop waits for them and
+// removes their files. The writes bypass the page cache (O_DIRECT) where the file system allows
+// it: on two vCPUs, copying into the cache would take a third of a CPU and measure contention for
+// the CPU rather than for the disk.
+func diskContention(b *testing.B, writers int) (stop func()) {
+	b.Helper()
+	dir := testutil.ShortTempDir(b)
+	// O_DIRECT needs an aligned buffer: an anonymous mapping is page-aligned.
+	chunk, err := syscall.Mmap(-1, 0, 1<<20, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE)
+	if err != nil {
+		b.Fatal(err)
+	}
+	for i := range chunk {
+		chunk[i] = byte(i * 7) // not zeros: nothing below may skip them
+	}
+	ctx, cancel := context.WithCancel(b.Context())
+	var wg sync.WaitGroup
+	errs := make(chan error, writers)
+	for i := range writers {
+		wg.Go(func() {
+			path := filepath.Join(dir, "contention-"+strconv.Itoa(i))
+			for ctx.Err() == nil {
+				if err := writeSyncedFile(ctx, path, chunk, 32); err != nil {
+					errs <- err
+					return
+				}
+			}
+		})
+	}
+	return func() {
+		cancel()
+		wg.Wait()
+		_ = syscall.Munmap(chunk)
+		select {
+		case err := <-errs:
+			b.Fatalf("disk contention: %v", err)
+		default:
+		}
+	}
+}
+
+// writeSyncedFile writes n copies of chunk to path (truncating it), directly when the file system
+// allows it, syncs it and removes it.
+func writeSyncedFile(ctx context.Context, path string, chunk []byte, n int) error {
+	const flags = os.O_CREATE | os.O_WRONLY | os.O_TRUNC
+	f, err := os.OpenFile(path, flags|syscall.O_DIRECT, 0o600)
+	if errors.Is(err, syscall.EINVAL) { // tmpfs, for one
+		f, err = os.OpenFile(path, flags, 0o600)
+	}
+	if err != nil {
+		return err
+	}
+	defer func() { _ = os.Remove(path) }()
+	for range n {
+		if ctx.Err() != nil {
+			break
+		}
+		if _, err := f.Write(chunk); err != nil {
+			_ = f.Close()
+			return err
+		}
+	}
+	if err := f.Sync(); err != nil {
+		_ = f.Close()
+		return err
+	}
+	return f.Close()
 }

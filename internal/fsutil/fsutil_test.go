@@ -282,3 +282,31 @@ func TestSyncerWriteData(t *testing.T) {
 		t.Error("the generation in service is not the last one written")
 	}
 }
+
+// TestWriteFileAtomicSyncer: WriteFileAtomic flushes the file and then its directory through its
+// Syncer; with NoSync it replaces the file all the same.
+func TestWriteFileAtomicSyncer(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	path := filepath.Join(dir, "f")
+	var flushed []string
+	recording := Syncer(func(f *os.File) error {
+		flushed = append(flushed, f.Name())
+		return f.Sync()
+	})
+	if err := recording.WriteFileAtomic(path, []byte("one"), PublicFileMode); err != nil {
+		t.Fatal(err)
+	}
+	if len(flushed) != 2 || !isTempName(filepath.Base(flushed[0])) || flushed[1] != dir {
+		t.Errorf("flushed %v, want the temporary file, then %s", flushed, dir)
+	}
+	if err := Syncer(NoSync).WriteFileAtomic(path, []byte("two"), PublicFileMode); err != nil {
+		t.Fatal(err)
+	}
+	if data, err := os.ReadFile(path); err != nil || string(data) != "two" {
+		t.Errorf("after a NoSync write: %q, %v", data, err)
+	}
+	if entries, err := os.ReadDir(dir); err != nil || len(entries) != 1 {
+		t.Errorf("%s holds %v (%v), want the file alone", dir, entries, err)
+	}
+}

@@ -1,0 +1,87 @@
+//go:build linux
+
+package main
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"syscall"
+	"testing"
+
+	"github.com/meshid/meshid/internal/testutil"
+)
+
+// diskContention keeps the file system of the temporary directory (where every agent's root dir
+// is) busy, as other work on the same disk does: writers goroutines each write 32 MiB to a file
+// of their own there and fsync it, over and over, until stop is called. stop waits for them and
+// removes their files. The writes bypass the page cache (O_DIRECT) where the file system allows
+// it: on two vCPUs, copying into the cache would take a third of a CPU and measure contention for
+// the CPU rather than for the disk.
+func diskContention(b *testing.B, writers int) (stop func()) {
+	b.Helper()
+	dir := testutil.ShortTempDir(b)
+	// O_DIRECT needs an aligned buffer: an anonymous mapping is page-aligned.
+	chunk, err := syscall.Mmap(-1, 0, 1<<20, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE)
+	if err != nil {
+		b.Fatal(err)
+	}
+	for i := range chunk {
+		chunk[i] = byte(i * 7) // not zeros: nothing below may skip them
+	}
+	ctx, cancel := context.WithCancel(b.Context())
+	var wg sync.WaitGroup
+	errs := make(chan error, writers)
+	for i := range writers {
+		wg.Go(func() {
+			path := filepath.Join(dir, "contention-"+strconv.Itoa(i))
+			for ctx.Err() == nil {
+				if err := writeSyncedFile(ctx, path, chunk, 32); err != nil {
+					errs <- err
+					return
+				}
+			}
+		})
+	}
+	return func() {
+		cancel()
+		wg.Wait()
+		_ = syscall.Munmap(chunk)
+		select {
+		case err := <-errs:
+			b.Fatalf("disk contention: %v", err)
+		default:
+		}
+	}
+}
+
+// writeSyncedFile writes n copies of chunk to path (truncating it), directly when the file system
+// allows it, syncs it and removes it.
+func writeSyncedFile(ctx context.Context, path string, chunk []byte, n int) error {
+	const flags = os.O_CREATE | os.O_WRONLY | os.O_TRUNC
+	f, err := os.OpenFile(path, flags|syscall.O_DIRECT, 0o600)
+	if errors.Is(err, syscall.EINVAL) { // tmpfs, for one
+		f, err = os.OpenFile(path, flags, 0o600)
+	}
+	if err != nil {
+		return err
+	}
+	defer func() { _ = os.Remove(path) }()
+	for range n {
+		if ctx.Err() != nil {
+			break
+		}
+		if _, err := f.Write(chunk); err != nil {
+			_ = f.Close()
+			return err
+		}
+	}
+	if err := f.Sync(); err != nil {
+		_ = f.Close()
+		return err
+	}
+	return f.Close()
+}

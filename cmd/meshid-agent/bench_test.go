@@ -194,36 +194,27 @@ func (s *stream) next(names ...string) (string, error) {
 // bundle readable in OUTPUT_CERTS, as a VM's workload sees them. The baseline is the same binary
 // exec'ed to print its version, in the same run. "ca-loopback-output-certs-sds" (OUTPUT_CERTS set)
 // and "ca-loopback-ready" (not set) report exec → "default" over SDS and exec → ready, quiet and
-// under diskContention, with the ratios of the same run; so does the baseline.
+// under diskContention, alternating, with the ratios of the same run; so does the baseline.
 func BenchmarkFirstSecret(b *testing.B) {
 	bin := agentBinary(b, "--ca-addr")
-	var quietExec time.Duration
-	for _, contended := range []bool{false, true} {
-		name := "baseline-exec-version"
-		if contended {
-			// What the disk contention costs a process that never touches the disk: exec, the
-			// runtime's start, the CPU the generator takes.
-			name += "-contended"
+	b.Run("baseline-exec-version", func(b *testing.B) {
+		for range b.N {
+			if err := exec.Command(bin, "version").Run(); err != nil {
+				b.Fatal(err)
+			}
 		}
-		b.Run(name, func(b *testing.B) {
-			if contended {
-				stop := diskContention(b, 3)
-				defer stop()
-				b.ResetTimer()
+	})
+	// What the disk contention costs a process that never touches the disk: exec, the runtime's
+	// start, the CPU the generator takes.
+	b.Run("baseline-exec-version-contended", func(b *testing.B) {
+		quietAndContended(b, func() map[string]float64 {
+			start := time.Now()
+			if err := exec.Command(bin, "version").Run(); err != nil {
+				b.Fatal(err)
 			}
-			for range b.N {
-				if err := exec.Command(bin, "version").Run(); err != nil {
-					b.Fatal(err)
-				}
-			}
-			b.StopTimer()
-			if perOp := b.Elapsed() / time.Duration(b.N); !contended {
-				quietExec = perOp
-			} else if quietExec > 0 {
-				b.ReportMetric(float64(perOp)/float64(quietExec), "x-quiet")
-			}
+			return map[string]float64{"exec": ms(time.Since(start))}
 		})
-	}
+	})
 	caArgs := startCA(b)
 	b.Run("floor-ca-sign/p256", func(b *testing.B) {
 		bin := floorBinary(b)
@@ -240,18 +231,18 @@ func BenchmarkFirstSecret(b *testing.B) {
 			firstOutput(b, caArgs...)
 		}
 	})
-	// Exec → "default" over SDS and exec → ready, quiet and then with the disk busy; the
-	// contended case reports its ratio to the quiet one just before it, in the same run.
+	// Exec → "default" over SDS and exec → ready, quiet and with the disk busy, alternating.
 	for _, tc := range []struct {
 		name string
 		args []string
 	}{
-		{"ca-loopback-output-certs-sds/p256", append([]string{"--output-certs", ""}, caArgs...)},
-		{"ca-loopback-ready/p256", caArgs},
+		{"ca-loopback-output-certs-contended/p256", append([]string{"--output-certs", ""}, caArgs...)},
+		{"ca-loopback-contended/p256", caArgs},
 	} {
-		var quiet firstFigures
-		b.Run(tc.name+"/quiet", func(b *testing.B) { quiet = secretAndReadyCase(b, tc.args, false, firstFigures{}) })
-		b.Run(tc.name+"/contended", func(b *testing.B) { secretAndReadyCase(b, tc.args, true, quiet) })
+		b.Run(tc.name, func(b *testing.B) {
+			bin := agentBinary(b, tc.args...)
+			quietAndContended(b, func() map[string]float64 { return secretAndReady(b, bin, tc.args) })
+		})
 	}
 	for _, tc := range []struct {
 		name  string
@@ -626,41 +617,54 @@ func mountedCredentials(b *testing.B) (dir string, writePair func() string) {
 	return dir, writePair
 }
 
-// firstFigures are the means of one case of secretAndReadyCase, in ms.
-type firstFigures struct{ sds, ready float64 }
-
-// secretAndReadyCase measures exec → "default" over SDS (sds-ms) and exec → /healthz/ready 200
-// (ready-ms, and ns/op), on a fresh root dir each time; an empty --output-certs is given a
-// directory under it. With contended, diskContention keeps the root dir's file system busy
-// flushing for the whole case; a non-zero quiet gives the ratios to it (x-quiet).
-func secretAndReadyCase(b *testing.B, args []string, contended bool, quiet firstFigures) firstFigures {
+// quietAndContended runs measure (figures in ms by name) b.N times with the disk quiet and b.N
+// times under diskContention, alternating, so that both see the same machine; it reports the
+// median of each figure quiet and contended (NAME-quiet-ms, NAME-contended-ms) and the ratio of
+// the medians (NAME-x-quiet). ns/op covers one quiet and one contended measurement.
+func quietAndContended(b *testing.B, measure func() map[string]float64) {
 	b.Helper()
-	bin := agentBinary(b, args...)
-	if contended {
-		stop := diskContention(b, 3)
-		defer stop()
-	}
-	var sum firstFigures
-	b.ResetTimer()
+	b.StopTimer()
+	disk := diskContention(b, 3)
+	defer disk.stop()
+	quiet, contended := map[string][]float64{}, map[string][]float64{}
+	b.StartTimer()
 	for range b.N {
-		got := secretAndReady(b, bin, args)
-		sum.sds += got.sds
-		sum.ready += got.ready
+		for name, v := range measure() {
+			quiet[name] = append(quiet[name], v)
+		}
+		b.StopTimer()
+		disk.resume()
+		b.StartTimer()
+		for name, v := range measure() {
+			contended[name] = append(contended[name], v)
+		}
+		b.StopTimer()
+		disk.pause()
+		b.StartTimer()
 	}
 	b.StopTimer()
-	mean := firstFigures{sds: sum.sds / float64(b.N), ready: sum.ready / float64(b.N)}
-	b.ReportMetric(mean.sds, "sds-ms")
-	b.ReportMetric(mean.ready, "ready-ms")
-	if quiet.sds > 0 && quiet.ready > 0 {
-		b.ReportMetric(mean.sds/quiet.sds, "sds-x-quiet")
-		b.ReportMetric(mean.ready/quiet.ready, "ready-x-quiet")
+	for name := range quiet {
+		q, c := median(quiet[name]), median(contended[name])
+		b.ReportMetric(q, name+"-quiet-ms")
+		b.ReportMetric(c, name+"-contended-ms")
+		b.ReportMetric(c/q, name+"-x-quiet")
 	}
-	return mean
 }
 
+func median(v []float64) float64 {
+	slices.Sort(v)
+	if len(v)%2 == 1 {
+		return v[len(v)/2]
+	}
+	return (v[len(v)/2-1] + v[len(v)/2]) / 2
+}
+
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+
 // secretAndReady starts the agent under a fresh root dir and returns the times from exec to the
-// first "default" over SDS and to /healthz/ready answering 200, in ms.
-func secretAndReady(b *testing.B, bin string, args []string) firstFigures {
+// first "default" over SDS ("sds") and to /healthz/ready answering 200 ("ready"), in ms. An
+// empty --output-certs is given a directory under the root dir.
+func secretAndReady(b *testing.B, bin string, args []string) map[string]float64 {
 	b.Helper()
 	b.StopTimer()
 	root := testutil.ShortTempDir(b)
@@ -690,5 +694,5 @@ func secretAndReady(b *testing.B, bin string, args []string) firstFigures {
 	b.StopTimer()
 	stopProcess(cmd)
 	b.StartTimer()
-	return firstFigures{sds: float64(sdsTook.Microseconds()) / 1000, ready: float64(readyTook.Microseconds()) / 1000}
+	return map[string]float64{"sds": ms(sdsTook), "ready": ms(readyTook)}
 }

@@ -15,13 +15,24 @@ import (
 	"github.com/meshid/meshid/internal/testutil"
 )
 
-// diskContention keeps the file system of the temporary directory (where every agent's root dir
-// is) busy, as other work on the same disk does: writers goroutines each write 32 MiB to a file
-// of their own there and fsync it, over and over, until stop is called. stop waits for them and
-// removes their files. The writes bypass the page cache (O_DIRECT) where the file system allows
-// it: on two vCPUs, copying into the cache would take a third of a CPU and measure contention for
-// the CPU rather than for the disk.
-func diskContention(b *testing.B, writers int) (stop func()) {
+// contention keeps the file system of the temporary directory (where every agent's root dir is)
+// busy, as other work on the same disk does: writers each write 32 MiB to a file of their own
+// there and fsync it, over and over. The writes bypass the page cache (O_DIRECT) where the file
+// system allows it: on two vCPUs, copying into the cache would take a third of a CPU and measure
+// contention for the CPU rather than for the disk.
+type contention struct {
+	// gate is held shared by each writer for one file, and exclusively while paused: pause waits
+	// for the files being written to be synced, and no new one starts until resume.
+	gate   sync.RWMutex
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+	errs   chan error
+	chunk  []byte
+	b      *testing.B
+}
+
+// diskContention starts writers goroutines of contention, paused; call resume.
+func diskContention(b *testing.B, writers int) *contention {
 	b.Helper()
 	dir := testutil.ShortTempDir(b)
 	// O_DIRECT needs an aligned buffer: an anonymous mapping is page-aligned.
@@ -33,28 +44,42 @@ func diskContention(b *testing.B, writers int) (stop func()) {
 		chunk[i] = byte(i * 7) // not zeros: nothing below may skip them
 	}
 	ctx, cancel := context.WithCancel(b.Context())
-	var wg sync.WaitGroup
-	errs := make(chan error, writers)
+	c := &contention{cancel: cancel, errs: make(chan error, writers), chunk: chunk, b: b}
+	c.gate.Lock()
 	for i := range writers {
-		wg.Go(func() {
+		c.wg.Go(func() {
 			path := filepath.Join(dir, "contention-"+strconv.Itoa(i))
-			for ctx.Err() == nil {
-				if err := writeSyncedFile(ctx, path, chunk, 32); err != nil {
-					errs <- err
+			for {
+				c.gate.RLock()
+				if ctx.Err() != nil {
+					c.gate.RUnlock()
+					return
+				}
+				err := writeSyncedFile(ctx, path, chunk, 32)
+				c.gate.RUnlock()
+				if err != nil {
+					c.errs <- err
 					return
 				}
 			}
 		})
 	}
-	return func() {
-		cancel()
-		wg.Wait()
-		_ = syscall.Munmap(chunk)
-		select {
-		case err := <-errs:
-			b.Fatalf("disk contention: %v", err)
-		default:
-		}
+	return c
+}
+
+func (c *contention) resume() { c.gate.Unlock() }
+func (c *contention) pause()  { c.gate.Lock() }
+
+// stop ends the writers (paused) and removes their files.
+func (c *contention) stop() {
+	c.cancel()
+	c.gate.Unlock()
+	c.wg.Wait()
+	_ = syscall.Munmap(c.chunk)
+	select {
+	case err := <-c.errs:
+		c.b.Fatalf("disk contention: %v", err)
+	default:
 	}
 }
 

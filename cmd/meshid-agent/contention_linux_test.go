@@ -18,8 +18,8 @@ import (
 // contention keeps the file system of the temporary directory (where every agent's root dir is)
 // busy, as other work on the same disk does: writers each write 32 MiB to a file of their own
 // there and fsync it, over and over. The writes bypass the page cache (O_DIRECT) where the file
-// system allows it: on two vCPUs, copying into the cache would take a third of a CPU and measure
-// contention for the CPU rather than for the disk.
+// system allows it: on two vCPUs, copying into the cache took a third of a CPU per writer, which
+// would measure contention for the CPU rather than for the disk.
 type contention struct {
 	// gate is held shared by each writer for one file, and exclusively while paused: pause waits
 	// for the files being written to be synced, and no new one starts until resume.

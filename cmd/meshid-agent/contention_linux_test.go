@@ -24,6 +24,7 @@ type contention struct {
 	// gate is held shared by each writer for one file, and exclusively while paused: pause waits
 	// for the files being written to be synced, and no new one starts until resume.
 	gate   sync.RWMutex
+	paused bool // by the benchmark's goroutine alone
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 	errs   chan error
@@ -45,7 +46,7 @@ func diskContention(b *testing.B, writers int) *contention {
 	}
 	ctx, cancel := context.WithCancel(b.Context())
 	c := &contention{cancel: cancel, errs: make(chan error, writers), chunk: chunk, b: b}
-	c.gate.Lock()
+	c.pause()
 	for i := range writers {
 		c.wg.Go(func() {
 			path := filepath.Join(dir, "contention-"+strconv.Itoa(i))
@@ -67,13 +68,25 @@ func diskContention(b *testing.B, writers int) *contention {
 	return c
 }
 
-func (c *contention) resume() { c.gate.Unlock() }
-func (c *contention) pause()  { c.gate.Lock() }
+func (c *contention) resume() {
+	if c.paused {
+		c.paused = false
+		c.gate.Unlock()
+	}
+}
 
-// stop ends the writers (paused) and removes their files.
+func (c *contention) pause() {
+	if !c.paused {
+		c.gate.Lock()
+		c.paused = true
+	}
+}
+
+// stop ends the writers, paused or not (a measurement that failed leaves them running), and
+// removes their files.
 func (c *contention) stop() {
 	c.cancel()
-	c.gate.Unlock()
+	c.resume()
 	c.wg.Wait()
 	_ = syscall.Munmap(c.chunk)
 	select {

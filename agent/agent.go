@@ -367,7 +367,7 @@ func decide(cfg *Config, socketPath string) (Source, string, error) {
 // client (the embedded control plane started first when it is the CA). OUTPUT_CERTS is claimed
 // before anything reads it: a second agent on it would overwrite this one's key pair.
 func (a *Agent) buildSecrets(cfg Config, fetched tokenFunc, clk clock.Clock, log *slog.Logger, registry *prometheus.Registry) error {
-	output := secretmanager.Output{Dir: cfg.Output.Dir, GroupRead: cfg.Output.GroupRead, KeyGroupRead: cfg.Output.KeyGroupRead}
+	output := secretmanager.Output{Dir: cfg.Output.Dir, GroupRead: cfg.Output.GroupRead, KeyGroupRead: cfg.Output.KeyGroupRead, Sync: cfg.Output.Sync}
 	if output.Dir != "" {
 		claim, err := secretmanager.ClaimOutput(output)
 		if err != nil {

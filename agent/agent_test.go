@@ -4,11 +4,13 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"io/fs"
 	"net/http"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -205,6 +207,56 @@ func TestUnwritableOutputCertsKeepTheAgentNotReady(t *testing.T) {
 	}
 	if got := metric(t, a, "meshid_agent_output_certs_write_failures_total"); got == "0" || got == "" {
 		t.Errorf("write failures counted %q", got)
+	}
+}
+
+// While the disk holds the flush of OUTPUT_CERTS, Envoy gets "default" over SDS all the same and
+// only readiness waits, until every file is flushed and swapped in.
+func TestOutputCertsFlushHoldsOnlyReadiness(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	ev := newEvents()
+	cfg := e.config(t, e.tokenFile(t, "default", "demo"), ev)
+	started, release := make(chan struct{}), make(chan struct{})
+	var startOnce sync.Once
+	cfg.Output.Sync = func(f *os.File) error {
+		startOnce.Do(func() { close(started) })
+		<-release
+		return f.Sync()
+	}
+	a := newAgent(t, cfg)
+	runAgent(t, a)
+	select {
+	case <-started:
+	case <-time.After(wait):
+		t.Fatal("OUTPUT_CERTS was never flushed")
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), wait)
+	defer cancel()
+	got, err := sdstest.Dial(t, a.SocketPath()).Fetch(ctx, "default")
+	if err != nil || got["default"] == nil {
+		t.Fatalf("SDS while OUTPUT_CERTS is being flushed: %v", err)
+	}
+	code, body := httpGet(t, "http://"+a.StatusAddr()+"/healthz/ready")
+	if code != http.StatusServiceUnavailable || !strings.Contains(body, "OUTPUT_CERTS") {
+		t.Fatalf("/healthz/ready during the flush = %d %q, want 503 naming OUTPUT_CERTS", code, body)
+	}
+	if _, err := os.Lstat(filepath.Join(cfg.Output.Dir, "..data")); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("..data visible before its generation was flushed (%v)", err)
+	}
+
+	written := ev.channel(t, func(x secretmanager.Event) bool { return x.Kind == secretmanager.EventOutputWritten })
+	close(release)
+	select {
+	case <-written:
+	case <-time.After(wait):
+		t.Fatal("OUTPUT_CERTS not written once the flush was let go")
+	}
+	if code, body := httpGet(t, "http://"+a.StatusAddr()+"/healthz/ready"); code != http.StatusOK {
+		t.Fatalf("/healthz/ready after the flush = %d %q", code, body)
+	}
+	if uri, _ := readPair(t, cfg.Output.Dir); uri != demoID {
+		t.Fatalf("OUTPUT_CERTS holds %s", uri)
 	}
 }
 

@@ -269,6 +269,8 @@ type OutputConfig struct {
 	// GroupRead makes Dir's directories and certificate files readable by the agent's group;
 	// KeyGroupRead the key too.
 	GroupRead, KeyGroupRead bool
+	// Sync flushes each file and directory written to Dir; nil: fsync. Tests hold it.
+	Sync fsutil.Syncer
 }
 
 // ServersConfig are the agent's own HTTP servers.

@@ -170,7 +170,10 @@ func writeBootstrap(cfg Config, log *slog.Logger) (envoy.Options, error) {
 		return envoy.Options{}, err
 	}
 	path := cfg.bootstrapPath()
-	if err := fsutil.WriteFileAtomic(path, bootstrap.Bootstrap, fsutil.PublicFileMode); err != nil { // no secret in it: Envoy reads it
+	// Atomic but not flushed: it is written again at every start before Envoy starts, and a flush
+	// would put the disk's latency on the path to Envoy's first certificate. No secret in it:
+	// Envoy reads it.
+	if err := fsutil.Syncer(fsutil.NoSync).WriteFileAtomic(path, bootstrap.Bootstrap, fsutil.PublicFileMode); err != nil {
 		return envoy.Options{}, &FieldError{Field: "Envoy.BootstrapPath", Err: err}
 	}
 	log.Info("wrote Envoy's bootstrap", logkey.Path, path)

@@ -768,7 +768,7 @@ func writeFileAtomic(t *testing.T, path string, data []byte) {
 // writeGeneration writes one OUTPUT_CERTS generation with the default modes.
 func writeGeneration(dir string, keyPEM, chainPEM, rootsPEM []byte) error {
 	m := Output{}.modes()
-	return writeOutput(dir, m.dir, outputFiles(m, keyPEM, chainPEM, rootsPEM))
+	return writeOutput(nil, dir, m.dir, outputFiles(m, keyPEM, chainPEM, rootsPEM))
 }
 
 func sameCerts(a, b []*x509.Certificate) bool {

@@ -41,6 +41,9 @@ type Output struct {
 	GroupRead, KeyGroupRead bool
 	// RetryInitial and RetryMax bound the backoff between failed writes.
 	RetryInitial, RetryMax time.Duration
+	// Sync flushes each file and directory of a generation; nil: fsync. Tests block it to see
+	// that only readiness waits for the disk.
+	Sync fsutil.Syncer
 	// Claim, when set, is the agent's hold on Dir (ClaimOutput): the key pair left there is read
 	// only once it is held, and a write takes it first when the directory could not be made at
 	// start.
@@ -271,7 +274,7 @@ func (w *outputWriter) run(ctx context.Context) error {
 			err = w.cfg.Claim.take() // at once when it was taken at start
 		}
 		if err == nil && !onDisk(w.cfg.Dir, files) {
-			err = writeOutput(w.cfg.Dir, w.modes.dir, files)
+			err = writeOutput(w.cfg.Sync, w.cfg.Dir, w.modes.dir, files)
 		}
 		if err != nil {
 			failed = key
@@ -319,9 +322,10 @@ func outputFiles(m outputModes, keyPEM, chainPEM, rootsPEM []byte) []outputFile 
 func onDisk(dir string, files []outputFile) bool { return fsutil.DataOnDisk(dir, files) }
 
 // writeOutput publishes a key pair and trust bundle in dir through a "..data" symlink swap (see
-// fsutil.WriteData), so that a reader always sees a matching pair.
-func writeOutput(dir string, dirMode os.FileMode, files []outputFile) error {
-	return fsutil.WriteData(dir, versionPrefix, dirMode, files)
+// fsutil.WriteData), so that a reader always sees a matching pair, each file and directory flushed
+// with sync.
+func writeOutput(sync fsutil.Syncer, dir string, dirMode os.FileMode, files []outputFile) error {
+	return sync.WriteData(dir, versionPrefix, dirMode, files)
 }
 
 // removeStaleGenerations removes what a writer killed mid-way left in OUTPUT_CERTS: generations

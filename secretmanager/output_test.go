@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -457,4 +458,106 @@ func TestOutputClaim(t *testing.T) {
 		t.Fatalf("a claim once released: %v", err)
 	}
 	again.Release()
+}
+
+// heldSyncs is an fsutil.Syncer that holds every flush until release is closed, as a disk busy
+// with other work does, then fails the first failures of them with errFlush; it records what it
+// flushed.
+type heldSyncs struct {
+	started     chan struct{} // closed at the first flush
+	startedOnce sync.Once
+	release     chan struct{}
+
+	mu       sync.Mutex
+	failures int
+	flushed  []string
+}
+
+var errFlush = errors.New("flush failed: input/output error")
+
+func newHeldSyncs(failures int) *heldSyncs {
+	return &heldSyncs{started: make(chan struct{}), release: make(chan struct{}), failures: failures}
+}
+
+func (h *heldSyncs) sync(f *os.File) error {
+	h.startedOnce.Do(func() { close(h.started) })
+	<-h.release
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.failures > 0 {
+		h.failures--
+		return errFlush
+	}
+	h.flushed = append(h.flushed, f.Name())
+	return f.Sync()
+}
+
+func (h *heldSyncs) paths() []string {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return slices.Clone(h.flushed)
+}
+
+// TestOutputFlushHoldsOnlyReadiness: while the disk holds the flush of OUTPUT_CERTS, "default"
+// and "ROOTCA" are served all the same, and only readiness waits; nothing is visible in
+// OUTPUT_CERTS until every file and directory of the generation is flushed. A failed flush is
+// reported, counted and retried like any failed write.
+func TestOutputFlushHoldsOnlyReadiness(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name     string
+		failures int
+	}{{"flushed", 0}, {"flush fails", 1}} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t)
+			dir := filepath.Join(t.TempDir(), "out")
+			held := newHeldSyncs(tc.failures)
+			e.cfg.Output = Output{Dir: dir, RetryInitial: time.Second, RetryMax: time.Minute, Sync: held.sync}
+			r := e.start()
+			recv(t, held.started, "the first flush of OUTPUT_CERTS")
+			s := r.next(t)
+			if roots := r.roots.next(t); roots.Bundle == nil {
+				t.Fatal("ROOTCA served without a bundle")
+			}
+			ready(t, r.m, false, "not written yet", dir)
+			if _, err := os.Lstat(filepath.Join(dir, dataLink)); !errors.Is(err, fs.ErrNotExist) {
+				t.Fatalf("%s visible before its generation was flushed (%v)", dataLink, err)
+			}
+
+			close(held.release)
+			if tc.failures > 0 {
+				ev, n := e.outputRetry()
+				if !errors.Is(ev.Err, errFlush) || ev.Version != s.Version || n != 1 {
+					t.Fatalf("the failed flush reported as %+v (%d failures), want errFlush for %s", ev, n, s.Version)
+				}
+				ready(t, r.m, false, "cannot write OUTPUT_CERTS", errFlush.Error())
+				if got := e.metric("meshid_agent_output_certs_write_failures_total"); got != 1 {
+					t.Errorf("write failure counter %v after one failed flush", got)
+				}
+				if n := e.errorLogs(); n == 0 {
+					t.Error("the failed flush was not logged as an error")
+				}
+				e.clock.Set(ev.RetryAt)
+			}
+			e.awaitOutput(s.Version)
+			ready(t, r.m, true)
+			if leaf, _ := readPair(t, dir); leaf.SerialNumber.Text(16) != s.Version {
+				t.Errorf("OUTPUT_CERTS holds serial %s, want %s", leaf.SerialNumber.Text(16), s.Version)
+			}
+			gen, err := os.Readlink(filepath.Join(dir, dataLink))
+			if err != nil {
+				t.Fatal(err)
+			}
+			want := []string{dir, filepath.Join(dir, gen)}
+			for _, name := range []string{KeyFile, CertChainFile, RootCertFile} {
+				want = append(want, filepath.Join(dir, gen, name))
+			}
+			for _, path := range want {
+				if !slices.Contains(held.paths(), path) {
+					t.Errorf("%s was not flushed; flushed: %v", path, held.paths())
+				}
+			}
+		})
+	}
 }

@@ -48,6 +48,11 @@ func DataOnDisk(dir string, files []DataFile) bool {
 // are removed. The files are synced together: on most filesystems their syncs share one journal
 // commit, where one file after the other would wait for a commit each.
 func WriteData(dir, prefix string, dirMode os.FileMode, files []DataFile) error {
+	return Syncer(nil).WriteData(dir, prefix, dirMode, files)
+}
+
+// WriteData is the package's WriteData, each file and directory flushed with s.
+func (s Syncer) WriteData(dir, prefix string, dirMode os.FileMode, files []DataFile) error {
 	if err := EnsureDir(dir, dirMode); err != nil {
 		return err
 	}
@@ -65,7 +70,7 @@ func WriteData(dir, prefix string, dirMode os.FileMode, files []DataFile) error 
 		_ = os.RemoveAll(version)
 		return fmt.Errorf("set the mode of %s: %w", version, err)
 	}
-	if err := writeGeneration(version, files); err != nil {
+	if err := s.writeGeneration(version, files); err != nil {
 		_ = os.RemoveAll(version)
 		return err
 	}
@@ -82,7 +87,7 @@ func WriteData(dir, prefix string, dirMode os.FileMode, files []DataFile) error 
 			return err
 		}
 	}
-	if err := SyncDir(dir); err != nil {
+	if err := s.SyncDir(dir); err != nil {
 		return err
 	}
 	return removeGenerations(dir, prefix, filepath.Base(version))
@@ -90,21 +95,21 @@ func WriteData(dir, prefix string, dirMode os.FileMode, files []DataFile) error 
 
 // writeGeneration writes files into the private directory version, syncs them at once, then
 // syncs version, so that its entries are durable before DataLink points at them.
-func writeGeneration(version string, files []DataFile) error {
+func (s Syncer) writeGeneration(version string, files []DataFile) error {
 	errs := make([]error, len(files))
 	var wg sync.WaitGroup
 	for i, f := range files {
-		wg.Go(func() { errs[i] = writeSynced(filepath.Join(version, f.Name), f.Data, f.Mode) })
+		wg.Go(func() { errs[i] = s.writeSynced(filepath.Join(version, f.Name), f.Data, f.Mode) })
 	}
 	wg.Wait()
 	if err := errors.Join(errs...); err != nil {
 		return err
 	}
-	return SyncDir(version)
+	return s.SyncDir(version)
 }
 
 // writeSynced creates path with mode (whatever the umask) and data, and syncs it.
-func writeSynced(path string, data []byte, mode os.FileMode) error {
+func (s Syncer) writeSynced(path string, data []byte, mode os.FileMode) error {
 	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, PrivateFileMode)
 	if err != nil {
 		return fmt.Errorf("create %s: %w", path, err)
@@ -115,7 +120,7 @@ func writeSynced(path string, data []byte, mode os.FileMode) error {
 		_, err = f.Write(data)
 	}
 	if err == nil {
-		err = f.Sync()
+		err = s.sync(f)
 	}
 	if closeErr := f.Close(); err == nil {
 		err = closeErr

@@ -26,7 +26,12 @@ const tempInfix = ".tmp-"
 // it over path, and syncs the directory so that the rename survives a crash. A process killed
 // before the rename leaves the temporary file behind; see RemoveTempFiles.
 func WriteFileAtomic(path string, data []byte, perm os.FileMode) error {
-	tmp, err := writeTemp(path, data, perm)
+	return Syncer(nil).WriteFileAtomic(path, data, perm)
+}
+
+// WriteFileAtomic is the package's WriteFileAtomic, the file and its directory flushed with s.
+func (s Syncer) WriteFileAtomic(path string, data []byte, perm os.FileMode) error {
+	tmp, err := s.writeTemp(path, data, perm)
 	if err != nil {
 		return err
 	}
@@ -34,13 +39,18 @@ func WriteFileAtomic(path string, data []byte, perm os.FileMode) error {
 		_ = os.Remove(tmp)
 		return fmt.Errorf("rename %s to %s: %w", tmp, path, err)
 	}
-	return SyncDir(filepath.Dir(path))
+	return s.SyncDir(filepath.Dir(path))
 }
+
+// NoSync is the Syncer of a file that needs to be replaced atomically but not durably: one its
+// writer writes again at every start before anything reads it, such as Envoy's bootstrap. Such a
+// write never waits for the disk.
+func NoSync(*os.File) error { return nil }
 
 // CreateFileAtomic is WriteFileAtomic that never replaces: when path already exists (another
 // process created it first) it writes nothing and reports created false.
 func CreateFileAtomic(path string, data []byte, perm os.FileMode) (created bool, err error) {
-	tmp, err := writeTemp(path, data, perm)
+	tmp, err := Syncer(nil).writeTemp(path, data, perm)
 	if err != nil {
 		return false, err
 	}
@@ -55,9 +65,9 @@ func CreateFileAtomic(path string, data []byte, perm os.FileMode) (created bool,
 	return true, SyncDir(filepath.Dir(path))
 }
 
-// writeTemp writes data, synced, to a new temporary file beside path with mode perm, and returns
-// its name.
-func writeTemp(path string, data []byte, perm os.FileMode) (name string, err error) {
+// writeTemp writes data, flushed with s, to a new temporary file beside path with mode perm, and
+// returns its name.
+func (s Syncer) writeTemp(path string, data []byte, perm os.FileMode) (name string, err error) {
 	tmp, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+tempInfix+"*")
 	if err != nil {
 		return "", fmt.Errorf("create temporary file for %s: %w", path, err)
@@ -75,7 +85,7 @@ func writeTemp(path string, data []byte, perm os.FileMode) (name string, err err
 	if _, err := tmp.Write(data); err != nil {
 		return "", fmt.Errorf("write %s: %w", tmp.Name(), err)
 	}
-	if err := tmp.Sync(); err != nil {
+	if err := s.sync(tmp); err != nil {
 		return "", fmt.Errorf("sync %s: %w", tmp.Name(), err)
 	}
 	if err := tmp.Close(); err != nil {
@@ -140,13 +150,27 @@ func WritePrivateFile(path string, data []byte) error {
 	return WriteFileAtomic(path, data, PrivateFileMode)
 }
 
+// Syncer flushes an open file or directory to the disk; nil is (*os.File).Sync. Tests give one
+// that blocks or fails, to see what waits for the disk and what a failed flush does.
+type Syncer func(*os.File) error
+
+func (s Syncer) sync(f *os.File) error {
+	if s == nil {
+		return f.Sync()
+	}
+	return s(f)
+}
+
 // SyncDir flushes a directory's entries, making renames and creations in it durable.
-func SyncDir(dir string) error {
+func SyncDir(dir string) error { return Syncer(nil).SyncDir(dir) }
+
+// SyncDir is the package's SyncDir, the directory flushed with s.
+func (s Syncer) SyncDir(dir string) error {
 	d, err := os.Open(dir)
 	if err != nil {
 		return fmt.Errorf("open directory %s: %w", dir, err)
 	}
-	syncErr := d.Sync()
+	syncErr := s.sync(d)
 	closeErr := d.Close()
 	if err := errors.Join(syncErr, closeErr); err != nil {
 		return fmt.Errorf("sync directory %s: %w", dir, err)

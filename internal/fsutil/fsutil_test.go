@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"sync"
 	"syscall"
 	"testing"
 )
@@ -221,5 +222,91 @@ func TestIsDirIsRegular(t *testing.T) {
 		if IsDir(tc.path) != tc.dir || IsRegular(tc.path) != tc.regular {
 			t.Errorf("%s: IsDir %v, IsRegular %v; want %v, %v", tc.path, IsDir(tc.path), IsRegular(tc.path), tc.dir, tc.regular)
 		}
+	}
+}
+
+// TestSyncerWriteData: WriteData flushes every file of a generation, the generation and dir
+// through its Syncer, each before the swap makes it visible; a failed flush fails the write and
+// leaves the generation in service as it was.
+func TestSyncerWriteData(t *testing.T) {
+	t.Parallel()
+	dir := filepath.Join(t.TempDir(), "out")
+	files := []DataFile{{Name: "a", Data: []byte("one"), Mode: PrivateFileMode}, {Name: "b", Data: []byte("two"), Mode: PublicFileMode}}
+	if err := WriteData(dir, "..gen_", PrivateDirMode, files); err != nil {
+		t.Fatal(err)
+	}
+	first, err := os.Readlink(filepath.Join(dir, DataLink))
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	errFlush := errors.New("flush failed")
+	failing := Syncer(func(f *os.File) error {
+		if filepath.Base(f.Name()) == "b" {
+			return errFlush
+		}
+		return f.Sync()
+	})
+	next := []DataFile{{Name: "a", Data: []byte("three"), Mode: PrivateFileMode}, {Name: "b", Data: []byte("four"), Mode: PublicFileMode}}
+	if err := failing.WriteData(dir, "..gen_", PrivateDirMode, next); !errors.Is(err, errFlush) {
+		t.Fatalf("WriteData with a failing flush = %v, want errFlush", err)
+	}
+	if got, err := os.Readlink(filepath.Join(dir, DataLink)); err != nil || got != first {
+		t.Fatalf("%s = %q (%v) after a failed flush, want the first generation %q", DataLink, got, err, first)
+	}
+
+	var (
+		mu      sync.Mutex // the files are flushed concurrently
+		flushed []string
+	)
+	recording := Syncer(func(f *os.File) error {
+		mu.Lock()
+		flushed = append(flushed, f.Name())
+		mu.Unlock()
+		return f.Sync()
+	})
+	if err := recording.WriteData(dir, "..gen_", PrivateDirMode, next); err != nil {
+		t.Fatal(err)
+	}
+	gen, err := os.Readlink(filepath.Join(dir, DataLink))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []string{filepath.Join(dir, gen, "a"), filepath.Join(dir, gen, "b"), filepath.Join(dir, gen), dir}
+	slices.Sort(want)
+	slices.Sort(flushed)
+	if !slices.Equal(flushed, want) {
+		t.Errorf("flushed %v, want %v", flushed, want)
+	}
+	if DataOnDisk(dir, files) || !DataOnDisk(dir, next) {
+		t.Error("the generation in service is not the last one written")
+	}
+}
+
+// TestWriteFileAtomicSyncer: WriteFileAtomic flushes the file and then its directory through its
+// Syncer; with NoSync it replaces the file all the same.
+func TestWriteFileAtomicSyncer(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	path := filepath.Join(dir, "f")
+	var flushed []string
+	recording := Syncer(func(f *os.File) error {
+		flushed = append(flushed, f.Name())
+		return f.Sync()
+	})
+	if err := recording.WriteFileAtomic(path, []byte("one"), PublicFileMode); err != nil {
+		t.Fatal(err)
+	}
+	if len(flushed) != 2 || !isTempName(filepath.Base(flushed[0])) || flushed[1] != dir {
+		t.Errorf("flushed %v, want the temporary file, then %s", flushed, dir)
+	}
+	if err := Syncer(NoSync).WriteFileAtomic(path, []byte("two"), PublicFileMode); err != nil {
+		t.Fatal(err)
+	}
+	if data, err := os.ReadFile(path); err != nil || string(data) != "two" {
+		t.Errorf("after a NoSync write: %q, %v", data, err)
+	}
+	if entries, err := os.ReadDir(dir); err != nil || len(entries) != 1 {
+		t.Errorf("%s holds %v (%v), want the file alone", dir, entries, err)
 	}
 }

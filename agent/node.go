@@ -364,6 +364,7 @@ func (a *Agent) buildNode(cfg Config, fetched tokenFunc, clk clock.Clock, log *s
 				GraceRatioJitter: cfg.Certificate.GraceRatioJitter,
 				RootCertFile:     up.rootCertFile,
 			},
+			FileWatch:  a.fileWatch,
 			Clock:      clk,
 			Logger:     log.With(logkey.Component, "secretmanager", logkey.Identity, id.String()),
 			OnEvent:    cfg.OnEvent,

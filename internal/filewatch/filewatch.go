@@ -135,7 +135,8 @@ func (w *Watcher) ask(ctx context.Context, req request) error {
 
 // Run watches until ctx ends, calling onChange (from Run's goroutine) with the watched paths
 // that changed, once a burst of changes has been quiet for the debounce interval. On a shared
-// Hub it waits for the Hub's Run, and ends with ErrHubStopped when that ends first.
+// Hub it waits for the Hub's Run, and ends when that does; started on a Hub whose Run has ended,
+// it returns ErrHubStopped.
 func (w *Watcher) Run(ctx context.Context, onChange func(changed []string)) error {
 	if w.hub != nil {
 		return w.run(ctx, w.hub, onChange)
@@ -195,13 +196,12 @@ func (w *Watcher) run(ctx context.Context, hub *Hub, onChange func(changed []str
 			}
 			return nil
 		case <-hub.stopped:
+			// Its owner is stopping, as the Watcher's ctx will be: that is not the Watcher's
+			// failure (the hub's Run says if it failed).
 			if timer != nil {
 				timer.Stop()
 			}
-			if ctx.Err() != nil {
-				return nil
-			}
-			return ErrHubStopped
+			return nil
 		case <-sub.wake:
 			events, lost := sub.take()
 			if lost {

@@ -4,7 +4,11 @@ import (
 	"log/slog"
 	"net/http"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/meshid/meshid/agent/envoy"
+	"github.com/meshid/meshid/internal/pki"
+	"github.com/meshid/meshid/secretmanager"
 )
 
 // CARootCert exposes the CA root lookup to the tests.
@@ -28,3 +32,18 @@ func WriteBootstrap(c Config) (envoy.Options, error) {
 
 // EnvoyAdmin is the address of the admin of the Envoy the agent runs, once known.
 func (a *Agent) EnvoyAdmin() (string, error) { return a.life.envoy.Admin().Addr() }
+
+// FailNodeManagers makes a node agent's secret managers fail to start while fail returns an
+// error for their identity; call it before Run.
+func (a *Agent) FailNodeManagers(fail func(id pki.SPIFFEID) error) {
+	next := a.identities.newManager
+	a.identities.newManager = func(id pki.SPIFFEID, reg prometheus.Registerer) (*secretmanager.Manager, error) {
+		if err := fail(id); err != nil {
+			return nil, err
+		}
+		return next(id, reg)
+	}
+}
+
+// IdentityRetryMax is the longest wait before a failed identity's manager is made again.
+const IdentityRetryMax = identityRetryMax

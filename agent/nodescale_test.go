@@ -7,13 +7,20 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	"github.com/spiffe/go-spiffe/v2/proto/spiffe/workload"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	grpccreds "google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
 
 	"github.com/meshid/meshid/agent"
+	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/sds/sdsclient"
 	"github.com/meshid/meshid/sds/sdstest"
 )
@@ -104,5 +111,104 @@ func TestNodeAgentIdentitiesShareOneInotifyInstance(t *testing.T) { //nolint:par
 	}
 	if after := inotifyInstances(t); after > before+1 {
 		t.Fatalf("serving %d identities took %d inotify instances, want at most 1 (the agent's)", identities, after-before)
+	}
+}
+
+// A node agent whose secret manager for an identity cannot start tells that identity's callers
+// why at once, instead of leaving them waiting: an SDS stream ends with Unavailable naming the
+// reason, a fetch and a Workload API stream are answered so; the failure is counted. Once the
+// cause is gone the manager is made again after its backoff, and the identity is served; other
+// identities are served throughout.
+func TestNodeAgentIdentityWhoseManagerFailsIsRefused(t *testing.T) {
+	t.Parallel()
+	clk := newFakeClock()
+	cfg := testConfig(t, clk, nil, nil)
+	cfg.SDS.WorkloadAttestation = filepath.Join(t.TempDir(), "rules.yaml")
+	cfg.SDS.Attest, cfg.XDS.Proxy = newMetadataAttestor, false
+	a := newAgent(t, cfg)
+	var failing atomic.Bool
+	failing.Store(true)
+	const cause = "no inotify instance left (test)"
+	a.FailNodeManagers(func(id pki.SPIFFEID) error {
+		if id.ServiceAccount == "broken" && failing.Load() {
+			return errors.New(cause)
+		}
+		return nil
+	})
+	runAgent(t, a)
+	ctx, cancel := context.WithTimeout(t.Context(), wait)
+	defer cancel()
+	broken := metadata.AppendToOutgoingContext(ctx, callerHeader, "shop/broken")
+	c, err := sdsclient.Dial(a.SocketPath(), sdsclient.WithNode(&core.Node{Id: sdstest.NodeID}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	wantUnavailable := func(what string, err error) {
+		t.Helper()
+		if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), cause) {
+			t.Fatalf("%s: %v, want Unavailable naming %q", what, err, cause)
+		}
+	}
+
+	// An SDS stream, the first ask: ended.
+	st, err := c.StreamSecrets(broken)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := st.Subscribe("default"); err != nil {
+		t.Fatal(err)
+	}
+	_, err = st.Collect("default")
+	wantUnavailable("SDS stream", err)
+	// A second stream, while the manager waits for its retry: ended too.
+	st, err = c.StreamSecrets(broken)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := st.Subscribe("default"); err != nil {
+		t.Fatal(err)
+	}
+	_, err = st.Collect("default")
+	wantUnavailable("second SDS stream", err)
+	_, err = c.Fetch(broken, "default")
+	wantUnavailable("FetchSecrets", err)
+
+	conn, err := grpc.NewClient("unix://"+a.SocketPath(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	svids, err := workload.NewSpiffeWorkloadAPIClient(conn).FetchX509SVID(metadata.AppendToOutgoingContext(broken, "workload.spiffe.io", "true"),
+		&workload.X509SVIDRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = svids.Recv()
+	wantUnavailable("Workload API stream", err)
+
+	// Another identity is served.
+	if _, err := c.Fetch(metadata.AppendToOutgoingContext(ctx, callerHeader, "shop/fine"), "default"); err != nil {
+		t.Fatalf("another identity: %v", err)
+	}
+	if got := metric(t, a, `meshid_agent_identity_manager_failures_total{stage="start"}`); got != "1" {
+		t.Errorf("start failures %q, want 1: the manager is not made again before its backoff", got)
+	}
+	if got := metric(t, a, `meshid_agent_node_streams_ended_total{reason="identity_failed"}`); got != "2" {
+		t.Errorf("streams ended for the failure %q, want 2", got)
+	}
+
+	// The cause gone, the manager is made again once its backoff has passed.
+	failing.Store(false)
+	for {
+		clk.Advance(agent.IdentityRetryMax / 10)
+		got, err := c.Fetch(broken, "default")
+		if err == nil {
+			if id := workloadChain(t, got["default"])[0].URIs[0].String(); id != "spiffe://cluster.local/ns/shop/sa/broken" {
+				t.Fatalf("served %s", id)
+			}
+			break
+		}
+		wantUnavailable("FetchSecrets during the backoff", err)
 	}
 }

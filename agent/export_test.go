@@ -3,6 +3,7 @@ package agent
 import (
 	"log/slog"
 	"net/http"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -45,5 +46,13 @@ func (a *Agent) FailNodeManagers(fail func(id pki.SPIFFEID) error) {
 	}
 }
 
-// IdentityRetryMax is the longest wait before a failed identity's manager is made again.
-const IdentityRetryMax = identityRetryMax
+// IdentityRetryAt is when the failed manager of a node agent's identity id is made again; zero
+// when it has not failed.
+func (a *Agent) IdentityRetryAt(id pki.SPIFFEID) time.Time {
+	a.identities.mu.Lock()
+	defer a.identities.mu.Unlock()
+	if h := a.identities.entries[id]; h != nil && h.manager == nil {
+		return h.retryAt
+	}
+	return time.Time{}
+}

@@ -198,17 +198,31 @@ func TestNodeAgentIdentityWhoseManagerFailsIsRefused(t *testing.T) {
 		t.Errorf("streams ended for the failure %q, want 2", got)
 	}
 
-	// The cause gone, the manager is made again once its backoff has passed.
+	// The cause gone, the manager is made again once its backoff has passed: a stream opened
+	// then gets the certificate (one opened before the retry is ended, as above).
 	failing.Store(false)
+	brokenID := pki.SPIFFEID{TrustDomain: "cluster.local", Namespace: "shop", ServiceAccount: "broken"}
+	retryAt := a.IdentityRetryAt(brokenID)
+	if err := clk.WaitForDeadline(ctx, retryAt); err != nil {
+		t.Fatal(err)
+	}
+	clk.Set(retryAt)
 	for {
-		clk.Advance(agent.IdentityRetryMax / 10)
-		got, err := c.Fetch(broken, "default")
-		if err == nil {
-			if id := workloadChain(t, got["default"])[0].URIs[0].String(); id != "spiffe://cluster.local/ns/shop/sa/broken" {
-				t.Fatalf("served %s", id)
-			}
-			break
+		st, err := c.StreamSecrets(broken)
+		if err != nil {
+			t.Fatal(err)
 		}
-		wantUnavailable("FetchSecrets during the backoff", err)
+		if err := st.Subscribe("default"); err != nil {
+			t.Fatal(err)
+		}
+		got, err := st.Collect("default")
+		if err != nil {
+			wantUnavailable("SDS stream during the retry", err)
+			continue
+		}
+		if id := workloadChain(t, got["default"])[0].URIs[0].String(); id != "spiffe://cluster.local/ns/shop/sa/broken" {
+			t.Fatalf("served %s", id)
+		}
+		return
 	}
 }

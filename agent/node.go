@@ -396,8 +396,8 @@ func (r *identities) failLocked(h *heldIdentity, stage string, err error) rebind
 	}
 	h.metrics.unregisterAll()
 	now := r.clock.Now()
-	if h.retries == nil || now.Sub(h.madeAt) > identityRetryMax {
-		// A first failure, or one after a long run: retried soon.
+	if h.retries == nil || (stage == managerFailedRun && now.Sub(h.madeAt) > identityRetryMax) {
+		// A first failure, or a manager's that ran a long while: retried soon.
 		h.retries = backoff.NewExponentialBackOff(backoff.WithInitialInterval(identityRetryInitial), backoff.WithMaxInterval(identityRetryMax),
 			backoff.WithMaxElapsedTime(0), backoff.WithClockProvider(r.clock))
 	}

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"log/slog"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -305,4 +306,57 @@ func errStrings(ch <-chan error) <-chan string {
 	out := make(chan string, 1)
 	go func() { out <- (<-ch).Error() }()
 	return out
+}
+
+// A manager that cannot be made is not made again before its backoff has passed, however often
+// it is asked for, and the backoff grows while it keeps failing: no hot loop of attempts.
+func TestIdentityThatCannotStartIsRetriedWithBackoff(t *testing.T) {
+	t.Parallel()
+	clk := testutil.NewFakeClock(time.Now())
+	made := 0
+	r, err := newIdentities(func(pki.SPIFFEID, prometheus.Registerer) (*secretmanager.Manager, error) {
+		made++
+		return nil, errors.New("too many open files (test)")
+	}, nil, clk, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := pki.SPIFFEID{TrustDomain: "cluster.local", Namespace: "shop", ServiceAccount: "a"}
+	ask := func() error {
+		t.Helper()
+		var told error
+		cancel, err := r.Subscribe(nodeKey(secretmanager.WorkloadCertName, id), func(s *secretmanager.Secret, err error) {
+			if s != nil {
+				t.Error("a failed identity served a secret")
+			}
+			told = err
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		cancel()
+		return told
+	}
+	var waits []time.Duration
+	for attempt := 1; attempt <= 3; attempt++ {
+		for range 5 {
+			if why := ask(); !errors.Is(why, errIdentityFailed) || !strings.Contains(why.Error(), "too many open files") {
+				t.Fatalf("told %v, want the failure and its cause", why)
+			}
+		}
+		if made != attempt {
+			t.Fatalf("attempt %d: the manager was made %d times, want once per backoff", attempt, made)
+		}
+		r.mu.Lock()
+		retryAt := r.entries[id].retryAt
+		r.mu.Unlock()
+		waits = append(waits, retryAt.Sub(clk.Now()))
+		clk.Set(retryAt)
+	}
+	if got := promtest.ToFloat64(r.failures.WithLabelValues(managerFailedStart)); got != 3 {
+		t.Errorf("start failures %v, want 3", got)
+	}
+	if waits[2] <= waits[0] {
+		t.Fatalf("backoffs %v: want them to grow", waits)
+	}
 }

@@ -167,8 +167,8 @@ func (h *Hub) subscribe(ctx context.Context) (*subscription, error) {
 // not hold up the others' events, so they queue here (bounded by maxQueued).
 type subscription struct {
 	hub  *Hub
-	wake chan struct{} // buffered: events are queued
-	dirs map[string]bool
+	wake chan struct{}   // buffered: events are queued
+	dirs map[string]bool // guarded by hub.mu
 
 	mu       sync.Mutex
 	queue    []fsnotify.Event

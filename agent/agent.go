@@ -29,6 +29,7 @@ import (
 	"github.com/meshid/meshid/internal/admission"
 	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/configerr"
+	"github.com/meshid/meshid/internal/filewatch"
 	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/gcemetadata"
 	"github.com/meshid/meshid/internal/istio"
@@ -68,6 +69,9 @@ type Agent struct {
 	unlocks    []func()               // release the embedded state dir and OUTPUT_CERTS
 	ca         *caclient.Client       // CA modes
 	secrets    *secretmanager.Manager // nil with an external SDS server, and in node mode
+	// fileWatch is the one inotify instance of every secret manager the agent makes: a node
+	// agent makes one per identity, and the kernel allows a user 128 by default.
+	fileWatch *filewatch.Hub
 	// identities and attestor serve node mode: a secret manager per caller's identity.
 	identities *identities
 	attestor   Attestor
@@ -107,7 +111,8 @@ func New(cfg Config) (*Agent, error) {
 	registry := prometheus.NewRegistry()
 	registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 
-	a := &Agent{log: log, socketPath: filepath.Join(cfg.socketDir(), sds.SocketName)}
+	a := &Agent{log: log, socketPath: filepath.Join(cfg.socketDir(), sds.SocketName),
+		fileWatch: filewatch.NewHub(filewatch.HubConfig{Logger: log.With(logkey.Component, "filewatch")})}
 	if err := a.build(cfg, clk, log, registry); err != nil {
 		a.close()
 		return nil, err
@@ -379,6 +384,7 @@ func (a *Agent) buildSecrets(cfg Config, fetched tokenFunc, clk clock.Clock, log
 	smCfg := secretmanager.Config{
 		FileResourceDirs: cfg.fileResourceDirs(),
 		Output:           output,
+		FileWatch:        a.fileWatch,
 		Clock:            clk,
 		Logger:           log.With(logkey.Component, "secretmanager"),
 		Registerer:       registry,
@@ -741,6 +747,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	if a.embedded != nil {
 		g.Go(func() error { return a.embedded.Run(gctx) })
 	}
+	g.Go(func() error { return a.fileWatch.Run(gctx) })
 	if a.secrets != nil {
 		g.Go(func() error { return a.secrets.Run(gctx) })
 	}

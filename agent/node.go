@@ -12,6 +12,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/cenkalti/backoff/v4"
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -62,6 +63,8 @@ type nodeResolver struct {
 	identify    identify
 	// streams, when set, is told the identity each stream is given.
 	streams *nodeStreams
+	// failure, when set, says why an identity's secret manager has failed (nil: it has not).
+	failure func(pki.SPIFFEID) error
 }
 
 // identity is the SPIFFE ID of the caller of ctx, noted as its stream's when ctx is a stream's.
@@ -90,11 +93,18 @@ func (n nodeResolver) lookup(ctx context.Context) (pki.SPIFFEID, error) {
 	return id, nil
 }
 
-// Resolve is sds.Config.Resolve: every name is the caller's own.
+// Resolve is sds.Config.Resolve: every name is the caller's own. An SDS stream of an identity
+// whose secret manager has failed is ended: nothing would come on it (a fetch is answered with
+// the failure by the secret cache).
 func (n nodeResolver) Resolve(ctx context.Context, requested string) (string, error) {
 	id, err := n.identity(ctx)
 	if err != nil {
 		return "", err
+	}
+	if n.failure != nil && n.streams != nil {
+		if why := n.failure(id); why != nil {
+			n.streams.endStreamFailed(ctx, id, why)
+		}
 	}
 	return nodeKey(requested, id), nil
 }
@@ -113,6 +123,12 @@ func (n nodeResolver) Names(ctx context.Context) (workloadapi.Names, error) {
 // call has asked for it for idle. Each manager's metrics are registered with its identity as the
 // label "identity", and unregistered when it is released, so that the series come and go with
 // the identities.
+//
+// A manager that cannot be made, or whose Run fails, is dropped: its subscribers are told why
+// (nil and the failure), so that no caller waits on it for nothing, and the identity's SDS
+// streams are ended with Unavailable (failed, when set). It is made again once its backoff has
+// passed, when asked for or, while someone still subscribes, by Run; the subscriptions still open
+// then follow the new manager.
 type identities struct {
 	// newManager makes id's manager, registering its metrics with reg.
 	newManager func(id pki.SPIFFEID, reg prometheus.Registerer) (*secretmanager.Manager, error)
@@ -120,8 +136,13 @@ type identities struct {
 	clock      clock.Clock
 	log        *slog.Logger
 	idle       time.Duration
+	failures   *prometheus.CounterVec
 	// swept, when set, is told after each sweep (tests).
 	swept func()
+	// failed, when set, is told of each identity whose manager failed, with why.
+	failed func(id pki.SPIFFEID, why error)
+
+	wake chan struct{} // buffered: a failure to schedule a retry of
 
 	mu      sync.Mutex
 	entries map[pki.SPIFFEID]*heldIdentity
@@ -133,12 +154,102 @@ type identities struct {
 // heldIdentity is one identity's manager and who uses it.
 type heldIdentity struct {
 	id      pki.SPIFFEID
-	manager *secretmanager.Manager
-	users   int       // subscriptions open
-	since   time.Time // when users last fell to 0
-	stop    context.CancelFunc
+	manager *secretmanager.Manager // nil after a failure, until made again
+	users   int                    // subscriptions open
+	since   time.Time              // when users last fell to 0
+	stop    context.CancelFunc     // nil while the manager does not run
 	metrics *trackedRegisterer
+	subs    map[*nodeSubscription]struct{}
+	// generation counts the managers made and failures, so that a subscription follows the
+	// latest of them whatever order they reach it in.
+	generation uint64
+
+	// failure is why the manager failed, while it is nil; the next attempt waits until retryAt.
+	failure error
+	retryAt time.Time
+	retries *backoff.ExponentialBackOff
+	madeAt  time.Time
 }
+
+// nodeSubscription is one subscription to a name of an identity: it follows the identity's
+// manager of the moment, and is told of its failure.
+type nodeSubscription struct {
+	name string
+	fn   func(*secretmanager.Secret, error)
+
+	mu         sync.Mutex // serializes attach and close, and so every call of fn made here
+	generation uint64
+	cancel     func() // of the manager's subscription; nil when there is none
+	closed     bool
+}
+
+// attach makes s follow m, or, with m nil, tells it of failure; unless it follows a later
+// generation already. It returns m's refusal.
+func (s *nodeSubscription) attach(m *secretmanager.Manager, generation uint64, failure error) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed || generation <= s.generation {
+		return nil
+	}
+	s.generation = generation
+	if s.cancel != nil {
+		s.cancel()
+		s.cancel = nil
+	}
+	if m == nil {
+		s.fn(nil, failure)
+		return nil
+	}
+	cancel, err := m.Subscribe(s.name, s.fn)
+	if err != nil {
+		return err
+	}
+	s.cancel = cancel
+	return nil
+}
+
+func (s *nodeSubscription) close() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.closed = true
+	if s.cancel != nil {
+		s.cancel()
+		s.cancel = nil
+	}
+}
+
+// rebinding is what a change of an identity's manager tells its open subscriptions, once the
+// registry's lock is released: the manager's Subscribe calls them.
+type rebinding struct {
+	subs       []*nodeSubscription
+	manager    *secretmanager.Manager
+	generation uint64
+	failure    error
+	failedNow  bool // the manager has just failed: its streams are to be ended
+}
+
+func (b rebinding) apply() {
+	for _, s := range b.subs {
+		// A refusal here is of a name the manager accepted before: none is refused later.
+		_ = s.attach(b.manager, b.generation, b.failure)
+	}
+}
+
+// Why an identity's manager failed, as counted.
+const (
+	managerFailedStart = "start" // it could not be made
+	managerFailedRun   = "run"   // its Run ended with an error
+)
+
+// The retries of a failed identity's manager: soon after a passing failure, seldom after a
+// lasting one.
+const (
+	identityRetryInitial = time.Second
+	identityRetryMax     = 5 * time.Minute
+)
+
+// errIdentityFailed is the cause of what a failed identity's callers are told.
+var errIdentityFailed = errors.New("the identity's secret manager failed")
 
 // identityLabel labels a node agent's per-identity series with the identity's SPIFFE ID.
 const identityLabel = "identity"
@@ -173,6 +284,9 @@ func (t *trackedRegisterer) Unregister(c prometheus.Collector) bool {
 
 // unregisterAll removes every series registered through t.
 func (t *trackedRegisterer) unregisterAll() {
+	if t == nil {
+		return
+	}
 	for _, c := range t.collectors {
 		t.reg.Unregister(c)
 	}
@@ -183,101 +297,186 @@ func (t *trackedRegisterer) unregisterAll() {
 var errNodeAgentStopped = errors.New("the node agent is stopping")
 
 func newIdentities(newManager func(pki.SPIFFEID, prometheus.Registerer) (*secretmanager.Manager, error), registerer prometheus.Registerer,
-	clk clock.Clock, log *slog.Logger) *identities {
-	return &identities{newManager: newManager, registerer: registerer, clock: clk, log: log, idle: IdentityIdleRelease,
-		entries: map[pki.SPIFFEID]*heldIdentity{}}
+	clk clock.Clock, log *slog.Logger) (*identities, error) {
+	r := &identities{newManager: newManager, registerer: registerer, clock: clk, log: log, idle: IdentityIdleRelease,
+		wake: make(chan struct{}, 1), entries: map[pki.SPIFFEID]*heldIdentity{},
+		failures: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "meshid", Subsystem: "agent", Name: "identity_manager_failures_total",
+			Help: "Secret managers of a node agent's identities that failed, by stage: start (could not be made), run (stopped with an error).",
+		}, []string{"stage"})}
+	if registerer != nil {
+		if err := registerer.Register(r.failures); err != nil {
+			return nil, fmt.Errorf("register identity metrics: %w", err)
+		}
+	}
+	return r, nil
 }
 
 // Subscribe is secretmanager.Manager.Subscribe over keys of nodeKey: the named secret of the
-// key's identity, its manager made and started on first use.
+// key's identity, its manager made and started on first use. While the identity's manager has
+// failed, fn is told why at once.
 func (r *identities) Subscribe(key string, fn func(*secretmanager.Secret, error)) (func(), error) {
 	name, id, err := parseNodeKey(key)
 	if err != nil {
 		return nil, err
 	}
-	h, err := r.acquire(id)
+	sub := &nodeSubscription{name: name, fn: fn}
+	h, b, err := r.acquire(id, sub)
 	if err != nil {
 		return nil, err
 	}
-	cancel, err := h.manager.Subscribe(name, fn)
-	if err != nil {
-		r.release(h)
+	b.apply()
+	r.notifyFailed(id, b)
+	if err := sub.attach(b.manager, b.generation, b.failure); err != nil {
+		r.release(h, sub)
 		return nil, err
 	}
 	return sync.OnceFunc(func() {
-		cancel()
-		r.release(h)
+		sub.close()
+		r.release(h, sub)
 	}), nil
 }
 
-// acquire returns id's manager, made (and started, once Run runs) on the first ask, counting one
-// more user.
-func (r *identities) acquire(id pki.SPIFFEID) (*heldIdentity, error) {
+// acquire returns id's entry, with sub among its subscriptions, counting one more user. The
+// manager is made (and started, once Run runs) on the first ask, and again on an ask once the
+// backoff of its failure has passed. What the subscriptions are to be told, sub's included, is
+// returned to be applied once the lock is released.
+func (r *identities) acquire(id pki.SPIFFEID, sub *nodeSubscription) (*heldIdentity, rebinding, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.stopped {
-		return nil, errNodeAgentStopped
+		return nil, rebinding{}, errNodeAgentStopped
 	}
 	h := r.entries[id]
-	if h == nil {
-		var reg prometheus.Registerer
-		tracked := &trackedRegisterer{}
-		if r.registerer != nil {
-			tracked.reg = prometheus.WrapRegistererWith(prometheus.Labels{identityLabel: id.String()}, r.registerer)
-			reg = tracked
-		}
-		m, err := r.newManager(id, reg)
-		if err != nil {
-			tracked.unregisterAll()
-			return nil, fmt.Errorf("identity %s: %w", id, err)
-		}
-		h = &heldIdentity{id: id, manager: m, metrics: tracked}
+	var b rebinding
+	switch {
+	case h == nil:
+		h = &heldIdentity{id: id, subs: map[*nodeSubscription]struct{}{}}
 		r.entries[id] = h
 		r.log.Info("identity asked for: obtaining and renewing its certificate", logkey.Identity, id.String())
-		if r.runCtx != nil {
-			r.startLocked(h)
-		}
+		b = r.makeLocked(h)
+	case h.manager == nil && !r.clock.Now().Before(h.retryAt):
+		b = r.makeLocked(h)
+	default:
+		b = rebinding{manager: h.manager, generation: h.generation, failure: h.failure}
 	}
+	h.subs[sub] = struct{}{}
 	h.users++
-	return h, nil
+	return h, b, nil
+}
+
+// makeLocked makes h's manager, started when Run runs, or records why it could not be made.
+// It returns what h's subscriptions are to be told.
+func (r *identities) makeLocked(h *heldIdentity) rebinding {
+	tracked := &trackedRegisterer{}
+	var reg prometheus.Registerer
+	if r.registerer != nil {
+		tracked.reg = prometheus.WrapRegistererWith(prometheus.Labels{identityLabel: h.id.String()}, r.registerer)
+		reg = tracked
+	}
+	m, err := r.newManager(h.id, reg)
+	if err != nil {
+		tracked.unregisterAll()
+		return r.failLocked(h, managerFailedStart, err)
+	}
+	h.manager, h.metrics, h.failure, h.madeAt = m, tracked, nil, r.clock.Now()
+	h.generation++
+	if r.runCtx != nil {
+		r.startLocked(h)
+	}
+	return rebinding{subs: slices.Collect(maps.Keys(h.subs)), manager: m, generation: h.generation}
+}
+
+// failLocked drops h's manager, which failed at stage with err, and schedules the next attempt
+// after a backoff; logged once and counted. It returns what h's subscriptions are to be told.
+func (r *identities) failLocked(h *heldIdentity, stage string, err error) rebinding {
+	if h.stop != nil {
+		h.stop()
+		h.stop = nil
+	}
+	h.metrics.unregisterAll()
+	now := r.clock.Now()
+	if h.retries == nil || (stage == managerFailedRun && now.Sub(h.madeAt) > identityRetryMax) {
+		// A first failure, or a manager's that ran a long while: retried soon.
+		h.retries = backoff.NewExponentialBackOff(backoff.WithInitialInterval(identityRetryInitial), backoff.WithMaxInterval(identityRetryMax),
+			backoff.WithMaxElapsedTime(0), backoff.WithClockProvider(r.clock))
+	}
+	h.manager, h.metrics = nil, nil
+	h.retryAt = now.Add(h.retries.NextBackOff())
+	h.failure = fmt.Errorf("%w: identity %s: %w; tried again at %s", errIdentityFailed, h.id, err, h.retryAt.UTC().Format(time.RFC3339))
+	h.generation++
+	r.failures.WithLabelValues(stage).Inc()
+	r.log.Error("identity's secret manager failed: its callers are told, and it is made again after a backoff", logkey.Identity, h.id.String(),
+		logkey.Reason, stage, logkey.Error, err.Error(), logkey.RetryAt, h.retryAt)
+	select {
+	case r.wake <- struct{}{}:
+	default:
+	}
+	return rebinding{subs: slices.Collect(maps.Keys(h.subs)), generation: h.generation, failure: h.failure, failedNow: true}
+}
+
+// notifyFailed tells failed of the failure that b carries, if it has just happened.
+func (r *identities) notifyFailed(id pki.SPIFFEID, b rebinding) {
+	if b.failedNow && r.failed != nil {
+		r.failed(id, b.failure)
+	}
 }
 
 // release counts one user of h less.
-func (r *identities) release(h *heldIdentity) {
+func (r *identities) release(h *heldIdentity, sub *nodeSubscription) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	delete(h.subs, sub)
 	h.users--
 	if h.users == 0 {
 		h.since = r.clock.Now()
 	}
 }
 
+// failure is why id's manager has failed, or nil when it has not.
+func (r *identities) failure(id pki.SPIFFEID) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if h := r.entries[id]; h != nil && h.manager == nil {
+		return h.failure
+	}
+	return nil
+}
+
 // startLocked runs h's manager until Run ends or h is released.
 func (r *identities) startLocked(h *heldIdentity) {
 	ctx, stop := context.WithCancel(r.runCtx)
 	h.stop = stop
+	m := h.manager
 	r.running.Add(1)
 	go func() {
 		defer r.running.Done()
-		if err := h.manager.Run(ctx); err != nil && ctx.Err() == nil {
-			r.log.Error("identity's secret manager stopped; it is made again when next asked for", logkey.Identity, h.id.String(), logkey.Error, err.Error())
-			r.mu.Lock()
-			if r.entries[h.id] == h {
-				delete(r.entries, h.id)
-				h.metrics.unregisterAll()
-			}
-			r.mu.Unlock()
+		err := m.Run(ctx)
+		if err == nil || ctx.Err() != nil {
+			return
 		}
+		r.mu.Lock()
+		if r.entries[h.id] != h || h.manager != m {
+			r.mu.Unlock()
+			return
+		}
+		b := r.failLocked(h, managerFailedRun, err)
+		r.mu.Unlock()
+		b.apply()
+		r.notifyFailed(h.id, b)
 	}()
 }
 
-// Run starts the managers of the identities asked for, and those asked for later, and every
-// identitySweep releases the ones idle for IdentityIdleRelease, until ctx ends.
+// Run starts the managers of the identities asked for, and those asked for later; every
+// identitySweep it releases the ones idle for IdentityIdleRelease, and once a failed manager's
+// backoff has passed it makes it again for those who still subscribe, until ctx ends.
 func (r *identities) Run(ctx context.Context) error {
 	r.mu.Lock()
 	r.runCtx = ctx
 	for _, h := range r.entries {
-		r.startLocked(h)
+		if h.manager != nil {
+			r.startLocked(h)
+		}
 	}
 	r.mu.Unlock()
 	defer r.running.Wait()
@@ -288,9 +487,20 @@ func (r *identities) Run(ctx context.Context) error {
 	}()
 	t := r.clock.NewTimer(identitySweep)
 	for {
+		var (
+			retry  clock.Timer
+			retryC <-chan time.Time
+		)
+		if at := r.nextRetry(); !at.IsZero() {
+			retry = r.clock.NewTimer(at.Sub(r.clock.Now()))
+			retryC = retry.C()
+		}
 		select {
 		case <-ctx.Done():
 			t.Stop()
+			if retry != nil {
+				retry.Stop()
+			}
 			return nil
 		case <-t.C():
 			r.sweep()
@@ -298,7 +508,47 @@ func (r *identities) Run(ctx context.Context) error {
 			if r.swept != nil {
 				r.swept()
 			}
+		case <-r.wake:
+		case <-retryC:
+			r.retry()
 		}
+		if retry != nil {
+			retry.Stop()
+		}
+	}
+}
+
+// nextRetry is when the earliest failed manager someone subscribes to is to be made again; zero
+// when there is none.
+func (r *identities) nextRetry() time.Time {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var next time.Time
+	for _, h := range r.entries {
+		if h.manager == nil && h.users > 0 && (next.IsZero() || h.retryAt.Before(next)) {
+			next = h.retryAt
+		}
+	}
+	return next
+}
+
+// retry makes again the failed managers whose backoff has passed and that someone subscribes to.
+func (r *identities) retry() {
+	r.mu.Lock()
+	now := r.clock.Now()
+	var changes []rebinding
+	var ids []pki.SPIFFEID
+	for id, h := range r.entries {
+		if h.manager == nil && h.users > 0 && !now.Before(h.retryAt) {
+			r.log.Info("identity's secret manager made again after its failure", logkey.Identity, id.String())
+			changes = append(changes, r.makeLocked(h))
+			ids = append(ids, id)
+		}
+	}
+	r.mu.Unlock()
+	for i, b := range changes {
+		b.apply()
+		r.notifyFailed(ids[i], b)
 	}
 }
 
@@ -312,7 +562,9 @@ func (r *identities) sweep() {
 			continue
 		}
 		delete(r.entries, id)
-		h.stop()
+		if h.stop != nil {
+			h.stop()
+		}
 		h.metrics.unregisterAll()
 		r.log.Info("identity released: no caller has asked for it", logkey.Identity, id.String(), logkey.Duration, r.idle)
 	}
@@ -367,20 +619,24 @@ func (a *Agent) buildNode(cfg Config, fetched tokenFunc, clk clock.Clock, log *s
 				GraceRatioJitter: cfg.Certificate.GraceRatioJitter,
 				RootCertFile:     up.rootCertFile,
 			},
+			FileWatch:  a.fileWatch,
 			Clock:      clk,
 			Logger:     log.With(logkey.Component, "secretmanager", logkey.Identity, id.String()),
 			OnEvent:    cfg.OnEvent,
 			Registerer: reg,
 		})
 	}
-	a.identities = newIdentities(newManager, registry, clk, log.With(logkey.Component, "identities"))
+	if a.identities, err = newIdentities(newManager, registry, clk, log.With(logkey.Component, "identities")); err != nil {
+		return nodeResolver{}, err
+	}
 	resolver := nodeResolver{trustDomain: cfg.Identity.TrustDomain, identify: func(ctx context.Context) (string, string, error) {
 		return a.attestor.Caller(ctx)
 	}}
 	if a.nodeStreams, err = newNodeStreams(resolver.lookup, log.With(logkey.Component, "node-streams"), registry); err != nil {
 		return nodeResolver{}, err
 	}
-	resolver.streams = a.nodeStreams
+	resolver.streams, resolver.failure = a.nodeStreams, a.identities.failure
+	a.identities.failed = a.nodeStreams.endFailed
 	log.Info("node mode: each caller on the socket gets the identity its rule, or its pod on this node, gives", logkey.Path, cfg.SDS.WorkloadAttestation,
 		logkey.Node, cfg.SDS.AttestPods.NodeName, logkey.Identity, self.String())
 	return resolver, nil

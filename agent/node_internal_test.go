@@ -6,11 +6,14 @@ import (
 	"errors"
 	"log/slog"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	promtest "github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/meshid/meshid/internal/filewatch"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
 	"github.com/meshid/meshid/secretmanager"
@@ -70,7 +73,7 @@ func TestIdentitiesMadeOnDemandAndReleasedWhenIdle(t *testing.T) {
 	signer := csrSigner{t: t, root: testutil.NewRootCA(t, testutil.CAOptions{})}
 	made := map[pki.SPIFFEID]int{}
 	reg := prometheus.NewRegistry()
-	r := newIdentities(func(id pki.SPIFFEID, reg prometheus.Registerer) (*secretmanager.Manager, error) {
+	r, err := newIdentities(func(id pki.SPIFFEID, reg prometheus.Registerer) (*secretmanager.Manager, error) {
 		made[id]++
 		return secretmanager.New(secretmanager.Config{
 			Workload:   &secretmanager.Rotation{Signer: signer, Identity: id, TTL: 24 * time.Hour},
@@ -78,6 +81,9 @@ func TestIdentitiesMadeOnDemandAndReleasedWhenIdle(t *testing.T) {
 			Registerer: reg,
 		})
 	}, reg, clk, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
 	sweeps := make(chan struct{}, 1)
 	r.swept = func() { sweeps <- struct{}{} } // once the next sweep's timer is armed
 	a := pki.SPIFFEID{TrustDomain: "cluster.local", Namespace: "shop", ServiceAccount: "a"}
@@ -184,5 +190,173 @@ func receiveWithin(t *testing.T, ch <-chan string) string {
 	case <-time.After(30 * time.Second):
 		t.Fatal("nothing came")
 		return ""
+	}
+}
+
+// A manager whose Run fails (here, on a file watcher hub that has stopped) is dropped: its
+// subscribers are told why, the failure is counted and reported once, and the manager is made
+// again once its backoff has passed, for the subscription still open, which is then served.
+func TestIdentityWhoseManagerFailsIsMadeAgain(t *testing.T) {
+	t.Parallel()
+	clk := testutil.NewFakeClock(time.Now())
+	signer := csrSigner{t: t, root: testutil.NewRootCA(t, testutil.CAOptions{})}
+	stopped := filewatch.NewHub(filewatch.HubConfig{})
+	hubCtx, stopHub := context.WithCancel(t.Context())
+	stopHub()
+	if err := stopped.Run(hubCtx); err != nil {
+		t.Fatal(err)
+	}
+	made := 0
+	reg := prometheus.NewRegistry()
+	r, err := newIdentities(func(id pki.SPIFFEID, reg prometheus.Registerer) (*secretmanager.Manager, error) {
+		made++
+		cfg := secretmanager.Config{
+			Workload:   &secretmanager.Rotation{Signer: signer, Identity: id, TTL: 24 * time.Hour},
+			Clock:      clk,
+			Registerer: reg,
+		}
+		if made == 1 {
+			cfg.FileWatch = stopped
+		}
+		return secretmanager.New(cfg)
+	}, reg, clk, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	failed := make(chan error, 4)
+	r.failed = func(_ pki.SPIFFEID, why error) { failed <- why }
+	a := pki.SPIFFEID{TrustDomain: "cluster.local", Namespace: "shop", ServiceAccount: "a"}
+	type told struct {
+		s   *secretmanager.Secret
+		err error
+	}
+	got := make(chan told, 16)
+	cancelA, err := r.Subscribe(nodeKey(secretmanager.WorkloadCertName, a), func(s *secretmanager.Secret, err error) { got <- told{s, err} })
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cancelA()
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	}()
+
+	// Told why (a certificate may come before the failure ends the manager's Run).
+	var why error
+	for why == nil {
+		select {
+		case u := <-got:
+			why = u.err
+		case <-time.After(30 * time.Second):
+			t.Fatal("the subscriber was not told of the failure")
+		}
+	}
+	if !errors.Is(why, errIdentityFailed) || !errors.Is(why, filewatch.ErrHubStopped) {
+		t.Fatalf("told %v, want the identity's failure and its cause", why)
+	}
+	if reported := receiveWithin(t, errStrings(failed)); reported != why.Error() {
+		t.Fatalf("failed was told %q, want %q", reported, why)
+	}
+	if got := promtest.ToFloat64(r.failures.WithLabelValues(managerFailedRun)); got != 1 {
+		t.Fatalf("run failures %v, want 1", got)
+	}
+	if series := identitySeries(t, reg, "meshid_agent_cert_valid"); len(series) != 0 {
+		t.Fatalf("the failed manager's series stay: %v", series)
+	}
+
+	// Made again at its retry, the open subscription gets a certificate.
+	r.mu.Lock()
+	retryAt := r.entries[a].retryAt
+	r.mu.Unlock()
+	waitCtx, stop := context.WithTimeout(t.Context(), 30*time.Second)
+	defer stop()
+	if err := clk.WaitForDeadline(waitCtx, retryAt); err != nil {
+		t.Fatal(err)
+	}
+	clk.Set(retryAt)
+	for {
+		select {
+		case u := <-got:
+			if u.s == nil {
+				continue
+			}
+			r.mu.Lock()
+			n := made // newManager runs under r.mu
+			r.mu.Unlock()
+			if n != 2 {
+				t.Fatalf("managers made: %d, want 2", n)
+			}
+			if r.failure(a) != nil {
+				t.Fatalf("the identity is still failed: %v", r.failure(a))
+			}
+			return
+		case <-time.After(30 * time.Second):
+			t.Fatal("no certificate after the retry")
+		}
+	}
+}
+
+// errStrings relays the errors of ch as strings.
+func errStrings(ch <-chan error) <-chan string {
+	out := make(chan string, 1)
+	go func() { out <- (<-ch).Error() }()
+	return out
+}
+
+// A manager that cannot be made is not made again before its backoff has passed, however often
+// it is asked for, and the backoff grows while it keeps failing: no hot loop of attempts.
+func TestIdentityThatCannotStartIsRetriedWithBackoff(t *testing.T) {
+	t.Parallel()
+	clk := testutil.NewFakeClock(time.Now())
+	made := 0
+	r, err := newIdentities(func(pki.SPIFFEID, prometheus.Registerer) (*secretmanager.Manager, error) {
+		made++
+		return nil, errors.New("too many open files (test)")
+	}, nil, clk, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := pki.SPIFFEID{TrustDomain: "cluster.local", Namespace: "shop", ServiceAccount: "a"}
+	ask := func() error {
+		t.Helper()
+		var told error
+		cancel, err := r.Subscribe(nodeKey(secretmanager.WorkloadCertName, id), func(s *secretmanager.Secret, err error) {
+			if s != nil {
+				t.Error("a failed identity served a secret")
+			}
+			told = err
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		cancel()
+		return told
+	}
+	var waits []time.Duration
+	for attempt := 1; attempt <= 3; attempt++ {
+		for range 5 {
+			if why := ask(); !errors.Is(why, errIdentityFailed) || !strings.Contains(why.Error(), "too many open files") {
+				t.Fatalf("told %v, want the failure and its cause", why)
+			}
+		}
+		if made != attempt {
+			t.Fatalf("attempt %d: the manager was made %d times, want once per backoff", attempt, made)
+		}
+		r.mu.Lock()
+		retryAt := r.entries[id].retryAt
+		r.mu.Unlock()
+		waits = append(waits, retryAt.Sub(clk.Now()))
+		clk.Set(retryAt)
+	}
+	if got := promtest.ToFloat64(r.failures.WithLabelValues(managerFailedStart)); got != 3 {
+		t.Errorf("start failures %v, want 3", got)
+	}
+	if waits[2] <= waits[0] {
+		t.Fatalf("backoffs %v: want them to grow", waits)
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -25,7 +26,20 @@ var errIdentityChanged = errors.New("the caller's identity changed")
 const (
 	streamEndedChanged = "identity_changed" // the caller now has another identity
 	streamEndedRefused = "refused"          // the caller now has none
+	streamEndedFailed  = "identity_failed"  // the identity's secret manager failed
 )
+
+// sdsMethodPrefix names SDS's streams. The Workload API's end by themselves when told their
+// identity failed; SDS's streams keep what they have and wait for more, so they are ended.
+const sdsMethodPrefix = "/envoy.service.secret.v3.SecretDiscoveryService/"
+
+// endedStatus is the status of a stream ended for cause, when nodeStreams ended it.
+func endedStatus(cause error) (error, bool) {
+	if errors.Is(cause, errIdentityChanged) || errors.Is(cause, errIdentityFailed) {
+		return status.Error(codes.Unavailable, cause.Error()), true
+	}
+	return nil, false
+}
 
 // nodeStreams follows the streams open on a node agent's socket (SDS's and the Workload API's)
 // and the identity each serves, which is decided when the stream first resolves its caller. A
@@ -66,7 +80,7 @@ func newNodeStreams(identify func(context.Context) (pki.SPIFFEID, error), log *s
 		open:     map[*nodeStream]struct{}{},
 		ended: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "meshid", Subsystem: "agent", Name: "node_streams_ended_total",
-			Help: "Streams a node agent ended after a reload of its rules, for their client to reconnect, by reason: identity_changed, refused.",
+			Help: "Streams a node agent ended for their client to reconnect, by reason: after a reload of its rules, identity_changed, refused; identity_failed, their identity's secret manager failed.",
 		}, []string{"reason"}),
 	}
 	if reg != nil {
@@ -93,8 +107,8 @@ func (n *nodeStreams) intercept(srv any, ss grpc.ServerStream, info *grpc.Stream
 		cancel(nil)
 	}()
 	err := handler(srv, st)
-	if cause := context.Cause(st.ctx); errors.Is(cause, errIdentityChanged) {
-		return status.Error(codes.Unavailable, cause.Error())
+	if ended, ok := endedStatus(context.Cause(st.ctx)); ok {
+		return ended
 	}
 	return err
 }
@@ -115,8 +129,8 @@ func (st *nodeStream) RecvMsg(m any) error {
 	case err := <-done:
 		return err
 	case <-st.ctx.Done():
-		if cause := context.Cause(st.ctx); errors.Is(cause, errIdentityChanged) {
-			return status.Error(codes.Unavailable, cause.Error())
+		if ended, ok := endedStatus(context.Cause(st.ctx)); ok {
+			return ended
 		}
 		return <-done // the client went, or the server stops: the wait ends with it
 	}
@@ -214,4 +228,45 @@ func (n *nodeStreams) endLocked(st *nodeStream, reason string, was pki.SPIFFEID,
 	n.ended.WithLabelValues(reason).Inc()
 	n.log.Warn("stream ended: its caller's identity changed with the workload attestation rules", logkey.Peer, admission.Peer(st.ctx),
 		logkey.Protocol, st.method, logkey.Identity, was.String(), logkey.Current, now, logkey.Reason, reason)
+}
+
+// endFailed ends the open SDS streams of identity id, whose secret manager failed for why, with
+// Unavailable: counted, and logged once for them all (the failure itself is logged by the
+// registry).
+func (n *nodeStreams) endFailed(id pki.SPIFFEID, why error) {
+	n.mu.Lock()
+	ended := 0
+	for st := range n.open {
+		if st.identity != nil && *st.identity == id && !st.ending && strings.HasPrefix(st.method, sdsMethodPrefix) {
+			st.ending = true
+			st.cancel(fmt.Errorf("%w; reconnect", why))
+			ended++
+		}
+	}
+	n.mu.Unlock()
+	if ended == 0 {
+		return
+	}
+	n.ended.WithLabelValues(streamEndedFailed).Add(float64(ended))
+	n.log.Warn("streams ended: their identity's secret manager failed", logkey.Identity, id.String(), logkey.Streams, ended,
+		logkey.Reason, streamEndedFailed)
+}
+
+// endStreamFailed ends the SDS stream of ctx, if it is one, whose identity id has a secret
+// manager that failed for why: it would wait for a secret that does not come.
+func (n *nodeStreams) endStreamFailed(ctx context.Context, id pki.SPIFFEID, why error) {
+	st, _ := ctx.Value(nodeStreamKey{}).(*nodeStream)
+	if st == nil || !strings.HasPrefix(st.method, sdsMethodPrefix) {
+		return
+	}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if st.ending {
+		return
+	}
+	st.ending = true
+	st.cancel(fmt.Errorf("%w; reconnect", why))
+	n.ended.WithLabelValues(streamEndedFailed).Inc()
+	n.log.Warn("stream ended: its identity's secret manager failed", logkey.Peer, admission.Peer(st.ctx), logkey.Protocol, st.method,
+		logkey.Identity, id.String(), logkey.Reason, streamEndedFailed, logkey.Error, why.Error())
 }

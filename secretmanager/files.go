@@ -316,8 +316,8 @@ type fileLoader struct {
 	reads       sync.WaitGroup         // every read under way
 }
 
-func newFileLoader(clk, readClock clock.Clock, log *slog.Logger, m *metrics) (*fileLoader, error) {
-	w, err := filewatch.New(filewatch.Config{Clock: clk, Logger: log})
+func newFileLoader(clk, readClock clock.Clock, hub *filewatch.Hub, log *slog.Logger, m *metrics) (*fileLoader, error) {
+	w, err := filewatch.New(filewatch.Config{Clock: clk, Logger: log, Hub: hub})
 	if err != nil {
 		return nil, err
 	}

@@ -1,6 +1,7 @@
 package secretmanager
 
 import (
+	"context"
 	"crypto/rand"
 	"crypto/sha256"
 	"crypto/x509"
@@ -21,6 +22,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshid/meshid/internal/filewatch"
 	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
@@ -897,5 +899,43 @@ func TestCredentialFiles(t *testing.T) {
 	}
 	if f := MountedFilesIn(dir); f.Key != filepath.Join(dir, KeyFile) || f.CertChain != filepath.Join(dir, CertChainFile) || f.Root != filepath.Join(dir, RootCertFile) {
 		t.Fatalf("MountedFilesIn = %+v", f)
+	}
+}
+
+// Managers sharing one file watcher hub (a node agent's, one manager per identity) each read
+// the CA root file again when it changes.
+func TestManagersShareAFileWatcher(t *testing.T) {
+	t.Parallel()
+	hub := filewatch.NewHub(filewatch.HubConfig{})
+	ctx, cancel := context.WithCancel(t.Context())
+	hubDone := make(chan error, 1)
+	go func() { hubDone <- hub.Run(ctx) }()
+	first, second := newEnv(t), newEnv(t)
+	first.trustSignerRoot(t)
+	second.signer.useCA(first.signer)
+	second.rot.RootCertFile = first.rot.RootCertFile
+	var runs []*run
+	for _, e := range []*env{first, second} {
+		e.cfg.FileWatch = hub
+		r := e.start()
+		r.next(t)
+		runs = append(runs, r)
+	}
+	extra := testutil.NewRootCA(t, testutil.CAOptions{CommonName: "next root"})
+	writeFileAtomic(t, first.rot.RootCertFile, testutil.CertPEM(first.signer.rootCert(), extra.Cert))
+	for i, e := range []*env{first, second} {
+		e.reread("ROOTCA holds the new root", func() bool {
+			got := current(t, runs[i].m, RootCertName).s
+			return got != nil && slices.ContainsFunc(got.Bundle.Roots, extra.Cert.Equal)
+		})
+	}
+	for _, r := range runs {
+		if err := r.stop(t); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cancel()
+	if err := <-hubDone; err != nil {
+		t.Fatal(err)
 	}
 }

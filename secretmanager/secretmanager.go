@@ -21,6 +21,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/filewatch"
 	"github.com/meshid/meshid/internal/logkey"
 )
 
@@ -32,6 +33,10 @@ type Config struct {
 	FileResourceDirs []string
 	// Output, when its Dir is set, receives every new key pair and trust bundle (OUTPUT_CERTS).
 	Output Output
+	// FileWatch, when set, is the inotify instance shared with other managers (a node agent runs
+	// one manager per identity, and the kernel allows few); it must run while the manager does.
+	// Nil: the manager's own, made once a file is watched.
+	FileWatch *filewatch.Hub
 
 	Clock clock.Clock
 	// ReadClock paces the wait for each file read (fsutil.DefaultReadBound: a file system that
@@ -166,7 +171,7 @@ func New(cfg Config) (*Manager, error) {
 		m.onEvent = func(Event) {}
 	}
 	var err error
-	if m.files, err = newFileLoader(m.clock, clock.OrReal(cfg.ReadClock), m.log, m.metrics); err != nil {
+	if m.files, err = newFileLoader(m.clock, clock.OrReal(cfg.ReadClock), cfg.FileWatch, m.log, m.metrics); err != nil {
 		return nil, err
 	}
 	env := &sourceEnv{

@@ -34,6 +34,8 @@ type Config struct {
 	Debounce time.Duration
 	Clock    clock.Clock
 	Logger   *slog.Logger
+	// Hub, when set, is the inotify instance the Watcher shares with others; nil: its own.
+	Hub *Hub
 }
 
 var errStopped = errors.New("the file watcher has stopped")
@@ -46,6 +48,7 @@ type Watcher struct {
 	ready    chan struct{}
 	stopped  chan struct{} // closed when Run returns
 	requests chan request
+	hub      *Hub // nil: Run makes and runs its own
 
 	mu      sync.Mutex
 	paths   []string
@@ -61,7 +64,7 @@ type request struct {
 
 // New returns a Watcher; it watches nothing until Run.
 func New(cfg Config) (*Watcher, error) {
-	w := &Watcher{debounce: cfg.Debounce, clock: clock.OrReal(cfg.Clock), log: cfg.Logger, ready: make(chan struct{}), stopped: make(chan struct{}), requests: make(chan request)}
+	w := &Watcher{debounce: cfg.Debounce, clock: clock.OrReal(cfg.Clock), log: cfg.Logger, ready: make(chan struct{}), stopped: make(chan struct{}), requests: make(chan request), hub: cfg.Hub}
 	if w.debounce <= 0 {
 		w.debounce = DefaultDebounce
 	}
@@ -131,13 +134,37 @@ func (w *Watcher) ask(ctx context.Context, req request) error {
 }
 
 // Run watches until ctx ends, calling onChange (from Run's goroutine) with the watched paths
-// that changed, once a burst of changes has been quiet for the debounce interval.
+// that changed, once a burst of changes has been quiet for the debounce interval. On a shared
+// Hub it waits for the Hub's Run, and ends when that does; started on a Hub whose Run has ended,
+// it returns ErrHubStopped.
 func (w *Watcher) Run(ctx context.Context, onChange func(changed []string)) error {
-	fw, err := fsnotify.NewWatcher()
-	if err != nil {
-		return fmt.Errorf("start file watcher: %w", err)
+	if w.hub != nil {
+		return w.run(ctx, w.hub, onChange)
 	}
-	defer func() { _ = fw.Close() }()
+	// Its own hub, whose inotify instance is made on the first watch: a Watcher with nothing to
+	// watch costs none.
+	hub := NewHub(HubConfig{Logger: w.log})
+	hubCtx, stopHub := context.WithCancel(ctx)
+	hubDone := make(chan error, 1)
+	go func() { hubDone <- hub.Run(hubCtx) }()
+	err := w.run(ctx, hub, onChange)
+	stopHub()
+	if hubErr := <-hubDone; err == nil {
+		err = hubErr
+	}
+	return err
+}
+
+func (w *Watcher) run(ctx context.Context, hub *Hub, onChange func(changed []string)) error {
+	sub, err := hub.subscribe(ctx)
+	if err != nil {
+		close(w.stopped)
+		if ctx.Err() != nil {
+			return nil
+		}
+		return err
+	}
+	defer sub.close()
 
 	w.mu.Lock()
 	w.running = true
@@ -150,7 +177,7 @@ func (w *Watcher) Run(ctx context.Context, onChange func(changed []string)) erro
 		close(w.stopped)
 	}()
 	for _, p := range paths {
-		if err := w.watch(fw, p); err != nil {
+		if err := w.watch(sub, p); err != nil {
 			return err
 		}
 	}
@@ -168,29 +195,39 @@ func (w *Watcher) Run(ctx context.Context, onChange func(changed []string)) erro
 				timer.Stop()
 			}
 			return nil
-		case ev, ok := <-fw.Events:
-			if !ok {
-				return errors.New("file watcher closed")
+		case <-hub.stopped:
+			// Its owner is stopping, as the Watcher's ctx will be: that is not the Watcher's
+			// failure (the hub's Run says if it failed).
+			if timer != nil {
+				timer.Stop()
 			}
-			name := filepath.Clean(ev.Name)
-			paths := w.match(name)
-			if len(paths) == 0 {
-				continue
-			}
-			for _, path := range paths {
-				switch {
-				case path == name && ev.Has(fsnotify.Create):
-					w.watchIfDir(fw, path) // a watched directory appeared
-				case path != name && isAncestor(name, path):
-					// A directory on the way to the path appeared or went away: watch the
-					// nearest one that exists now.
-					if err := w.watch(fw, path); err != nil {
+			return nil
+		case <-sub.wake:
+			events, lost := sub.take()
+			if lost {
+				// Events were dropped: every path may have changed, and a directory on the way
+				// to one may have appeared.
+				w.mu.Lock()
+				all := slices.Clone(w.paths)
+				w.mu.Unlock()
+				w.log.Warn("file events were lost: reporting every watched path changed", logkey.Paths, all)
+				for _, path := range all {
+					if err := w.watch(sub, path); err != nil {
 						w.log.Warn("cannot watch", logkey.Path, path, logkey.Error, err.Error())
 					}
+					if !slices.Contains(pending, path) {
+						pending = append(pending, path)
+					}
 				}
-				if !slices.Contains(pending, path) {
-					pending = append(pending, path)
-				}
+			}
+			matched := lost
+			for _, ev := range events {
+				var ok bool
+				pending, ok = w.event(sub, ev, pending)
+				matched = matched || ok
+			}
+			if !matched {
+				continue
 			}
 			if timer != nil {
 				timer.Stop()
@@ -199,11 +236,11 @@ func (w *Watcher) Run(ctx context.Context, onChange func(changed []string)) erro
 			timerC = timer.C()
 		case req := <-w.requests:
 			if req.remove {
-				w.unwatch(fw)
+				w.unwatch(sub)
 				req.done <- nil
 				continue
 			}
-			err := w.watch(fw, req.path)
+			err := w.watch(sub, req.path)
 			if err == nil {
 				w.mu.Lock()
 				if !slices.Contains(w.paths, req.path) {
@@ -212,11 +249,6 @@ func (w *Watcher) Run(ctx context.Context, onChange func(changed []string)) erro
 				w.mu.Unlock()
 			}
 			req.done <- err
-		case err, ok := <-fw.Errors:
-			if !ok {
-				return errors.New("file watcher closed")
-			}
-			w.log.Warn("file watch error", logkey.Error, err.Error())
 		case <-timerC:
 			changed := pending
 			timer, timerC, pending = nil, nil, nil
@@ -226,10 +258,33 @@ func (w *Watcher) Run(ctx context.Context, onChange func(changed []string)) erro
 	}
 }
 
+// event adds to pending the watched paths that ev concerns, watching what it makes watchable;
+// it reports whether there were any.
+func (w *Watcher) event(sub *subscription, ev fsnotify.Event, pending []string) ([]string, bool) {
+	name := filepath.Clean(ev.Name)
+	paths := w.match(name)
+	for _, path := range paths {
+		switch {
+		case path == name && ev.Has(fsnotify.Create):
+			w.watchIfDir(sub, path) // a watched directory appeared
+		case path != name && isAncestor(name, path):
+			// A directory on the way to the path appeared or went away: watch the nearest one
+			// that exists now.
+			if err := w.watch(sub, path); err != nil {
+				w.log.Warn("cannot watch", logkey.Path, path, logkey.Error, err.Error())
+			}
+		}
+		if !slices.Contains(pending, path) {
+			pending = append(pending, path)
+		}
+	}
+	return pending, len(paths) > 0
+}
+
 // watch puts path's parent under watch, so that a path created, replaced or swapped by a symlink
 // rename is seen, and a directory path itself, for the files inside it. When the parent does not
 // exist, its nearest existing ancestor is watched instead, until the parent appears.
-func (w *Watcher) watch(fw *fsnotify.Watcher, path string) error {
+func (w *Watcher) watch(sub *subscription, path string) error {
 	dir := filepath.Dir(path)
 	anchor := dir
 	for {
@@ -242,29 +297,26 @@ func (w *Watcher) watch(fw *fsnotify.Watcher, path string) error {
 		}
 		anchor = up
 	}
-	if !slices.Contains(fw.WatchList(), anchor) {
-		if err := fw.Add(anchor); err != nil {
-			return fmt.Errorf("watch %s: %w", anchor, err)
-		}
+	if err := sub.add(anchor); err != nil {
+		return err
 	}
 	if anchor == dir {
-		w.watchIfDir(fw, path)
+		w.watchIfDir(sub, path)
 	}
 	return nil
 }
 
 // unwatch drops the watches that no watched path needs: a path's own, and those of the
 // directories above it (where its nearest existing ancestor is watched).
-func (w *Watcher) unwatch(fw *fsnotify.Watcher) {
+func (w *Watcher) unwatch(sub *subscription) {
 	w.mu.Lock()
 	paths := slices.Clone(w.paths)
 	w.mu.Unlock()
-	for _, watched := range fw.WatchList() {
+	for _, watched := range sub.watching() {
 		if slices.ContainsFunc(paths, func(p string) bool { return p == watched || isAncestor(watched, p) }) {
 			continue
 		}
-		// Fails only for a watch the kernel has dropped already, with its directory.
-		_ = fw.Remove(watched)
+		sub.remove(watched)
 	}
 }
 
@@ -273,9 +325,9 @@ func isAncestor(dir, path string) bool {
 	return strings.HasPrefix(path, strings.TrimSuffix(dir, string(filepath.Separator))+string(filepath.Separator)) && dir != path
 }
 
-func (w *Watcher) watchIfDir(fw *fsnotify.Watcher, path string) {
+func (w *Watcher) watchIfDir(sub *subscription, path string) {
 	if info, err := os.Stat(path); err == nil && info.IsDir() {
-		if err := fw.Add(path); err != nil {
+		if err := sub.add(path); err != nil {
 			w.log.Warn("cannot watch directory", logkey.Path, path, logkey.Error, err.Error())
 		}
 	}

@@ -511,13 +511,6 @@ func BenchmarkNodeAgent(b *testing.B) {
 	for i := range want {
 		want[i] = workloadID(i).String()
 	}
-	// The node agent holds an inotify instance per identity (each identity's secret manager
-	// watches the CA's root file); past the limit an identity's manager does not start and its
-	// callers wait with nothing.
-	if limit, free := inotifyFree(b); free < len(want)+inotifyMargin {
-		b.Skipf("fs.inotify.max_user_instances is %d and %d are free: the node agent needs one per identity, %d (sysctl -w fs.inotify.max_user_instances=%d)",
-			limit, free, len(want)+inotifyMargin, limit-free+len(want)+inotifyMargin)
-	}
 	if _, err := sidecarBatch(b, len(want)); err != nil {
 		b.Skip(err)
 	}

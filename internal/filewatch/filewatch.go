@@ -250,8 +250,14 @@ func (w *Watcher) run(ctx context.Context, hub *Hub, onChange func(changed []str
 			}
 			req.done <- err
 		case <-timerC:
-			changed := pending
+			// A path removed since its change was seen is not reported: Remove promises it.
+			w.mu.Lock()
+			changed := slices.DeleteFunc(pending, func(p string) bool { return !slices.Contains(w.paths, p) })
+			w.mu.Unlock()
 			timer, timerC, pending = nil, nil, nil
+			if len(changed) == 0 {
+				continue
+			}
 			w.log.Debug("files changed", logkey.Paths, changed)
 			onChange(changed)
 		}

@@ -34,7 +34,8 @@ func (s *Server) grpcOptions() []grpc.ServerOption {
 		// The last grpc.Creds wins: the same admission, wrapped.
 		opts = append(opts, grpc.Creds(wrap(admission.UnixPeerCredentials(s.gate, refused))))
 	}
-	return append(opts, grpc.WaitForHandlers(true))
+	// The codec sends a rotation's responses from the body encoded once (encoded.go).
+	return append(opts, grpc.WaitForHandlers(true), grpc.ForceServerCodecV2(newCodec()))
 }
 
 // admit lets a stream or a fetch in while fewer than MaxStreams streams and calls are open; the

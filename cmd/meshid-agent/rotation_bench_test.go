@@ -53,7 +53,8 @@ const istioBinEnv = "MESHID_ISTIO_BIN"
 // time an agent takes to reach them all once it has the new certificate), and µs/stream, the
 // same divided by n; agent-cpu-µs/stream, the agent's CPU time from just before the first
 // stream's receipt to the last's, divided by n (the steadier figure on a shared machine: the
-// wall time moves with the other work on it); for
+// wall time moves with the other work on it); client-cpu-µs/stream, the benchmark process's
+// (the clients') from the first receipt to the last, divided by n; for
 // files also write-to-first-ms and write-to-last-ms, from the rewrite, where the debounce shows.
 // On pilot-agent's lines meshid/pilot is the ratio of the two agents' fanout-ms in this run.
 // The clients compare bytes: a response counts when its encoding does not contain the stream's
@@ -110,17 +111,18 @@ type agentRun struct {
 // fanout in ms.
 func fanoutRuns(b *testing.B, n int, start func(*testing.B) agentRun) float64 {
 	b.Helper()
-	var fanout, first, last, cpu time.Duration
+	var fanout, first, last, cpu, clientCPU time.Duration
 	files := false
 	for range b.N {
 		run := start(b)
 		files = run.rotate != nil
 		t := rotationOnce(b, n, run)
-		fanout, first, last, cpu = fanout+t.fanout, first+t.toFirst, last+t.toLast, cpu+t.cpu
+		fanout, first, last, cpu, clientCPU = fanout+t.fanout, first+t.toFirst, last+t.toLast, cpu+t.cpu, clientCPU+t.clientCPU
 	}
 	ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 / float64(b.N) }
 	b.ReportMetric(ms(fanout), "fanout-ms")
 	b.ReportMetric(float64(cpu.Nanoseconds())/1000/float64(b.N*n), "agent-cpu-µs/stream")
+	b.ReportMetric(float64(clientCPU.Nanoseconds())/1000/float64(b.N*n), "client-cpu-µs/stream")
 	if files {
 		b.ReportMetric(ms(first), "write-to-first-ms")
 		b.ReportMetric(ms(last), "write-to-last-ms")
@@ -133,6 +135,7 @@ func fanoutRuns(b *testing.B, n int, start func(*testing.B) agentRun) float64 {
 type rotationTimes struct {
 	fanout, toFirst, toLast time.Duration
 	cpu                     time.Duration // the agent's, from just before the first stream's receipt to the last's
+	clientCPU               time.Duration // the benchmark process's (the clients'), from the first receipt to the last
 }
 
 // cpuSampling is how often the agent's CPU time is read while a renewal is awaited.
@@ -165,7 +168,7 @@ func rotationOnce(b *testing.B, n int, run agentRun) rotationTimes {
 	// Either way it includes making the new certificate ready (reading the files, or the key,
 	// CSR and call to the CA), the same work for both agents.
 	var cpuSample atomic.Int64
-	var cpuStart time.Duration
+	var cpuStart, clientStart time.Duration
 	var firstOnce sync.Once
 	firstReceived := make(chan struct{})
 	for i := range n {
@@ -187,6 +190,7 @@ func rotationOnce(b *testing.B, n int, run agentRun) rotationTimes {
 			received[i] = at
 			firstOnce.Do(func() {
 				cpuStart = time.Duration(cpuSample.Load())
+				clientStart = processCPU()
 				close(firstReceived)
 			})
 			// Envoy acknowledges it, and the agent handles that during the rotation.
@@ -237,6 +241,7 @@ func rotationOnce(b *testing.B, n int, run agentRun) rotationTimes {
 	}
 	close(rotating)
 	rotated.Wait()
+	clientCPU := processCPU() - clientStart
 	sampler.Wait()
 	if cpu, err = cpuOf(run.pid); err != nil {
 		b.Fatal(err)
@@ -256,7 +261,15 @@ func rotationOnce(b *testing.B, n int, run agentRun) rotationTimes {
 			last = at
 		}
 	}
-	return rotationTimes{fanout: last.Sub(first), toFirst: first.Sub(began), toLast: last.Sub(began), cpu: cpu}
+	return rotationTimes{fanout: last.Sub(first), toFirst: first.Sub(began), toLast: last.Sub(began), cpu: cpu, clientCPU: clientCPU}
+}
+
+// processCPU is the CPU time the benchmark process (its clients) has used; getrusage of the
+// calling process does not fail.
+func processCPU() time.Duration {
+	var u syscall.Rusage
+	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &u)
+	return time.Duration(u.Utime.Nano() + u.Stime.Nano())
 }
 
 // cpuOf is the CPU time process pid has used, the sum of its threads' (schedstat, in ns: the

@@ -37,7 +37,8 @@ func (s *Server) grpcOptions() []grpc.ServerOption {
 	if s.cfg.StreamInterceptor != nil {
 		opts = append(opts, grpc.ChainStreamInterceptor(s.cfg.StreamInterceptor))
 	}
-	return append(opts, grpc.WaitForHandlers(true))
+	// The codec sends a rotation's responses from the body encoded once (encoded.go).
+	return append(opts, grpc.WaitForHandlers(true), grpc.ForceServerCodecV2(newCodec()))
 }
 
 // admit lets a stream or a fetch in while fewer than MaxStreams streams and calls are open; the

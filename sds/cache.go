@@ -51,6 +51,8 @@ type secretCache struct {
 	// subscribing is the name being subscribed to, whose first state comes before its cancel.
 	subscribing string
 	closed      bool
+	// stopping is closed, read without the lock.
+	stopping atomic.Bool
 }
 
 // idleRelease is how long a name no stream subscribes to keeps its subscription, so that what
@@ -72,11 +74,13 @@ type entry struct {
 	idleSince time.Time // when the last watcher or pin went; zero while in use
 }
 
-// servedSecret is a secret as every stream is sent it, marshaled once.
+// servedSecret is a secret as every stream is sent it, marshaled once, and its responses' bodies
+// encoded once (encoded.go).
 type servedSecret struct {
 	resource *anypb.Any
 	version  string
 	notAfter time.Time // a key pair's expiry; zero for a trust bundle
+	bodies
 }
 
 // validAt reports whether a stream that does not have it may be sent it: an expired key pair is
@@ -200,6 +204,7 @@ func (c *secretCache) releaseIdle() {
 func (c *secretCache) close() {
 	c.mu.Lock()
 	c.closed = true
+	c.stopping.Store(true)
 	cancels := slices.Collect(maps.Values(c.cancels))
 	clear(c.cancels)
 	c.mu.Unlock()
@@ -243,10 +248,15 @@ func (c *secretCache) update(name string, s *secretmanager.Secret, why error) {
 	var (
 		resource *anypb.Any
 		notAfter time.Time
+		sotw     []byte
 	)
 	if s != nil {
 		var err error
-		if resource, notAfter, err = toResource(s, c.clock.Now()); err != nil {
+		resource, notAfter, err = toResource(s, c.clock.Now())
+		if err == nil {
+			sotw, err = encodeSotW(resource, s.Version)
+		}
+		if err != nil {
 			// Nothing invalid is ever sent: the streams keep what they have.
 			c.log.Error("not sending an invalid secret", logkey.Secret, logkey.Untrusted(name), logkey.Version, s.Version, logkey.Error, err.Error())
 			s, why = nil, fmt.Errorf("the secret manager gave an unusable secret: %w", err)
@@ -272,7 +282,7 @@ func (c *secretCache) update(name string, s *secretmanager.Secret, why error) {
 	if cur := e.served.Load(); cur != nil && cur.version == s.Version {
 		return
 	}
-	e.served.Store(&servedSecret{resource: resource, version: s.Version, notAfter: notAfter})
+	e.served.Store(&servedSecret{resource: resource, version: s.Version, notAfter: notAfter, bodies: bodies{sotw: sotw}})
 	e.err = nil
 	for w := range e.watchers {
 		w.notify()

@@ -412,3 +412,40 @@ func TestNamesNoStreamWatchesAreReleased(t *testing.T) {
 		t.Fatalf("after the release, %s was answered with %v", spare, p.Names())
 	}
 }
+
+// An ACK that names the stream's secrets in another order, twice, or with the wildcard leaves
+// the subscription as it is (and is answered without the cache); one that names fewer takes
+// the others off the stream.
+func TestSotWACKKeepsOrChangesSubscription(t *testing.T) {
+	t.Parallel()
+	p, f := newPKI(t), newFakeSecrets()
+	d1, r1 := p.workload(t), p.roots(t, rootCA)
+	f.Publish(d1)
+	f.Publish(r1)
+	h := startServer(t, f)
+
+	s := h.sotw()
+	s.Subscribe(dflt, rootCA)
+	last := s.Recv()
+	expect(t, last, d1, r1)
+	s.Ack(last, rootCA, "*", dflt, rootCA)
+	// Nothing was answered: the next response is the rotation alone.
+	d2 := p.workload(t)
+	f.Publish(d2)
+	last = s.Recv()
+	expect(t, last, d2)
+	if got := h.server.Subscriptions(); got[dflt] != 1 || got[rootCA] != 1 {
+		t.Fatalf("subscriptions %v, want one stream on each of %s and %s", got, dflt, rootCA)
+	}
+
+	// Without ROOTCA: a new trust bundle does not reach the stream, the next key pair does.
+	s.Ack(last, dflt)
+	f.Publish(p.roots(t, rootCA))
+	d3 := p.workload(t)
+	f.Publish(d3)
+	expect(t, s.Recv(), d3)
+	if got := h.server.Subscriptions(); got[dflt] != 1 || got[rootCA] != 0 {
+		t.Fatalf("subscriptions %v, want one stream on %s and none on %s", got, dflt, rootCA)
+	}
+	checkRefusals(t, h, map[string]float64{})
+}

@@ -72,8 +72,8 @@ type watcher struct {
 
 // pushed is one secret in a response.
 type pushed struct {
-	name, version string
-	resource      *anypb.Any
+	name   string
+	served *servedSecret
 }
 
 // openWatcher admits a stream and returns its watcher, which closeWatcher ends.
@@ -146,7 +146,7 @@ func (w *watcher) respondLocked() error {
 	now := w.cache.clock.Now()
 	for i, e := range w.entries {
 		if sv := e.served.Load(); sv != nil && w.known[w.names[i]] != sv.version && sv.validAt(now) {
-			changed = append(changed, pushed{name: w.names[i], version: sv.version, resource: sv.resource})
+			changed = append(changed, pushed{name: w.names[i], served: sv})
 		}
 	}
 	if len(changed) == 0 {
@@ -160,7 +160,7 @@ func (w *watcher) respondLocked() error {
 	w.lastNonce, w.awaiting = nonce, true
 	w.lastNames = w.lastNames[:0]
 	for _, p := range changed {
-		w.known[p.name] = p.version
+		w.known[p.name] = p.served.version
 		w.lastNames = append(w.lastNames, p.name)
 	}
 	w.metrics.pushes.Add(float64(len(changed)))
@@ -183,6 +183,9 @@ var errStaleNonce = errors.New("stale nonce")
 // does not have. A SotW request that does not answer the latest response is dropped
 // (errStaleNonce): it would change the subscription behind the client's back.
 func (s *Server) follow(w *watcher, req request) error {
+	if same, err := s.followSame(w, req); same {
+		return err
+	}
 	// Subscribing refuses at once what cannot be served; the pins end once w is indexed.
 	var pinned, requested []string
 	resolved := map[string]string{}
@@ -244,6 +247,36 @@ func (s *Server) follow(w *watcher, req request) error {
 	}
 	w.awaiting = false
 	return w.respondLocked()
+}
+
+// followSame answers a request that leaves the stream's subscription as it is, which most are
+// (the ACK of every response, a NACK), without the cache: in a rotation every stream acknowledges
+// at once, and the cache's lock is the one the rotation's notifications hold. It reports false,
+// having done nothing, for any other request, and when names are resolved per caller (whose
+// rules may have changed since: follow resolves them again) or the server is stopping (follow
+// refuses).
+func (s *Server) followSame(w *watcher, req request) (bool, error) {
+	if s.cfg.Resolve != nil || s.cache.stopping.Load() {
+		return false, nil
+	}
+	var names []string
+	if req.replace {
+		names = slices.DeleteFunc(slices.Clone(req.subscribe), func(n string) bool { return n == "*" })
+		slices.Sort(names)
+		names = slices.Compact(names)
+	} else if len(req.subscribe) > 0 || len(req.unsubscribe) > 0 || req.initial != nil {
+		return false, nil
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if req.replace && !slices.Equal(names, w.names) {
+		return false, nil
+	}
+	if req.nonce != nil && !w.answers(*req.nonce) {
+		return true, errStaleNonce
+	}
+	w.awaiting = false
+	return true, w.respondLocked()
 }
 
 // answers reports whether a SotW request carrying nonce answers the latest response. The first
@@ -308,10 +341,13 @@ func endOf(err error) error {
 func (v service) StreamSecrets(stream secretservice.SecretDiscoveryService_StreamSecretsServer) error {
 	s := v.s
 	w, err := s.openWatcher(stream.Context(), protocolSotW, func(nonce string, changed []pushed) error {
+		if len(changed) == 1 { // a rotation's response: its body is every stream's
+			return stream.SendMsg(&encodedResponse{body: changed[0].served.sotw, nonce: nonce})
+		}
 		resources := make([]*anypb.Any, len(changed))
 		versions := make(map[string]string, len(changed))
 		for i, p := range changed {
-			resources[i], versions[p.name] = p.resource, p.version
+			resources[i], versions[p.name] = p.served.resource, p.served.version
 		}
 		return stream.Send(&discovery.DiscoveryResponse{VersionInfo: versionInfo(versions), Resources: resources,
 			TypeUrl: SecretTypeURL, Nonce: nonce})
@@ -358,11 +394,17 @@ func (v service) StreamSecrets(stream secretservice.SecretDiscoveryService_Strea
 func (v service) DeltaSecrets(stream secretservice.SecretDiscoveryService_DeltaSecretsServer) error {
 	s := v.s
 	w, err := s.openWatcher(stream.Context(), protocolDelta, func(nonce string, changed []pushed) error {
+		if len(changed) == 1 { // a rotation's response: its body is every stream's
+			p := changed[0]
+			if body := p.served.deltaBody(p.name, p.served.version, p.served.resource); body != nil {
+				return stream.SendMsg(&encodedResponse{body: body, nonce: nonce})
+			}
+		}
 		resources := make([]*discovery.Resource, len(changed))
 		versions := make(map[string]string, len(changed))
 		for i, p := range changed {
-			resources[i] = &discovery.Resource{Name: p.name, Version: p.version, Resource: p.resource}
-			versions[p.name] = p.version
+			resources[i] = &discovery.Resource{Name: p.name, Version: p.served.version, Resource: p.served.resource}
+			versions[p.name] = p.served.version
 		}
 		return stream.Send(&discovery.DeltaDiscoveryResponse{SystemVersionInfo: versionInfo(versions), Resources: resources,
 			TypeUrl: SecretTypeURL, Nonce: nonce})

@@ -615,16 +615,7 @@ func mountedCredentials(b *testing.B) (dir string, writePair func() string) {
 			"key.pem":        testutil.KeyPEM(b, key),
 			"root-cert.pem":  testutil.CertPEM(root.Cert),
 		}
-		// Key first, then the chain: each file is renamed into place.
-		for _, name := range []string{"key.pem", "cert-chain.pem", "root-cert.pem"} {
-			tmp := filepath.Join(dir, "."+name+".tmp")
-			if err := os.WriteFile(tmp, files[name], 0o600); err != nil {
-				b.Fatal(err)
-			}
-			if err := os.Rename(tmp, filepath.Join(dir, name)); err != nil {
-				b.Fatal(err)
-			}
-		}
+		writeCredentials(b, dir, files)
 		return string(files["cert-chain.pem"])
 	}
 	return dir, writePair
@@ -708,4 +699,18 @@ func secretAndReady(b *testing.B, bin string, args []string) map[string]float64 
 	stopProcess(cmd)
 	b.StartTimer()
 	return map[string]float64{"sds": ms(sdsTook), "ready": ms(readyTook)}
+}
+// writeCredentials writes the key first, then the chain, then the root, each file renamed into
+// place.
+func writeCredentials(b *testing.B, dir string, files map[string][]byte) {
+	b.Helper()
+	for _, name := range []string{"key.pem", "cert-chain.pem", "root-cert.pem"} {
+		tmp := filepath.Join(dir, "."+name+".tmp")
+		if err := os.WriteFile(tmp, files[name], 0o600); err != nil {
+			b.Fatal(err)
+		}
+		if err := os.Rename(tmp, filepath.Join(dir, name)); err != nil {
+			b.Fatal(err)
+		}
+	}
 }

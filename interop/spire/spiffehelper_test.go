@@ -36,6 +36,7 @@ const (
 	helperJWT       = "jwt_svid.token"
 	helperJWTBundle = "jwt_bundle.json"
 	helperAudience  = "helper-test"
+	helperExtraAud  = "helper-extra"
 )
 
 // helperRan is the line spiffe-helper's command prints once it has recorded a run: the command's
@@ -271,7 +272,7 @@ func TestSpiffeHelperWritesAndRenews(t *testing.T) {
 	}
 	h.awaitLine(t, 0, "the JWT-SVID written", func(l string) bool { return strings.Contains(l, `msg="JWT SVID updated"`) })
 	h.awaitLine(t, 0, "the JWT bundle written", func(l string) bool { return strings.Contains(l, `msg="JWT bundle updated"`) })
-	checkHelperJWT(t, certDir, spiffeID)
+	checkHelperJWT(t, certDir, spiffeID, helperAudience, helperExtraAud)
 
 	h.awaitLine(t, ran+1, "its command's run after a rotation", isRun)
 	second := readHelperFiles(t, certDir)
@@ -293,17 +294,18 @@ func TestSpiffeHelperWritesAndRenews(t *testing.T) {
 	}
 }
 
-// helperJWTConf has spiffe-helper write a JWT-SVID for helperAudience and the JWT bundle.
+// helperJWTConf has spiffe-helper write a JWT-SVID for helperAudience and helperExtraAud, and
+// the JWT bundle. (With -daemon-mode=false it asks for helperAudience alone.)
 func helperJWTConf() []string {
 	return []string{
 		fmt.Sprintf("jwt_bundle_file_name = %q", helperJWTBundle),
-		fmt.Sprintf("jwt_svids = [{jwt_audience = %q, jwt_svid_file_name = %q}]", helperAudience, helperJWT),
+		fmt.Sprintf("jwt_svids = [{jwt_audience = %q, jwt_extra_audiences = [%q], jwt_svid_file_name = %q}]", helperAudience, helperExtraAud, helperJWT),
 	}
 }
 
-// checkHelperJWT checks the JWT-SVID spiffe-helper wrote: of id, for its audience, valid against
-// the JWT bundle it wrote, both with the mode it documents, 0600.
-func checkHelperJWT(t *testing.T, certDir, id string) {
+// checkHelperJWT checks the JWT-SVID spiffe-helper wrote: of id, for the audiences aud, valid
+// against the JWT bundle it wrote, both with the mode it documents, 0600.
+func checkHelperJWT(t *testing.T, certDir, id string, aud ...string) {
 	t.Helper()
 	token, err := os.ReadFile(filepath.Join(certDir, helperJWT))
 	if err != nil {
@@ -334,6 +336,10 @@ func checkHelperJWT(t *testing.T, certDir, id string) {
 	if svid.ID.String() != id {
 		t.Errorf("%s is a JWT-SVID of %s, want %s", helperJWT, svid.ID, id)
 	}
+	// The agent asks for an audience set, sorted; aud's order means nothing (RFC 7519).
+	if !slices.Equal(slices.Sorted(slices.Values(svid.Audience)), slices.Sorted(slices.Values(aud))) {
+		t.Errorf("%s is for the audiences %q, want %q", helperJWT, svid.Audience, aud)
+	}
 	checkModes(t, certDir, map[string]fs.FileMode{helperJWT: 0o600, helperJWTBundle: 0o600})
 }
 
@@ -361,7 +367,8 @@ func copyFile(t *testing.T, src, dst string) {
 // In node mode (--workload-attestation) spiffe-helper is a workload like any other, known by
 // the kernel: the copy a path rule names gets that rule's identity in its files, X.509 and JWT;
 // a hard link to the same binary that no rule names is refused, says so in its log and writes
-// nothing, and the agent logs whom it refused.
+// nothing, and the agent logs whom it refused; once a rule names it too, the link, still
+// running, gets that rule's identity.
 func TestSpiffeHelperInNodeMode(t *testing.T) {
 	t.Parallel()
 	helper := spiffeHelper(t)
@@ -377,10 +384,8 @@ func TestSpiffeHelperInNodeMode(t *testing.T) {
 	}
 	const ruleID = "spiffe://cluster.local/ns/helper-ns/sa/helper-sa"
 	rules := filepath.Join(dir, "rules.yaml")
-	rule := fmt.Sprintf("rules:\n  - {path: %q, uid: %d, namespace: helper-ns, serviceAccount: helper-sa}\n", attested, os.Getuid())
-	if err := os.WriteFile(rules, []byte(rule), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	rule := fmt.Sprintf("  - {path: %q, uid: %d, namespace: helper-ns, serviceAccount: helper-sa}\n", attested, os.Getuid())
+	writeRules(t, rules, rule)
 	agent, socket := startAgent(t, "--workload-attestation", rules)
 
 	// The stranger, in daemon mode, keeps asking; each answer is a refusal, which it logs.
@@ -409,9 +414,34 @@ func TestSpiffeHelperInNodeMode(t *testing.T) {
 		t.Fatalf("spiffe-helper with -daemon-mode=false: exit %d (%v), want 0", code, err)
 	}
 	readHelperFiles(t, certs).check(t, ruleID)
-	checkHelperJWT(t, certs, ruleID)
+	checkHelperJWT(t, certs, ruleID, helperAudience)
 
 	if entries, err := os.ReadDir(strangerCerts); err != nil || len(entries) != 0 {
-		t.Errorf("the refused spiffe-helper wrote %v (%v), want nothing", entries, err)
+		t.Fatalf("the refused spiffe-helper wrote %v (%v), want nothing", entries, err)
+	}
+
+	// A rule for the stranger: the agent reloads the file, and the stranger's next try, which
+	// go-spiffe makes within seconds, gets that rule's identity with no restart.
+	const strangerID = "spiffe://cluster.local/ns/helper-ns/sa/stranger-sa"
+	mark := agent.Mark()
+	writeRules(t, rules, rule+fmt.Sprintf("  - {path: %q, uid: %d, namespace: helper-ns, serviceAccount: stranger-sa}\n", stranger, os.Getuid()))
+	agent.awaitLine(t, mark, "the two rules loaded", func(l string) bool {
+		var rec map[string]any
+		return json.Unmarshal([]byte(l), &rec) == nil && rec["msg"] == "workload attestation rules loaded" && rec["kept"] == 2.0
+	})
+	s.awaitLine(t, 0, "its files written", func(l string) bool { return strings.Contains(l, `msg="X.509 certificates updated"`) })
+	readHelperFiles(t, strangerCerts).check(t, strangerID)
+}
+
+// writeRules replaces the attestation rules file at path with rules, at once, as an editor
+// saving it would.
+func writeRules(t *testing.T, path string, rules ...string) {
+	t.Helper()
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, []byte("rules:\n"+strings.Join(rules, "")), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -26,7 +26,7 @@ FUZZ_TARGETS := ./ca:FuzzCheckCSR ./ca:FuzzLoadCACerts ./ca/token:FuzzVerify \
                 ./discovery:FuzzParseConfig ./ca/controller:FuzzManifestFile ./ca/token:FuzzParseKeySet \
                 ./internal/pki:FuzzParseCertificates ./internal/pki:FuzzParsePrivateKey ./internal/pki:FuzzParsePublicKeys
 
-.PHONY: all build test vet race bench fuzz lint clean kube-env istio-env spire-env chaos images manifests
+.PHONY: all build test vet race bench fuzz lint clean kube-env istio-env spire-env spiffe-helper-env chaos images manifests
 
 all: build
 
@@ -49,12 +49,14 @@ vet:
 # that need binaries from outside: the Kubernetes ones against a real kube-apiserver and etcd
 # (built once by hack/kube-env.sh into a cache outside the repo), the Istio interoperability ones
 # against a real pilot-agent (built once by hack/istio-env.sh), and the Workload API ones against
-# SPIRE's own client, spire-agent's api commands (built once by hack/spire-env.sh). A plain
+# SPIRE's own client, spire-agent's api commands (built once by hack/spire-env.sh), and against
+# spiffe-helper (built once by hack/spiffe-helper-env.sh). A plain
 # go test ./... runs the rest. atexit_sleep_ms=0: the race detector's default one-second wait at
 # exit, per test binary, buys nothing here.
 test: vet
 	@bin=$$(hack/kube-env.sh) && istio=$$(hack/istio-env.sh) && spire=$$(hack/spire-env.sh) && \
-	MESHID_KUBE_BIN=$$bin MESHID_ISTIO_BIN=$$istio MESHID_SPIRE_BIN=$$spire GORACE=atexit_sleep_ms=0 $(GO) test -race -count=1 -tags external $(PKGS)
+	helper=$$(hack/spiffe-helper-env.sh) && \
+	MESHID_KUBE_BIN=$$bin MESHID_ISTIO_BIN=$$istio MESHID_SPIRE_BIN=$$spire MESHID_SPIFFE_HELPER_BIN=$$helper GORACE=atexit_sleep_ms=0 $(GO) test -race -count=1 -tags external $(PKGS)
 
 # The fault suite's long form (e2e/chaos_test.go): more kills, longer outages, more rotations.
 # Its short form runs in `make test`.
@@ -72,6 +74,10 @@ istio-env:
 # Builds (or finds, when cached) the spire-agent whose api commands test the Workload API.
 spire-env:
 	hack/spire-env.sh
+
+# Builds (or finds, when cached) the spiffe-helper that writes the Workload API's SVIDs to files.
+spiffe-helper-env:
+	hack/spiffe-helper-env.sh
 
 # Go benchmarks; results go to $(BENCHOUT). See BENCHMARKS.md for the recorded figures. The
 # rotation benchmark runs Istio's pilot-agent beside meshid-agent (built once by hack/istio-env.sh);

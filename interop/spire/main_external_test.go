@@ -18,12 +18,16 @@ import (
 // spireBinEnv names the directory holding spire-agent: make test sets it from hack/spire-env.sh.
 const spireBinEnv = "MESHID_SPIRE_BIN"
 
+// helperBinEnv names the directory holding spiffe-helper: make test sets it from
+// hack/spiffe-helper-env.sh.
+const helperBinEnv = "MESHID_SPIFFE_HELPER_BIN"
+
 // wait bounds, in real time, each wait for something that should happen: a process starting, a
 // response, a rotation reaching a client. Reaching it fails the test.
 const wait = 30 * time.Second
 
-// binDir holds meshid, built once by TestMain from this checkout; empty when spire-agent is not
-// to be had, and every test skips.
+// binDir holds meshid, built once by TestMain from this checkout; empty when neither spire-agent
+// nor spiffe-helper is to be had, and every test skips.
 var binDir string
 
 func TestMain(m *testing.M) {
@@ -31,7 +35,7 @@ func TestMain(m *testing.M) {
 }
 
 func buildAndRun(m *testing.M) int {
-	if os.Getenv(spireBinEnv) == "" {
+	if os.Getenv(spireBinEnv) == "" && os.Getenv(helperBinEnv) == "" {
 		return m.Run() // each test says why it skips
 	}
 	dir, err := testutil.BuildCommands("./cmd/meshid")
@@ -55,6 +59,17 @@ func spireAgent(t *testing.T) string {
 	return filepath.Join(dir, "spire-agent")
 }
 
+// spiffeHelper returns the path of spiffe-helper, and skips the test when
+// $MESHID_SPIFFE_HELPER_BIN is not set.
+func spiffeHelper(t *testing.T) string {
+	t.Helper()
+	dir := os.Getenv(helperBinEnv)
+	if dir == "" {
+		t.Skipf("%s is not set: run make test, or %s=$(hack/spiffe-helper-env.sh) go test -tags external ./interop/spire/", helperBinEnv, helperBinEnv)
+	}
+	return filepath.Join(dir, "spiffe-helper")
+}
+
 // process is a program running for a test (testutil.Process), its lines waited for.
 type process struct{ *testutil.Process }
 
@@ -65,9 +80,6 @@ func start(t *testing.T, label, path string, args ...string) *process {
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	return &process{testutil.StartProcess(t, label, cmd)}
 }
-
-// mark is the number of lines so far: awaitLine from there waits for what comes after.
-func (p *process) mark() int { return p.Mark() }
 
 // awaitLine waits for the first line numbered from on that ok accepts, and returns its number.
 // The process ending first, or wait passing, fails the test with what was looked for.

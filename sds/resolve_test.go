@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
+	"github.com/meshid/meshid/internal/admission"
 	"github.com/meshid/meshid/sds"
 	"github.com/meshid/meshid/sds/sdstest"
 	"github.com/meshid/meshid/secretmanager"
@@ -208,5 +209,26 @@ func TestResolveRefusesTheUnidentified(t *testing.T) {
 				t.Fatalf("no refusal line naming the third connection:\n%s", strings.Join(lines, "\n"))
 			}
 		})
+	}
+}
+
+// A refusal the resolver says it has logged (an attestor's, with the caller's process) is
+// counted but not logged a second time.
+func TestResolveRefusalLoggedWhereDecidedIsOnlyCounted(t *testing.T) {
+	t.Parallel()
+	f := newFakeSecrets()
+	h := startServer(t, f, func(c *sds.Config) {
+		c.Resolve = func(context.Context, string) (string, error) { return "", admission.Logged(errNobody) }
+	})
+	s := sdstest.Dial(t, h.socket).StreamSecrets()
+	s.Subscribe(dflt)
+	if st := s.RecvErr(); st.Code() != codes.PermissionDenied || !strings.Contains(st.Message(), errNobody.Error()) {
+		t.Fatalf("status %v, want PermissionDenied saying %q", st, errNobody)
+	}
+	if n := h.refusals(t)["unidentified/PermissionDenied"]; n != 1 {
+		t.Fatalf("refusals %v, want one unidentified", h.refusals(t))
+	}
+	if lines := logLines(h.logs.String(), "SDS request refused"); len(lines) != 0 {
+		t.Fatalf("the refusal was logged again:\n%s", strings.Join(lines, "\n"))
 	}
 }

@@ -101,6 +101,7 @@ func (s *Server) resolve(ctx context.Context, name string) (string, error) {
 func (s *Server) unidentified(r refusal, name string, err error) error {
 	r.names, r.reason = []string{name}, reasonUnidentified
 	r.err = status.Error(codes.PermissionDenied, err.Error())
+	r.logged = errors.Is(err, admission.ErrLogged) // by the attestor, with the caller's process
 	return s.refuse(r)
 }
 
@@ -325,6 +326,9 @@ type refusal struct {
 	// goes on, or when the connection is closed (code says so).
 	err  error
 	code string
+	// logged: the refusal was logged where it was decided (admission.ErrLogged); it is counted
+	// here, not logged again.
+	logged bool
 }
 
 // refuse counts a refused request and logs it, with who asked and why, unless too many of its
@@ -339,6 +343,9 @@ func (s *Server) refuse(r refusal) error {
 		code = codeDropped
 	}
 	s.metrics.refusals.WithLabelValues(r.reason, code).Inc()
+	if r.logged {
+		return r.err
+	}
 	ok, dropped := s.logs.Allow(r.reason)
 	if !ok {
 		return r.err

@@ -185,16 +185,26 @@ func (s *Server) begin(ctx context.Context, method string) (Names, error) {
 	}
 	names, err := s.cfg.Identify(ctx)
 	if err != nil {
-		return Names{}, s.refuse(ctx, method, reasonNoIdentity, status.Errorf(codes.PermissionDenied, "no identity issued: %s", err.Error()))
+		refused := status.Errorf(codes.PermissionDenied, "no identity issued: %s", err.Error())
+		if errors.Is(err, admission.ErrLogged) { // by the attestor, with the caller's process
+			return Names{}, s.count(reasonNoIdentity, refused)
+		}
+		return Names{}, s.refuse(ctx, method, reasonNoIdentity, refused)
 	}
 	return names, nil
+}
+
+// count counts a refusal logged where it was decided, and returns err, the call's status.
+func (s *Server) count(reason string, err error) error {
+	s.metrics.refusals.WithLabelValues(reason, status.Code(err).String()).Inc()
+	return err
 }
 
 // refuse counts a refusal and logs it with who asked and why, unless too many of its reason came
 // too fast (the next line says how many were left out); it returns err, the call's status.
 func (s *Server) refuse(ctx context.Context, method, reason string, err error) error {
 	code := status.Code(err).String()
-	s.metrics.refusals.WithLabelValues(reason, code).Inc()
+	s.count(reason, err)
 	ok, dropped := s.logs.Allow(reason)
 	if !ok {
 		return err

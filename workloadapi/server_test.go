@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/meshid/meshid/internal/admission"
 	"github.com/meshid/meshid/secretmanager"
 	"github.com/meshid/meshid/workloadapi"
 )
@@ -338,6 +339,30 @@ func TestNoIdentity(t *testing.T) {
 		}
 		if n := h.refusals(t, "no_identity", "PermissionDenied"); n != 1 {
 			t.Fatalf("%v refusals counted, want 1", n)
+		}
+		if !strings.Contains(h.logs.String(), "reason=no_identity") {
+			t.Fatalf("the refusal was not logged:\n%s", h.logs.String())
+		}
+	})
+	t.Run("caller refused and logged by the attestor", func(t *testing.T) {
+		t.Parallel()
+		h := start(t, newFakeSecrets(), func(c *workloadapi.Config) {
+			c.Identify = func(context.Context) (workloadapi.Names, error) {
+				return workloadapi.Names{}, admission.Logged(errors.New("no rule matches uid 1000"))
+			}
+		})
+		s, err := h.client.FetchX509Bundles(ctx(t), &workload.X509BundlesRequest{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st := recvErr(t, s.Recv); st.Code() != codes.PermissionDenied || !strings.Contains(st.Message(), "uid 1000") {
+			t.Fatalf("%v, want PermissionDenied with the reason", st)
+		}
+		if n := h.refusals(t, "no_identity", "PermissionDenied"); n != 1 {
+			t.Fatalf("%v refusals counted, want 1", n)
+		}
+		if logs := h.logs.String(); strings.Contains(logs, "Workload API call refused") {
+			t.Fatalf("the refusal was logged again:\n%s", logs)
 		}
 	})
 }

@@ -1,6 +1,7 @@
 package admission
 
 import (
+	"errors"
 	"sync"
 	"time"
 
@@ -53,3 +54,15 @@ func (l *LogLimiter) Allow(kind string) (ok bool, dropped int) {
 	dropped, k.dropped = k.dropped, 0
 	return true, dropped
 }
+
+// ErrLogged marks a refusal already logged (and counted) where it was decided, such as by the
+// attestor that gave a caller no identity: a server that passes it on to its client counts it
+// too, but does not log the same refusal a second time.
+var ErrLogged = errors.New("refusal logged where it was decided")
+
+// Logged returns err marked with ErrLogged; its message is err's.
+func Logged(err error) error { return loggedError{err} }
+
+type loggedError struct{ error }
+
+func (e loggedError) Unwrap() []error { return []error{e.error, ErrLogged} }

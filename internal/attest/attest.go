@@ -289,7 +289,7 @@ func (a *Attestor) refuse(r *Refusal) error {
 	a.metrics.refusals.WithLabelValues(r.Reason).Inc()
 	key := recentKey{pid: r.Caller.PID, start: r.Caller.StartTime, reason: r.Reason}
 	if !a.logged.add(key) {
-		return r
+		return admission.Logged(r)
 	}
 	if ok, dropped := a.logs.Allow(r.Reason); ok {
 		attrs := []any{logkey.Peer, r.Caller.String(), logkey.Reason, r.Reason, logkey.Error, r.Err.Error()}
@@ -298,5 +298,6 @@ func (a *Attestor) refuse(r *Refusal) error {
 		}
 		a.log.Warn("workload attestation refused a caller", attrs...)
 	}
-	return r
+	// Logged here, once for each caller: the servers that refuse its calls need not again.
+	return admission.Logged(r)
 }

@@ -144,6 +144,10 @@ func TestRealSocketNoRuleIsRefused(t *testing.T) {
 		if !errors.As(got.err, &refusal) || !errors.Is(got.err, ErrNoRule) || refusal.Reason != ReasonNoRule || int(refusal.Caller.PID) != os.Getpid() {
 			t.Fatalf("Identify = %+v, %v; want a no_rule refusal naming this process", got.id, got.err)
 		}
+		// Logged here: the servers refusing the call do not log it again.
+		if !errors.Is(got.err, admission.ErrLogged) {
+			t.Fatalf("the refusal %v is not marked as logged", got.err)
+		}
 	}
 	if n := promtest.ToFloat64(h.attestor.metrics.refusals.WithLabelValues(ReasonNoRule)); n != 3 {
 		t.Errorf("no_rule refusals counted %v, want 3", n)

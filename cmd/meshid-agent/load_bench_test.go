@@ -118,11 +118,37 @@ func startCAProcess(b *testing.B) *caProcess {
 func (ca *caProcess) rssMB(b *testing.B) float64 { return rssOf(b, ca.cmd.Process.Pid) / 1024 }
 
 // caMemory is what the CA process holds: its resident memory (VmRSS), its Go heap in use
-// (go_memstats_heap_inuse_bytes: live objects and those not yet collected), its goroutines'
-// stacks (go_memstats_stack_inuse_bytes) and its goroutines.
+// (go_memstats_heap_inuse_bytes: the spans that hold live objects and those not yet collected),
+// the objects in it (go_memstats_heap_alloc_bytes; after a collection, about the live ones), its
+// goroutines' stacks (go_memstats_stack_inuse_bytes) and its goroutines; and how many garbage collections it
+// has made.
 type caMemory struct {
-	rssMB, heapMB, stackMB float64
-	goroutines             int
+	rssMB, heapMB, liveMB, stackMB float64
+	goroutines, gcs                int
+}
+
+// afterGC waits until the CA has made two garbage collections after the gcs-th and returns its
+// memory then: what it holds for its connections once the rounds' garbage is gone, the buffers
+// pooled during them too (a sync.Pool drops what it holds over two collections), and its stacks
+// shrunk. An idle Go process collects at least every two minutes; it fails after five.
+func (ca *caProcess) afterGC(b *testing.B, gcs int) caMemory {
+	b.Helper()
+	deadline := time.Now().Add(5 * time.Minute)
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	for {
+		if m := ca.memory(b); m.gcs >= gcs+2 {
+			return m
+		}
+		if time.Now().After(deadline) {
+			b.Fatalf("the CA did not make two garbage collections in 5 minutes after its %d-th", gcs)
+		}
+		select {
+		case <-tick.C:
+		case <-b.Context().Done():
+			b.Fatal(b.Context().Err())
+		}
+	}
 }
 
 func (ca *caProcess) memory(b *testing.B) caMemory {
@@ -130,8 +156,10 @@ func (ca *caProcess) memory(b *testing.B) caMemory {
 	return caMemory{
 		rssMB:      ca.rssMB(b),
 		heapMB:     scrape(b, ca.monitor, "go_memstats_heap_inuse_bytes") / (1 << 20),
+		liveMB:     scrape(b, ca.monitor, "go_memstats_heap_alloc_bytes") / (1 << 20),
 		stackMB:    scrape(b, ca.monitor, "go_memstats_stack_inuse_bytes") / (1 << 20),
 		goroutines: int(scrape(b, ca.monitor, "go_goroutines")),
+		gcs:        int(scrape(b, ca.monitor, "go_gc_duration_seconds_count")),
 	}
 }
 
@@ -364,6 +392,11 @@ func benchAgents(b *testing.B, n int, callTimeout time.Duration) {
 		b.ReportMetric((after.heapMB-before.heapMB)*1024/float64(n), "ca-heap-kB/agent")
 		b.ReportMetric((after.stackMB-before.stackMB)*1024/float64(n), "ca-stack-kB/agent")
 		b.ReportMetric(float64(after.goroutines-before.goroutines)/float64(n), "ca-goroutines/agent")
+		idle := ca.afterGC(b, after.gcs)
+		b.ReportMetric((idle.rssMB-before.rssMB)*1024/float64(n), "ca-idle-rss-kB/agent")
+		b.ReportMetric((idle.heapMB-before.heapMB)*1024/float64(n), "ca-idle-heap-kB/agent")
+		b.ReportMetric((idle.liveMB-before.liveMB)*1024/float64(n), "ca-idle-objects-kB/agent")
+		b.ReportMetric((idle.stackMB-before.stackMB)*1024/float64(n), "ca-idle-stack-kB/agent")
 		b.ReportMetric(aloneP50, "baseline-alone-p50-ms")
 		for _, a := range agents {
 			_ = a.client.Close()

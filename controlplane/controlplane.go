@@ -478,11 +478,6 @@ func newServers(cfg Config, st stores, authority *ca.Authority, jwtSigner *ca.JW
 	transport := grpcTransport(cfg)
 	return func() *grpc.Server {
 		opts := append(caserver.GRPCServerOptions(), transport.ServerOptions()...)
-		// No read buffer of grpc's own: every connection is TLS, whose Conn holds each record it
-		// decrypts, so the framer reading from it directly makes no more system calls; grpc's
-		// 32 kB bufio.Reader was most of what an idle agent's connection cost the CA (issue 29).
-		// Its pooled, non-pinning reads serve only bare TCP and Unix connections.
-		opts = append(opts, grpc.ReadBufferSize(0))
 		grpcServer := grpc.NewServer(append(opts, grpc.Creds(credentials.NewTLS(&tls.Config{
 			MinVersion:     tls.VersionTLS12,
 			GetCertificate: serving.GetCertificate,

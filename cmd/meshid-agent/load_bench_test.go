@@ -397,6 +397,7 @@ func benchAgents(b *testing.B, n int, callTimeout time.Duration) {
 		b.ReportMetric((idle.heapMB-before.heapMB)*1024/float64(n), "ca-idle-heap-kB/agent")
 		b.ReportMetric((idle.liveMB-before.liveMB)*1024/float64(n), "ca-idle-objects-kB/agent")
 		b.ReportMetric((idle.stackMB-before.stackMB)*1024/float64(n), "ca-idle-stack-kB/agent")
+		b.ReportMetric(float64(idle.goroutines-before.goroutines)/float64(n), "ca-idle-goroutines/agent")
 		b.ReportMetric(aloneP50, "baseline-alone-p50-ms")
 		for _, a := range agents {
 			_ = a.client.Close()

@@ -91,12 +91,17 @@ func (s *ServingCertificate) GetCertificate(*tls.ClientHelloInfo) (*tls.Certific
 const streamWorkers = 16
 
 // GRPCServerOptions are the options of the gRPC server that serves the CA, besides its
-// credentials.
+// credentials, which are always TLS.
 //
 // Stream workers: by default grpc runs each call on a new goroutine, whose stack starts small and
 // is copied as it grows through the JWT, CSR and signing code, on every call. A few long-lived
 // workers keep their grown stacks; grpc still starts a goroutine for a call when none is free, so
 // a long-lived stream (the discovery server's) never queues a CreateCertificate behind it.
+//
+// No read buffer of grpc's own (issue 29): the framer reads from the TLS connection, which holds
+// each record it decrypts, so a buffer in front of it saves no system call; grpc's 32 kB
+// bufio.Reader per connection was most of what an idle agent's connection cost the CA. (grpc's
+// pooled reads, which hold no buffer while idle, serve only bare TCP and Unix connections.)
 func GRPCServerOptions() []grpc.ServerOption {
-	return []grpc.ServerOption{grpc.NumStreamWorkers(streamWorkers)}
+	return []grpc.ServerOption{grpc.NumStreamWorkers(streamWorkers), grpc.ReadBufferSize(0)}
 }

@@ -26,6 +26,7 @@ import (
 	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/ca/token"
 	"github.com/meshid/meshid/caclient"
+	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
 	"github.com/meshid/meshid/sds"
@@ -117,11 +118,79 @@ func startCAProcess(b *testing.B, args ...string) *caProcess {
 
 func (ca *caProcess) rssMB(b *testing.B) float64 { return rssOf(b, ca.cmd.Process.Pid) / 1024 }
 
-// heapMB is the CA's Go heap in use (go_memstats_heap_inuse_bytes): what of its resident memory
-// the heap's live and not yet collected objects hold.
-func (ca *caProcess) heapMB(b *testing.B) float64 {
+// caMemory is what the CA process holds: its resident memory (VmRSS), its Go heap in use
+// (go_memstats_heap_inuse_bytes: the spans that hold live objects and those not yet collected),
+// the objects in it (go_memstats_heap_alloc_bytes; after a collection, about the live ones), its
+// goroutines' stacks (go_memstats_stack_inuse_bytes) and its goroutines; and how many garbage collections it
+// has made.
+type caMemory struct {
+	rssMB, heapMB, liveMB, stackMB float64
+	goroutines, gcs                int
+}
+
+// afterGC waits until the CA has made two garbage collections after the gcs-th and returns its
+// memory then: what it holds for its connections once the rounds' garbage is gone, the buffers
+// pooled during them too (a sync.Pool drops what it holds over two collections), and its stacks
+// shrunk. An idle Go process collects at least every two minutes; it fails after five.
+func (ca *caProcess) afterGC(b *testing.B, gcs int) caMemory {
 	b.Helper()
-	return scrape(b, ca.monitor, "go_memstats_heap_inuse_bytes") / (1 << 20)
+	deadline := time.Now().Add(5 * time.Minute)
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	for {
+		if m := ca.memory(b); m.gcs >= gcs+2 {
+			return m
+		}
+		if time.Now().After(deadline) {
+			b.Fatalf("the CA did not make two garbage collections in 5 minutes after its %d-th", gcs)
+		}
+		select {
+		case <-tick.C:
+		case <-b.Context().Done():
+			b.Fatal(b.Context().Err())
+		}
+	}
+}
+
+func (ca *caProcess) memory(b *testing.B) caMemory {
+	b.Helper()
+	return caMemory{
+		rssMB:      ca.rssMB(b),
+		heapMB:     scrape(b, ca.monitor, "go_memstats_heap_inuse_bytes") / (1 << 20),
+		liveMB:     scrape(b, ca.monitor, "go_memstats_heap_alloc_bytes") / (1 << 20),
+		stackMB:    scrape(b, ca.monitor, "go_memstats_stack_inuse_bytes") / (1 << 20),
+		goroutines: int(scrape(b, ca.monitor, "go_goroutines")),
+		gcs:        int(scrape(b, ca.monitor, "go_gc_duration_seconds_count")),
+	}
+}
+
+// userHZ is the unit of the CPU times in /proc/PID/stat: USER_HZ, 100 on every Linux ABI Go
+// supports (sysconf(_SC_CLK_TCK) would need cgo).
+const userHZ = 100
+
+// cpuTime is the CPU time the CA process has used, in user and kernel mode (utime + stime in
+// /proc/PID/stat), to 10 ms.
+func (ca *caProcess) cpuTime(b *testing.B) time.Duration {
+	b.Helper()
+	stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", ca.cmd.Process.Pid))
+	if err != nil {
+		b.Fatal(err)
+	}
+	// The command name, field 2, is in parentheses and may hold spaces: count after its end.
+	i := strings.LastIndexByte(string(stat), ')')
+	fields := strings.Fields(string(stat[i+1:]))
+	if len(fields) < 13 {
+		b.Fatalf("/proc/%d/stat: %q", ca.cmd.Process.Pid, stat)
+	}
+	var ticks int64
+	for _, f := range fields[11:13] { // utime and stime, fields 14 and 15
+		t, err := strconv.ParseInt(f, 10, 64)
+		if err != nil {
+			b.Fatalf("/proc/%d/stat: %v", ca.cmd.Process.Pid, err)
+		}
+		ticks += t
+	}
+	return time.Duration(ticks) * time.Second / userHZ
 }
 
 // simAgent is one simulated agent: a CA client of its own (its own connection, the CA verified
@@ -143,7 +212,23 @@ func (c *retryCounter) Handle(context.Context, slog.Record) error {
 func (c *retryCounter) WithAttrs([]slog.Attr) slog.Handler { return c }
 func (c *retryCounter) WithGroup(string) slog.Handler      { return c }
 
-func newSimAgent(b *testing.B, ca *caProcess, i, rounds int, log *slog.Logger) *simAgent {
+// patientClock's timers never fire. The simulated agents read the root file with it: the bound on
+// that read is for a file system that hangs, and here a read that is slow to return is one waiting
+// for the CPU among thousands of agents in one process, which an agent on a node of its own does
+// not see.
+type patientClock struct{}
+
+func (patientClock) Now() time.Time                     { return time.Now() }
+func (patientClock) NewTimer(time.Duration) clock.Timer { return patientTimer{} }
+
+type patientTimer struct{}
+
+func (patientTimer) C() <-chan time.Time { return nil }
+func (patientTimer) Stop() bool          { return true }
+
+// newSimAgent returns agent i, with a CSR for each of rounds renewals, whose CA client gives each
+// attempt callTimeout (0: the agent's default).
+func newSimAgent(b *testing.B, ca *caProcess, i, rounds int, callTimeout time.Duration, log *slog.Logger) *simAgent {
 	b.Helper()
 	id := pki.SPIFFEID{TrustDomain: "cluster.local", Namespace: fmt.Sprintf("load-%d", i%10), ServiceAccount: fmt.Sprintf("agent-%d", i)}
 	tok, err := ca.minter.Mint(token.MintParams{Issuer: token.DefaultIssuer, Audiences: []string{token.DefaultAudience},
@@ -155,6 +240,8 @@ func newSimAgent(b *testing.B, ca *caProcess, i, rounds int, log *slog.Logger) *
 		Address:      ca.addr,
 		RootCertFile: filepath.Join(ca.stateDir, "root-cert.pem"),
 		Token:        func(context.Context) (string, error) { return tok, nil },
+		CallTimeout:  callTimeout,
+		ReadClock:    patientClock{},
 		Logger:       log,
 	})
 	if err != nil {
@@ -222,27 +309,41 @@ func percentile(sorted []time.Duration, p float64) float64 {
 // CA client with its own connection (TLS verified with the CA's root), its own token for its own
 // service account and its own P-256 key, all renewing at once: a cold round (every connection
 // dialed and its TLS handshake made under the load) and a warm one on the same connections.
-// It reports each round's p50, p99 and max latency of Sign, the errors (which fail the benchmark)
-// and the CA client's retries, and the CA's resident memory before and after. The baseline, in the
-// same run and against the same CA, is one agent renewing alone (p50 of 100 warm renewals).
+// See benchAgents for what it reports.
+func BenchmarkThousandAgents(b *testing.B) { benchAgents(b, 1000, 0) }
+
+// BenchmarkTenThousandAgents is BenchmarkThousandAgents with 10,000 agents (issue 29): what the
+// CA holds for each connected agent, with the signing's own transient spread over ten times as
+// many connections. Its agents give a call a minute, not the agent's default 10 s: 10,000
+// released in the same instant queue for longer than that at one CA on the two cores that also
+// make all 10,000 clients' handshakes, and an attempt that times out is dialed again, adding a
+// handshake to the queue; the latencies are then the queue's, not a retry storm's.
+func BenchmarkTenThousandAgents(b *testing.B) { benchAgents(b, 10000, time.Minute) }
+
+// benchAgents has n simulated agents renew against one CA process, cold then warm. It reports
+// each round's p50, p99 and max latency of Sign, the errors (which fail the benchmark), the CA
+// client's retries, the CA's CPU time in each round, and the CA's resident memory, Go heap,
+// goroutine stacks and goroutines before the rounds and after them (the agents still connected,
+// idle). The baseline, in the same run and against the same CA, is one agent renewing alone (p50
+// of 100 warm renewals).
 //
-// The benchmark process holds the 1,000 connections (the CA too): Go raises the soft limit of
-// open files to the hard one at start, and the benchmark fails at once if that is too low.
-func BenchmarkThousandAgents(b *testing.B) {
-	const n, rounds = 1000, 2
+// The benchmark process holds the n connections (the CA too): Go raises the soft limit of open
+// files to the hard one at start, and the benchmark is skipped if that is too low.
+func benchAgents(b *testing.B, n int, callTimeout time.Duration) {
+	const rounds = 2
 	var lim syscall.Rlimit
 	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
 		b.Fatal(err)
 	}
-	if lim.Cur < n+100 {
-		b.Fatalf("RLIMIT_NOFILE is %d: %d agents' connections need more (ulimit -Hn)", lim.Cur, n)
+	if lim.Cur < uint64(n)+100 {
+		b.Skipf("RLIMIT_NOFILE is %d: %d agents' connections need %d (raise the hard limit: ulimit -Hn)", lim.Cur, n, n+100)
 	}
 	ca := startCAProcess(b)
 	retries := &retryCounter{}
 	log := slog.New(retries)
 
 	// The baseline: one agent alone, warm.
-	alone := newSimAgent(b, ca, n, 1, log)
+	alone := newSimAgent(b, ca, n, 1, callTimeout, log)
 	if _, err := alone.client.Sign(b.Context(), alone.csrs[0], time.Hour); err != nil {
 		b.Fatal(err)
 	}
@@ -263,13 +364,15 @@ func BenchmarkThousandAgents(b *testing.B) {
 		b.StopTimer()
 		agents := make([]*simAgent, n)
 		for i := range agents {
-			agents[i] = newSimAgent(b, ca, i, rounds, log)
+			agents[i] = newSimAgent(b, ca, i, rounds, callTimeout, log)
 		}
-		rssBefore := ca.rssMB(b)
+		before := ca.memory(b)
 		retries.n.Store(0)
 		b.StartTimer()
 		for round, name := range []string{"cold", "warm"} {
+			cpu := ca.cpuTime(b)
 			lats, errs, err := renewAll(b.Context(), agents, round)
+			cpu = ca.cpuTime(b) - cpu
 			if errs > 0 {
 				b.Fatalf("%s round: %d of %d renewals failed; the first: %v", name, errs, n, err)
 			}
@@ -278,14 +381,24 @@ func BenchmarkThousandAgents(b *testing.B) {
 			b.ReportMetric(percentile(lats, 0.99), name+"-p99-ms")
 			b.ReportMetric(percentile(lats, 1), name+"-max-ms")
 			b.ReportMetric(float64(errs), name+"-errors")
+			b.ReportMetric(float64(cpu.Milliseconds()), name+"-ca-cpu-ms")
 		}
 		b.StopTimer()
+		after := ca.memory(b)
 		b.ReportMetric(float64(retries.n.Load()), "retries")
-		b.ReportMetric(rssBefore, "ca-rss-before-MB")
-		rssAfter := ca.rssMB(b)
-		b.ReportMetric(rssAfter, "ca-rss-after-MB")
-		b.ReportMetric((rssAfter-rssBefore)*1024/n, "ca-rss-kB/agent")
-		b.ReportMetric(ca.heapMB(b), "ca-heap-after-MB")
+		b.ReportMetric(before.rssMB, "ca-rss-before-MB")
+		b.ReportMetric(after.rssMB, "ca-rss-after-MB")
+		b.ReportMetric((after.rssMB-before.rssMB)*1024/float64(n), "ca-rss-kB/agent")
+		b.ReportMetric(after.heapMB, "ca-heap-after-MB")
+		b.ReportMetric((after.heapMB-before.heapMB)*1024/float64(n), "ca-heap-kB/agent")
+		b.ReportMetric((after.stackMB-before.stackMB)*1024/float64(n), "ca-stack-kB/agent")
+		b.ReportMetric(float64(after.goroutines-before.goroutines)/float64(n), "ca-goroutines/agent")
+		idle := ca.afterGC(b, after.gcs)
+		b.ReportMetric((idle.rssMB-before.rssMB)*1024/float64(n), "ca-idle-rss-kB/agent")
+		b.ReportMetric((idle.heapMB-before.heapMB)*1024/float64(n), "ca-idle-heap-kB/agent")
+		b.ReportMetric((idle.liveMB-before.liveMB)*1024/float64(n), "ca-idle-objects-kB/agent")
+		b.ReportMetric((idle.stackMB-before.stackMB)*1024/float64(n), "ca-idle-stack-kB/agent")
+		b.ReportMetric(float64(idle.goroutines-before.goroutines)/float64(n), "ca-idle-goroutines/agent")
 		b.ReportMetric(aloneP50, "baseline-alone-p50-ms")
 		for _, a := range agents {
 			_ = a.client.Close()

@@ -458,7 +458,7 @@ type caCost struct{ cpu, rssMB, heapMB float64 }
 
 func (ca *caProcess) cost(b *testing.B) caCost {
 	b.Helper()
-	return caCost{cpu: cpuSeconds(b, ca.cmd.Process.Pid), rssMB: ca.rssMB(b), heapMB: ca.heapMB(b)}
+	return caCost{cpu: cpuSeconds(b, ca.cmd.Process.Pid), rssMB: ca.rssMB(b), heapMB: ca.memory(b).heapMB}
 }
 
 // reportCA reports the CA's CPU time for the signings (start → all served) and the renewals

@@ -204,7 +204,7 @@ func (s *Server) count(reason string, err error) error {
 // too fast (the next line says how many were left out); it returns err, the call's status.
 func (s *Server) refuse(ctx context.Context, method, reason string, err error) error {
 	code := status.Code(err).String()
-	s.count(reason, err)
+	s.metrics.refusals.WithLabelValues(reason, code).Inc()
 	ok, dropped := s.logs.Allow(reason)
 	if !ok {
 		return err

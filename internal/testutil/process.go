@@ -28,7 +28,7 @@ func BuildCommands(pkgs ...string) (string, error) {
 		_ = os.RemoveAll(dir)
 		return "", fmt.Errorf("go list -m: %w", err)
 	}
-	build := exec.Command("go", append([]string{"build", "-o", dir + string(filepath.Separator)}, pkgs...)...)
+	build := exec.Command("go", append([]string{"build", "-o", dir + string(filepath.Separator)}, pkgs...)...) //nolint:gosec // the calling test's own package paths
 	build.Dir = strings.TrimSpace(string(root))
 	if out, err := build.CombinedOutput(); err != nil {
 		_ = os.RemoveAll(dir)

@@ -700,6 +700,7 @@ func secretAndReady(b *testing.B, bin string, args []string) map[string]float64 
 	b.StartTimer()
 	return map[string]float64{"sds": ms(sdsTook), "ready": ms(readyTook)}
 }
+
 // writeCredentials writes the key first, then the chain, then the root, each file renamed into
 // place.
 func writeCredentials(b *testing.B, dir string, files map[string][]byte) {

@@ -14,11 +14,11 @@ import (
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
-	"google.golang.org/grpc/mem"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/meshid/meshid/internal/testutil"
 	"github.com/meshid/meshid/sds"
+	"github.com/meshid/meshid/sds/sdstest"
 )
 
 // BenchmarkFanout measures, in one process, a rotation reaching n SotW streams subscribed to
@@ -116,7 +116,7 @@ func cpuTime(b *testing.B) time.Duration {
 // receives until a response carries it, acknowledges it, and reports.
 func fanoutClient(ctx context.Context, conn *grpc.ClientConn, node string, want <-chan []byte, got chan<- error) {
 	cs, err := conn.NewStream(ctx, &grpc.StreamDesc{ServerStreams: true, ClientStreams: true},
-		"/envoy.service.secret.v3.SecretDiscoveryService/StreamSecrets", grpc.ForceCodecV2(rawCodec{}))
+		"/envoy.service.secret.v3.SecretDiscoveryService/StreamSecrets", grpc.ForceCodecV2(sdstest.RawCodec{}))
 	if err != nil {
 		got <- err
 		return
@@ -129,7 +129,7 @@ func fanoutClient(ctx context.Context, conn *grpc.ClientConn, node string, want 
 	req.Node = nil
 	var leaf []byte
 	for {
-		var raw rawMessage
+		var raw sdstest.RawMessage
 		if err := cs.RecvMsg(&raw); err != nil {
 			if ctx.Err() == nil {
 				got <- err
@@ -156,33 +156,4 @@ func fanoutClient(ctx context.Context, conn *grpc.ClientConn, node string, want 
 			return
 		}
 	}
-}
-
-// rawMessage is a response as it came on the wire.
-type rawMessage []byte
-
-// rawCodec encodes requests with protobuf and keeps responses as bytes.
-type rawCodec struct{}
-
-func (rawCodec) Name() string { return "proto" }
-
-func (rawCodec) Marshal(v any) (mem.BufferSlice, error) {
-	m, ok := v.(proto.Message)
-	if !ok {
-		return nil, fmt.Errorf("cannot encode %T", v)
-	}
-	data, err := proto.Marshal(m)
-	if err != nil {
-		return nil, err
-	}
-	return mem.BufferSlice{mem.SliceBuffer(data)}, nil
-}
-
-func (rawCodec) Unmarshal(data mem.BufferSlice, v any) error {
-	raw, ok := v.(*rawMessage)
-	if !ok {
-		return fmt.Errorf("cannot decode into %T", v)
-	}
-	*raw = data.Materialize() // a copy: data is freed on return
-	return nil
 }

@@ -22,7 +22,6 @@ import (
 	tlsv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/transport_sockets/tls/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/mem"
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
@@ -30,6 +29,7 @@ import (
 	"github.com/meshid/meshid/controlplane/controlplanetest"
 	"github.com/meshid/meshid/internal/testutil"
 	"github.com/meshid/meshid/sds"
+	"github.com/meshid/meshid/sds/sdstest"
 )
 
 // istioBinEnv names the directory holding pilot-agent, as make test and make bench set it from
@@ -310,7 +310,7 @@ var streamSecrets = &grpc.StreamDesc{StreamName: "StreamSecrets", ServerStreams:
 // (PEM) it carries.
 func openRawStream(ctx context.Context, conn *grpc.ClientConn, node string) (*rawStream, []byte, error) {
 	cs, err := conn.NewStream(ctx, streamSecrets, "/envoy.service.secret.v3.SecretDiscoveryService/StreamSecrets",
-		grpc.ForceCodecV2(rawCodec{}))
+		grpc.ForceCodecV2(sdstest.RawCodec{}))
 	if err != nil {
 		return nil, nil, err
 	}
@@ -319,7 +319,7 @@ func openRawStream(ctx context.Context, conn *grpc.ClientConn, node string) (*ra
 		TypeUrl: sds.SecretTypeURL}); err != nil {
 		return nil, nil, err
 	}
-	var raw rawMessage
+	var raw sdstest.RawMessage
 	if err := s.RecvMsg(&raw); err != nil {
 		return nil, nil, err
 	}
@@ -341,7 +341,7 @@ func openRawStream(ctx context.Context, conn *grpc.ClientConn, node string) (*ra
 }
 
 // ack answers a response, as Envoy does.
-func (s *rawStream) ack(raw rawMessage) (*discovery.DiscoveryResponse, error) {
+func (s *rawStream) ack(raw sdstest.RawMessage) (*discovery.DiscoveryResponse, error) {
 	var resp discovery.DiscoveryResponse
 	if err := proto.Unmarshal(raw, &resp); err != nil {
 		return nil, err
@@ -355,7 +355,7 @@ func (s *rawStream) ack(raw rawMessage) (*discovery.DiscoveryResponse, error) {
 
 // ackRaw answers a response from its encoding: only its version_info and nonce are read, not
 // its resources.
-func (s *rawStream) ackRaw(raw rawMessage) error {
+func (s *rawStream) ackRaw(raw sdstest.RawMessage) error {
 	version, nonce, err := versionAndNonce(raw)
 	if err != nil {
 		return err
@@ -397,9 +397,9 @@ func versionAndNonce(raw []byte) (version, nonce string, err error) {
 // await receives until a response does not carry the leaf (PEM) the stream had, and returns
 // when it came, and the response. Another response (pilot-agent may push the same certificate
 // again) is acknowledged.
-func (s *rawStream) await(leaf []byte) (time.Time, rawMessage, error) {
+func (s *rawStream) await(leaf []byte) (time.Time, sdstest.RawMessage, error) {
 	for {
-		var raw rawMessage
+		var raw sdstest.RawMessage
 		if err := s.RecvMsg(&raw); err != nil {
 			return time.Time{}, nil, err
 		}
@@ -410,35 +410,6 @@ func (s *rawStream) await(leaf []byte) (time.Time, rawMessage, error) {
 			return time.Time{}, nil, err
 		}
 	}
-}
-
-// rawMessage is a response as it came on the wire.
-type rawMessage []byte
-
-// rawCodec encodes requests with protobuf and keeps responses as bytes.
-type rawCodec struct{}
-
-func (rawCodec) Name() string { return "proto" }
-
-func (rawCodec) Marshal(v any) (mem.BufferSlice, error) {
-	m, ok := v.(proto.Message)
-	if !ok {
-		return nil, fmt.Errorf("cannot encode %T", v)
-	}
-	data, err := proto.Marshal(m)
-	if err != nil {
-		return nil, err
-	}
-	return mem.BufferSlice{mem.SliceBuffer(data)}, nil
-}
-
-func (rawCodec) Unmarshal(data mem.BufferSlice, v any) error {
-	raw, ok := v.(*rawMessage)
-	if !ok {
-		return fmt.Errorf("cannot decode into %T", v)
-	}
-	*raw = data.Materialize() // a copy: data is freed on return
-	return nil
 }
 
 // renewalTTL is the certificates' lifetime in the renewal case: they are renewed at half of it,

@@ -18,9 +18,7 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
-	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/meshid/meshid/agent"
 	"github.com/meshid/meshid/ca"
@@ -61,35 +59,12 @@ func randomSuffix(t *testing.T) string {
 	return hex.EncodeToString(b)
 }
 
-// placePod creates a pod of ns/sa on node, as a scheduler would have placed it (the API server
-// admits it once its ServiceAccount admission has seen the account).
-func placePod(t *testing.T, ns, name, sa, node string) *corev1.Pod {
-	t.Helper()
-	var pod *corev1.Pod
-	eventually(t, "create pod "+ns+"/"+name, func() (err error) {
-		pod, err = kubeEnv.Core().Pods(ns).Create(context.Background(), &corev1.Pod{
-			ObjectMeta: metav1.ObjectMeta{Name: name},
-			Spec: corev1.PodSpec{ServiceAccountName: sa, NodeName: node, AutomountServiceAccountToken: new(false),
-				Containers: []corev1.Container{{Name: "app", Image: "example.invalid/app"}}},
-		}, metav1.CreateOptions{})
-		return err
-	})
-	return pod
-}
-
 // boundTokenFile writes a token of ns/sa bound to pod, as the kubelet mounts a projected one.
 func boundTokenFile(t *testing.T, ns, sa string, pod *corev1.Pod) string {
 	t.Helper()
-	seconds := int64(3600)
-	tr, err := kubeEnv.Core().ServiceAccounts(ns).CreateToken(t.Context(), sa, &authenticationv1.TokenRequest{
-		Spec: authenticationv1.TokenRequestSpec{Audiences: []string{"istio-ca"}, ExpirationSeconds: &seconds,
-			BoundObjectRef: &authenticationv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: pod.Name, UID: pod.UID}},
-	}, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	token := kubeEnv.BoundToken(t, ns, sa, pod)
 	path := filepath.Join(t.TempDir(), "istio-token")
-	if err := os.WriteFile(path, []byte(tr.Status.Token), 0o600); err != nil {
+	if err := os.WriteFile(path, []byte(token), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	return path
@@ -177,8 +152,8 @@ func TestNodeAgentAttestsThePodsOfItsNode(t *testing.T) {
 	kubeEnv.ServiceAccount(t, "istio-system", "meshid-node-agent")
 	ns := kubeEnv.Namespace(t, nil)
 	kubeEnv.ServiceAccount(t, ns, "app")
-	agentPod := placePod(t, "istio-system", "meshid-node-"+node, "meshid-node-agent", node)
-	appPod := placePod(t, ns, "app", "app", node)
+	agentPod := kubeEnv.Pod(t, "istio-system", "meshid-node-"+node, "meshid-node-agent", node)
+	appPod := kubeEnv.Pod(t, ns, "app", "app", node)
 
 	caCfg := controlplanetest.Config(t)
 	caCfg.CANamespace = "istio-system"

@@ -3,7 +3,6 @@
 package kube_test
 
 import (
-	"context"
 	"errors"
 	"os"
 	"path/filepath"
@@ -11,7 +10,6 @@ import (
 	"testing"
 	"time"
 
-	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -49,34 +47,16 @@ func clusterRoleRules(t *testing.T, file string) []rbacv1.PolicyRule {
 	return nil
 }
 
-// createPod creates a pod of ns/sa on node, as a scheduler would have placed it. The
-// ServiceAccount admission plugin refuses a pod until its informer has seen the account.
+// createPod creates a pod of ns/sa on node, as a scheduler would have placed it.
 func createPod(t *testing.T, ns, name, sa, node string) *corev1.Pod {
 	t.Helper()
-	var pod *corev1.Pod
-	eventually(t, "create pod "+ns+"/"+name, func() (err error) {
-		pod, err = env.Core().Pods(ns).Create(context.Background(), &corev1.Pod{
-			ObjectMeta: metav1.ObjectMeta{Name: name},
-			Spec: corev1.PodSpec{ServiceAccountName: sa, NodeName: node, AutomountServiceAccountToken: new(false),
-				Containers: []corev1.Container{{Name: "app", Image: "example.invalid/app"}}},
-		}, metav1.CreateOptions{})
-		return err
-	})
-	return pod
+	return env.Pod(t, ns, name, sa, node)
 }
 
 // boundToken asks TokenRequest for a token of ns/sa bound to pod, as the kubelet mounts them.
 func boundToken(t *testing.T, ns, sa string, pod *corev1.Pod) string {
 	t.Helper()
-	seconds := int64(3600)
-	tr, err := env.Core().ServiceAccounts(ns).CreateToken(context.Background(), sa, &authenticationv1.TokenRequest{
-		Spec: authenticationv1.TokenRequestSpec{Audiences: []string{"istio-ca"}, ExpirationSeconds: &seconds,
-			BoundObjectRef: &authenticationv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: pod.Name, UID: pod.UID}},
-	}, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return tr.Status.Token
+	return env.BoundToken(t, ns, sa, pod)
 }
 
 // A node agent whose token is bound to its pod on node A may have the identities with a running

@@ -291,6 +291,43 @@ func (e *Env) Token(t testing.TB, namespace, serviceAccount string, ttl time.Dur
 	return tr.Status.Token
 }
 
+// Pod creates a pod of namespace/serviceAccount bound to node, as a scheduler would have placed
+// it. The ServiceAccount admission plugin refuses a pod until its informer has seen the account,
+// so the create is tried again until then (the API server says when by no other means).
+func (e *Env) Pod(t testing.TB, namespace, name, serviceAccount, node string) *corev1.Pod {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		pod, err := e.core.Pods(namespace).Create(context.Background(), &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Name: name},
+			Spec: corev1.PodSpec{ServiceAccountName: serviceAccount, NodeName: node, AutomountServiceAccountToken: new(false),
+				Containers: []corev1.Container{{Name: "app", Image: "example.invalid/app"}}},
+		}, metav1.CreateOptions{})
+		if err == nil {
+			return pod
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("create pod %s/%s: %v", namespace, name, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// BoundToken returns a token of namespace/serviceAccount for the audience istio-ca, bound to pod
+// as the kubelet's projected tokens are, valid for an hour.
+func (e *Env) BoundToken(t testing.TB, namespace, serviceAccount string, pod *corev1.Pod) string {
+	t.Helper()
+	seconds := int64(3600)
+	tr, err := e.core.ServiceAccounts(namespace).CreateToken(context.Background(), serviceAccount, &authenticationv1.TokenRequest{
+		Spec: authenticationv1.TokenRequestSpec{Audiences: []string{"istio-ca"}, ExpirationSeconds: &seconds,
+			BoundObjectRef: &authenticationv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: pod.Name, UID: pod.UID}},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("request a token for %s/%s bound to pod %s: %v", namespace, serviceAccount, pod.Name, err)
+	}
+	return tr.Status.Token
+}
+
 // As returns a client configuration that authenticates as a service account, with a token from
 // TokenRequest: what a pod running as it would use.
 func (e *Env) As(t testing.TB, namespace, serviceAccount string) *rest.Config {

@@ -16,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
@@ -246,5 +247,131 @@ func resultWithin(t *testing.T, ch <-chan error) error {
 	case <-time.After(30 * time.Second):
 		t.Fatal("the stream was not ended")
 		return nil
+	}
+}
+
+// When an identity's secret manager fails, its SDS streams that wait in Recv are ended by
+// closing their connections (counted, each connection once); its Workload API streams (which
+// are told of the failure by the registry) and other identities' streams are left.
+func TestNodeStreamsOfAFailedIdentityHaveTheirConnectionsClosed(t *testing.T) {
+	t.Parallel()
+	failedID := pki.SPIFFEID{TrustDomain: "cluster.local", Namespace: "shop", ServiceAccount: "broken"}
+	fine := pki.SPIFFEID{TrustDomain: "cluster.local", Namespace: "shop", ServiceAccount: "fine"}
+	n, err := newNodeStreams((&callers{ids: map[string]pki.SPIFFEID{}}).identify, slog.New(slog.DiscardHandler), prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	type open struct {
+		result chan error
+		closes *atomic.Int32
+	}
+	start := func(id pki.SPIFFEID, method string) open {
+		o := open{result: make(chan error, 1)}
+		ctx, cancel := context.WithCancel(t.Context())
+		t.Cleanup(cancel)
+		ctx, o.closes = onTestConn(ctx)
+		received := make(chan struct{}, 1)
+		go func() {
+			o.result <- n.intercept(nil, blockedStream{ctx: ctx, received: received}, &grpc.StreamServerInfo{FullMethod: method},
+				func(_ any, ss grpc.ServerStream) error {
+					n.note(ss.Context(), id, n.generationNow())
+					return ss.RecvMsg(nil)
+				})
+		}()
+		<-received
+		return o
+	}
+	sds := sdsMethodPrefix + "StreamSecrets"
+	broken := []open{start(failedID, sds), start(failedID, sdsMethodPrefix+"DeltaSecrets")}
+	api := start(failedID, "/SpiffeWorkloadAPI/FetchX509SVID")
+	other := start(fine, sds)
+
+	n.endFailed(failedID, fmt.Errorf("%w: no inotify instance left (test)", errIdentityFailed))
+	for i, o := range broken {
+		if err := resultWithin(t, o.result); status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "no inotify instance left") {
+			t.Errorf("SDS stream %d ended with %v, want Unavailable naming the failure", i, err)
+		}
+		if got := o.closes.Load(); got != 1 {
+			t.Errorf("SDS stream %d's connection closed %d times, want 1", i, got)
+		}
+	}
+	for what, o := range map[string]open{"the identity's Workload API stream": api, "another identity's SDS stream": other} {
+		select {
+		case err := <-o.result:
+			t.Errorf("%s ended: %v", what, err)
+		default:
+		}
+		if got := o.closes.Load(); got != 0 {
+			t.Errorf("%s's connection closed %d times", what, got)
+		}
+	}
+	if got := testutil.ToFloat64(n.ended.WithLabelValues(streamEndedFailed)); got != 2 {
+		t.Errorf("ended for a failed identity: %v, want 2", got)
+	}
+}
+
+// countedPipe is one end of a pipe that counts its closes.
+type countedPipe struct {
+	net.Conn
+	closes *atomic.Int32
+}
+
+func (c countedPipe) Close() error {
+	c.closes.Add(1)
+	return c.Conn.Close()
+}
+
+// innerCredentials hand back the connection as a countedPipe, as admission's count theirs.
+type innerCredentials struct {
+	connCredentials // for the methods not under test
+	closes          *atomic.Int32
+}
+
+func (c innerCredentials) ServerHandshake(conn net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	return countedPipe{Conn: conn, closes: c.closes}, innerInfo{}, nil
+}
+
+type innerInfo struct{ credentials.CommonAuthInfo }
+
+func (innerInfo) AuthType() string { return "inner" }
+
+// wrappingInfo is the AuthInfo of credentials around connCredentials, as the attestor's.
+type wrappingInfo struct {
+	credentials.CommonAuthInfo
+	inner credentials.AuthInfo
+}
+
+func (wrappingInfo) AuthType() string               { return "wrapping" }
+func (w wrappingInfo) Unwrap() credentials.AuthInfo { return w.inner }
+
+// A connection handed over by connCredentials is found from a call's peer through the AuthInfo
+// of credentials around them, and closing it again (grpc does, after the agent) closes what the
+// inner credentials gave once.
+func TestConnCredentialsHandTheConnectionToItsStreams(t *testing.T) {
+	t.Parallel()
+	server, client := net.Pipe()
+	t.Cleanup(func() { _ = client.Close() })
+	closes := &atomic.Int32{}
+	conn, info, err := connCredentials{inner: innerCredentials{closes: closes}}.ServerHandshake(server)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := peer.NewContext(t.Context(), &peer.Peer{AuthInfo: wrappingInfo{inner: info}})
+	found := connOf(ctx)
+	if found == nil || found != conn {
+		t.Fatalf("the call's connection is %v, want the handshake's %v", found, conn)
+	}
+	if connOf(t.Context()) != nil {
+		t.Error("a call with no peer has a connection")
+	}
+	if err := found.Close(); err != nil {
+		t.Fatal(err)
+	}
+	_ = conn.Close()
+	if got := closes.Load(); got != 1 {
+		t.Errorf("the inner connection was closed %d times, want 1", got)
+	}
+	if _, err := client.Read(make([]byte, 1)); err == nil {
+		t.Error("the client's end still reads")
 	}
 }

@@ -264,7 +264,7 @@ func (n *nodeStreams) finishChanged(e *endings) {
 		msg := "caller's streams ended: its identity changed with the workload attestation rules"
 		if c.closeConn {
 			msg = "caller's connection closed: its identity changed with the workload attestation rules"
-			_ = c.first.conn.Close() // it is gone either way; grpc sees the same error
+			_ = c.first.conn.Close() // an error says nothing of use: the connection is gone either way
 		}
 		n.log.Warn(msg, logkey.Peer, admission.Peer(c.first.ctx), logkey.Protocol, c.first.method, logkey.Streams, c.streams,
 			logkey.Identity, c.was.String(), logkey.Current, c.now, logkey.Reason, c.reason)

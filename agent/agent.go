@@ -159,7 +159,7 @@ func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *p
 			if err != nil {
 				return err
 			}
-			sdsCfg.Secrets, sdsCfg.Resolve, sdsCfg.Credentials = a.identities, resolver.Resolve, a.attestor.Credentials
+			sdsCfg.Secrets, sdsCfg.Resolve, sdsCfg.Credentials = a.identities, resolver.Resolve, nodeCredentials(a.attestor)
 			sdsCfg.StreamInterceptor = a.nodeStreams.intercept
 			api = workloadapi.Config{Secrets: a.identities, Identify: resolver.Names, JWT: nodeJWTIssuer{ca: a.ca, resolver: resolver}}
 		} else {

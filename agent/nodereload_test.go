@@ -74,9 +74,11 @@ func writeRules(t *testing.T, path, rules string) {
 }
 
 // A node agent whose rules file changes so that one caller (this test binary) gets another
-// identity: its SDS stream and its Workload API stream end with Unavailable, saying why (logged
-// and counted), and a new stream gets the new identity's "default"; the other caller's stream
-// (a copy of the test binary, whose rule is unchanged) goes on, and receives its rotation.
+// identity: its SDS stream's connection is closed (its client sees Unavailable, and reconnects)
+// and its Workload API stream ends with Unavailable saying why, its connection left open (each
+// logged once and counted), and a new stream gets the new identity's "default"; the other
+// caller's stream (a copy of the test binary, whose rule is unchanged) goes on, and receives its
+// rotation.
 func TestNodeAgentRulesReloadEndsStreamsOfChangedIdentities(t *testing.T) {
 	t.Parallel()
 	clientA := copyExecutable(t, t.TempDir(), "client-a")
@@ -150,18 +152,22 @@ func TestNodeAgentRulesReloadEndsStreamsOfChangedIdentities(t *testing.T) {
 		t.Fatalf("FetchX509SVID: %v, %v", resp, err)
 	}
 
-	ended := make(chan *status.Status, 2)
-	go func() { ended <- sdsStream.RecvErr() }()
+	type end struct {
+		what string
+		*status.Status
+	}
+	ended := make(chan end, 2)
+	go func() { ended <- end{"SDS", sdsStream.RecvErr()} }()
 	go func() {
 		_, err := svids.Recv()
-		ended <- status.Convert(err)
+		ended <- end{"Workload API", status.Convert(err)}
 	}()
 	writeRules(t, rules, rulesFor("moved"))
 	// The watch's debounce is on the fake clock: moved past it once it waits (unless the
 	// reload came without, from the load the watch makes when it starts).
 	const debounce = 100 * time.Millisecond
 	due := clk.Now().Add(debounce)
-	var ends []*status.Status
+	var ends []end
 	for len(ends) < 2 {
 		changed := clk.Changed()
 		if slices.ContainsFunc(clk.Deadlines(), due.Equal) {
@@ -176,16 +182,24 @@ func TestNodeAgentRulesReloadEndsStreamsOfChangedIdentities(t *testing.T) {
 		}
 	}
 	for _, st := range ends {
-		if st.Code() != codes.Unavailable || !strings.Contains(st.Message(), "identity changed") ||
-			!strings.Contains(st.Message(), "spiffe://cluster.local/ns/node/sa/moved") {
-			t.Errorf("stream ended with %v, want Unavailable saying the identity changed to the new one", st)
+		switch {
+		case st.Code() != codes.Unavailable:
+			t.Errorf("%s stream ended with %v, want Unavailable", st.what, st.Status)
+		case st.what == "Workload API" && (!strings.Contains(st.Message(), "identity changed") ||
+			!strings.Contains(st.Message(), "spiffe://cluster.local/ns/node/sa/moved")):
+			t.Errorf("Workload API stream ended with %v, want it to say the identity changed to the new one", st.Status)
 		}
 	}
 	if got := metric(t, a, `meshid_agent_node_streams_ended_total{reason="identity_changed"}`); got != "2" {
 		t.Errorf("streams ended for a changed identity %q, want 2", got)
 	}
-	if got := len(logs.records(t, "stream ended: its caller's identity changed with the workload attestation rules")); got != 2 {
-		t.Errorf("%d log lines of ended streams, want 2 (one each)", got)
+	// One line per connection: the SDS stream's, closed (it waits in Recv, which only that
+	// ends); the Workload API stream's, whose handler returned.
+	if got := len(logs.records(t, "caller's connection closed: its identity changed with the workload attestation rules")); got != 1 {
+		t.Errorf("%d log lines of closed connections, want 1 (the SDS stream's)", got)
+	}
+	if got := len(logs.records(t, "caller's streams ended: its identity changed with the workload attestation rules")); got != 1 {
+		t.Errorf("%d log lines of ended streams on an open connection, want 1 (the Workload API stream's)", got)
 	}
 	// A new stream is the new identity's.
 	again := sdstest.Dial(t, a.SocketPath()).StreamSecrets()

@@ -5,12 +5,15 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"strings"
 	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
 	"github.com/meshid/meshid/internal/admission"
@@ -46,6 +49,13 @@ func endedStatus(cause error) (error, bool) {
 // stream's identity is fixed for its life: after each reload of the rules, each stream's caller
 // is identified again, and a stream whose caller now has another identity, or none, is ended
 // with Unavailable, so that its client reconnects and gets what the rules now give it.
+//
+// Ending a stream cancels its context, which a Workload API handler waits on: it returns, and
+// its client is told why. An SDS handler waits in Recv instead, which grpc ends only with the
+// stream; so a stream that waits in Recv when it is ended has its connection closed, which ends
+// every stream on it (attestation is per connection: they all have the same caller), and its
+// client reconnects and is identified anew. A handler that comes to Recv after its stream was
+// ended is told why at once. This costs no goroutine per stream, nor per Recv.
 type nodeStreams struct {
 	// identify identifies the caller of a stream's context anew (it does not note it).
 	identify func(ctx context.Context) (pki.SPIFFEID, error)
@@ -62,13 +72,16 @@ type nodeStreams struct {
 // nodeStream is one stream: the server's, with a context that ending it cancels.
 type nodeStream struct {
 	grpc.ServerStream
-	ctx    context.Context //nolint:containedctx // the stream's, which Context returns
-	cancel context.CancelCauseFunc
-	method string
+	ctx     context.Context //nolint:containedctx // the stream's, which Context returns
+	cancel  context.CancelCauseFunc
+	method  string
+	streams *nodeStreams
+	conn    *nodeConn // nil when the connection's handshake was not nodeCredentials'
 
 	// Guarded by nodeStreams.mu.
-	identity *pki.SPIFFEID // nil until the stream resolves its caller
-	ending   bool
+	identity  *pki.SPIFFEID // nil until the stream resolves its caller
+	ending    bool
+	receiving bool // the handler waits in Recv
 }
 
 type nodeStreamKey struct{}
@@ -95,7 +108,7 @@ func newNodeStreams(identify func(context.Context) (pki.SPIFFEID, error), log *s
 // and when the stream is ended for its caller's identity, says so with Unavailable.
 func (n *nodeStreams) intercept(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
 	ctx, cancel := context.WithCancelCause(ss.Context())
-	st := &nodeStream{ServerStream: ss, cancel: cancel, method: info.FullMethod}
+	st := &nodeStream{ServerStream: ss, cancel: cancel, method: info.FullMethod, streams: n, conn: connOf(ss.Context())}
 	st.ctx = context.WithValue(ctx, nodeStreamKey{}, st)
 	n.mu.Lock()
 	n.open[st] = struct{}{}
@@ -115,25 +128,36 @@ func (n *nodeStreams) intercept(srv any, ss grpc.ServerStream, info *grpc.Stream
 
 func (st *nodeStream) Context() context.Context { return st.ctx }
 
-// RecvMsg returns the next message, or, when the stream is ended for its caller's identity,
-// that at once. The handler waits here for the life of an SDS stream, and grpc has no way to
-// interrupt the wait but the end of the stream, which comes when the handler returns: so the
-// wait is in a goroutine of its own, which the end of the stream releases. A node agent's
-// streams pay that goroutine (about 4 kB of stack per SDS stream, measured at 2,000); a
-// sidecar's do not. Closing the caller's connection instead would cost nothing, but its client
-// would be told of a broken transport, not why.
+// RecvMsg returns the next message, or, once the stream is ended for its caller's identity,
+// why. A stream ended while its handler waits here has had its connection closed, which ends
+// the wait.
 func (st *nodeStream) RecvMsg(m any) error {
-	done := make(chan error, 1)
-	go func() { done <- st.ServerStream.RecvMsg(m) }()
-	select {
-	case err := <-done:
-		return err
-	case <-st.ctx.Done():
-		if ended, ok := endedStatus(context.Cause(st.ctx)); ok {
-			return ended
-		}
-		return <-done // the client went, or the server stops: the wait ends with it
+	n := st.streams
+	n.mu.Lock()
+	if st.ending {
+		n.mu.Unlock()
+		return st.endedErr()
 	}
+	st.receiving = true
+	n.mu.Unlock()
+	err := st.ServerStream.RecvMsg(m)
+	n.mu.Lock()
+	st.receiving = false
+	ending := st.ending
+	n.mu.Unlock()
+	if ending {
+		return st.endedErr()
+	}
+	return err
+}
+
+// endedErr is the status of st, which was ended.
+func (st *nodeStream) endedErr() error {
+	cause := context.Cause(st.ctx)
+	if ended, ok := endedStatus(cause); ok {
+		return ended
+	}
+	return status.FromContextError(cause).Err()
 }
 
 // generationNow is the count of reloads seen; read it before identifying a caller, and pass it
@@ -152,6 +176,7 @@ func (n *nodeStreams) note(ctx context.Context, id pki.SPIFFEID, generation uint
 	if st == nil {
 		return
 	}
+	var e endings
 	n.mu.Lock()
 	var stale bool
 	switch {
@@ -160,12 +185,13 @@ func (n *nodeStreams) note(ctx context.Context, id pki.SPIFFEID, generation uint
 		// A reload since: its check did not see this stream's identity yet.
 		stale = generation != n.generation
 	case *st.identity != id:
-		n.endLocked(st, streamEndedChanged, *st.identity, id.String())
+		n.endChangedLocked(&e, st, streamEndedChanged, id.String())
 	}
 	n.mu.Unlock()
 	if stale {
-		n.check(st)
+		n.check(&e, st)
 	}
+	n.finishChanged(&e)
 }
 
 // Run checks the open streams after each load of the rules that loaded signals, until ctx ends.
@@ -194,79 +220,249 @@ func (n *nodeStreams) reloaded() {
 		}
 	}
 	n.mu.Unlock()
+	var e endings
 	for _, st := range streams {
-		n.check(st)
+		n.check(&e, st)
 	}
+	n.finishChanged(&e)
 }
 
-// check identifies st's caller again and ends st when it is not given st's identity any more.
-func (n *nodeStreams) check(st *nodeStream) {
+// check identifies st's caller again and ends st, into e, when it is not given st's identity
+// any more.
+func (n *nodeStreams) check(e *endings, st *nodeStream) {
 	now, err := n.identify(st.ctx)
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	switch {
 	case err != nil:
-		n.endLocked(st, streamEndedRefused, *st.identity, err.Error())
+		n.endChangedLocked(e, st, streamEndedRefused, err.Error())
 	case now != *st.identity:
-		n.endLocked(st, streamEndedChanged, *st.identity, now.String())
+		n.endChangedLocked(e, st, streamEndedChanged, now.String())
 	}
 }
 
-// endLocked ends st for reason, once: counted, and logged with who and what it is now.
-func (n *nodeStreams) endLocked(st *nodeStream, reason string, was pki.SPIFFEID, now string) {
-	if st.ending {
-		return
-	}
-	st.ending = true
+// endChangedLocked ends st, whose caller is now (another identity, or why it has none), and
+// counts it by reason; e gathers it with the other streams of its connection, to be logged.
+func (n *nodeStreams) endChangedLocked(e *endings, st *nodeStream, reason, now string) {
+	was := *st.identity
 	var cause error
 	if reason == streamEndedRefused {
 		cause = fmt.Errorf("%w: the workload attestation rules give it none now (it was %s); reconnect", errIdentityChanged, was)
 	} else {
 		cause = fmt.Errorf("%w: it is %s now (it was %s); reconnect", errIdentityChanged, now, was)
 	}
+	if ended, closeConn := n.endLocked(st, cause); ended {
+		n.ended.WithLabelValues(reason).Inc()
+		e.add(st, closeConn, reason, was, now)
+	}
+}
+
+// finishChanged closes the connections e says to, and logs each connection whose streams were
+// ended once, with who and what it is now.
+func (n *nodeStreams) finishChanged(e *endings) {
+	for _, c := range e.conns {
+		msg := "caller's streams ended: its identity changed with the workload attestation rules"
+		if c.closeConn {
+			msg = "caller's connection closed: its identity changed with the workload attestation rules"
+			_ = c.first.conn.Close() // an error says nothing of use: the connection is gone either way
+		}
+		n.log.Warn(msg, logkey.Peer, admission.Peer(c.first.ctx), logkey.Protocol, c.first.method, logkey.Streams, c.streams,
+			logkey.Identity, c.was.String(), logkey.Current, c.now, logkey.Reason, c.reason)
+	}
+}
+
+// endLocked ends st with cause, once: its context is cancelled, which ends a handler that waits
+// on it, and a handler that comes to Recv is told cause. It reports whether st was ended now,
+// and whether its connection is to be closed: its handler waits in Recv, which only that ends.
+func (n *nodeStreams) endLocked(st *nodeStream, cause error) (ended, closeConn bool) {
+	if st.ending {
+		return false, false
+	}
+	st.ending = true
 	st.cancel(cause)
-	n.ended.WithLabelValues(reason).Inc()
-	n.log.Warn("stream ended: its caller's identity changed with the workload attestation rules", logkey.Peer, admission.Peer(st.ctx),
-		logkey.Protocol, st.method, logkey.Identity, was.String(), logkey.Current, now, logkey.Reason, reason)
+	return true, st.receiving && st.conn != nil
+}
+
+// endings gathers the streams one event ended, by connection.
+type endings struct {
+	conns  []*connEnded
+	byConn map[any]*connEnded // by *nodeConn, or by *nodeStream for a stream of no known connection
+}
+
+// connEnded is what one event ended on one connection.
+type connEnded struct {
+	first     *nodeStream // the first stream ended, which names the connection's peer
+	streams   int
+	closeConn bool
+	reason    string
+	was       pki.SPIFFEID
+	now       string
+}
+
+func (e *endings) add(st *nodeStream, closeConn bool, reason string, was pki.SPIFFEID, now string) {
+	var key any = st.conn
+	if st.conn == nil {
+		key = st
+	}
+	c := e.byConn[key]
+	if c == nil {
+		if e.byConn == nil {
+			e.byConn = map[any]*connEnded{}
+		}
+		c = &connEnded{first: st, reason: reason, was: was, now: now}
+		e.byConn[key] = c
+		e.conns = append(e.conns, c)
+	}
+	c.streams++
+	c.closeConn = c.closeConn || closeConn
 }
 
 // endFailed ends the open SDS streams of identity id, whose secret manager failed for why, with
-// Unavailable: counted, and logged once for them all (the failure itself is logged by the
-// registry).
+// Unavailable (those waiting in Recv by closing their connections): counted, and logged once for
+// them all (the failure itself is logged by the registry).
 func (n *nodeStreams) endFailed(id pki.SPIFFEID, why error) {
+	var e endings
 	n.mu.Lock()
-	ended := 0
 	for st := range n.open {
-		if st.identity != nil && *st.identity == id && !st.ending && strings.HasPrefix(st.method, sdsMethodPrefix) {
-			st.ending = true
-			st.cancel(fmt.Errorf("%w; reconnect", why))
-			ended++
+		if st.identity != nil && *st.identity == id && strings.HasPrefix(st.method, sdsMethodPrefix) {
+			if ended, closeConn := n.endLocked(st, fmt.Errorf("%w; reconnect", why)); ended {
+				e.add(st, closeConn, streamEndedFailed, id, "")
+			}
 		}
 	}
 	n.mu.Unlock()
-	if ended == 0 {
+	if len(e.conns) == 0 {
 		return
+	}
+	ended, closed := 0, 0
+	for _, c := range e.conns {
+		ended += c.streams
+		if c.closeConn {
+			_ = c.first.conn.Close()
+			closed++
+		}
 	}
 	n.ended.WithLabelValues(streamEndedFailed).Add(float64(ended))
 	n.log.Warn("streams ended: their identity's secret manager failed", logkey.Identity, id.String(), logkey.Streams, ended,
-		logkey.Reason, streamEndedFailed)
+		logkey.Connections, closed, logkey.Reason, streamEndedFailed)
 }
 
 // endStreamFailed ends the SDS stream of ctx, if it is one, whose identity id has a secret
-// manager that failed for why: it would wait for a secret that does not come.
+// manager that failed for why: it would wait for a secret that does not come. It is called
+// while the stream's handler serves a request, so its next Recv says why.
 func (n *nodeStreams) endStreamFailed(ctx context.Context, id pki.SPIFFEID, why error) {
 	st, _ := ctx.Value(nodeStreamKey{}).(*nodeStream)
 	if st == nil || !strings.HasPrefix(st.method, sdsMethodPrefix) {
 		return
 	}
 	n.mu.Lock()
-	defer n.mu.Unlock()
-	if st.ending {
+	ended, closeConn := n.endLocked(st, fmt.Errorf("%w; reconnect", why))
+	n.mu.Unlock()
+	if !ended {
 		return
 	}
-	st.ending = true
-	st.cancel(fmt.Errorf("%w; reconnect", why))
+	if closeConn {
+		_ = st.conn.Close()
+	}
 	n.ended.WithLabelValues(streamEndedFailed).Inc()
 	n.log.Warn("stream ended: its identity's secret manager failed", logkey.Peer, admission.Peer(st.ctx), logkey.Protocol, st.method,
 		logkey.Identity, id.String(), logkey.Reason, streamEndedFailed, logkey.Error, why.Error())
+}
+
+// nodeCredentials are the node socket's transport credentials: the attestor's, around
+// connCredentials, around the server's own (inner, its admission).
+func nodeCredentials(attestor Attestor) func(credentials.TransportCredentials) credentials.TransportCredentials {
+	return func(inner credentials.TransportCredentials) credentials.TransportCredentials {
+		return attestor.Credentials(connCredentials{inner: inner})
+	}
+}
+
+// connCredentials hand each connection to grpc as a *nodeConn, which its streams find through
+// their peer's AuthInfo (connOf), so that ending them can close it. Nothing else holds it: a
+// connection grpc closes is gone with its streams.
+type connCredentials struct {
+	inner credentials.TransportCredentials
+}
+
+// nodeConn is a connection on the socket; closing it more than once closes it once (grpc closes
+// it too), so that what the inner credentials count is counted out once.
+type nodeConn struct {
+	net.Conn
+	once sync.Once
+	err  error
+}
+
+func (c *nodeConn) Close() error {
+	c.once.Do(func() { c.err = c.Conn.Close() })
+	return c.err
+}
+
+// connInfo is connCredentials' AuthInfo: the inner credentials' (Unwrap, for admission.Peer)
+// and the connection.
+type connInfo struct {
+	credentials.CommonAuthInfo
+	inner credentials.AuthInfo
+	conn  *nodeConn
+}
+
+func (connInfo) AuthType() string { return "node-conn" }
+
+// Unwrap returns the inner credentials' AuthInfo, for code that looks for its own.
+func (i connInfo) Unwrap() credentials.AuthInfo { return i.inner }
+
+func (c connCredentials) ServerHandshake(raw net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	conn := raw
+	info := connInfo{CommonAuthInfo: credentials.CommonAuthInfo{SecurityLevel: credentials.NoSecurity}}
+	if c.inner != nil {
+		var err error
+		if conn, info.inner, err = c.inner.ServerHandshake(raw); err != nil {
+			return nil, nil, err
+		}
+		if ci, ok := info.inner.(interface {
+			GetCommonAuthInfo() credentials.CommonAuthInfo
+		}); ok {
+			info.CommonAuthInfo = ci.GetCommonAuthInfo()
+		}
+	}
+	info.conn = &nodeConn{Conn: conn}
+	return info.conn, info, nil
+}
+
+func (connCredentials) ClientHandshake(context.Context, string, net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	return nil, nil, errors.New("these credentials are for serving")
+}
+
+func (c connCredentials) Info() credentials.ProtocolInfo {
+	if c.inner != nil {
+		return c.inner.Info()
+	}
+	return credentials.ProtocolInfo{SecurityProtocol: "node-conn"}
+}
+
+func (c connCredentials) Clone() credentials.TransportCredentials {
+	if c.inner != nil {
+		return connCredentials{inner: c.inner.Clone()}
+	}
+	return c
+}
+
+func (connCredentials) OverrideServerName(string) error { return nil }
+
+// connOf is the connection of a call made on a connection of connCredentials, or nil.
+func connOf(ctx context.Context) *nodeConn {
+	p, ok := peer.FromContext(ctx)
+	if !ok {
+		return nil
+	}
+	for info := p.AuthInfo; info != nil; {
+		if ci, ok := info.(connInfo); ok {
+			return ci.conn
+		}
+		w, ok := info.(interface{ Unwrap() credentials.AuthInfo })
+		if !ok {
+			return nil
+		}
+		info = w.Unwrap()
+	}
+	return nil
 }

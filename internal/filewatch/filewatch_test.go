@@ -1,7 +1,6 @@
 package filewatch
 
 import (
-	"context"
 	"os"
 	"path/filepath"
 	"slices"
@@ -17,29 +16,10 @@ type harness struct {
 	watcher *Watcher
 }
 
+// start runs a Watcher of paths with a hub of its own, on a fake clock, until the test ends.
 func start(t *testing.T, paths ...string) *harness {
 	t.Helper()
-	h := &harness{clock: testutil.NewFakeClock(time.Now()), changes: make(chan []string, 16)}
-	w, err := New(Config{Paths: paths, Clock: h.clock})
-	if err != nil {
-		t.Fatal(err)
-	}
-	h.watcher = w
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- w.Run(ctx, func(changed []string) { h.changes <- changed }) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Run: %v", err)
-		}
-	})
-	select {
-	case <-w.Ready():
-	case err := <-done:
-		t.Fatalf("Run ended: %v", err)
-	}
-	return h
+	return startOn(t, nil, testutil.NewFakeClock(time.Now()), paths...)
 }
 
 // next lets debounce intervals pass until a notification comes, and returns what changed.

@@ -27,7 +27,8 @@ func startHub(t *testing.T) *Hub {
 	return hub
 }
 
-// startOn runs a Watcher of paths on hub, with clk, until the test ends.
+// startOn runs a Watcher of paths on hub (nil: a hub of its own, as without one), with clk,
+// until the test ends.
 func startOn(t *testing.T, hub *Hub, clk *testutil.FakeClock, paths ...string) *harness {
 	t.Helper()
 	h := &harness{clock: clk, changes: make(chan []string, 16)}

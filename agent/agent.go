@@ -72,18 +72,15 @@ type Agent struct {
 	// fileWatch is the one inotify instance of every secret manager the agent makes: a node
 	// agent makes one per identity, and the kernel allows a user 128 by default.
 	fileWatch *filewatch.Hub
-	// identities and attestor serve node mode: a secret manager per caller's identity.
-	identities *identities
-	attestor   Attestor
-	// nodeStreams ends the streams whose caller a reload of the rules gave another identity.
-	nodeStreams *nodeStreams
-	sds         *sds.Server      // nil with an external SDS server
-	xds         *xdsproxy.Proxy  // nil with PROXY_XDS_VIA_AGENT=false
-	xdsConn     *grpc.ClientConn // the xDS proxy's upstream
-	status      *http.Server
-	statusLis   net.Listener
-	debug       *http.Server
-	debugLis    net.Listener
+	// node serves node mode: a secret manager per caller's identity.
+	node      Node
+	sds       *sds.Server      // nil with an external SDS server
+	xds       *xdsproxy.Proxy  // nil with PROXY_XDS_VIA_AGENT=false
+	xdsConn   *grpc.ClientConn // the xDS proxy's upstream
+	status    *http.Server
+	statusLis net.Listener
+	debug     *http.Server
+	debugLis  net.Listener
 	// xdsDebug serves /debug/<type> on xdsDebugSocket, next to the XDS socket.
 	xdsDebug       *http.Server
 	xdsDebugSocket *fsutil.Socket
@@ -155,13 +152,12 @@ func (a *Agent) build(cfg Config, clk clock.Clock, log *slog.Logger, registry *p
 		}
 		var api workloadapi.Config
 		if cfg.NodeMode() {
-			resolver, err := a.buildNode(cfg, fetched, clk, log, registry)
-			if err != nil {
+			if err := a.buildNode(cfg, fetched, clk, log, registry); err != nil {
 				return err
 			}
-			sdsCfg.Secrets, sdsCfg.Resolve, sdsCfg.Credentials = a.identities, resolver.Resolve, nodeCredentials(a.attestor)
-			sdsCfg.StreamInterceptor = a.nodeStreams.intercept
-			api = workloadapi.Config{Secrets: a.identities, Identify: resolver.Names, JWT: nodeJWTIssuer{ca: a.ca, resolver: resolver}}
+			sdsCfg.Secrets, sdsCfg.Resolve, sdsCfg.Credentials = a.node, a.node.Resolve, a.node.Credentials
+			sdsCfg.StreamInterceptor = a.node.StreamInterceptor
+			api = workloadapi.Config{Secrets: a.node, Identify: a.node.Identify, JWT: a.node}
 		} else {
 			if err := a.buildSecrets(cfg, fetched, clk, log, registry); err != nil {
 				return err
@@ -424,6 +420,24 @@ func (a *Agent) buildSecrets(cfg Config, fetched tokenFunc, clk clock.Clock, log
 	}
 	held.manager.Store(a.secrets)
 	return nil
+}
+
+// buildNode makes node mode through cfg.SDS.Node, with the CA client of the agent's own
+// identity (the node account; the embedded control plane trusts it).
+func (a *Agent) buildNode(cfg Config, fetched tokenFunc, clk clock.Clock, log *slog.Logger, registry *prometheus.Registry) error {
+	self, err := cfg.SPIFFEID()
+	if err != nil {
+		return err
+	}
+	// No certificate is presented: the CA signs another identity only for a token's bearer.
+	up, err := a.buildCAClient(cfg, fetched, self, func() *tls.Certificate { return nil }, clk, log, registry)
+	if err != nil {
+		return err
+	}
+	a.node, err = cfg.SDS.Node(NodeConfig{RulesFile: cfg.SDS.WorkloadAttestation, Pods: cfg.SDS.AttestPods, TrustDomain: cfg.Identity.TrustDomain,
+		Self: self, Certificate: cfg.Certificate, CA: a.ca, RootCertFile: up.rootCertFile, FileWatch: a.fileWatch, OnEvent: cfg.OnEvent,
+		Clock: clk, Logger: log, Registerer: registry})
+	return err
 }
 
 // buildCAClient makes the CA client of the agent's identity id, starting the embedded control
@@ -751,10 +765,8 @@ func (a *Agent) Run(ctx context.Context) error {
 	if a.secrets != nil {
 		g.Go(func() error { return a.secrets.Run(gctx) })
 	}
-	if a.identities != nil {
-		g.Go(func() error { return a.identities.Run(gctx) })
-		g.Go(func() error { return a.attestor.Run(gctx) })
-		g.Go(func() error { return a.nodeStreams.Run(gctx, a.attestor.Loaded) })
+	if a.node != nil {
+		g.Go(func() error { return a.node.Run(gctx) })
 	}
 	if a.sds != nil {
 		g.Go(func() error { return a.sds.Run(gctx) })

@@ -201,9 +201,10 @@ type SDSConfig struct {
 	// caller in a pod no rule matches gets its pod's namespace and service account, among the
 	// pods the API server has bound to this node.
 	AttestPods AttestPods
-	// Attest makes node mode's attestor; cmd/meshid supplies it, and meshid-agent, the binary of
-	// a sidecar that serves one workload, does not, so that it links no rules parser.
-	Attest AttestFunc
+	// Node makes node mode (agent/nodemode's New, with its attestor); cmd/meshid supplies it, and
+	// meshid-agent, the binary of a sidecar that serves one workload, does not, so that it links
+	// neither node mode nor a rules parser.
+	Node NodeFunc
 }
 
 // AttestPods is where node mode finds the pods of its node: the Kubernetes API of Kubeconfig,
@@ -215,7 +216,8 @@ type AttestPods struct {
 	InCluster  bool
 }
 
-// AttestFunc makes node mode's attestor of the rules file (internal/attest's New).
+// AttestFunc makes node mode's attestor of the rules file (internal/attest's New); agent/nodemode
+// calls it.
 type AttestFunc func(AttestConfig) (Attestor, error)
 
 // AttestConfig is what the agent gives an AttestFunc.
@@ -229,11 +231,11 @@ type AttestConfig struct {
 
 // Attestor says who each caller on the SDS socket is: its credentials attest every connection,
 // Caller gives a call's caller the namespace and service account of its rule, Run watches the
-// rules file (and the pods of the node), and Loaded's channel is closed after each load (the
-// agent then checks the open streams' callers again). internal/attest's Attestor is one; the
-// agent does not import it, so that meshid-agent links none of it. An Attestor that cannot
-// identify callers yet (the node's pods not listed) says why with a Problem() error method; the
-// agent is not ready meanwhile.
+// rules file (and the pods of the node), and Loaded's channel is closed after each load (node
+// mode then checks the open streams' callers again). internal/attest's Attestor is one; neither
+// the agent nor agent/nodemode imports it, so that meshid-agent links none of it. An Attestor
+// that cannot identify callers yet (the node's pods not listed) says why with a Problem() error
+// method; the agent is not ready meanwhile.
 type Attestor interface {
 	Credentials(inner credentials.TransportCredentials) credentials.TransportCredentials
 	Caller(ctx context.Context) (namespace, serviceAccount string, err error)
@@ -453,7 +455,7 @@ func (c *Config) checkAttestPods() []error {
 		}
 		return errs
 	}
-	if c.SDS.Attest == nil {
+	if c.SDS.Node == nil {
 		errs = append(errs, configerr.Errorf("SDS.AttestPods.Enabled", "{SDS.AttestPods.Enabled}: node mode is in meshid (meshid agent); this binary, a sidecar's, serves one workload and links no Kubernetes client"))
 	}
 	if p.NodeName == "" {
@@ -485,7 +487,7 @@ func (c *Config) checkNodeMode() []error {
 		mode = "SDS.AttestPods.Enabled"
 	}
 	why := "{" + mode + "} serves each caller its own identity, "
-	if c.SDS.Attest == nil && c.SDS.WorkloadAttestation != "" {
+	if c.SDS.Node == nil && c.SDS.WorkloadAttestation != "" {
 		errs = append(errs, configerr.Errorf("SDS.WorkloadAttestation", "{SDS.WorkloadAttestation}: node mode is in meshid (meshid agent); this binary, a sidecar's, serves one workload and carries no attestation"))
 	}
 	if c.Output.Dir != "" {

@@ -127,9 +127,9 @@ func (a *Agent) debugHandler(clk clock.Clock, cfg Config) http.Handler {
 		enc := json.NewEncoder(w)
 		enc.SetIndent("", "  ")
 		page := map[string]any{"source": a.source, "sds_socket": a.socketPath, "secrets": out}
-		if a.identities != nil {
+		if a.node != nil {
 			// Node mode: the identities whose certificates are held for callers.
-			page["identities"] = a.identities.held()
+			page["identities"] = a.node.Held()
 		}
 		_ = enc.Encode(page)
 	})

@@ -233,8 +233,8 @@ func (a *Agent) unmet(ctx context.Context) []string {
 		}
 		// A node agent has no certificate of its own: it is ready once it serves, and can
 		// identify its callers.
-		if p, ok := a.attestor.(interface{ Problem() error }); ok {
-			if err := p.Problem(); err != nil {
+		if a.node != nil {
+			if err := a.node.Problem(); err != nil {
 				why = append(why, err.Error())
 			}
 		}

@@ -4,6 +4,7 @@ import (
 	"testing"
 
 	"github.com/meshid/meshid/agent"
+	"github.com/meshid/meshid/agent/nodemode"
 	"github.com/meshid/meshid/internal/attest"
 )
 
@@ -23,7 +24,7 @@ func TestNodeModeRefusals(t *testing.T) {
 	node := func(edit func(*agent.Config)) func(*agent.Config) {
 		return func(c *agent.Config) {
 			c.SDS.WorkloadAttestation = "/etc/meshid/rules.yaml"
-			c.SDS.Attest = newAttestor
+			c.SDS.Node = nodemode.New(newAttestor)
 			c.XDS.Proxy = false
 			edit(c)
 		}
@@ -35,12 +36,12 @@ func TestNodeModeRefusals(t *testing.T) {
 		{"Mesh CA", node(func(c *agent.Config) { withCA(c); c.CA.Provider = agent.CAProviderGoogleCA }), "CA.Provider", "cannot ask for another identity"},
 		{"provisioned certificate", node(func(c *agent.Config) { withCA(c); c.CA.ProvCert = "/prov" }), "CA.ProvCert", "authenticated by a token"},
 		{"the xDS proxy", node(func(c *agent.Config) { c.XDS.Proxy = true }), "XDS.Proxy", "as the node agent's own identity"},
-		{"a binary without attestation (meshid-agent)", node(func(c *agent.Config) { c.SDS.Attest = nil }), "SDS.WorkloadAttestation", "node mode is in meshid"},
+		{"a binary without attestation (meshid-agent)", node(func(c *agent.Config) { c.SDS.Node = nil }), "SDS.WorkloadAttestation", "node mode is in meshid"},
 	})
 	pods := func(edit func(*agent.AttestPods)) func(*agent.Config) {
 		return func(c *agent.Config) {
 			c.SDS.AttestPods = agent.AttestPods{Enabled: true, NodeName: "n1", InCluster: true}
-			c.SDS.Attest = newAttestor
+			c.SDS.Node = nodemode.New(newAttestor)
 			edit(&c.SDS.AttestPods)
 		}
 	}
@@ -52,7 +53,7 @@ func TestNodeModeRefusals(t *testing.T) {
 		{"in-cluster without pods", func(c *agent.Config) { c.SDS.AttestPods.InCluster = true }, "SDS.AttestPods.InCluster", "which is not set"},
 		{"pods in a binary without attestation (meshid-agent)", func(c *agent.Config) {
 			pods(func(*agent.AttestPods) {})(c)
-			c.SDS.Attest = nil
+			c.SDS.Node = nil
 		}, "SDS.AttestPods.Enabled", "links no Kubernetes client"},
 		{"pods only, output certs", func(c *agent.Config) {
 			pods(func(*agent.AttestPods) {})(c)

@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/meshid/meshid/agent/nodemode"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/sds/sdsclient"
 	"github.com/meshid/meshid/sds/sdstest"
@@ -119,7 +120,7 @@ func TestNodeAgentServesEachAttestedExecutableItsIdentity(t *testing.T) {
 		t.Fatal(err)
 	}
 	cfg := testConfig(t, newFakeClock(), newLogSink(t), nil)
-	cfg.SDS.WorkloadAttestation, cfg.SDS.Attest, cfg.XDS.Proxy = rules, newAttestor, false
+	cfg.SDS.WorkloadAttestation, cfg.SDS.Node, cfg.XDS.Proxy = rules, nodemode.New(newAttestor), false
 	a := newAgent(t, cfg)
 	runAgent(t, a)
 	ctx, cancel := context.WithTimeout(t.Context(), wait)

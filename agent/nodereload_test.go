@@ -22,6 +22,7 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
+	"github.com/meshid/meshid/agent/nodemode"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/sds/sdsclient"
 	"github.com/meshid/meshid/sds/sdstest"
@@ -96,7 +97,7 @@ func TestNodeAgentRulesReloadEndsStreamsOfChangedIdentities(t *testing.T) {
 	received := clk.Now() // the clock stands still until the rules change
 	logs := newLogSink(t)
 	cfg := testConfig(t, clk, logs, nil)
-	cfg.SDS.WorkloadAttestation, cfg.SDS.Attest, cfg.XDS.Proxy = rules, newAttestor, false
+	cfg.SDS.WorkloadAttestation, cfg.SDS.Node, cfg.XDS.Proxy = rules, nodemode.New(newAttestor), false
 	a := newAgent(t, cfg)
 	runAgent(t, a)
 	ctx, cancel := context.WithTimeout(t.Context(), wait)

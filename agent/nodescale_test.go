@@ -20,6 +20,8 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/meshid/meshid/agent"
+	"github.com/meshid/meshid/agent/nodemode"
+	"github.com/meshid/meshid/caclient"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/sds/sdsclient"
 	"github.com/meshid/meshid/sds/sdstest"
@@ -82,7 +84,7 @@ func inotifyInstances(t *testing.T) int {
 func TestNodeAgentIdentitiesShareOneInotifyInstance(t *testing.T) { //nolint:paralleltest // see above
 	cfg := testConfig(t, newFakeClock(), nil, nil)
 	cfg.SDS.WorkloadAttestation = filepath.Join(t.TempDir(), "rules.yaml")
-	cfg.SDS.Attest, cfg.XDS.Proxy = newMetadataAttestor, false
+	cfg.SDS.Node, cfg.XDS.Proxy = nodemode.New(newMetadataAttestor), false
 	a := newAgent(t, cfg)
 	runAgent(t, a)
 	c, err := sdsclient.Dial(a.SocketPath(), sdsclient.WithNode(&core.Node{Id: sdstest.NodeID}))
@@ -114,6 +116,20 @@ func TestNodeAgentIdentitiesShareOneInotifyInstance(t *testing.T) { //nolint:par
 	}
 }
 
+// failingCA refuses a signer of the identities fail names, so that their secret managers cannot
+// be made.
+type failingCA struct {
+	agent.NodeCA
+	fail func(pki.SPIFFEID) error
+}
+
+func (c failingCA) ForIdentity(id pki.SPIFFEID) (*caclient.IdentitySigner, error) {
+	if err := c.fail(id); err != nil {
+		return nil, err
+	}
+	return c.NodeCA.ForIdentity(id)
+}
+
 // A node agent whose secret manager for an identity cannot start tells that identity's callers
 // why at once, instead of leaving them waiting: an SDS stream ends with Unavailable naming the
 // reason, a fetch and a Workload API stream are answered so; the failure is counted. Once the
@@ -124,17 +140,27 @@ func TestNodeAgentIdentityWhoseManagerFailsIsRefused(t *testing.T) {
 	clk := newFakeClock()
 	cfg := testConfig(t, clk, nil, nil)
 	cfg.SDS.WorkloadAttestation = filepath.Join(t.TempDir(), "rules.yaml")
-	cfg.SDS.Attest, cfg.XDS.Proxy = newMetadataAttestor, false
-	a := newAgent(t, cfg)
 	var failing atomic.Bool
 	failing.Store(true)
 	const cause = "no inotify instance left (test)"
-	a.FailNodeManagers(func(id pki.SPIFFEID) error {
-		if id.ServiceAccount == "broken" && failing.Load() {
-			return errors.New(cause)
+	var node *nodemode.Node
+	newNode := nodemode.New(newMetadataAttestor)
+	cfg.SDS.Node = func(c agent.NodeConfig) (agent.Node, error) {
+		c.CA = failingCA{NodeCA: c.CA, fail: func(id pki.SPIFFEID) error {
+			if id.ServiceAccount == "broken" && failing.Load() {
+				return errors.New(cause)
+			}
+			return nil
+		}}
+		n, err := newNode(c)
+		if err != nil {
+			return nil, err
 		}
-		return nil
-	})
+		node = n.(*nodemode.Node)
+		return n, nil
+	}
+	cfg.XDS.Proxy = false
+	a := newAgent(t, cfg)
 	runAgent(t, a)
 	ctx, cancel := context.WithTimeout(t.Context(), wait)
 	defer cancel()
@@ -202,7 +228,7 @@ func TestNodeAgentIdentityWhoseManagerFailsIsRefused(t *testing.T) {
 	// then gets the certificate (one opened before the retry is ended, as above).
 	failing.Store(false)
 	brokenID := pki.SPIFFEID{TrustDomain: "cluster.local", Namespace: "shop", ServiceAccount: "broken"}
-	retryAt := a.IdentityRetryAt(brokenID)
+	retryAt := node.RetryAt(brokenID)
 	if err := clk.WaitForDeadline(ctx, retryAt); err != nil {
 		t.Fatal(err)
 	}

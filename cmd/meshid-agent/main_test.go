@@ -18,7 +18,8 @@ import (
 )
 
 // The sidecar binary must stay small: it links no Kubernetes client (nor sigs.k8s.io/yaml, which
-// only meshid's bootstrap override and node mode's rules file need), no CA and no discovery server.
+// only meshid's bootstrap override and node mode's rules file need), no CA, no discovery server,
+// and no node mode (agent/nodemode, and the attestor of internal/attest): it serves one workload.
 func TestLinksNoKubernetesClientAndNoCA(t *testing.T) {
 	t.Parallel()
 	out, err := exec.Command("go", "list", "-deps", "github.com/meshid/meshid/cmd/meshid-agent").Output()
@@ -28,7 +29,8 @@ func TestLinksNoKubernetesClientAndNoCA(t *testing.T) {
 	for _, dep := range strings.Fields(string(out)) {
 		if strings.HasPrefix(dep, "k8s.io/") || strings.HasPrefix(dep, "sigs.k8s.io/") ||
 			dep == "github.com/meshid/meshid/ca" || strings.HasPrefix(dep, "github.com/meshid/meshid/ca/") ||
-			strings.HasPrefix(dep, "github.com/meshid/meshid/controlplane") || dep == "github.com/meshid/meshid/discovery" {
+			strings.HasPrefix(dep, "github.com/meshid/meshid/controlplane") || dep == "github.com/meshid/meshid/discovery" ||
+			dep == "github.com/meshid/meshid/agent/nodemode" || dep == "github.com/meshid/meshid/internal/attest" {
 			t.Fatalf("meshid-agent links %s", dep)
 		}
 	}

@@ -21,6 +21,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/meshid/meshid/agent"
+	"github.com/meshid/meshid/agent/nodemode"
 	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/ca/controller/kube"
 	"github.com/meshid/meshid/ca/controller/kube/kubetest"
@@ -174,7 +175,7 @@ func TestNodeAgentAttestsThePodsOfItsNode(t *testing.T) {
 	cfg.XDS.Proxy, cfg.XDS.ProxyDebug = false, false
 	cfg.SDS.AttestPods = agent.AttestPods{Enabled: true, NodeName: node,
 		Kubeconfig: kubetest.Kubeconfig(t, t.TempDir(), kubeEnv.As(t, "istio-system", "meshid-node-agent"))}
-	cfg.SDS.Attest = func(c agent.AttestConfig) (agent.Attestor, error) { return newAttestorIn(proc.root, podClock, c) }
+	cfg.SDS.Node = nodemode.New(func(c agent.AttestConfig) (agent.Attestor, error) { return newAttestorIn(proc.root, podClock, c) })
 	if err := cfg.Validate(); err != nil {
 		t.Fatal(err)
 	}

@@ -8,6 +8,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/meshid/meshid/agent/envoy/bootstrapcheck"
+	"github.com/meshid/meshid/agent/nodemode"
 	"github.com/meshid/meshid/cmd/internal/cli"
 )
 
@@ -26,7 +27,7 @@ bootstrap" writes the bootstrap of the Envoy it serves);
 "meshid ca" runs a Citadel-style CA that Istio's agents can use;
 "meshid token" mints Kubernetes-style service-account tokens for VMs and demos, and
 "meshid vm bootstrap" writes everything one VM needs.`, g)
-	agentCmd := cli.NewAgentCommand(g, agentRun, lookupEnv, embedControlPlane, bootstrapcheck.Merge, newAttestor)
+	agentCmd := cli.NewAgentCommand(g, agentRun, lookupEnv, embedControlPlane, bootstrapcheck.Merge, nodemode.New(newAttestor))
 	agentCmd.AddCommand(cli.NewBootstrapCommand(g, lookupEnv, environ, embedControlPlane, bootstrapcheck.Merge))
 	root.AddCommand(
 		agentCmd,

@@ -21,15 +21,20 @@ func allowed() map[string][]string {
 		// sds/sdsclient: the SDS client of `certs`; ca/token: `meshid token`; ca: the layout of
 		// the CA's state dir, where `meshid token` and `meshid vm` find the token key and roots.
 		"cmd/": {"cmd/internal/", "agent", "controlplane", "ca", "ca/controller/kube", "ca/token", "sds/sdsclient", "internal/"},
-		// meshid alone checks Envoy's bootstrap with Envoy's types, which meshid-agent leaves out.
-		"cmd/meshid": {"cmd/internal/", "agent", "agent/envoy/bootstrapcheck", "controlplane", "ca", "ca/controller/kube", "ca/token", "sds/sdsclient", "internal/"},
+		// meshid alone checks Envoy's bootstrap with Envoy's types, and serves node mode, which
+		// meshid-agent leaves out.
+		"cmd/meshid": {"cmd/internal/", "agent", "agent/envoy/bootstrapcheck", "agent/nodemode", "controlplane", "ca", "ca/controller/kube", "ca/token", "sds/sdsclient", "internal/"},
 		// The agent reaches an embedded control plane through a hook cmd/meshid supplies, so
 		// that meshid-agent links no CA.
-		"agent":                         {"sds", "secretmanager", "caclient", "xdsproxy", "workloadapi", "agent/appprobe", "agent/envoy", "agent/promstats", "internal/"},
-		"agent/appprobe":                {"internal/"},   // the status port's application probes
-		"agent/envoy":                   {"internal/"},   // Envoy's bootstrap, process and admin
-		"agent/envoy/bootstrapcheck":    {"agent/envoy"}, // the bootstrap checked with Envoy's types
-		"agent/promstats":               {"internal/"},   // the status port's merged /stats/prometheus
+		"agent":                      {"sds", "secretmanager", "caclient", "xdsproxy", "workloadapi", "agent/appprobe", "agent/envoy", "agent/promstats", "internal/"},
+		"agent/appprobe":             {"internal/"},   // the status port's application probes
+		"agent/envoy":                {"internal/"},   // Envoy's bootstrap, process and admin
+		"agent/envoy/bootstrapcheck": {"agent/envoy"}, // the bootstrap checked with Envoy's types
+		"agent/promstats":            {"internal/"},   // the status port's merged /stats/prometheus
+		// Node mode, reached through the agent's hook (agent.Config.SDS.Node) that only
+		// cmd/meshid sets: the agent's types, a secret manager per identity, the Workload API's
+		// names, and the socket's admission.
+		"agent/nodemode":                {"agent", "secretmanager", "workloadapi", "internal/admission", "internal/clock", "internal/logkey", "internal/pki"},
 		"controlplane":                  {"ca", "ca/", "caclient", "discovery", "internal/"},
 		"controlplane/controlplanetest": {"controlplane", "ca", "ca/token", "agent"}, // ca: the token key's path
 		"sds/sdsclient":                 {"internal/"},                               // nothing of the server it tests

@@ -159,10 +159,10 @@ type agentOptions struct {
 // them all, KEY=value (os.LookupEnv and os.Environ in production; nil environ: none); embed
 // starts the control plane in-process when no CA is given (nil in a binary without a CA); check
 // checks Envoy's bootstrap and merges the override (nil in a binary without Envoy's types).
-func newAgentOptions(lookupEnv func(string) (string, bool), environ func() []string, embed agent.EmbedFunc, check agent.BootstrapCheckFunc, attest agent.AttestFunc) *agentOptions {
+func newAgentOptions(lookupEnv func(string) (string, bool), environ func() []string, embed agent.EmbedFunc, check agent.BootstrapCheckFunc, node agent.NodeFunc) *agentOptions {
 	o := &agentOptions{cfg: agent.DefaultConfig(""), lookupEnv: lookupEnv, environ: environ}
 	o.cfg.CA.Embed = embed
-	o.cfg.SDS.Attest = attest
+	o.cfg.SDS.Node = node
 	o.cfg.Envoy.CheckBootstrap = check
 	return o
 }
@@ -446,11 +446,11 @@ func bootstrapCommandPath(agentCmd *cobra.Command) string {
 // NewAgentCommand returns `agent`. lookupEnv reads the environment (os.LookupEnv in production);
 // embed starts the control plane in-process when no CA is given (nil in a binary without a CA);
 // check merges the bootstrap override of the Envoy the agent runs (nil in a binary without
-// Envoy's types: Envoy merges it); attest makes node mode's attestor (nil in a sidecar's binary,
-// which serves one workload).
-func NewAgentCommand(g *Globals, run AgentRunner, lookupEnv func(string) (string, bool), embed agent.EmbedFunc, check agent.BootstrapCheckFunc, attest agent.AttestFunc) *cobra.Command {
+// Envoy's types: Envoy merges it); node makes node mode (nil in a sidecar's binary, which
+// serves one workload).
+func NewAgentCommand(g *Globals, run AgentRunner, lookupEnv func(string) (string, bool), embed agent.EmbedFunc, check agent.BootstrapCheckFunc, node agent.NodeFunc) *cobra.Command {
 	// The agent reads no ISTIO_META_*: only the bootstrap carries them.
-	o := newAgentOptions(lookupEnv, nil, embed, check, attest)
+	o := newAgentOptions(lookupEnv, nil, embed, check, node)
 	caSource := `  3. else a CA: the one at --ca-addr or, when none is given, a control plane run in-process
      under --root-dir (meshid agent --root-dir ./run needs nothing else).`
 	if embed == nil {

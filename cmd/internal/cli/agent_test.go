@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/meshid/meshid/agent"
+	"github.com/meshid/meshid/agent/nodemode"
 	"github.com/meshid/meshid/internal/attest"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/sds"
@@ -38,7 +39,7 @@ func runAgentCommandWith(t *testing.T, embed agent.EmbedFunc, env map[string]str
 	root.AddCommand(NewAgentCommand(g, func(_ context.Context, cfg agent.Config) error {
 		got = cfg
 		return nil
-	}, func(k string) (string, bool) { v, ok := env[k]; return v, ok }, embed, nil, testAttest))
+	}, func(k string) (string, bool) { v, ok := env[k]; return v, ok }, embed, nil, nodemode.New(testAttest)))
 	root.SetArgs(append([]string{"agent"}, args...))
 	err := root.ExecuteContext(t.Context())
 	return got, err

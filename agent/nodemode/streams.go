@@ -1,4 +1,4 @@
-package agent
+package nodemode
 
 import (
 	"context"
@@ -16,6 +16,7 @@ import (
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
+	"github.com/meshid/meshid/agent"
 	"github.com/meshid/meshid/internal/admission"
 	"github.com/meshid/meshid/internal/logkey"
 	"github.com/meshid/meshid/internal/pki"
@@ -371,7 +372,7 @@ func (n *nodeStreams) endStreamFailed(ctx context.Context, id pki.SPIFFEID, why 
 
 // nodeCredentials are the node socket's transport credentials: the attestor's, around
 // connCredentials, around the server's own (inner, its admission).
-func nodeCredentials(attestor Attestor) func(credentials.TransportCredentials) credentials.TransportCredentials {
+func nodeCredentials(attestor agent.Attestor) func(credentials.TransportCredentials) credentials.TransportCredentials {
 	return func(inner credentials.TransportCredentials) credentials.TransportCredentials {
 		return attestor.Credentials(connCredentials{inner: inner})
 	}

@@ -338,7 +338,8 @@ func TestIdentityThatCannotStartIsRetriedWithBackoff(t *testing.T) {
 		return told
 	}
 	var waits []time.Duration
-	for attempt := 1; attempt <= 3; attempt++ {
+	const attempts = 6
+	for attempt := 1; attempt <= attempts; attempt++ {
 		for range 5 {
 			if why := ask(); !errors.Is(why, errIdentityFailed) || !strings.Contains(why.Error(), "too many open files") {
 				t.Fatalf("told %v, want the failure and its cause", why)
@@ -353,10 +354,13 @@ func TestIdentityThatCannotStartIsRetriedWithBackoff(t *testing.T) {
 		waits = append(waits, retryAt.Sub(clk.Now()))
 		clk.Set(retryAt)
 	}
-	if got := promtest.ToFloat64(r.failures.WithLabelValues(managerFailedStart)); got != 3 {
-		t.Errorf("start failures %v, want 3", got)
+	if got := promtest.ToFloat64(r.failures.WithLabelValues(managerFailedStart)); got != attempts {
+		t.Errorf("start failures %v, want %d", got, attempts)
 	}
-	if waits[2] <= waits[0] {
-		t.Fatalf("backoffs %v: want them to grow", waits)
+	// Each wait is drawn within ±50% of an interval that grows by half each time: the sixth
+	// (at least 7.6 s × 0.5) is past anything the first could be (1 s × 1.5), as no wait
+	// would be if the backoff started over at each failure.
+	if last, firstMax := waits[attempts-1], identityRetryInitial*3/2; last <= firstMax {
+		t.Fatalf("backoffs %v: want them to grow past %s", waits, firstMax)
 	}
 }

@@ -14,7 +14,12 @@ import (
 
 // newAttestor makes node mode's attestor, which meshid-agent, a sidecar's binary serving one
 // workload, leaves out with its rules parser and the Kubernetes client.
-func newAttestor(c agent.AttestConfig) (agent.Attestor, error) { return newAttestorIn("", nil, c) }
+func newAttestor(c agent.AttestConfig) (agent.Attestor, error) {
+	if c.Pods.Enabled {
+		routeClientGoLogs(c.Logger)
+	}
+	return newAttestorIn("", nil, c)
+}
 
 // newAttestorIn is newAttestor reading processes from the /proc tree at proc ("": the real
 // one), and timing the wait for a pod not listed yet on podClock (nil: the agent's clock).

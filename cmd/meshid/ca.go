@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
 
 	"github.com/spf13/cobra"
@@ -20,11 +21,21 @@ import (
 type caRunner func(ctx context.Context, cfg controlplane.Config) error
 
 func runCA(ctx context.Context, cfg controlplane.Config) error {
+	if cfg.Kubernetes.Enabled() {
+		routeClientGoLogs(cfg.Logger)
+	}
 	cp, err := controlplane.New(ctx, cfg)
 	if err != nil {
 		return err
 	}
 	return cp.Run(ctx)
+}
+
+// routeClientGoLogs sends client-go's logs, which go through klog, to logger: one stream, one
+// format. klog's logger is the process's, set without a lock that its readers take, so only the
+// runners of the real commands set it, before any client exists; never a command's parsing.
+func routeClientGoLogs(logger *slog.Logger) {
+	klog.SetSlogLogger(logger.With(logkey.Component, "client-go"))
 }
 
 // secretFlags are the secret controller's flags: they need a store of service accounts to run on,
@@ -213,10 +224,6 @@ One root can serve several CAs, each with its own intermediate (Citadel's upstre
 			return cli.RenderConfigErrors(cfg.Validate(), caFields())
 		},
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if cfg.Kubernetes.Enabled() {
-				// client-go logs through klog: one stream, one format.
-				klog.SetSlogLogger(cfg.Logger.With(logkey.Component, "client-go"))
-			}
 			return refusedAsCalled(cli.RenderConfigErrors(run(cmd.Context(), cfg), caFields()))
 		},
 	}

@@ -19,6 +19,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/meshid/meshid/agent"
 	"github.com/meshid/meshid/agent/nodemode"
@@ -150,7 +151,13 @@ func TestNodeAgentAttestsThePodsOfItsNode(t *testing.T) {
 	t.Parallel()
 	node := "node-" + randomSuffix(t)
 	kubeEnv.Apply(t, false, filepath.Join("..", "..", "deploy", "kubernetes", "00-namespace.yaml"))
+	// The shipped RBAC names this account: made, and removed with the RBAC, by each run.
 	kubeEnv.ServiceAccount(t, "istio-system", "meshid-node-agent")
+	t.Cleanup(func() {
+		if err := kubeEnv.Core().ServiceAccounts("istio-system").Delete(context.Background(), "meshid-node-agent", metav1.DeleteOptions{}); err != nil {
+			t.Errorf("delete the node agent's service account: %v", err)
+		}
+	})
 	ns := kubeEnv.Namespace(t, nil)
 	kubeEnv.ServiceAccount(t, ns, "app")
 	agentPod := kubeEnv.Pod(t, "istio-system", "meshid-node-"+node, "meshid-node-agent", node)
@@ -199,7 +206,8 @@ func TestNodeAgentAttestsThePodsOfItsNode(t *testing.T) {
 	if code, body := get(t, ready); code != http.StatusServiceUnavailable || !strings.Contains(body, notListed) {
 		t.Fatalf("before the pods can be listed: %d %q, want 503 saying %q", code, body, notListed)
 	}
-	kubeEnv.Apply(t, false, filepath.Join("..", "..", "deploy", "kubernetes", "rbac-node-agent-pods.yaml"))
+	rbac := kubeEnv.Apply(t, false, filepath.Join("..", "..", "deploy", "kubernetes", "rbac-node-agent-pods.yaml"))
+	t.Cleanup(func() { kubeEnv.Delete(t, rbac...) })
 	eventually(t, "ready once the pods are listed", func() error {
 		if code, body := get(t, ready); code != http.StatusOK {
 			return fmt.Errorf("%d %s", code, body)

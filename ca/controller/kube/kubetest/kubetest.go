@@ -31,6 +31,7 @@ import (
 
 	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -368,12 +369,7 @@ func (e *Env) Apply(t testing.TB, dryRun bool, files ...string) []*unstructured.
 // TryApply is Apply returning the first error instead of failing the test, for tests that expect
 // the API server to refuse an object; what it applied before the error stays applied.
 func (e *Env) TryApply(dryRun bool, files ...string) ([]*unstructured.Unstructured, error) {
-	dc, err := discovery.NewDiscoveryClientForConfig(e.Admin)
-	if err != nil {
-		return nil, err
-	}
-	mapper := restmapper.NewDeferredDiscoveryRESTMapper(memory.NewMemCacheClient(dc))
-	dyn, err := dynamic.NewForConfig(e.Admin)
+	resources, err := e.resources()
 	if err != nil {
 		return nil, err
 	}
@@ -395,14 +391,9 @@ func (e *Env) TryApply(dryRun bool, files ...string) ([]*unstructured.Unstructur
 			if len(obj.Object) == 0 {
 				continue
 			}
-			gvk := obj.GroupVersionKind()
-			mapping, err := mapper.RESTMapping(schema.GroupKind{Group: gvk.Group, Kind: gvk.Kind}, gvk.Version)
+			ri, err := resources(obj)
 			if err != nil {
-				return applied, fmt.Errorf("%s: %s: %w", file, gvk, err)
-			}
-			var ri dynamic.ResourceInterface = dyn.Resource(mapping.Resource)
-			if mapping.Scope.Name() == "namespace" {
-				ri = dyn.Resource(mapping.Resource).Namespace(obj.GetNamespace())
+				return applied, fmt.Errorf("%s: %w", file, err)
 			}
 			body, err := obj.MarshalJSON()
 			if err != nil {
@@ -414,12 +405,56 @@ func (e *Env) TryApply(dryRun bool, files ...string) ([]*unstructured.Unstructur
 			}
 			out, err := ri.Patch(context.Background(), obj.GetName(), types.ApplyPatchType, body, opts)
 			if err != nil {
-				return applied, fmt.Errorf("%s: apply %s %s/%s: %w", file, gvk.Kind, obj.GetNamespace(), obj.GetName(), err)
+				return applied, fmt.Errorf("%s: apply %s %s/%s: %w", file, obj.GetKind(), obj.GetNamespace(), obj.GetName(), err)
 			}
 			applied = append(applied, out)
 		}
 	}
 	return applied, nil
+}
+
+// Delete deletes objs as admin, as Apply returned them; one already gone is no error. It is for
+// a test that applies cluster-wide objects and must leave the API server as it found it, so that
+// it can run again (-count).
+func (e *Env) Delete(t testing.TB, objs ...*unstructured.Unstructured) {
+	t.Helper()
+	resources, err := e.resources()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, obj := range objs {
+		ri, err := resources(obj)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := ri.Delete(context.Background(), obj.GetName(), metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
+			t.Fatalf("delete %s %s/%s: %v", obj.GetKind(), obj.GetNamespace(), obj.GetName(), err)
+		}
+	}
+}
+
+// resources returns what maps an object to its resource's client, as admin.
+func (e *Env) resources() (func(*unstructured.Unstructured) (dynamic.ResourceInterface, error), error) {
+	dc, err := discovery.NewDiscoveryClientForConfig(e.Admin)
+	if err != nil {
+		return nil, err
+	}
+	mapper := restmapper.NewDeferredDiscoveryRESTMapper(memory.NewMemCacheClient(dc))
+	dyn, err := dynamic.NewForConfig(e.Admin)
+	if err != nil {
+		return nil, err
+	}
+	return func(obj *unstructured.Unstructured) (dynamic.ResourceInterface, error) {
+		gvk := obj.GroupVersionKind()
+		mapping, err := mapper.RESTMapping(schema.GroupKind{Group: gvk.Group, Kind: gvk.Kind}, gvk.Version)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", gvk, err)
+		}
+		if mapping.Scope.Name() == "namespace" {
+			return dyn.Resource(mapping.Resource).Namespace(obj.GetNamespace()), nil
+		}
+		return dyn.Resource(mapping.Resource), nil
+	}, nil
 }
 
 func freePorts(n int) ([]int, error) {

@@ -35,11 +35,20 @@ import (
 // binaries holds the binaries built once per test binary.
 type binaries struct {
 	sync.Once
-	slim, full string
-	err        error
+	dir, slim, full string
+	err             error
 }
 
 var built binaries
+
+// TestMain removes the binaries agentBinary built, about 80 MB a run, once everything has run.
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if built.dir != "" {
+		_ = os.RemoveAll(built.dir)
+	}
+	os.Exit(code)
+}
 
 // agentBinary builds meshid-agent and meshid once per test binary, as `make build` does, and
 // returns the one that runs args: meshid-agent given a CA address or credential files, else
@@ -52,7 +61,7 @@ func agentBinary(b *testing.B, args ...string) string {
 			built.err = err
 			return
 		}
-		built.slim, built.full = filepath.Join(dir, "meshid-agent"), filepath.Join(dir, "meshid")
+		built.dir, built.slim, built.full = dir, filepath.Join(dir, "meshid-agent"), filepath.Join(dir, "meshid")
 		for out, pkg := range map[string]string{built.slim: ".", built.full: "../meshid"} {
 			cmd := exec.Command("go", "build", "-trimpath", "-tags", "grpcnotrace", "-ldflags", "-s -w", "-o", out, pkg)
 			cmd.Env = append(os.Environ(), "CGO_ENABLED=0")

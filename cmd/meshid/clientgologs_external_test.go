@@ -25,7 +25,7 @@ func TestCAClientGoLogsAreTheCAsFormat(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = os.RemoveAll(bin) })
 	kubeEnv.Apply(t, false, filepath.Join("..", "..", "deploy", "kubernetes", "00-namespace.yaml"))
-	cmd := exec.Command(filepath.Join(bin, "meshid"), "ca", "--state-dir", filepath.Join(t.TempDir(), "state"), //nolint:gosec // the binary this test built
+	cmd := exec.Command(filepath.Join(bin, "meshid"), "ca", "--state-dir", filepath.Join(t.TempDir(), "state"),
 		"--grpc-addr", "127.0.0.1:0", "--monitoring-addr", "", "--log-format", "json",
 		"--kubeconfig", kubetest.Kubeconfig(t, t.TempDir(), kubeEnv.Admin), "--ca-namespace", "istio-system")
 	ca := testutil.StartProcess(t, "meshid ca", cmd)

@@ -17,6 +17,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"net"
 	"net/http"
 	"os"
@@ -107,11 +108,16 @@ func Start() (_ *Env, err error) {
 	if err != nil {
 		return nil, err
 	}
-	dir, err := os.MkdirTemp("", "kubetest-")
+	sweepStale(os.TempDir(), time.Now())
+	dir, err := os.MkdirTemp("", dirPrefix)
 	if err != nil {
 		return nil, err
 	}
 	e := &Env{dir: dir}
+	if err := os.WriteFile(filepath.Join(dir, ownerFile), []byte(strconv.Itoa(os.Getpid())), 0o600); err != nil {
+		_ = os.RemoveAll(dir)
+		return nil, err
+	}
 	defer func() {
 		if err != nil {
 			err = fmt.Errorf("%w\n%s", err, e.logTails())
@@ -164,6 +170,46 @@ func Start() (_ *Env, err error) {
 		return nil, err
 	}
 	return e, nil
+}
+
+// What Start leaves in the temporary directory: a directory per API server, named with dirPrefix,
+// holding ownerFile, the pid of the test process it serves.
+const (
+	dirPrefix = "kubetest-"
+	ownerFile = "owner.pid"
+)
+
+// staleUnowned is the age after which a directory of Start's with no owner file (made before
+// there was one, or by a process that died before writing it) is taken for left behind.
+const staleUnowned = time.Hour
+
+// sweepStale removes the directories under tmp that Start made for test processes that have
+// died: Stop removes its own, but a test process that is killed, or times out, never calls it,
+// and each left behind holds an etcd (over 100 MB). A directory whose owner still runs is kept.
+func sweepStale(tmp string, now time.Time) {
+	dirs, err := filepath.Glob(filepath.Join(tmp, dirPrefix+"*"))
+	if err != nil {
+		return
+	}
+	for _, dir := range dirs {
+		if stale(dir, now) {
+			_ = os.RemoveAll(dir)
+		}
+	}
+}
+
+func stale(dir string, now time.Time) bool {
+	data, err := os.ReadFile(filepath.Join(dir, ownerFile))
+	if err != nil {
+		info, statErr := os.Stat(dir)
+		return errors.Is(err, fs.ErrNotExist) && statErr == nil && info.IsDir() && now.Sub(info.ModTime()) > staleUnowned
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(string(data)))
+	if err != nil || pid <= 0 {
+		return false
+	}
+	// Signal 0 checks that the process exists; EPERM means it does, as another user's.
+	return errors.Is(syscall.Kill(pid, 0), syscall.ESRCH)
 }
 
 func (e *Env) start(path, name string, args ...string) error {

@@ -105,16 +105,15 @@ func (r *replica) root() *x509.Certificate { return r.cp.Authority().Bundle().Ro
 func (r *replica) rootFile() string { return filepath.Join(r.cfg.StateDir, ca.RootCertFile) }
 
 // eventually polls cond, state held by the API server or reached through its watches, until it
-// holds or 30 s pass.
+// holds (kubetest.Eventually, for a condition that cannot say why not).
 func eventually(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("after 30s: %s", what)
+	kubetest.Eventually(t, what, func() error {
+		if cond() {
+			return nil
 		}
-		time.Sleep(20 * time.Millisecond) // waiting on other processes' watches, not on time
-	}
+		return errors.New("not yet")
+	})
 }
 
 // The acceptance, on a real API server: two replicas share one root created from

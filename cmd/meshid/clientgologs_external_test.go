@@ -29,7 +29,7 @@ func TestCAClientGoLogsAreTheCAsFormat(t *testing.T) {
 		"--grpc-addr", "127.0.0.1:0", "--monitoring-addr", "", "--log-format", "json",
 		"--kubeconfig", kubetest.Kubeconfig(t, t.TempDir(), kubeEnv.Admin), "--ca-namespace", "istio-system")
 	ca := testutil.StartProcess(t, "meshid ca", cmd)
-	at, err := ca.FindLine(0, kubeWait, "client-go's leader election line", func(l string) bool { return strings.Contains(l, "leader lease") })
+	at, err := ca.FindLine(0, kubetest.WaitLimit, "client-go's leader election line", func(l string) bool { return strings.Contains(l, "leader lease") })
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -32,26 +32,6 @@ import (
 	"github.com/meshid/meshid/sds/sdsclient"
 )
 
-// kubeWait bounds every wait on the API server and its watches.
-const kubeWait = 30 * time.Second
-
-// eventually polls cond, state held by the API server or reached through its watches (which
-// tell this test nothing), until it holds.
-func eventually(t *testing.T, what string, cond func() error) {
-	t.Helper()
-	deadline := time.Now().Add(kubeWait)
-	for {
-		err := cond()
-		if err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: %v", what, err)
-		}
-		time.Sleep(20 * time.Millisecond) // waiting on other processes' watches, not on time
-	}
-}
-
 func randomSuffix(t *testing.T) string {
 	t.Helper()
 	b := make([]byte, 4)
@@ -208,14 +188,14 @@ func TestNodeAgentAttestsThePodsOfItsNode(t *testing.T) {
 	}
 	rbac := kubeEnv.Apply(t, false, filepath.Join("..", "..", "deploy", "kubernetes", "rbac-node-agent-pods.yaml"))
 	t.Cleanup(func() { kubeEnv.Delete(t, rbac...) })
-	eventually(t, "ready once the pods are listed", func() error {
+	kubetest.Eventually(t, "ready once the pods are listed", func() error {
 		if code, body := get(t, ready); code != http.StatusOK {
 			return fmt.Errorf("%d %s", code, body)
 		}
 		return nil
 	})
 
-	fetchCtx, fetchCancel := context.WithTimeout(t.Context(), kubeWait)
+	fetchCtx, fetchCancel := context.WithTimeout(t.Context(), kubetest.WaitLimit)
 	defer fetchCancel()
 	want := "spiffe://cluster.local/ns/" + ns + "/sa/app"
 	if got, err := sdsDefault(fetchCtx, a.SocketPath()); err != nil || got != want {

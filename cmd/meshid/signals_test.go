@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshid/meshid/ca/controller/kube/kubetest"
 	"github.com/meshid/meshid/cmd/internal/cli"
 	"github.com/meshid/meshid/internal/testutil"
 	"github.com/meshid/meshid/sds/sdstest"
@@ -19,8 +20,11 @@ import (
 
 // TestHelperProcess is `meshid` itself when the test binary is run with MESHID_AS_PROCESS=1; the
 // arguments follow "--".
+// helperProcessEnv, set to 1, makes the test binary run as meshid (TestHelperProcess).
+const helperProcessEnv = "MESHID_AS_PROCESS"
+
 func TestHelperProcess(t *testing.T) {
-	if os.Getenv("MESHID_AS_PROCESS") != "1" {
+	if os.Getenv(helperProcessEnv) != "1" {
 		t.Skip("run as a helper process only")
 	}
 	args := os.Args
@@ -84,7 +88,7 @@ func TestSecondSignalEndsTheDrain(t *testing.T) {
 	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperProcess$", "--",
 		"agent", "--root-dir", root, "--status-addr", "127.0.0.1:0", "--debug-addr", "",
 		"--drain-duration", "1h", "--log-format", "json")
-	cmd.Env = append(os.Environ(), "MESHID_AS_PROCESS=1")
+	cmd.Env = append(os.Environ(), helperProcessEnv+"=1")
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -124,5 +128,10 @@ func TestSecondSignalEndsTheDrain(t *testing.T) {
 		}
 	case <-time.After(30 * time.Second):
 		t.Fatal("the process did not stop after the second signal")
+	}
+	// With -tags external this binary's TestMain starts an API server, which the helper, a
+	// process of meshid's, neither needs nor stops: it would be left behind.
+	if dirs := kubetest.DirsOf(cmd.Process.Pid); len(dirs) > 0 {
+		t.Errorf("the helper process started an API server and left %v", dirs)
 	}
 }

@@ -23,10 +23,11 @@ import (
 
 	"github.com/meshid/meshid/ca/controller"
 	"github.com/meshid/meshid/ca/controller/kube"
+	"github.com/meshid/meshid/ca/controller/kube/kubetest"
 )
 
 // waitLimit bounds every wait on the API server; nothing here takes more than a second or two.
-const waitLimit = 30 * time.Second
+const waitLimit = kubetest.WaitLimit
 
 func clientsFor(t testing.TB, cfg *rest.Config) *kube.Clients {
 	t.Helper()
@@ -72,17 +73,7 @@ func waitClosed(t *testing.T, ch <-chan struct{}, what string) {
 // eventually polls state in the API server, which tells no one when it changes.
 func eventually(t *testing.T, what string, cond func() error) {
 	t.Helper()
-	deadline := time.Now().Add(waitLimit)
-	for {
-		err := cond()
-		if err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: %v", what, err)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	kubetest.Eventually(t, what, cond)
 }
 
 // waitFor polls cond until it holds; eventually, for a condition that can say why not.

@@ -198,6 +198,19 @@ func sweepStale(tmp string, now time.Time) {
 	}
 }
 
+// DirsOf returns the directories Start made, and that are still there, for the test process
+// pid: for a test that runs its own binary as a helper, to check that it started no API server.
+func DirsOf(pid int) []string {
+	dirs, _ := filepath.Glob(filepath.Join(os.TempDir(), dirPrefix+"*"))
+	var owned []string
+	for _, dir := range dirs {
+		if data, err := os.ReadFile(filepath.Join(dir, ownerFile)); err == nil && strings.TrimSpace(string(data)) == strconv.Itoa(pid) {
+			owned = append(owned, dir)
+		}
+	}
+	return owned
+}
+
 func stale(dir string, now time.Time) bool {
 	data, err := os.ReadFile(filepath.Join(dir, ownerFile))
 	if err != nil {
@@ -382,6 +395,26 @@ func (e *Env) As(t testing.TB, namespace, serviceAccount string) *rest.Config {
 	return &rest.Config{
 		Host: e.Host, BearerToken: e.Token(t, namespace, serviceAccount, time.Hour),
 		TLSClientConfig: rest.TLSClientConfig{CAFile: e.CAFile}, QPS: 1000, Burst: 1000,
+	}
+}
+
+// WaitLimit bounds every wait on the API server and its watches.
+const WaitLimit = 30 * time.Second
+
+// Eventually polls cond, state held by the API server or reached through its watches (which tell
+// a test nothing), until it holds, failing t with what and cond's last error after WaitLimit.
+func Eventually(t testing.TB, what string, cond func() error) {
+	t.Helper()
+	deadline := time.Now().Add(WaitLimit)
+	for {
+		err := cond()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not within %s: %v", what, WaitLimit, err)
+		}
+		time.Sleep(20 * time.Millisecond) // waiting on other processes' watches, not on time
 	}
 }
 

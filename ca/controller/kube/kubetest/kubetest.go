@@ -204,21 +204,33 @@ func DirsOf(pid int) []string {
 	dirs, _ := filepath.Glob(filepath.Join(os.TempDir(), dirPrefix+"*"))
 	var owned []string
 	for _, dir := range dirs {
-		if data, err := os.ReadFile(filepath.Join(dir, ownerFile)); err == nil && strings.TrimSpace(string(data)) == strconv.Itoa(pid) {
+		if owner, err := ownerOf(dir); err == nil && owner == pid {
 			owned = append(owned, dir)
 		}
 	}
 	return owned
 }
 
-func stale(dir string, now time.Time) bool {
+// ownerOf reads the pid of the test process dir was made for.
+func ownerOf(dir string) (int, error) {
 	data, err := os.ReadFile(filepath.Join(dir, ownerFile))
 	if err != nil {
-		info, statErr := os.Stat(dir)
-		return errors.Is(err, fs.ErrNotExist) && statErr == nil && info.IsDir() && now.Sub(info.ModTime()) > staleUnowned
+		return 0, err
 	}
 	pid, err := strconv.Atoi(strings.TrimSpace(string(data)))
 	if err != nil || pid <= 0 {
+		return 0, fmt.Errorf("%s: no pid in %q", dir, data)
+	}
+	return pid, nil
+}
+
+func stale(dir string, now time.Time) bool {
+	pid, err := ownerOf(dir)
+	if errors.Is(err, fs.ErrNotExist) {
+		info, statErr := os.Stat(dir)
+		return statErr == nil && info.IsDir() && now.Sub(info.ModTime()) > staleUnowned
+	}
+	if err != nil {
 		return false
 	}
 	// Signal 0 checks that the process exists; EPERM means it does, as another user's.

@@ -225,10 +225,17 @@ func ownerOf(dir string) (int, error) {
 }
 
 func stale(dir string, now time.Time) bool {
+	info, err := os.Lstat(dir)
+	if err != nil || !info.IsDir() {
+		return false
+	}
+	// Only this user's: another's is not ours to judge, whoever runs the tests.
+	if st, ok := info.Sys().(*syscall.Stat_t); !ok || int(st.Uid) != os.Getuid() {
+		return false
+	}
 	pid, err := ownerOf(dir)
 	if errors.Is(err, fs.ErrNotExist) {
-		info, statErr := os.Stat(dir)
-		return statErr == nil && info.IsDir() && now.Sub(info.ModTime()) > staleUnowned
+		return now.Sub(info.ModTime()) > staleUnowned
 	}
 	if err != nil {
 		return false
@@ -428,6 +435,17 @@ func Eventually(t testing.TB, what string, cond func() error) {
 		}
 		time.Sleep(20 * time.Millisecond) // waiting on other processes' watches, not on time
 	}
+}
+
+// Until is Eventually for a condition that cannot say why it does not hold yet.
+func Until(t testing.TB, what string, cond func() bool) {
+	t.Helper()
+	Eventually(t, what, func() error {
+		if cond() {
+			return nil
+		}
+		return errors.New("not yet")
+	})
 }
 
 // Kubeconfig writes cfg as a kubeconfig file in dir and returns its path.

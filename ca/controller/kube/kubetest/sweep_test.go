@@ -48,6 +48,19 @@ func TestStartSweepsTheDirectoriesOfDeadTestProcesses(t *testing.T) {
 	if err := os.Mkdir(other, 0o700); err != nil {
 		t.Fatal(err)
 	}
+	// Another user's, its owner gone: not this user's to remove.
+	foreign := filepath.Join(tmp, dirPrefix+"foreign")
+	if err := os.Mkdir(foreign, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(foreign, ownerFile), []byte(strconv.Itoa(exited.Process.Pid)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if os.Getuid() == 0 {
+		if err := os.Chown(foreign, 65534, 65534); err != nil {
+			t.Fatal(err)
+		}
+	}
 
 	sweepStale(tmp, now)
 
@@ -59,5 +72,8 @@ func TestStartSweepsTheDirectoriesOfDeadTestProcesses(t *testing.T) {
 	}
 	if _, err := os.Stat(other); err != nil {
 		t.Errorf("a directory not of Start's was touched: %v", err)
+	}
+	if _, err := os.Stat(foreign); os.Getuid() == 0 && err != nil {
+		t.Errorf("another user's directory was removed: %v", err)
 	}
 }

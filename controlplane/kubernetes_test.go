@@ -104,18 +104,6 @@ func (r *replica) root() *x509.Certificate { return r.cp.Authority().Bundle().Ro
 
 func (r *replica) rootFile() string { return filepath.Join(r.cfg.StateDir, ca.RootCertFile) }
 
-// eventually polls cond, state held by the API server or reached through its watches, until it
-// holds (kubetest.Eventually, for a condition that cannot say why not).
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	kubetest.Eventually(t, what, func() error {
-		if cond() {
-			return nil
-		}
-		return errors.New("not yet")
-	})
-}
-
 // The issue's acceptance, on a real API server: two replicas share one root created from
 // nothing, and one JWT-SVID key; a token from TokenRequest gets a certificate through TokenReview; override=false takes
 // a namespace's secrets and certificates away and override=true gives them back; an operator's
@@ -196,8 +184,8 @@ func TestTwoReplicasOnKubernetes(t *testing.T) {
 		_, err := core.Secrets(app).Get(ctx, "istio.web", metav1.GetOptions{})
 		return err == nil
 	}
-	eventually(t, "the leader creates secret istio.web", secretExists)
-	eventually(t, "istio-ca-root-cert is published in the workload namespace", func() bool {
+	kubetest.Until(t, "the leader creates secret istio.web", secretExists)
+	kubetest.Until(t, "istio-ca-root-cert is published in the workload namespace", func() bool {
 		cm, err := core.ConfigMaps(app).Get(ctx, "istio-ca-root-cert", metav1.GetOptions{})
 		return err == nil && cm.Data["root-cert.pem"] == string(pki.EncodeCertificates(a.root()))
 	})
@@ -218,14 +206,14 @@ func TestTwoReplicasOnKubernetes(t *testing.T) {
 		return status.Code(err) == codes.PermissionDenied
 	}
 	label("false")
-	eventually(t, "override=false removes istio.web", func() bool { return !secretExists() })
+	kubetest.Until(t, "override=false removes istio.web", func() bool { return !secretExists() })
 	for _, r := range []*replica{a, b} {
-		eventually(t, "override=false: the CSR is refused", func() bool { return refused(r) })
+		kubetest.Until(t, "override=false: the CSR is refused", func() bool { return refused(r) })
 	}
 	label("true")
-	eventually(t, "override=true recreates istio.web", secretExists)
+	kubetest.Until(t, "override=true recreates istio.web", secretExists)
 	for _, r := range []*replica{a, b} {
-		eventually(t, "override=true: the CSR is signed again", func() bool { return !refused(r) })
+		kubetest.Until(t, "override=true: the CSR is signed again", func() bool { return !refused(r) })
 	}
 
 	// An operator plugs in their own CA, as `kubectl create secret generic cacerts ... | kubectl
@@ -249,7 +237,7 @@ func TestTwoReplicasOnKubernetes(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, r := range []*replica{a, b} {
-		eventually(t, "the operator's CA is in service", func() bool {
+		kubetest.Until(t, "the operator's CA is in service", func() bool {
 			bundle := r.cp.Authority().Bundle()
 			return bundle.SigningCert().Equal(inter.Cert) && slices.ContainsFunc(bundle.Roots(), oldRoot.Equal)
 		})
@@ -275,7 +263,7 @@ func TestTwoReplicasOnKubernetes(t *testing.T) {
 	if err := core.Secrets(app).Delete(ctx, "istio.web", metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
 		t.Fatal(err)
 	}
-	eventually(t, "the remaining replica recreates istio.web", secretExists)
+	kubetest.Until(t, "the remaining replica recreates istio.web", secretExists)
 	lease, err = leases.Leases("istio-system").Get(ctx, controlplane.LeaseName, metav1.GetOptions{})
 	if err != nil || *lease.Spec.HolderIdentity != follower.cfg.Kubernetes.Identity {
 		t.Fatalf("lease after the leader stopped: %v, %v", lease, err)

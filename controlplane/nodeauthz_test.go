@@ -25,7 +25,7 @@ import (
 func placePod(t *testing.T, ns, name, sa, node string) *corev1.Pod {
 	t.Helper()
 	var pod *corev1.Pod
-	eventually(t, "create pod "+ns+"/"+name, func() bool {
+	kubetest.Until(t, "create pod "+ns+"/"+name, func() bool {
 		var err error
 		pod, err = kubeEnv.Core().Pods(ns).Create(context.Background(), &corev1.Pod{
 			ObjectMeta: metav1.ObjectMeta{Name: name},
@@ -84,7 +84,7 @@ func TestNodeAgentImpersonationOnKubernetes(t *testing.T) {
 
 	// The pods were created after the CA listed them: its watch brings them.
 	var leaf *x509.Certificate
-	eventually(t, "a certificate for app-a, on the agent's node", func() bool {
+	kubetest.Until(t, "a certificate for app-a, on the agent's node", func() bool {
 		leaf, err = impersonate(t, r, agent, idA)
 		return err == nil
 	})
@@ -102,7 +102,7 @@ func TestNodeAgentImpersonationOnKubernetes(t *testing.T) {
 	if err := kubeEnv.Core().Pods(ns).Delete(t.Context(), appA.Name, metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "app-a refused once its pod is gone", func() bool {
+	kubetest.Until(t, "app-a refused once its pod is gone", func() bool {
 		_, err := impersonate(t, r, agent, idA)
 		return status.Code(err) == codes.PermissionDenied
 	})

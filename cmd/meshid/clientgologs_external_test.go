@@ -16,18 +16,14 @@ import (
 
 // client-go's own log lines (here leader election's, which it logs at start) come out of
 // `meshid ca --log-format json` as the CA's lines do: JSON, marked component=client-go. klog's
-// logger is the process's, so only a process of its own shows it.
+// logger is the process's, so only a process of its own shows it: this binary run as meshid.
 func TestCAClientGoLogsAreTheCAsFormat(t *testing.T) {
 	t.Parallel()
-	bin, err := testutil.BuildCommands("./cmd/meshid")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = os.RemoveAll(bin) })
 	kubeEnv.Apply(t, false, filepath.Join("..", "..", "deploy", "kubernetes", "00-namespace.yaml"))
-	cmd := exec.Command(filepath.Join(bin, "meshid"), "ca", "--state-dir", filepath.Join(t.TempDir(), "state"),
+	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperProcess$", "--", "ca", "--state-dir", filepath.Join(t.TempDir(), "state"),
 		"--grpc-addr", "127.0.0.1:0", "--monitoring-addr", "", "--log-format", "json",
 		"--kubeconfig", kubetest.Kubeconfig(t, t.TempDir(), kubeEnv.Admin), "--ca-namespace", "istio-system")
+	cmd.Env = append(os.Environ(), helperProcessEnv+"=1")
 	ca := testutil.StartProcess(t, "meshid ca", cmd)
 	at, err := ca.FindLine(0, kubetest.WaitLimit, "client-go's leader election line", func(l string) bool { return strings.Contains(l, "leader lease") })
 	if err != nil {

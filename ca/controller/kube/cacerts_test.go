@@ -23,6 +23,7 @@ import (
 
 	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/ca/controller/kube"
+	"github.com/meshid/meshid/ca/controller/kube/kubetest"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
 )
@@ -342,7 +343,7 @@ func (r *replica) check(t *testing.T, d time.Duration) {
 // waitSigner waits until the replica signs with a certificate for which ok holds.
 func (r *replica) waitSigner(t *testing.T, what string, ok func(*x509.Certificate) bool) *ca.Bundle {
 	t.Helper()
-	deadline := time.NewTimer(waitLimit)
+	deadline := time.NewTimer(kubetest.WaitLimit)
 	defer deadline.Stop()
 	for {
 		changed := r.authority.Changed()
@@ -413,7 +414,7 @@ func TestCACertsReplicasShareOneRootAndRotateItOnce(t *testing.T) {
 	b.clock.Advance(pastRenewal)
 	select {
 	case <-g.arrived:
-	case <-time.After(waitLimit):
+	case <-time.After(kubetest.WaitLimit):
 		t.Fatal("replica b never tried to rotate the root")
 	}
 	a.check(t, pastRenewal)
@@ -603,7 +604,7 @@ func (l *logRecorder) contains(s string) bool {
 // wait blocks until msg was logged.
 func (l *logRecorder) wait(t *testing.T, msg string) {
 	t.Helper()
-	deadline := time.NewTimer(waitLimit)
+	deadline := time.NewTimer(kubetest.WaitLimit)
 	defer deadline.Stop()
 	for {
 		l.mu.Lock()

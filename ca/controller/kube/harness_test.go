@@ -4,7 +4,6 @@ package kube_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"slices"
@@ -25,9 +24,6 @@ import (
 	"github.com/meshid/meshid/ca/controller/kube"
 	"github.com/meshid/meshid/ca/controller/kube/kubetest"
 )
-
-// waitLimit bounds every wait on the API server; nothing here takes more than a second or two.
-const waitLimit = kubetest.WaitLimit
 
 func clientsFor(t testing.TB, cfg *rest.Config) *kube.Clients {
 	t.Helper()
@@ -65,32 +61,15 @@ func waitClosed(t *testing.T, ch <-chan struct{}, what string) {
 	t.Helper()
 	select {
 	case <-ch:
-	case <-time.After(waitLimit):
-		t.Fatalf("%s: not within %s", what, waitLimit)
+	case <-time.After(kubetest.WaitLimit):
+		t.Fatalf("%s: not within %s", what, kubetest.WaitLimit)
 	}
-}
-
-// eventually polls state in the API server, which tells no one when it changes.
-func eventually(t *testing.T, what string, cond func() error) {
-	t.Helper()
-	kubetest.Eventually(t, what, cond)
-}
-
-// waitFor polls cond until it holds; eventually, for a condition that can say why not.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	eventually(t, what, func() error {
-		if cond() {
-			return nil
-		}
-		return errors.New("not yet")
-	})
 }
 
 // waitStore waits, on the store's Changed, until cond holds.
 func waitStore(t *testing.T, store controller.Store, what string, cond func() bool) {
 	t.Helper()
-	timeout := time.After(waitLimit)
+	timeout := time.After(kubetest.WaitLimit)
 	for {
 		changed := store.Changed()
 		if cond() {
@@ -99,7 +78,7 @@ func waitStore(t *testing.T, store controller.Store, what string, cond func() bo
 		select {
 		case <-changed:
 		case <-timeout:
-			t.Fatalf("%s: not within %s", what, waitLimit)
+			t.Fatalf("%s: not within %s", what, kubetest.WaitLimit)
 		}
 	}
 }
@@ -191,7 +170,7 @@ func bind(t *testing.T, ns, sa string, roleRules, clusterRules []rbacv1.PolicyRu
 			if len(rule.ResourceNames) > 0 {
 				attrs.Name = rule.ResourceNames[0]
 			}
-			waitFor(t, "the authorizer to apply "+user+"'s grants", func() bool {
+			kubetest.Until(t, "the authorizer to apply "+user+"'s grants", func() bool {
 				review, err := authz.SubjectAccessReviews().Create(ctx, &authorizationv1.SubjectAccessReview{
 					Spec: authorizationv1.SubjectAccessReviewSpec{User: user, ResourceAttributes: attrs},
 				}, metav1.CreateOptions{})

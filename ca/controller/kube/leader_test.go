@@ -13,6 +13,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/meshid/meshid/ca/controller/kube"
+	"github.com/meshid/meshid/ca/controller/kube/kubetest"
 	"github.com/meshid/meshid/internal/testutil"
 )
 
@@ -71,7 +72,7 @@ func TestLeaderElectionHandsOver(t *testing.T) {
 	if got := receive(t, leading, "the follower taking over"); got != follower {
 		t.Fatalf("%s leads after %s stopped, want %s", got, first, follower)
 	}
-	eventually(t, "the Lease held by the follower", func() error {
+	kubetest.Eventually(t, "the Lease held by the follower", func() error {
 		if h, err := holder(); err != nil || h != follower {
 			return errors.New("held by " + h)
 		}
@@ -98,7 +99,7 @@ func TestLeaderWhoseWorkFailsWaitsALeaseDuration(t *testing.T) {
 		})
 	})
 	first := receive(t, runs, "a first run")
-	ctx, cancel := context.WithTimeout(t.Context(), waitLimit)
+	ctx, cancel := context.WithTimeout(t.Context(), kubetest.WaitLimit)
 	defer cancel()
 	if err := clk.WaitForDeadline(ctx, first.Add(cfg.LeaseDuration)); err != nil {
 		t.Fatalf("the replica does not wait a lease duration on its clock: %v", err)
@@ -119,8 +120,8 @@ func receive[T any](t *testing.T, ch <-chan T, what string) T {
 	select {
 	case v := <-ch:
 		return v
-	case <-time.After(waitLimit):
-		t.Fatalf("%s: not within %s", what, waitLimit)
+	case <-time.After(kubetest.WaitLimit):
+		t.Fatalf("%s: not within %s", what, kubetest.WaitLimit)
 		panic("unreachable")
 	}
 }

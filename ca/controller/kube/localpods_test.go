@@ -14,6 +14,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/meshid/meshid/ca/controller/kube"
+	"github.com/meshid/meshid/ca/controller/kube/kubetest"
 	"github.com/meshid/meshid/internal/attest"
 	"github.com/meshid/meshid/internal/testutil"
 )
@@ -36,7 +37,7 @@ func resolveAsync(t *testing.T, lp *kube.LocalPods, clk *testutil.FakeClock, uid
 		id, err := lp.ResolvePod(context.Background(), uid)
 		out <- resolved{id, err}
 	}()
-	ctx, cancel := context.WithTimeout(t.Context(), waitLimit)
+	ctx, cancel := context.WithTimeout(t.Context(), kubetest.WaitLimit)
 	defer cancel()
 	waiting := make(chan error, 1)
 	go func() { waiting <- clk.WaitForTimers(ctx, armed+1) }()
@@ -56,8 +57,8 @@ func answer(t *testing.T, ch <-chan resolved) resolved {
 	select {
 	case r := <-ch:
 		return r
-	case <-time.After(waitLimit):
-		t.Fatalf("no answer within %s", waitLimit)
+	case <-time.After(kubetest.WaitLimit):
+		t.Fatalf("no answer within %s", kubetest.WaitLimit)
 		return resolved{}
 	}
 }
@@ -164,7 +165,7 @@ func TestLocalPodsResolve(t *testing.T) {
 
 	// Two pods claiming one config hash: neither is believed.
 	createMirrorPod(t, ns, "impostor-"+node, node, static)
-	waitFor(t, "the impostor is seen", func() bool {
+	kubetest.Until(t, "the impostor is seen", func() bool {
 		_, err := resolveNow(lp, static)
 		return errors.Is(err, kube.ErrAmbiguousPod)
 	})
@@ -174,7 +175,7 @@ func TestLocalPodsResolve(t *testing.T) {
 	if _, err := env.Core().Pods(ns).UpdateStatus(t.Context(), batch, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the ended pod is refused", func() bool {
+	kubetest.Until(t, "the ended pod is refused", func() bool {
 		_, err := resolveNow(lp, string(batch.UID))
 		return errors.Is(err, attest.ErrPodNotFound)
 	})
@@ -182,7 +183,7 @@ func TestLocalPodsResolve(t *testing.T) {
 	if err := env.Core().Pods(ns).Delete(t.Context(), appA.Name, metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the deleted pod leaves the view", func() bool {
+	kubetest.Until(t, "the deleted pod leaves the view", func() bool {
 		_, err := resolveNow(lp, string(appA.UID))
 		return errors.Is(err, context.Canceled)
 	})
@@ -194,7 +195,7 @@ func TestLocalPodsResolve(t *testing.T) {
 	createMirrorPod(t, ns, "claims-app-a-"+node, node, string(appA.UID))
 	marker := mirrorHash(t)
 	createMirrorPod(t, ns, "marker-"+node, node, marker)
-	waitFor(t, "the marker is seen", func() bool {
+	kubetest.Until(t, "the marker is seen", func() bool {
 		_, err := resolveNow(lp, marker)
 		return err == nil
 	})
@@ -228,7 +229,7 @@ func TestLocalPodsNotListed(t *testing.T) {
 		_, err := lp.ResolvePod(ctx, "00000000-0000-0000-0000-000000000000")
 		done <- err
 	}()
-	wctx, wcancel := context.WithTimeout(t.Context(), waitLimit)
+	wctx, wcancel := context.WithTimeout(t.Context(), kubetest.WaitLimit)
 	defer wcancel()
 	if err := clk.WaitForTimers(wctx, armed+1); err != nil {
 		t.Fatal(err)
@@ -239,7 +240,7 @@ func TestLocalPodsNotListed(t *testing.T) {
 		if !errors.Is(err, context.Canceled) {
 			t.Fatalf("ctx ended: %v", err)
 		}
-	case <-time.After(waitLimit):
+	case <-time.After(kubetest.WaitLimit):
 		t.Fatal("ctx's end did not end the lookup")
 	}
 }

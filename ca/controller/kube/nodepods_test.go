@@ -16,6 +16,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/meshid/meshid/ca/controller/kube"
+	"github.com/meshid/meshid/ca/controller/kube/kubetest"
 	caserver "github.com/meshid/meshid/ca/server"
 	"github.com/meshid/meshid/internal/pki"
 )
@@ -121,7 +122,7 @@ func TestNodePodsAuthorizeNodeAgents(t *testing.T) {
 	if err := env.Core().Pods(ns).Delete(t.Context(), appA.Name, metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "app-a leaves node-a", func() bool {
+	kubetest.Until(t, "app-a leaves node-a", func() bool {
 		return errors.Is(np.OnCallersNode(t.Context(), agent, id("app-a")), caserver.ErrNotOnNode)
 	})
 	// A pod that has ended is no pod.
@@ -129,14 +130,14 @@ func TestNodePodsAuthorizeNodeAgents(t *testing.T) {
 	if _, err := env.Core().Pods(ns).UpdateStatus(t.Context(), batch, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the ended batch pod leaves node-a", func() bool {
+	kubetest.Until(t, "the ended batch pod leaves node-a", func() bool {
 		return errors.Is(np.OnCallersNode(t.Context(), agent, id("batch")), caserver.ErrNotOnNode)
 	})
 	// The node agent's own pod goes: it asks for nothing more.
 	if err := env.Core().Pods(ns).Delete(t.Context(), agentPod.Name, metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the agent's pod is gone", func() bool {
+	kubetest.Until(t, "the agent's pod is gone", func() bool {
 		return errors.Is(np.OnCallersNode(t.Context(), agent, id("node-agent")), caserver.ErrCallerPodUnknown)
 	})
 }

@@ -21,6 +21,7 @@ import (
 	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/ca/controller"
 	"github.com/meshid/meshid/ca/controller/kube"
+	"github.com/meshid/meshid/ca/controller/kube/kubetest"
 	"github.com/meshid/meshid/internal/testutil"
 )
 
@@ -70,7 +71,7 @@ func runRootConfigMaps(t *testing.T, cfg *rest.Config, caNS string, store *kube.
 func waitConfigMap(t *testing.T, ns string, want []byte) *corev1.ConfigMap {
 	t.Helper()
 	var cm *corev1.ConfigMap
-	eventually(t, "the root configmap of "+ns+" holds the expected roots", func() (err error) {
+	kubetest.Eventually(t, "the root configmap of "+ns+" holds the expected roots", func() (err error) {
 		if cm, err = env.Core().ConfigMaps(ns).Get(context.Background(), kube.RootCertConfigMap, metav1.GetOptions{}); err == nil && cm.Data[kube.RootCertKey] != string(want) {
 			err = errors.New("other roots")
 		}

@@ -21,6 +21,7 @@ import (
 	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/ca/controller"
 	"github.com/meshid/meshid/ca/controller/kube"
+	"github.com/meshid/meshid/ca/controller/kube/kubetest"
 	"github.com/meshid/meshid/internal/istio"
 	"github.com/meshid/meshid/internal/pki"
 )
@@ -77,7 +78,7 @@ func runSecretsOnKube(t *testing.T, cfg *rest.Config, ns string) *secretsOnKube 
 // await waits for the controller to report kind for sa.
 func (h *secretsOnKube) await(sa string, kind controller.SecretEventKind) {
 	h.t.Helper()
-	timeout := time.After(waitLimit)
+	timeout := time.After(kubetest.WaitLimit)
 	for {
 		select {
 		case ev := <-h.events:
@@ -149,7 +150,7 @@ func TestSecretsLifecycleOnKubernetes(t *testing.T) {
 	h := runSecretsOnKube(t, env.As(t, caNS, "meshid-ca"), ns)
 
 	var first *corev1.Secret
-	eventually(t, "istio.web created", func() (err error) { first, err = h.secret("web"); return err })
+	kubetest.Eventually(t, "istio.web created", func() (err error) { first, err = h.secret("web"); return err })
 	h.await("legacy", controller.SecretForeign)
 	if s, err := env.Core().Secrets(ns).Get(ctx, "istio.legacy", metav1.GetOptions{}); err != nil || s.ResourceVersion != foreign.ResourceVersion {
 		t.Errorf("the foreign secret was changed: %v", err)
@@ -159,7 +160,7 @@ func TestSecretsLifecycleOnKubernetes(t *testing.T) {
 	if err := env.Core().Secrets(ns).Delete(ctx, "istio.web", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "istio.web recreated", func() error {
+	kubetest.Eventually(t, "istio.web recreated", func() error {
 		s, err := h.secret("web")
 		if err == nil && s.UID == first.UID {
 			return errors.New("not deleted yet")
@@ -176,19 +177,19 @@ func TestSecretsLifecycleOnKubernetes(t *testing.T) {
 	if _, err := env.Core().Secrets(ns).Update(ctx, edited, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "istio.web repaired", func() error { _, err := h.secret("web"); return err })
+	kubetest.Eventually(t, "istio.web repaired", func() error { _, err := h.secret("web"); return err })
 
 	// The namespace opts out: its secrets go, the foreign one stays; it opts back in.
 	labelNamespace(t, ns, controller.LabelOverride, "false")
-	eventually(t, "istio.web removed", func() error { return h.gone("web") })
+	kubetest.Eventually(t, "istio.web removed", func() error { return h.gone("web") })
 	labelNamespace(t, ns, controller.LabelOverride, "true")
-	eventually(t, "istio.web restored", func() error { _, err := h.secret("web"); return err })
+	kubetest.Eventually(t, "istio.web restored", func() error { _, err := h.secret("web"); return err })
 
 	// The service account goes, and its secret with it.
 	if err := env.Core().ServiceAccounts(ns).Delete(ctx, "web", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "istio.web deleted with its service account", func() error { return h.gone("web") })
+	kubetest.Eventually(t, "istio.web deleted with its service account", func() error { return h.gone("web") })
 	if _, err := env.Core().Secrets(ns).Get(ctx, "istio.legacy", metav1.GetOptions{}); err != nil {
 		t.Errorf("the foreign secret: %v", err)
 	}
@@ -202,7 +203,7 @@ func TestStoreWithoutRightsSaysSo(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	store := kube.NewStore(kube.StoreConfig{Clients: clientsFor(t, env.As(t, ns, "nobody")), Logger: testLogger(t), Registerer: reg})
 	start(t, store.Run)
-	eventually(t, "a refused list counted", func() error {
+	kubetest.Eventually(t, "a refused list counted", func() error {
 		n, err := promtest.GatherAndCount(reg, "meshid_ca_kube_watch_errors_total")
 		if err == nil && n == 0 {
 			return errors.New("none yet")
@@ -231,9 +232,9 @@ func TestSecretNameTooLongIsRefusedOnce(t *testing.T) {
 	env.ServiceAccount(t, ns, long)
 	env.ServiceAccount(t, ns, "web")
 	h := runSecretsOnKube(t, env.As(t, caNS, "meshid-ca"), ns)
-	eventually(t, "istio.web created", func() error { _, err := h.secret("web"); return err })
+	kubetest.Eventually(t, "istio.web created", func() error { _, err := h.secret("web"); return err })
 
-	timeout := time.After(waitLimit)
+	timeout := time.After(kubetest.WaitLimit)
 	for refused := false; !refused; {
 		select {
 		case ev := <-h.events:
@@ -248,7 +249,7 @@ func TestSecretNameTooLongIsRefusedOnce(t *testing.T) {
 			}
 			refused = true
 		case <-timeout:
-			t.Fatalf("no refusal for the long name within %s", waitLimit)
+			t.Fatalf("no refusal for the long name within %s", kubetest.WaitLimit)
 		}
 	}
 	store := kube.NewSecretStore(kube.SecretStoreConfig{Clients: clientsFor(t, env.Admin)})

@@ -126,7 +126,7 @@ func TestTokenReviewRefusals(t *testing.T) {
 	admin := clientsFor(t, env.Admin)
 	// The API server learns of the deletion through its own watch: wait until it refuses the
 	// token, so that the authenticator below sees the settled state.
-	waitFor(t, "the API server to refuse the deleted service account's token", func() bool {
+	kubetest.Until(t, "the API server to refuse the deleted service account's token", func() bool {
 		tr, err := admin.Authentication.TokenReviews().Create(t.Context(), &authenticationv1.TokenReview{
 			Spec: authenticationv1.TokenReviewSpec{Token: goneToken, Audiences: []string{"istio-ca"}},
 		}, metav1.CreateOptions{})
@@ -348,7 +348,7 @@ func TestTokenReviewRBAC(t *testing.T) {
 	// The API server's authorizer learns of the binding through its watch; a refused call is not
 	// cached, so each try asks again.
 	var caller caserver.Caller
-	waitFor(t, "the CA's role binding to take effect", func() bool {
+	kubetest.Until(t, "the CA's role binding to take effect", func() bool {
 		caller, err = granted.auth.Authenticate(reviewBearer(t.Context(), tok))
 		return err == nil
 	})

@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"path/filepath"
 	"slices"
+	"sync"
 	"time"
 
 	jose "github.com/go-jose/go-jose/v4"
@@ -49,14 +50,34 @@ const (
 	MaxJWTSVIDAudienceBytes = 256
 )
 
-// JWTSVIDSigner signs JWT-SVIDs with one ES256 key, for the identities the server
-// authenticated. It holds no transport and no policy beyond the lifetime.
+// JWTSVIDSigner signs JWT-SVIDs with one ES256 key at a time, for the identities the server
+// authenticated, and publishes the keys that verify them. A key adopted later (AdoptKey) is
+// published at once and signs only JWTSVIDKeyLead after, once every agent's bundle holds it; the
+// key it replaces stays published until the last JWT-SVID it signed expires. It holds no transport
+// and no policy beyond the lifetime.
 type JWTSVIDSigner struct {
-	key    crypto.Signer
-	kid    string
-	ttl    time.Duration
-	bundle JWTBundle
+	trustDomain string // spiffe://TRUST_DOMAIN
+	ttl         time.Duration
+
+	mu sync.Mutex
+	// keys are in the order adopted; each signs from its signsFrom until the next one's.
+	keys []jwtSVIDKey
 }
+
+// jwtSVIDKey is one key of a signer.
+type jwtSVIDKey struct {
+	signer    crypto.Signer
+	kid       string    // the RFC 7638 thumbprint
+	jwk       []byte    // the public JWK, as JSON
+	der       []byte    // PKIX
+	signsFrom time.Time // zero: from the start
+}
+
+// JWTSVIDKeyLead is how long an adopted JWT-SVID key is published before it signs, so that no
+// validator is handed a JWT-SVID whose key its bundle lacks: twice the agents' bundle refresh
+// (workloadapi.DefaultJWTBundleRefresh, 5 min), the second for a refresh that failed and is
+// retried.
+const JWTSVIDKeyLead = 10 * time.Minute
 
 // JWTBundle is what verifies a trust domain's JWT-SVIDs: the JWKS document the Workload API
 // hands out, and the same keys as PKIX DER, which the agent reads without a JWK parser.
@@ -147,39 +168,104 @@ func NewJWTSVIDSigner(key crypto.Signer, trustDomain string, ttl time.Duration) 
 	if err := pki.ValidateTrustDomain(trustDomain); err != nil {
 		return nil, err
 	}
-	pub, err := checkJWTSVIDKey(key)
+	k, err := newJWTSVIDKey(key)
 	if err != nil {
 		return nil, err
+	}
+	return &JWTSVIDSigner{trustDomain: "spiffe://" + trustDomain, ttl: ttl, keys: []jwtSVIDKey{k}}, nil
+}
+
+func newJWTSVIDKey(key crypto.Signer) (jwtSVIDKey, error) {
+	pub, err := checkJWTSVIDKey(key)
+	if err != nil {
+		return jwtSVIDKey{}, err
 	}
 	jwk := jose.JSONWebKey{Key: pub, Algorithm: string(jose.ES256), Use: jwtSVIDUse}
 	thumb, err := jwk.Thumbprint(crypto.SHA256)
 	if err != nil {
-		return nil, fmt.Errorf("JWT-SVID key thumbprint: %w", err)
+		return jwtSVIDKey{}, fmt.Errorf("JWT-SVID key thumbprint: %w", err)
 	}
 	// The RFC 7638 thumbprint: any holder of the JWKS can check that the kid is the key's.
 	jwk.KeyID = base64.RawURLEncoding.EncodeToString(thumb)
-	jwks, err := json.Marshal(jose.JSONWebKeySet{Keys: []jose.JSONWebKey{jwk}})
+	jwkJSON, err := json.Marshal(jwk)
 	if err != nil {
-		return nil, fmt.Errorf("JWT-SVID JWKS: %w", err)
+		return jwtSVIDKey{}, fmt.Errorf("JWT-SVID JWK: %w", err)
 	}
 	der, err := x509.MarshalPKIXPublicKey(pub)
 	if err != nil {
-		return nil, fmt.Errorf("JWT-SVID public key: %w", err)
+		return jwtSVIDKey{}, fmt.Errorf("JWT-SVID public key: %w", err)
 	}
-	return &JWTSVIDSigner{
-		key: key, kid: jwk.KeyID, ttl: ttl,
-		bundle: JWTBundle{TrustDomain: "spiffe://" + trustDomain, JWKS: jwks, Keys: []JWTKey{{ID: jwk.KeyID, PublicKey: der}}},
-	}, nil
+	return jwtSVIDKey{signer: key, kid: jwk.KeyID, jwk: jwkJSON, der: der}, nil
 }
 
-// KeyID is the kid of every JWT-SVID the signer signs.
-func (s *JWTSVIDSigner) KeyID() string { return s.kid }
+// AdoptKey makes key the signing key from now+JWTSVIDKeyLead, and publishes it from now. It
+// returns the key's kid, and false when key is already the newest (nothing changes). A key
+// adopted before and not yet signing is dropped: it never signed, so nothing needs it. A key
+// that is not ECDSA P-256 is refused.
+func (s *JWTSVIDSigner) AdoptKey(key crypto.Signer, now time.Time) (string, bool, error) {
+	k, err := newJWTSVIDKey(key)
+	if err != nil {
+		return "", false, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.pruneLocked(now)
+	if last := s.keys[len(s.keys)-1]; last.kid == k.kid {
+		return k.kid, false, nil
+	}
+	s.keys = slices.DeleteFunc(s.keys, func(old jwtSVIDKey) bool {
+		return old.kid == k.kid || old.signsFrom.After(now)
+	})
+	k.signsFrom = now.Add(JWTSVIDKeyLead)
+	s.keys = append(s.keys, k)
+	return k.kid, true, nil
+}
+
+// pruneLocked drops the keys whose JWT-SVIDs have all expired: replaced more than a lifetime ago.
+func (s *JWTSVIDSigner) pruneLocked(now time.Time) {
+	for len(s.keys) > 1 && !now.Before(s.keys[1].signsFrom.Add(s.ttl)) {
+		s.keys = s.keys[1:]
+	}
+}
+
+// signingLocked is the key that signs at now: the newest one whose time has come.
+func (s *JWTSVIDSigner) signingLocked(now time.Time) jwtSVIDKey {
+	for i := len(s.keys) - 1; i > 0; i-- {
+		if !now.Before(s.keys[i].signsFrom) {
+			return s.keys[i]
+		}
+	}
+	return s.keys[0]
+}
+
+// KeyID is the kid of the JWT-SVIDs signed at now.
+func (s *JWTSVIDSigner) KeyID(now time.Time) string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.signingLocked(now).kid
+}
 
 // TTL is the lifetime of the JWT-SVIDs signed, and the most a request gets.
 func (s *JWTSVIDSigner) TTL() time.Duration { return s.ttl }
 
-// Bundle returns the keys that verify the signer's JWT-SVIDs.
-func (s *JWTSVIDSigner) Bundle() JWTBundle { return s.bundle }
+// Bundle returns the keys that verify the signer's JWT-SVIDs at now: the one signing, one
+// adopted to sign next, and those replaced less than a lifetime ago, in the order adopted.
+func (s *JWTSVIDSigner) Bundle(now time.Time) JWTBundle {
+	s.mu.Lock()
+	s.pruneLocked(now)
+	keys := slices.Clone(s.keys)
+	s.mu.Unlock()
+	b := JWTBundle{TrustDomain: s.trustDomain, JWKS: []byte(`{"keys":[`)}
+	for i, k := range keys {
+		if i > 0 {
+			b.JWKS = append(b.JWKS, ',')
+		}
+		b.JWKS = append(b.JWKS, k.jwk...) // each marshaled once, when adopted
+		b.Keys = append(b.Keys, JWTKey{ID: k.kid, PublicKey: k.der})
+	}
+	b.JWKS = append(b.JWKS, "]}"...)
+	return b
+}
 
 // JWTSVIDRequest is one JWT-SVID to sign.
 type JWTSVIDRequest struct {
@@ -219,8 +305,11 @@ func (s *JWTSVIDSigner) SignJWTSVID(req JWTSVIDRequest) (string, time.Time, erro
 		IssuedAt:  jwt.NewNumericDate(now),
 		ExpiresAt: jwt.NewNumericDate(exp),
 	})
-	tok.Header["kid"] = s.kid
-	signed, err := tok.SignedString(s.key)
+	s.mu.Lock()
+	k := s.signingLocked(req.Now)
+	s.mu.Unlock()
+	tok.Header["kid"] = k.kid
+	signed, err := tok.SignedString(k.signer)
 	if err != nil {
 		return "", time.Time{}, fmt.Errorf("sign JWT-SVID: %w", err)
 	}

@@ -1,12 +1,17 @@
 package ca_test
 
 import (
+	"crypto"
 	"crypto/x509"
+	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
+	"slices"
 	"testing"
 	"time"
 
+	jose "github.com/go-jose/go-jose/v4"
 	"github.com/golang-jwt/jwt/v5"
 
 	"github.com/meshid/meshid/ca"
@@ -37,8 +42,8 @@ func TestJWTSVIDKeyPersistsAcrossRestarts(t *testing.T) {
 	if err != nil || created {
 		t.Fatalf("restart: created %v, %v", created, err)
 	}
-	if first.KeyID() != again.KeyID() || string(first.Bundle().JWKS) != string(again.Bundle().JWKS) {
-		t.Fatalf("kid %s after a restart, was %s", again.KeyID(), first.KeyID())
+	if first.KeyID(time.Now()) != again.KeyID(time.Now()) || string(first.Bundle(time.Now()).JWKS) != string(again.Bundle(time.Now()).JWKS) {
+		t.Fatalf("kid %s after a restart, was %s", again.KeyID(time.Now()), first.KeyID(time.Now()))
 	}
 	// A token of the first verifies with the second's bundle.
 	id, err := pki.NewSPIFFEID("cluster.local", "default", "demo")
@@ -49,7 +54,7 @@ func TestJWTSVIDKeyPersistsAcrossRestarts(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pub, err := x509.ParsePKIXPublicKey(again.Bundle().Keys[0].PublicKey)
+	pub, err := x509.ParsePKIXPublicKey(again.Bundle(time.Now()).Keys[0].PublicKey)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -133,5 +138,123 @@ func TestJWTSVIDKeyFileOfAnotherAlgorithmIsRefused(t *testing.T) {
 	}
 	if got, err := os.ReadFile(ca.JWTSVIDKeyPath(dir)); err != nil || string(got) != string(rsaPEM) {
 		t.Fatalf("the refused key file was changed: %v", err)
+	}
+}
+
+// verifyJWTSVID checks tok at now as a validator holding only bundle's JWKS does: by its kid.
+func verifyJWTSVID(bundle ca.JWTBundle, tok string, now time.Time) error {
+	var jwks jose.JSONWebKeySet
+	if err := json.Unmarshal(bundle.JWKS, &jwks); err != nil {
+		return err
+	}
+	_, err := jwt.Parse(tok, func(t *jwt.Token) (any, error) {
+		kid, _ := t.Header["kid"].(string)
+		if keys := jwks.Key(kid); len(keys) == 1 {
+			return keys[0].Key, nil
+		}
+		return nil, fmt.Errorf("kid %q is not in the bundle", kid)
+	}, jwt.WithValidMethods([]string{"ES256"}), jwt.WithAudience("db"), jwt.WithTimeFunc(func() time.Time { return now }))
+	return err
+}
+
+func kidsOf(b ca.JWTBundle) []string {
+	var kids []string
+	for _, k := range b.Keys {
+		kids = append(kids, k.ID)
+	}
+	return kids
+}
+
+// A key adopted while the CA runs is published at once, signs only JWTSVIDKeyLead later (once
+// every agent's bundle has it), and the key it replaces stays published until the last JWT-SVID
+// it signed has expired.
+func TestJWTSVIDSignerAdoptsAKey(t *testing.T) {
+	t.Parallel()
+	const ttl = 5 * time.Minute
+	genKey := func() crypto.Signer {
+		key, err := pki.GenerateKey(pki.ECDSA, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return key
+	}
+	s, err := ca.NewJWTSVIDSigner(genKey(), "cluster.local", ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, err := pki.NewSPIFFEID("cluster.local", "default", "demo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sign := func(now time.Time) string {
+		t.Helper()
+		tok, _, err := s.SignJWTSVID(ca.JWTSVIDRequest{Identity: id, Audience: []string{"db"}, Now: now})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return tok
+	}
+	t0 := time.Date(2026, 11, 27, 12, 0, 0, 0, time.UTC)
+	oldKid := s.KeyID(t0)
+
+	next := genKey()
+	kid, changed, err := s.AdoptKey(next, t0)
+	if err != nil || !changed || kid == oldKid {
+		t.Fatalf("AdoptKey: kid %s (old %s), changed %v, %v", kid, oldKid, changed, err)
+	}
+	if again, changed, err := s.AdoptKey(next, t0.Add(time.Second)); err != nil || changed || again != kid {
+		t.Fatalf("the same key again: kid %s, changed %v, %v; want no change", again, changed, err)
+	}
+	if got := kidsOf(s.Bundle(t0)); !slices.Equal(got, []string{oldKid, kid}) {
+		t.Fatalf("bundle right after adopting: %v, want the old key and the new", got)
+	}
+	lastOld := ca.JWTSVIDKeyLead - time.Second
+	for _, at := range []time.Duration{0, lastOld} {
+		if got := s.KeyID(t0.Add(at)); got != oldKid {
+			t.Fatalf("%s after adopting, signing with %s; want the old key until the lead is over", at, got)
+		}
+	}
+	oldTok := sign(t0.Add(lastOld))
+	if got := s.KeyID(t0.Add(ca.JWTSVIDKeyLead)); got != kid {
+		t.Fatalf("once the lead is over, signing with %s, want %s", got, kid)
+	}
+	newTok := sign(t0.Add(ca.JWTSVIDKeyLead))
+
+	// An agent that fetched the bundle when the key was adopted verifies the new key's tokens.
+	if err := verifyJWTSVID(s.Bundle(t0), newTok, t0.Add(ca.JWTSVIDKeyLead)); err != nil {
+		t.Fatalf("a token of the new key, with the bundle of the adoption: %v", err)
+	}
+	// The old key's last token verifies until it expires, and the old key goes with it.
+	lastValid := t0.Add(lastOld + ttl - time.Second)
+	if err := verifyJWTSVID(s.Bundle(lastValid), oldTok, lastValid); err != nil {
+		t.Fatalf("the old key's last token, just before it expires: %v", err)
+	}
+	if got := kidsOf(s.Bundle(t0.Add(ca.JWTSVIDKeyLead + ttl))); !slices.Equal(got, []string{kid}) {
+		t.Fatalf("bundle once every token of the old key has expired: %v, want only %s", got, kid)
+	}
+
+	// A key replaced before it ever signed is dropped at once; an RSA key is refused.
+	pending := genKey()
+	t1 := t0.Add(time.Hour)
+	pendingKid, _, err := s.AdoptKey(pending, t1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	third, _, err := s.AdoptKey(genKey(), t1.Add(time.Minute))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := kidsOf(s.Bundle(t1.Add(time.Minute))); !slices.Equal(got, []string{kid, third}) {
+		t.Fatalf("bundle after replacing %s before it signed: %v, want %s and %s", pendingKid, got, kid, third)
+	}
+	rsaKey, err := pki.GenerateKey(pki.RSA, 2048)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := s.AdoptKey(rsaKey, t1.Add(2*time.Minute)); !errors.Is(err, ca.ErrJWTSVIDKey) {
+		t.Fatalf("an RSA key: %v, want ErrJWTSVIDKey", err)
+	}
+	if got := kidsOf(s.Bundle(t1.Add(2 * time.Minute))); !slices.Equal(got, []string{kid, third}) {
+		t.Fatalf("bundle after a refused key: %v", got)
 	}
 }

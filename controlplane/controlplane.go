@@ -517,7 +517,7 @@ func logJWTSVIDKey(cfg Config, signer *ca.JWTSVIDSigner, created bool, whereKey,
 	if created {
 		msg = "JWT-SVID signing key created"
 	}
-	cfg.Logger.Info(msg, whereKey, where, logkey.KeyID, signer.KeyID(), logkey.Duration, signer.TTL())
+	cfg.Logger.Info(msg, whereKey, where, logkey.KeyID, signer.KeyID(cfg.Clock.Now()), logkey.Duration, signer.TTL())
 }
 
 // newMonitor returns the monitoring server, or nil without its listener.

@@ -5,12 +5,14 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
 	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/caclient"
+	"github.com/meshid/meshid/workloadapi"
 )
 
 func jwtClient(t *testing.T, addr, stateDir, tok string) *caclient.Client {
@@ -50,8 +52,8 @@ func TestRestartKeepsTheJWTSVIDKey(t *testing.T) {
 	if err != nil || created {
 		t.Fatalf("the key: created %v, %v", created, err)
 	}
-	if _, ok := bundle.Keys[signer.KeyID()]; !ok || len(bundle.Keys) != 1 {
-		t.Fatalf("the restarted CA publishes %v, not the kept key %s", bundle.Keys, signer.KeyID())
+	if _, ok := bundle.Keys[signer.KeyID(time.Now())]; !ok || len(bundle.Keys) != 1 {
+		t.Fatalf("the restarted CA publishes %v, not the kept key %s", bundle.Keys, signer.KeyID(time.Now()))
 	}
 }
 
@@ -71,5 +73,15 @@ func TestJWTSVIDIsNoTokenAtTheCA(t *testing.T) {
 	}
 	if _, err := jwtClient(t, cp.GRPCAddr(), dir, svid.Token).MintJWTSVID(t.Context(), []string{"a"}, 0); status.Code(err) != codes.Unauthenticated {
 		t.Fatalf("MintJWTSVID with a JWT-SVID: %v, want Unauthenticated", err)
+	}
+}
+
+// A JWT-SVID key adopted while the CA runs signs only once every agent has fetched the bundle
+// that holds it: the lead is longer than the agents' bundle refresh.
+func TestJWTSVIDKeyLeadCoversTheAgentsRefresh(t *testing.T) {
+	t.Parallel()
+	if ca.JWTSVIDKeyLead < 2*workloadapi.DefaultJWTBundleRefresh {
+		t.Fatalf("a new JWT-SVID key signs %s after it is published, but agents refresh their bundle every %s: one fetched just before would lack it",
+			ca.JWTSVIDKeyLead, workloadapi.DefaultJWTBundleRefresh)
 	}
 }

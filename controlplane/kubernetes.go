@@ -76,7 +76,8 @@ type onKubernetes struct {
 	clients     *kube.Clients
 	store       *kube.Store
 	cacerts     *kube.CACerts
-	nodePods    *kube.NodePods // nil without trusted node accounts
+	jwtKeys     *kube.JWTSVIDKeys // made with the JWT-SVID signer
+	nodePods    *kube.NodePods    // nil without trusted node accounts
 	clock       clock.Clock
 	reg         prometheus.Registerer
 	log         *slog.Logger
@@ -158,7 +159,8 @@ func (k *onKubernetes) initialBundle(ctx context.Context, cacertsDir string, now
 
 // jwtSVIDSigner returns the signer of JWT-SVIDs with the key of the CA namespace's Secret,
 // which the first replica to start creates and every other loads: one key, so that a JWT-SVID
-// minted through one replica verifies with the bundle any replica serves.
+// minted through one replica verifies with the bundle any replica serves. run keeps the signer on
+// the Secret's key.
 func (k *onKubernetes) jwtSVIDSigner(ctx context.Context, cfg Config) (*ca.JWTSVIDSigner, error) {
 	ctx, cancel := context.WithTimeout(ctx, k.cfg.StartTimeout)
 	defer cancel()
@@ -171,6 +173,12 @@ func (k *onKubernetes) jwtSVIDSigner(ctx context.Context, cfg Config) (*ca.JWTSV
 		return nil, err
 	}
 	logJWTSVIDKey(cfg, signer, created, logkey.Object, "secret "+k.caNamespace+"/"+kube.JWTSVIDKeySecret)
+	if k.jwtKeys, err = kube.NewJWTSVIDKeys(kube.JWTSVIDKeysConfig{
+		Clients: k.clients, Namespace: k.caNamespace, Signer: signer, Key: key,
+		Clock: cfg.Clock, Logger: cfg.Logger.With(logkey.Component, "jwt-svid-key"), Registerer: k.reg,
+	}); err != nil {
+		return nil, err
+	}
 	return signer, nil
 }
 
@@ -209,9 +217,9 @@ func (k *onKubernetes) tokenReviews(cfg Config, reg prometheus.Registerer) (*kub
 	})
 }
 
-// run runs the informers and the cacerts watch on every replica, and the secret controller and
-// the root ConfigMaps on the one holding the Lease. A change the secret store sees requeues the
-// secret controller, where it runs.
+// run runs the informers and the watches of cacerts and the JWT-SVID key on every replica, and
+// the secret controller and the root ConfigMaps on the one holding the Lease. A change the secret
+// store sees requeues the secret controller, where it runs.
 func (k *onKubernetes) run(ctx context.Context, g *errgroup.Group, keys *ca.KeyManager, leader *leaderWork, secrets *controller.Secrets) {
 	var requeue func(controller.SecretKey)
 	if secrets != nil {
@@ -223,6 +231,9 @@ func (k *onKubernetes) run(ctx context.Context, g *errgroup.Group, keys *ca.KeyM
 	}
 	if k.cacerts != nil {
 		g.Go(func() error { return k.cacerts.Run(ctx, keys) })
+	}
+	if k.jwtKeys != nil {
+		g.Go(func() error { return k.jwtKeys.Run(ctx) })
 	}
 	g.Go(func() error { return leader.secretStore.Run(ctx, requeue) })
 	g.Go(func() error {

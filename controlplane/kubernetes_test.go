@@ -4,6 +4,7 @@ package controlplane_test
 
 import (
 	"context"
+	"crypto"
 	"crypto/x509"
 	"errors"
 	"fmt"
@@ -174,6 +175,7 @@ func TestTwoReplicasOnKubernetes(t *testing.T) {
 		}
 	}
 	sameJWTSVIDKey(t, a, b, tok)
+	jwtSVIDKeyReplaced(t, a, b, tok)
 
 	wrongAudience := kubeEnv.Token(t, app, "web", time.Hour, "someone-else")
 	if _, err := createCertificate(t, a.cp.GRPCAddr(), a.rootFile(), wrongAudience, id); status.Code(err) != codes.Unauthenticated {
@@ -318,6 +320,66 @@ func TestMountedCACertsOnKubernetes(t *testing.T) {
 	}
 	if got := r.cp.Authority().Bundle().SigningCert(); !got.Equal(inter.Cert) {
 		t.Fatalf("signing with %s after a cacerts Secret appeared, want the mounted intermediate", got.Subject)
+	}
+}
+
+// jwtSVIDKeyReplaced replaces the JWT-SVID key in its Secret, as an operator rotating it does,
+// and checks that both replicas, with the deploy Role's rights, publish the new key after the old
+// one with no restart, and keep signing with the old one until every agent can have the new.
+func jwtSVIDKeyReplaced(t *testing.T, a, b *replica, tok string) {
+	t.Helper()
+	secrets := kubeEnv.Core().Secrets("istio-system")
+	secret, err := secrets.Get(t.Context(), "meshid-jwt-svid", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	oldKey, err := ca.ParseJWTSVIDKey(secret.Data["key.pem"])
+	if err != nil {
+		t.Fatal(err)
+	}
+	next, err := ca.GenerateJWTSVIDKey()
+	if err != nil {
+		t.Fatal(err)
+	}
+	nextKey, err := ca.ParseJWTSVIDKey(next)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kids := make([]string, 2)
+	for i, key := range []crypto.Signer{oldKey, nextKey} {
+		s, err := ca.NewJWTSVIDSigner(key, "cluster.local", 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		kids[i] = s.KeyID(time.Now())
+	}
+	secret.Data["key.pem"] = next
+	if _, err := secrets.Update(t.Context(), secret, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range []*replica{a, b} {
+		client := jwtClient(t, r.cp.GRPCAddr(), r.cfg.StateDir, tok)
+		kubetest.Eventually(t, "replica "+r.cfg.Kubernetes.Identity+" publishes the replaced key", func() error {
+			bundle, err := client.FetchJWTBundle(t.Context())
+			if err != nil {
+				return err
+			}
+			if _, ok := bundle.Keys[kids[1]]; !ok || len(bundle.Keys) != 2 {
+				return fmt.Errorf("kids %v, want the old %s and the new %s", slices.Collect(maps.Keys(bundle.Keys)), kids[0], kids[1])
+			}
+			return nil
+		})
+		svid, err := client.MintJWTSVID(t.Context(), []string{"db"}, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		parsed, _, err := jwt.NewParser().ParseUnverified(svid.Token, jwt.MapClaims{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if kid := parsed.Header["kid"]; kid != kids[0] {
+			t.Fatalf("replica %s signs with %v right after the key was replaced, want the old %s until the lead is over", r.cfg.Kubernetes.Identity, kid, kids[0])
+		}
 	}
 }
 

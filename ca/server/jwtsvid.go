@@ -16,7 +16,7 @@ import (
 // JWTSVIDSigner signs JWT-SVIDs and publishes the keys that verify them (ca.JWTSVIDSigner).
 type JWTSVIDSigner interface {
 	SignJWTSVID(req ca.JWTSVIDRequest) (token string, expires time.Time, err error)
-	Bundle() ca.JWTBundle
+	Bundle(now time.Time) ca.JWTBundle
 }
 
 // JWTSVIDServer serves JWTSVIDService on the pipeline of the Server it was made from: the same
@@ -102,7 +102,7 @@ func (j *JWTSVIDServer) FetchJWTBundle(ctx context.Context, _ *jwtsvidpb.FetchJW
 	if err != nil {
 		return nil, err
 	}
-	b := j.signer.Bundle()
+	b := j.signer.Bundle(j.s.clock.Now())
 	resp := &jwtsvidpb.FetchJWTBundleResponse{TrustDomain: b.TrustDomain, Jwks: b.JWKS}
 	for _, k := range b.Keys {
 		resp.Keys = append(resp.Keys, &jwtsvidpb.JWTKey{Id: k.ID, PublicKey: k.PublicKey})

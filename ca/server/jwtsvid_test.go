@@ -76,8 +76,8 @@ func TestMintJWTSVIDForCallerIdentity(t *testing.T) {
 				t.Fatal(err)
 			}
 			tok, claims := parseJWTSVID(t, bundle, resp.GetToken())
-			if tok.Header["kid"] != h.jwtSigner.KeyID() || tok.Header["alg"] != "ES256" {
-				t.Fatalf("header %v, want kid %s and ES256", tok.Header, h.jwtSigner.KeyID())
+			if tok.Header["kid"] != h.jwtSigner.KeyID(time.Now()) || tok.Header["alg"] != "ES256" {
+				t.Fatalf("header %v, want kid %s and ES256", tok.Header, h.jwtSigner.KeyID(time.Now()))
 			}
 			if claims.Subject != tt.want || resp.GetSpiffeId() != tt.want {
 				t.Fatalf("sub %q (response %q), want %q", claims.Subject, resp.GetSpiffeId(), tt.want)
@@ -214,14 +214,14 @@ func TestFetchJWTBundleVerifiesJWTSVIDs(t *testing.T) {
 	if err := json.Unmarshal(bundle.GetJwks(), &jwks); err != nil {
 		t.Fatal(err)
 	}
-	if len(jwks.Keys) != 1 || jwks.Keys[0].KeyID != h.jwtSigner.KeyID() || jwks.Keys[0].Use != "jwt-svid" || !jwks.Keys[0].IsPublic() {
-		t.Fatalf("JWKS %s: want the one public key, kid %s, use jwt-svid", bundle.GetJwks(), h.jwtSigner.KeyID())
+	if len(jwks.Keys) != 1 || jwks.Keys[0].KeyID != h.jwtSigner.KeyID(time.Now()) || jwks.Keys[0].Use != "jwt-svid" || !jwks.Keys[0].IsPublic() {
+		t.Fatalf("JWKS %s: want the one public key, kid %s, use jwt-svid", bundle.GetJwks(), h.jwtSigner.KeyID(time.Now()))
 	}
 	thumb, err := jwks.Keys[0].Thumbprint(crypto.SHA256)
-	if err != nil || jwkB64(thumb) != h.jwtSigner.KeyID() {
-		t.Fatalf("kid %s is not the key's thumbprint (%v)", h.jwtSigner.KeyID(), err)
+	if err != nil || jwkB64(thumb) != h.jwtSigner.KeyID(time.Now()) {
+		t.Fatalf("kid %s is not the key's thumbprint (%v)", h.jwtSigner.KeyID(time.Now()), err)
 	}
-	if len(bundle.GetKeys()) != 1 || bundle.GetKeys()[0].GetId() != h.jwtSigner.KeyID() {
+	if len(bundle.GetKeys()) != 1 || bundle.GetKeys()[0].GetId() != h.jwtSigner.KeyID(time.Now()) {
 		t.Fatalf("keys %v", bundle.GetKeys())
 	}
 	resp, err := client.MintJWTSVID(ctx, &jwtsvidpb.MintJWTSVIDRequest{Audience: []string{"bank"}})

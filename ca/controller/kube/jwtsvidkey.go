@@ -5,12 +5,22 @@ import (
 	"crypto"
 	"errors"
 	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sync/errgroup"
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/client-go/tools/cache"
 
 	"github.com/meshid/meshid/ca"
+	"github.com/meshid/meshid/internal/clock"
+	"github.com/meshid/meshid/internal/logkey"
+	"github.com/meshid/meshid/internal/pki"
 )
 
 // The Secret, in the CA namespace, that holds the JWT-SVID signing key: one key for every
@@ -84,4 +94,204 @@ func jwtSVIDKeyOf(s *corev1.Secret, where string) (crypto.Signer, error) {
 		return nil, fmt.Errorf("%s, %s: %w", where, JWTSVIDKeyData, err)
 	}
 	return key, nil
+}
+
+// JWTSVIDKeyAdopter takes the key the Secret holds now (ca.JWTSVIDSigner.AdoptKey): it returns
+// the key's kid, whether it was new, and its refusal.
+type JWTSVIDKeyAdopter interface {
+	AdoptKey(key crypto.Signer, now time.Time) (kid string, changed bool, err error)
+}
+
+// JWTSVIDKeysConfig configures JWTSVIDKeys.
+type JWTSVIDKeysConfig struct {
+	Clients   *Clients
+	Namespace string // --ca-namespace, where the Secret lives
+	// Signer adopts each new key, and Key is the one it was made with (LoadOrCreateJWTSVIDKey's).
+	Signer     JWTSVIDKeyAdopter
+	Key        crypto.Signer
+	Clock      clock.Clock
+	Logger     *slog.Logger
+	Registerer prometheus.Registerer // optional
+}
+
+// JWTSVIDKeys keeps every replica on the key of the JWTSVIDKeySecret Secret while it runs: a key
+// an operator puts there is adopted (published at once, signing after ca.JWTSVIDKeyLead), and a
+// deleted Secret is put back with the newest key adopted, so that a replica starting later loads
+// that key rather than creating a key of its own that no other replica publishes.
+type JWTSVIDKeys struct {
+	cfg       JWTSVIDKeysConfig
+	clock     clock.Clock
+	log       *slog.Logger
+	where     string
+	events    *prometheus.CounterVec
+	watchErrs *prometheus.CounterVec
+}
+
+// JWTSVIDKeys events, counted by meshid_ca_jwt_svid_key_secret_events_total.
+const (
+	jwtKeyAdopted       = "adopted"
+	jwtKeyUnchanged     = "unchanged"
+	jwtKeyInvalid       = "invalid"
+	jwtKeyDeleted       = "deleted"
+	jwtKeyRestored      = "restored"
+	jwtKeyRestoreFailed = "restore_failed"
+)
+
+// jwtKeyRestoreRetry is how long after a failed restore of the deleted Secret the next try waits.
+const jwtKeyRestoreRetry = 30 * time.Second
+
+// NewJWTSVIDKeys returns a JWTSVIDKeys. It starts no goroutine.
+func NewJWTSVIDKeys(cfg JWTSVIDKeysConfig) (*JWTSVIDKeys, error) {
+	switch {
+	case cfg.Clients == nil:
+		return nil, errors.New("JWT-SVID key: no Kubernetes clients")
+	case cfg.Namespace == "":
+		return nil, errors.New("JWT-SVID key: no CA namespace")
+	case cfg.Signer == nil || cfg.Key == nil:
+		return nil, errors.New("JWT-SVID key: no signer to keep on the Secret's key")
+	}
+	k := &JWTSVIDKeys{
+		cfg:       cfg,
+		clock:     clock.OrReal(cfg.Clock),
+		log:       cfg.Logger,
+		where:     "secret " + cfg.Namespace + "/" + JWTSVIDKeySecret,
+		watchErrs: watchErrors(cfg.Registerer),
+		events: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "meshid", Subsystem: "ca", Name: "jwt_svid_key_secret_events_total",
+			Help: "What the CA did on changes of the meshid-jwt-svid Secret: a new key adopted, the same key, invalid data ignored; the Secret deleted, restored, or its restore failed.",
+		}, []string{"event"}),
+	}
+	if k.log == nil {
+		k.log = slog.New(slog.DiscardHandler)
+	}
+	if cfg.Registerer != nil {
+		if err := cfg.Registerer.Register(k.events); err != nil {
+			return nil, fmt.Errorf("JWT-SVID key metrics: %w", err)
+		}
+	}
+	return k, nil
+}
+
+// Run follows the Secret until ctx ends.
+func (k *JWTSVIDKeys) Run(ctx context.Context) error {
+	informer := newInformer(cache.NewListWatchFromClient(k.cfg.Clients.Core.RESTClient(), "secrets", k.cfg.Namespace,
+		fields.OneTermEqualSelector("metadata.name", JWTSVIDKeySecret)), &corev1.Secret{}, "secrets/"+JWTSVIDKeySecret, nil, k.log, k.watchErrs)
+	// One pending wake-up is enough: each sync reads the Secret as the informer holds it now.
+	wake := make(chan struct{}, 1)
+	poke := func() {
+		select {
+		case wake <- struct{}{}:
+		default:
+		}
+	}
+	deleted := func(any) {
+		k.events.WithLabelValues(jwtKeyDeleted).Inc()
+		k.log.Warn("the JWT-SVID key secret was deleted; putting it back with the key the CA signs with (to change the key, replace its key.pem instead)",
+			logkey.Object, k.where)
+		poke()
+	}
+	if _, err := informer.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc: func(any) { poke() }, UpdateFunc: func(any, any) { poke() }, DeleteFunc: deleted,
+	}); err != nil {
+		return err
+	}
+	g, ctx := errgroup.WithContext(ctx)
+	g.Go(func() error { informer.RunWithContext(ctx); return nil })
+	g.Go(func() error {
+		if !cache.WaitForCacheSync(ctx.Done(), informer.HasSynced) {
+			return nil // ctx ended
+		}
+		f := jwtKeyFollower{newest: k.cfg.Key}
+		for {
+			retry := false
+			if obj, ok, _ := informer.GetStore().GetByKey(k.cfg.Namespace + "/" + JWTSVIDKeySecret); ok {
+				k.sync(obj.(*corev1.Secret), &f)
+			} else {
+				retry = !k.restore(ctx, f.newest)
+			}
+			var retryC <-chan time.Time
+			var timer clock.Timer
+			if retry {
+				timer = k.clock.NewTimer(jwtKeyRestoreRetry)
+				retryC = timer.C()
+			}
+			select {
+			case <-ctx.Done():
+			case <-wake:
+			case <-retryC:
+			}
+			if timer != nil {
+				timer.Stop()
+			}
+			if ctx.Err() != nil {
+				return nil
+			}
+		}
+	})
+	return g.Wait()
+}
+
+// jwtKeyFollower is what Run knows of the Secret's versions.
+type jwtKeyFollower struct {
+	newest  crypto.Signer // the newest key adopted, which a restore writes
+	seen    string        // the resource version last handled
+	refused string        // the last one found invalid, logged once
+}
+
+// sync adopts the key of a version of the Secret not handled yet.
+func (k *JWTSVIDKeys) sync(s *corev1.Secret, f *jwtKeyFollower) {
+	if s.ResourceVersion == f.seen {
+		return
+	}
+	f.seen = s.ResourceVersion
+	key, err := jwtSVIDKeyOf(s, k.where)
+	if err == nil {
+		var kid string
+		var changed bool
+		if kid, changed, err = k.cfg.Signer.AdoptKey(key, k.clock.Now()); err == nil {
+			f.newest = key
+			if !changed {
+				k.events.WithLabelValues(jwtKeyUnchanged).Inc()
+				return
+			}
+			k.events.WithLabelValues(jwtKeyAdopted).Inc()
+			k.log.Info("adopted the JWT-SVID key of the secret: published now, signing once every agent has it",
+				logkey.Object, k.where, logkey.KeyID, kid, logkey.NotBefore, k.clock.Now().Add(ca.JWTSVIDKeyLead))
+			return
+		}
+	}
+	k.events.WithLabelValues(jwtKeyInvalid).Inc()
+	if s.ResourceVersion != f.refused {
+		f.refused = s.ResourceVersion
+		k.log.Warn("the JWT-SVID key secret holds no valid key; the CA keeps signing with the key it has",
+			logkey.Object, k.where, logkey.ResourceVersion, s.ResourceVersion, logkey.Reason, err.Error())
+	}
+}
+
+// restore creates the deleted Secret with key, and reports whether that is done: created here,
+// or by another replica or an operator first (whose version the watch brings).
+func (k *JWTSVIDKeys) restore(ctx context.Context, key crypto.Signer) bool {
+	keyPEM, err := pki.EncodePrivateKey(key)
+	if err == nil {
+		_, err = k.cfg.Clients.Core.Secrets(k.cfg.Namespace).Create(ctx, &corev1.Secret{
+			ObjectMeta: metav1.ObjectMeta{Name: JWTSVIDKeySecret, Namespace: k.cfg.Namespace},
+			Type:       JWTSVIDKeySecretType,
+			Data:       map[string][]byte{JWTSVIDKeyData: keyPEM},
+		}, metav1.CreateOptions{})
+	}
+	switch {
+	case err == nil:
+		k.events.WithLabelValues(jwtKeyRestored).Inc()
+		k.log.Info("put the JWT-SVID key secret back", logkey.Object, k.where)
+		return true
+	case apierrors.IsAlreadyExists(err):
+		return true
+	case ctx.Err() != nil:
+		return true // stopping
+	default:
+		k.events.WithLabelValues(jwtKeyRestoreFailed).Inc()
+		k.log.Error("cannot put the JWT-SVID key secret back; retrying", logkey.Object, k.where,
+			logkey.Error, err.Error(), logkey.RetryIn, jwtKeyRestoreRetry)
+		return false
+	}
 }

@@ -17,6 +17,7 @@ import (
 
 	jose "github.com/go-jose/go-jose/v4"
 	"github.com/golang-jwt/jwt/v5"
+	"github.com/prometheus/client_golang/prometheus"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -24,6 +25,7 @@ import (
 
 	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/ca/controller/kube"
+	"github.com/meshid/meshid/ca/controller/kube/kubetest"
 	"github.com/meshid/meshid/internal/pki"
 	"github.com/meshid/meshid/internal/testutil"
 )
@@ -113,11 +115,11 @@ func TestJWTSVIDKeySharedByReplicas(t *testing.T) {
 	if a.created == b.created {
 		t.Fatalf("created by a: %v, by b: %v; want exactly one", a.created, b.created)
 	}
-	if a.signer.KeyID() != b.signer.KeyID() {
-		t.Fatalf("the replicas sign with kids %s and %s", a.signer.KeyID(), b.signer.KeyID())
+	if a.signer.KeyID(time.Now()) != b.signer.KeyID(time.Now()) {
+		t.Fatalf("the replicas sign with kids %s and %s", a.signer.KeyID(time.Now()), b.signer.KeyID(time.Now()))
 	}
-	verifiesWith(t, a.signer, b.signer.Bundle())
-	verifiesWith(t, b.signer, a.signer.Bundle())
+	verifiesWith(t, a.signer, b.signer.Bundle(time.Now()))
+	verifiesWith(t, b.signer, a.signer.Bundle(time.Now()))
 
 	s := getSecret(t, ns, kube.JWTSVIDKeySecret)
 	if s.Type != kube.JWTSVIDKeySecretType || len(s.Data) != 1 || len(s.Data[kube.JWTSVIDKeyData]) == 0 {
@@ -125,8 +127,8 @@ func TestJWTSVIDKeySharedByReplicas(t *testing.T) {
 	}
 
 	restarted, created := jwtSigner(t, env.As(t, ns, sa), ns)
-	if created || restarted.KeyID() != a.signer.KeyID() {
-		t.Fatalf("a restarted replica: created %v, kid %s; want the kept kid %s", created, restarted.KeyID(), a.signer.KeyID())
+	if created || restarted.KeyID(time.Now()) != a.signer.KeyID(time.Now()) {
+		t.Fatalf("a restarted replica: created %v, kid %s; want the kept kid %s", created, restarted.KeyID(time.Now()), a.signer.KeyID(time.Now()))
 	}
 }
 
@@ -168,8 +170,8 @@ func TestJWTSVIDKeyRaceLoserTakesTheWinners(t *testing.T) {
 	if winner == nil {
 		t.Fatal("the loser never tried to create the secret")
 	}
-	if created || loser.KeyID() != winner.KeyID() {
-		t.Fatalf("the loser: created %v, kid %s; want the winner's %s", created, loser.KeyID(), winner.KeyID())
+	if created || loser.KeyID(time.Now()) != winner.KeyID(time.Now()) {
+		t.Fatalf("the loser: created %v, kid %s; want the winner's %s", created, loser.KeyID(time.Now()), winner.KeyID(time.Now()))
 	}
 }
 
@@ -232,5 +234,125 @@ func TestJWTSVIDKeyWithoutRightsFails(t *testing.T) {
 	_, _, err := kube.LoadOrCreateJWTSVIDKey(t.Context(), clientsFor(t, env.As(t, ns, "nobody")), ns)
 	if !apierrors.IsForbidden(err) || !strings.Contains(err.Error(), "get secret "+ns+"/"+kube.JWTSVIDKeySecret) {
 		t.Fatalf("load without rights: %v, want a forbidden get of the secret", err)
+	}
+}
+
+// Every replica follows the key's Secret, with only the deploy Role's rights: a key an operator
+// puts in its place is adopted (published at once, signing once ca.JWTSVIDKeyLead is over); one
+// that is not ECDSA P-256 is ignored, logged once and counted; and a deleted Secret is put back
+// with the newest key adopted, which a replica starting then loads rather than making its own.
+func TestJWTSVIDKeysFollowTheSecret(t *testing.T) {
+	t.Parallel()
+	ns := env.Namespace(t, nil)
+	const sa = "meshid-ca"
+	env.ServiceAccount(t, ns, sa)
+	bind(t, ns, sa, caRole(), nil)
+	clients := clientsFor(t, env.As(t, ns, sa))
+	key, _, err := kube.LoadOrCreateJWTSVIDKey(t.Context(), clients, ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	signer, err := ca.NewJWTSVIDSigner(key, "cluster.local", 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t0 := time.Date(2026, 11, 27, 12, 0, 0, 0, time.UTC)
+	clk := testutil.NewFakeClock(t0)
+	logs := newLogRecorder()
+	reg := prometheus.NewRegistry()
+	keys, err := kube.NewJWTSVIDKeys(kube.JWTSVIDKeysConfig{Clients: clients, Namespace: ns, Signer: signer, Key: key,
+		Clock: clk, Logger: logs.logger(), Registerer: reg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- keys.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	})
+	oldKid := signer.KeyID(t0)
+	events := func(event string) float64 {
+		return metric(t, reg, "meshid_ca_jwt_svid_key_secret_events_total", "event", event)
+	}
+	kubetest.Until(t, "the key loaded at start followed", func() bool { return events("unchanged") == 1 })
+
+	// An operator replaces the key.
+	next, err := pki.GenerateKey(pki.ECDSA, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	putKey(t, ns, testutil.KeyPEM(t, next))
+	kubetest.Until(t, "the new key adopted", func() bool { return len(signer.Bundle(t0).Keys) == 2 })
+	newKid := signer.Bundle(t0).Keys[1].ID
+	if signer.Bundle(t0).Keys[0].ID != oldKid || newKid == oldKid {
+		t.Fatalf("bundle %v, want the old key %s then the new", signer.Bundle(t0).Keys, oldKid)
+	}
+	if got := signer.KeyID(t0); got != oldKid {
+		t.Fatalf("signing with %s at once, want the old key until the lead is over", got)
+	}
+	if got := signer.KeyID(t0.Add(ca.JWTSVIDKeyLead)); got != newKid {
+		t.Fatalf("signing with %s after the lead, want %s", got, newKid)
+	}
+
+	// Then one that is not ECDSA P-256: kept out, said once.
+	rsaKey, err := pki.GenerateKey(pki.RSA, 2048)
+	if err != nil {
+		t.Fatal(err)
+	}
+	putKey(t, ns, testutil.KeyPEM(t, rsaKey))
+	kubetest.Until(t, "the RSA key refused", func() bool { return events("invalid") == 1 })
+	if got := len(signer.Bundle(t0).Keys); got != 2 {
+		t.Fatalf("%d keys published after an invalid one, want 2", got)
+	}
+
+	// Then deletes the Secret: it comes back with the newest key adopted.
+	if err := env.Core().Secrets(ns).Delete(t.Context(), kube.JWTSVIDKeySecret, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	kubetest.Eventually(t, "the deleted secret put back", func() error {
+		_, err := env.Core().Secrets(ns).Get(t.Context(), kube.JWTSVIDKeySecret, metav1.GetOptions{})
+		return err
+	})
+	s := getSecret(t, ns, kube.JWTSVIDKeySecret)
+	if s.Type != kube.JWTSVIDKeySecretType {
+		t.Fatalf("put back with type %q, want %q", s.Type, kube.JWTSVIDKeySecretType)
+	}
+	restarted, created := jwtSigner(t, env.As(t, ns, sa), ns)
+	if created || restarted.KeyID(t0) != newKid {
+		t.Fatalf("a replica starting after the restore: created %v, kid %s; want the adopted %s", created, restarted.KeyID(t0), newKid)
+	}
+	kubetest.Until(t, "the restored secret followed", func() bool { return events("unchanged") == 2 })
+
+	for event, want := range map[string]float64{"adopted": 1, "invalid": 1, "deleted": 1, "restored": 1, "restore_failed": 0} {
+		if got := events(event); got != want {
+			t.Errorf("%v %s events counted, want %v", got, event, want)
+		}
+	}
+	for _, msg := range []string{
+		"adopted the JWT-SVID key of the secret: published now, signing once every agent has it",
+		"the JWT-SVID key secret holds no valid key; the CA keeps signing with the key it has",
+		"the JWT-SVID key secret was deleted; putting it back with the key the CA signs with (to change the key, replace its key.pem instead)",
+		"put the JWT-SVID key secret back",
+	} {
+		if n := logs.count(msg); n != 1 {
+			t.Errorf("logged %d times, want once: %s", n, msg)
+		}
+	}
+	if logs.contains("PRIVATE KEY") {
+		t.Fatal("key material was logged")
+	}
+}
+
+// putKey replaces the key of the JWT-SVID Secret, as an operator does.
+func putKey(t *testing.T, ns string, keyPEM []byte) {
+	t.Helper()
+	s := getSecret(t, ns, kube.JWTSVIDKeySecret)
+	s.Data[kube.JWTSVIDKeyData] = keyPEM
+	if _, err := env.Core().Secrets(ns).Update(t.Context(), s, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
 	}
 }

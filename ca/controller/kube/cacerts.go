@@ -14,12 +14,9 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"golang.org/x/sync/errgroup"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/fields"
-	"k8s.io/client-go/tools/cache"
 
 	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/internal/clock"
@@ -268,51 +265,20 @@ func generated(s *corev1.Secret) bool {
 // rotation or plug-in by any replica or operator reaches every replica with no restart. On each
 // version and every RootCheckInterval (±5%) it renews a generated root that nears its end.
 func (c *CACerts) Run(ctx context.Context, keys Offerer) error {
-	informer := newInformer(cache.NewListWatchFromClient(c.cfg.Clients.Core.RESTClient(), "secrets", c.cfg.Namespace,
-		fields.OneTermEqualSelector("metadata.name", CACertsSecret)), &corev1.Secret{}, "secrets/"+CACertsSecret, nil, c.log, c.watchErrs)
-	// One pending wake-up is enough: each sync reads the latest version.
-	wake := make(chan struct{}, 1)
-	poke := func() {
-		select {
-		case wake <- struct{}{}:
-		default:
-		}
-	}
-	if _, err := informer.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc:    func(any) { poke() },
-		UpdateFunc: func(any, any) { poke() },
-		DeleteFunc: func(any) {
+	var v versions
+	return followSecret(ctx, secretWatch{
+		clients: c.cfg.Clients, namespace: c.cfg.Namespace, name: CACertsSecret,
+		clock: c.clock, log: c.log, errs: c.watchErrs,
+		deleted: func() {
 			c.deletes.Inc()
 			c.log.Warn("the cacerts secret was deleted; the CA keeps serving its key material and does not recreate it", logkey.Object, c.where)
 		},
-	}); err != nil {
-		return err
-	}
-
-	g, ctx := errgroup.WithContext(ctx)
-	g.Go(func() error { informer.RunWithContext(ctx); return nil })
-	g.Go(func() error {
-		if !cache.WaitForCacheSync(ctx.Done(), informer.HasSynced) {
-			return nil // ctx ended
+	}, func(s *corev1.Secret) time.Duration {
+		if s != nil {
+			c.sync(ctx, s, &v, keys)
 		}
-		var v versions
-		for {
-			if obj, ok, _ := informer.GetStore().GetByKey(c.cfg.Namespace + "/" + CACertsSecret); ok {
-				c.sync(ctx, obj.(*corev1.Secret), &v, keys)
-			}
-			wait := time.Duration(float64(c.cfg.RootCheckInterval) * (0.95 + 0.1*c.cfg.Jitter()))
-			timer := c.clock.NewTimer(wait)
-			select {
-			case <-ctx.Done():
-				timer.Stop()
-				return nil
-			case <-wake:
-				timer.Stop()
-			case <-timer.C():
-			}
-		}
+		return time.Duration(float64(c.cfg.RootCheckInterval) * (0.95 + 0.1*c.cfg.Jitter()))
 	})
-	return g.Wait()
 }
 
 // versions is what the follower knows of the Secret's versions.

@@ -5,12 +5,17 @@ import (
 	"errors"
 	"log/slog"
 	"sync"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sync/errgroup"
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/tools/cache"
 
+	"github.com/meshid/meshid/internal/clock"
 	"github.com/meshid/meshid/internal/logkey"
 )
 
@@ -82,4 +87,73 @@ func listIn(informer cache.SharedIndexInformer, namespace string) ([]any, error)
 		return informer.GetStore().List(), nil
 	}
 	return informer.GetIndexer().ByIndex(cache.NamespaceIndex, namespace)
+}
+
+// secretWatch names one Secret to follow, and how to report on its watch.
+type secretWatch struct {
+	clients         *Clients
+	namespace, name string
+	clock           clock.Clock
+	log             *slog.Logger
+	errs            *prometheus.CounterVec // watchErrors
+	deleted         func()                 // optional, told of each deletion
+}
+
+// followSecret runs an informer of one Secret until ctx ends. Once it has listed, sync is called
+// with the Secret (nil while there is none), then again at each change, and once the wait it
+// returned has passed (0: none); one call at a time, each with the Secret as it is then.
+func followSecret(ctx context.Context, w secretWatch, sync func(*corev1.Secret) time.Duration) error {
+	informer := newInformer(cache.NewListWatchFromClient(w.clients.Core.RESTClient(), "secrets", w.namespace,
+		fields.OneTermEqualSelector("metadata.name", w.name)), &corev1.Secret{}, "secrets/"+w.name, nil, w.log, w.errs)
+	// One pending wake-up is enough: each sync reads the latest version.
+	wake := make(chan struct{}, 1)
+	poke := func() {
+		select {
+		case wake <- struct{}{}:
+		default:
+		}
+	}
+	if _, err := informer.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(any) { poke() },
+		UpdateFunc: func(any, any) { poke() },
+		DeleteFunc: func(any) {
+			if w.deleted != nil {
+				w.deleted()
+			}
+			poke()
+		},
+	}); err != nil {
+		return err
+	}
+	g, ctx := errgroup.WithContext(ctx)
+	g.Go(func() error { informer.RunWithContext(ctx); return nil })
+	g.Go(func() error {
+		if !cache.WaitForCacheSync(ctx.Done(), informer.HasSynced) {
+			return nil // ctx ended
+		}
+		for {
+			var s *corev1.Secret
+			if obj, ok, _ := informer.GetStore().GetByKey(w.namespace + "/" + w.name); ok {
+				s = obj.(*corev1.Secret)
+			}
+			var timer clock.Timer
+			var due <-chan time.Time
+			if wait := sync(s); wait > 0 {
+				timer = w.clock.NewTimer(wait)
+				due = timer.C()
+			}
+			select {
+			case <-ctx.Done():
+			case <-wake:
+			case <-due:
+			}
+			if timer != nil {
+				timer.Stop()
+			}
+			if ctx.Err() != nil {
+				return nil
+			}
+		}
+	})
+	return g.Wait()
 }

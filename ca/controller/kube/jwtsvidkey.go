@@ -9,13 +9,10 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"golang.org/x/sync/errgroup"
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/fields"
-	"k8s.io/client-go/tools/cache"
 
 	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/internal/clock"
@@ -174,61 +171,24 @@ func NewJWTSVIDKeys(cfg JWTSVIDKeysConfig) (*JWTSVIDKeys, error) {
 
 // Run follows the Secret until ctx ends.
 func (k *JWTSVIDKeys) Run(ctx context.Context) error {
-	informer := newInformer(cache.NewListWatchFromClient(k.cfg.Clients.Core.RESTClient(), "secrets", k.cfg.Namespace,
-		fields.OneTermEqualSelector("metadata.name", JWTSVIDKeySecret)), &corev1.Secret{}, "secrets/"+JWTSVIDKeySecret, nil, k.log, k.watchErrs)
-	// One pending wake-up is enough: each sync reads the Secret as the informer holds it now.
-	wake := make(chan struct{}, 1)
-	poke := func() {
-		select {
-		case wake <- struct{}{}:
-		default:
+	f := jwtKeyFollower{newest: k.cfg.Key}
+	return followSecret(ctx, secretWatch{
+		clients: k.cfg.Clients, namespace: k.cfg.Namespace, name: JWTSVIDKeySecret,
+		clock: k.clock, log: k.log, errs: k.watchErrs,
+		deleted: func() {
+			k.events.WithLabelValues(jwtKeyDeleted).Inc()
+			k.log.Warn("the JWT-SVID key secret was deleted; putting it back with the key the CA signs with (to change the key, replace its key.pem instead)",
+				logkey.Object, k.where)
+		},
+	}, func(s *corev1.Secret) time.Duration {
+		switch {
+		case s != nil:
+			k.sync(s, &f)
+		case !k.restore(ctx, f.newest):
+			return jwtKeyRestoreRetry
 		}
-	}
-	deleted := func(any) {
-		k.events.WithLabelValues(jwtKeyDeleted).Inc()
-		k.log.Warn("the JWT-SVID key secret was deleted; putting it back with the key the CA signs with (to change the key, replace its key.pem instead)",
-			logkey.Object, k.where)
-		poke()
-	}
-	if _, err := informer.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc: func(any) { poke() }, UpdateFunc: func(any, any) { poke() }, DeleteFunc: deleted,
-	}); err != nil {
-		return err
-	}
-	g, ctx := errgroup.WithContext(ctx)
-	g.Go(func() error { informer.RunWithContext(ctx); return nil })
-	g.Go(func() error {
-		if !cache.WaitForCacheSync(ctx.Done(), informer.HasSynced) {
-			return nil // ctx ended
-		}
-		f := jwtKeyFollower{newest: k.cfg.Key}
-		for {
-			retry := false
-			if obj, ok, _ := informer.GetStore().GetByKey(k.cfg.Namespace + "/" + JWTSVIDKeySecret); ok {
-				k.sync(obj.(*corev1.Secret), &f)
-			} else {
-				retry = !k.restore(ctx, f.newest)
-			}
-			var retryC <-chan time.Time
-			var timer clock.Timer
-			if retry {
-				timer = k.clock.NewTimer(jwtKeyRestoreRetry)
-				retryC = timer.C()
-			}
-			select {
-			case <-ctx.Done():
-			case <-wake:
-			case <-retryC:
-			}
-			if timer != nil {
-				timer.Stop()
-			}
-			if ctx.Err() != nil {
-				return nil
-			}
-		}
+		return 0
 	})
-	return g.Wait()
 }
 
 // jwtKeyFollower is what Run knows of the Secret's versions.

@@ -30,6 +30,15 @@ import (
 	"github.com/meshid/meshid/internal/testutil"
 )
 
+// caNamespace is a new CA namespace with the CA's service account, bound to the deploy Role.
+func caNamespace(t *testing.T) (ns, sa string) {
+	t.Helper()
+	ns, sa = env.Namespace(t, nil), "meshid-ca"
+	env.ServiceAccount(t, ns, sa)
+	bind(t, ns, sa, caRole(), nil)
+	return ns, sa
+}
+
 // jwtSigner is what a replica builds from the key it loaded.
 func jwtSigner(t *testing.T, cfg *rest.Config, ns string) (*ca.JWTSVIDSigner, bool) {
 	t.Helper()
@@ -78,10 +87,7 @@ func verifiesWith(t *testing.T, signer *ca.JWTSVIDSigner, bundle ca.JWTBundle) {
 // a JWT-SVID of either verifies with the other's bundle. A restart loads the same key.
 func TestJWTSVIDKeySharedByReplicas(t *testing.T) {
 	t.Parallel()
-	ns := env.Namespace(t, nil)
-	const sa = "meshid-ca"
-	env.ServiceAccount(t, ns, sa)
-	bind(t, ns, sa, caRole(), nil)
+	ns, sa := caNamespace(t)
 
 	type loaded struct {
 		signer  *ca.JWTSVIDSigner
@@ -150,10 +156,7 @@ func (r *raceTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 // A replica whose create loses to another writer's uses the winner's key, not its own.
 func TestJWTSVIDKeyRaceLoserTakesTheWinners(t *testing.T) {
 	t.Parallel()
-	ns := env.Namespace(t, nil)
-	const sa = "meshid-ca"
-	env.ServiceAccount(t, ns, sa)
-	bind(t, ns, sa, caRole(), nil)
+	ns, sa := caNamespace(t)
 
 	var winner *ca.JWTSVIDSigner
 	cfg := env.As(t, ns, sa)
@@ -243,10 +246,7 @@ func TestJWTSVIDKeyWithoutRightsFails(t *testing.T) {
 // with the newest key adopted, which a replica starting then loads rather than making its own.
 func TestJWTSVIDKeysFollowTheSecret(t *testing.T) {
 	t.Parallel()
-	ns := env.Namespace(t, nil)
-	const sa = "meshid-ca"
-	env.ServiceAccount(t, ns, sa)
-	bind(t, ns, sa, caRole(), nil)
+	ns, sa := caNamespace(t)
 	clients := clientsFor(t, env.As(t, ns, sa))
 	key, _, err := kube.LoadOrCreateJWTSVIDKey(t.Context(), clients, ns)
 	if err != nil {

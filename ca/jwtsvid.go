@@ -175,6 +175,13 @@ func NewJWTSVIDSigner(key crypto.Signer, trustDomain string, ttl time.Duration) 
 	return &JWTSVIDSigner{trustDomain: "spiffe://" + trustDomain, ttl: ttl, keys: []jwtSVIDKey{k}}, nil
 }
 
+// JWTSVIDKeyID is the kid of the JWT-SVIDs key signs: its RFC 7638 thumbprint. A key that is not
+// ECDSA P-256 is refused.
+func JWTSVIDKeyID(key crypto.Signer) (string, error) {
+	k, err := newJWTSVIDKey(key)
+	return k.kid, err
+}
+
 func newJWTSVIDKey(key crypto.Signer) (jwtSVIDKey, error) {
 	pub, err := checkJWTSVIDKey(key)
 	if err != nil {
@@ -198,11 +205,12 @@ func newJWTSVIDKey(key crypto.Signer) (jwtSVIDKey, error) {
 	return jwtSVIDKey{signer: key, kid: jwk.KeyID, jwk: jwkJSON, der: der}, nil
 }
 
-// AdoptKey makes key the signing key from now+JWTSVIDKeyLead, and publishes it from now. It
-// returns the key's kid, and false when key is already the newest (nothing changes). A key
-// adopted before and not yet signing is dropped: it never signed, so nothing needs it. A key
-// that is not ECDSA P-256 is refused.
-func (s *JWTSVIDSigner) AdoptKey(key crypto.Signer, now time.Time) (string, bool, error) {
+// AdoptKey makes key the signing key from signsFrom, and publishes it from now; a key that is to
+// sign should be published JWTSVIDKeyLead before. It returns the key's kid, and false when key is
+// already the newest, from the same time (nothing changes); the newest from another time is moved
+// to signsFrom. A key adopted before and not yet signing is dropped: it never signed, so nothing
+// needs it. A key that is not ECDSA P-256 is refused.
+func (s *JWTSVIDSigner) AdoptKey(key crypto.Signer, signsFrom, now time.Time) (string, bool, error) {
 	k, err := newJWTSVIDKey(key)
 	if err != nil {
 		return "", false, err
@@ -210,13 +218,17 @@ func (s *JWTSVIDSigner) AdoptKey(key crypto.Signer, now time.Time) (string, bool
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.pruneLocked(now)
-	if last := s.keys[len(s.keys)-1]; last.kid == k.kid {
-		return k.kid, false, nil
+	if last := &s.keys[len(s.keys)-1]; last.kid == k.kid {
+		if len(s.keys) == 1 || last.signsFrom.Equal(signsFrom) {
+			return k.kid, false, nil // the only key signs whatever the time
+		}
+		last.signsFrom = signsFrom
+		return k.kid, true, nil
 	}
 	s.keys = slices.DeleteFunc(s.keys, func(old jwtSVIDKey) bool {
 		return old.kid == k.kid || old.signsFrom.After(now)
 	})
-	k.signsFrom = now.Add(JWTSVIDKeyLead)
+	k.signsFrom = signsFrom
 	s.keys = append(s.keys, k)
 	return k.kid, true, nil
 }

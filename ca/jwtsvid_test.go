@@ -198,13 +198,25 @@ func TestJWTSVIDSignerAdoptsAKey(t *testing.T) {
 	oldKid := s.KeyID(t0)
 
 	next := genKey()
-	kid, changed, err := s.AdoptKey(next, t0)
+	kid, changed, err := s.AdoptKey(next, t0.Add(ca.JWTSVIDKeyLead), t0)
 	if err != nil || !changed || kid == oldKid {
 		t.Fatalf("AdoptKey: kid %s (old %s), changed %v, %v", kid, oldKid, changed, err)
 	}
-	if again, changed, err := s.AdoptKey(next, t0.Add(time.Second)); err != nil || changed || again != kid {
+	if again, changed, err := s.AdoptKey(next, t0.Add(ca.JWTSVIDKeyLead), t0.Add(time.Second)); err != nil || changed || again != kid {
 		t.Fatalf("the same key again: kid %s, changed %v, %v; want no change", again, changed, err)
 	}
+	// Another replica's schedule for the newest key moves it.
+	later := t0.Add(ca.JWTSVIDKeyLead + time.Minute)
+	if again, changed, err := s.AdoptKey(next, later, t0.Add(2*time.Second)); err != nil || !changed || again != kid {
+		t.Fatalf("the newest key at another time: kid %s, changed %v, %v; want it moved", again, changed, err)
+	}
+	if got := s.KeyID(t0.Add(ca.JWTSVIDKeyLead)); got != oldKid {
+		t.Fatalf("signing with %s before the moved time, want the old key", got)
+	}
+	if _, _, err := s.AdoptKey(next, t0.Add(ca.JWTSVIDKeyLead), t0.Add(3*time.Second)); err != nil {
+		t.Fatal(err)
+	}
+
 	if got := kidsOf(s.Bundle(t0)); !slices.Equal(got, []string{oldKid, kid}) {
 		t.Fatalf("bundle right after adopting: %v, want the old key and the new", got)
 	}
@@ -236,11 +248,11 @@ func TestJWTSVIDSignerAdoptsAKey(t *testing.T) {
 	// A key replaced before it ever signed is dropped at once; an RSA key is refused.
 	pending := genKey()
 	t1 := t0.Add(time.Hour)
-	pendingKid, _, err := s.AdoptKey(pending, t1)
+	pendingKid, _, err := s.AdoptKey(pending, t1.Add(ca.JWTSVIDKeyLead), t1)
 	if err != nil {
 		t.Fatal(err)
 	}
-	third, _, err := s.AdoptKey(genKey(), t1.Add(time.Minute))
+	third, _, err := s.AdoptKey(genKey(), t1.Add(time.Minute+ca.JWTSVIDKeyLead), t1.Add(time.Minute))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -251,7 +263,7 @@ func TestJWTSVIDSignerAdoptsAKey(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, _, err := s.AdoptKey(rsaKey, t1.Add(2*time.Minute)); !errors.Is(err, ca.ErrJWTSVIDKey) {
+	if _, _, err := s.AdoptKey(rsaKey, t1.Add(2*time.Minute), t1.Add(2*time.Minute)); !errors.Is(err, ca.ErrJWTSVIDKey) {
 		t.Fatalf("an RSA key: %v, want ErrJWTSVIDKey", err)
 	}
 	if got := kidsOf(s.Bundle(t1.Add(2 * time.Minute))); !slices.Equal(got, []string{kid, third}) {

@@ -164,17 +164,17 @@ func (k *onKubernetes) initialBundle(ctx context.Context, cacertsDir string, now
 func (k *onKubernetes) jwtSVIDSigner(ctx context.Context, cfg Config) (*ca.JWTSVIDSigner, error) {
 	ctx, cancel := context.WithTimeout(ctx, k.cfg.StartTimeout)
 	defer cancel()
-	key, created, err := kube.LoadOrCreateJWTSVIDKey(ctx, k.clients, k.caNamespace)
+	keys, created, err := kube.LoadOrCreateJWTSVIDKey(ctx, k.clients, k.caNamespace)
 	if err != nil {
 		return nil, fmt.Errorf("load the JWT-SVID signing key: %w", err)
 	}
-	signer, err := ca.NewJWTSVIDSigner(key, cfg.TrustDomain, cfg.JWTSVIDTTL)
+	signer, err := keys.Signer(cfg.TrustDomain, cfg.JWTSVIDTTL, cfg.Clock.Now())
 	if err != nil {
 		return nil, err
 	}
 	logJWTSVIDKey(cfg, signer, created, logkey.Object, "secret "+k.caNamespace+"/"+kube.JWTSVIDKeySecret)
 	if k.jwtKeys, err = kube.NewJWTSVIDKeys(kube.JWTSVIDKeysConfig{
-		Clients: k.clients, Namespace: k.caNamespace, Signer: signer, Key: key,
+		Clients: k.clients, Namespace: k.caNamespace, Signer: signer, Keys: keys,
 		Clock: cfg.Clock, Logger: cfg.Logger.With(logkey.Component, "jwt-svid-key"), Registerer: k.reg,
 	}); err != nil {
 		return nil, err

@@ -18,14 +18,14 @@ import (
 )
 
 // caRole is what the CA needs in its namespace for the cacerts Secret (seed 001) and the JWT-SVID
-// key's, as deploy/kubernetes/rbac.yaml grants it. Reading istio-ca-secret, reading, listing and
-// watching the JWT-SVID key, and the same and updating for cacerts are limited by name (list and
-// watch through the informers' field selectors); creating cannot be.
+// key's, as deploy/kubernetes/rbac.yaml grants it. Reading istio-ca-secret, and reading, listing,
+// watching and updating cacerts and the JWT-SVID key are limited by name (list and watch through
+// the informers' field selectors); creating cannot be.
 func caRole() []rbacv1.PolicyRule {
 	return []rbacv1.PolicyRule{
 		{APIGroups: []string{""}, Resources: []string{"secrets"}, ResourceNames: []string{kube.CACertsSecret}, Verbs: []string{"get", "list", "watch", "update"}},
 		{APIGroups: []string{""}, Resources: []string{"secrets"}, ResourceNames: []string{kube.IstioCASecret}, Verbs: []string{"get"}},
-		{APIGroups: []string{""}, Resources: []string{"secrets"}, ResourceNames: []string{kube.JWTSVIDKeySecret}, Verbs: []string{"get", "list", "watch"}},
+		{APIGroups: []string{""}, Resources: []string{"secrets"}, ResourceNames: []string{kube.JWTSVIDKeySecret}, Verbs: []string{"get", "list", "watch", "update"}},
 		{APIGroups: []string{""}, Resources: []string{"secrets"}, Verbs: []string{"create"}},
 	}
 }

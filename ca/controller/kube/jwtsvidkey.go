@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -29,33 +30,66 @@ const (
 	JWTSVIDKeySecretType corev1.SecretType = "meshid.io/jwt-svid-key" //nolint:gosec // a type name, not a credential
 	// JWTSVIDKeyData is the Secret's key holding the PEM private key.
 	JWTSVIDKeyData = "key.pem"
+	// JWTSVIDPreviousKeyData holds, while a rotation is under way, the key that key.pem replaced:
+	// written by the CA, so that a replica starting then signs and publishes as the others do.
+	JWTSVIDPreviousKeyData = "previous-key.pem"
+	// AnnotationJWTSVIDKeyID names the key (its kid) that AnnotationJWTSVIDSignsFrom and
+	// previous-key.pem belong to: a key.pem replaced since is a new rotation.
+	AnnotationJWTSVIDKeyID = "meshid.io/jwt-svid-kid"
+	// AnnotationJWTSVIDSignsFrom is when key.pem signs (RFC 3339); before, previous-key.pem does.
+	AnnotationJWTSVIDSignsFrom = "meshid.io/jwt-svid-signs-from"
 )
 
+// JWTSVIDKey is what the Secret holds: the key, and while a rotation is under way the key it
+// replaced and when it takes over.
+type JWTSVIDKey struct {
+	Key       crypto.Signer
+	Previous  crypto.Signer // nil: none
+	SignsFrom time.Time     // of Key; zero: from the start
+}
+
+// Signer returns a signer of k: Previous signing until SignsFrom, then Key, each published while
+// a JWT-SVID it signed may be valid.
+func (k JWTSVIDKey) Signer(trustDomain string, ttl time.Duration, now time.Time) (*ca.JWTSVIDSigner, error) {
+	if k.Previous == nil {
+		return ca.NewJWTSVIDSigner(k.Key, trustDomain, ttl)
+	}
+	s, err := ca.NewJWTSVIDSigner(k.Previous, trustDomain, ttl)
+	if err != nil {
+		return nil, err
+	}
+	if _, _, err := s.AdoptKey(k.Key, k.SignsFrom, now); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
 // LoadOrCreateJWTSVIDKey returns the JWT-SVID signing key held by the Secret JWTSVIDKeySecret in
-// namespace, after creating the Secret with a new ECDSA P-256 key when there is none, and reports
-// whether this call created it. A replica that loses the race to create it uses the winner's. A
-// Secret whose key is not ECDSA P-256 is refused: the CA does not start on it.
-func LoadOrCreateJWTSVIDKey(ctx context.Context, clients *Clients, namespace string) (crypto.Signer, bool, error) {
+// namespace (with the rotation under way, if any), after creating the Secret with a new ECDSA
+// P-256 key when there is none, and reports whether this call created it. A replica that loses
+// the race to create it uses the winner's. A Secret whose key is not ECDSA P-256 is refused: the
+// CA does not start on it.
+func LoadOrCreateJWTSVIDKey(ctx context.Context, clients *Clients, namespace string) (JWTSVIDKey, bool, error) {
 	switch {
 	case clients == nil:
-		return nil, false, errors.New("JWT-SVID key: no Kubernetes clients")
+		return JWTSVIDKey{}, false, errors.New("JWT-SVID key: no Kubernetes clients")
 	case namespace == "":
-		return nil, false, errors.New("JWT-SVID key: no CA namespace")
+		return JWTSVIDKey{}, false, errors.New("JWT-SVID key: no CA namespace")
 	}
 	where := "secret " + namespace + "/" + JWTSVIDKeySecret
 	secrets := clients.Core.Secrets(namespace)
 	s, err := secrets.Get(ctx, JWTSVIDKeySecret, metav1.GetOptions{})
 	switch {
 	case err == nil:
-		key, err := jwtSVIDKeyOf(s, where)
+		key, err := jwtSVIDKeysOf(s, where)
 		return key, false, err
 	case !apierrors.IsNotFound(err):
-		return nil, false, fmt.Errorf("get %s: %w", where, err)
+		return JWTSVIDKey{}, false, fmt.Errorf("get %s: %w", where, err)
 	}
 
 	keyPEM, err := ca.GenerateJWTSVIDKey()
 	if err != nil {
-		return nil, false, fmt.Errorf("generate the JWT-SVID key for %s: %w", where, err)
+		return JWTSVIDKey{}, false, fmt.Errorf("generate the JWT-SVID key for %s: %w", where, err)
 	}
 	created, err := secrets.Create(ctx, &corev1.Secret{
 		ObjectMeta: metav1.ObjectMeta{Name: JWTSVIDKeySecret, Namespace: namespace},
@@ -64,19 +98,42 @@ func LoadOrCreateJWTSVIDKey(ctx context.Context, clients *Clients, namespace str
 	}, metav1.CreateOptions{})
 	switch {
 	case err == nil:
-		key, err := jwtSVIDKeyOf(created, where)
+		key, err := jwtSVIDKeysOf(created, where)
 		return key, err == nil, err
 	case apierrors.IsAlreadyExists(err):
 		// Another replica (or an operator) was first: theirs is the key.
 		s, err := secrets.Get(ctx, JWTSVIDKeySecret, metav1.GetOptions{})
 		if err != nil {
-			return nil, false, fmt.Errorf("get %s, created by another writer: %w", where, err)
+			return JWTSVIDKey{}, false, fmt.Errorf("get %s, created by another writer: %w", where, err)
 		}
-		key, err := jwtSVIDKeyOf(s, where)
+		key, err := jwtSVIDKeysOf(s, where)
 		return key, false, err
 	default:
-		return nil, false, fmt.Errorf("create %s: %w", where, err)
+		return JWTSVIDKey{}, false, fmt.Errorf("create %s: %w", where, err)
 	}
+}
+
+// jwtSVIDKeysOf reads the Secret: its key, and the rotation the CA wrote there when it is that
+// key's (an operator who replaced key.pem since started another).
+func jwtSVIDKeysOf(s *corev1.Secret, where string) (JWTSVIDKey, error) {
+	key, err := jwtSVIDKeyOf(s, where)
+	if err != nil {
+		return JWTSVIDKey{}, err
+	}
+	keys := JWTSVIDKey{Key: key}
+	kid, err := ca.JWTSVIDKeyID(key)
+	if err != nil || s.Annotations[AnnotationJWTSVIDKeyID] != kid {
+		return keys, err
+	}
+	if keys.SignsFrom, err = time.Parse(time.RFC3339, s.Annotations[AnnotationJWTSVIDSignsFrom]); err != nil {
+		return JWTSVIDKey{}, fmt.Errorf("%s, annotation %s: %w", where, AnnotationJWTSVIDSignsFrom, err)
+	}
+	if data, ok := s.Data[JWTSVIDPreviousKeyData]; ok {
+		if keys.Previous, err = ca.ParseJWTSVIDKey(data); err != nil {
+			return JWTSVIDKey{}, fmt.Errorf("%s, %s: %w", where, JWTSVIDPreviousKeyData, err)
+		}
+	}
+	return keys, nil
 }
 
 // jwtSVIDKeyOf parses and checks the key a Secret holds. The error names the Secret and what is
@@ -93,28 +150,31 @@ func jwtSVIDKeyOf(s *corev1.Secret, where string) (crypto.Signer, error) {
 	return key, nil
 }
 
-// JWTSVIDKeyAdopter takes the key the Secret holds now (ca.JWTSVIDSigner.AdoptKey): it returns
-// the key's kid, whether it was new, and its refusal.
+// JWTSVIDKeyAdopter is what JWTSVIDKeys keeps on the Secret's key: ca.JWTSVIDSigner.
 type JWTSVIDKeyAdopter interface {
-	AdoptKey(key crypto.Signer, now time.Time) (kid string, changed bool, err error)
+	AdoptKey(key crypto.Signer, signsFrom, now time.Time) (kid string, changed bool, err error)
+	TTL() time.Duration
 }
 
 // JWTSVIDKeysConfig configures JWTSVIDKeys.
 type JWTSVIDKeysConfig struct {
 	Clients   *Clients
 	Namespace string // --ca-namespace, where the Secret lives
-	// Signer adopts each new key, and Key is the one it was made with (LoadOrCreateJWTSVIDKey's).
+	// Signer adopts each new key; Keys is what it was made from (LoadOrCreateJWTSVIDKey's).
 	Signer     JWTSVIDKeyAdopter
-	Key        crypto.Signer
+	Keys       JWTSVIDKey
 	Clock      clock.Clock
 	Logger     *slog.Logger
 	Registerer prometheus.Registerer // optional
 }
 
-// JWTSVIDKeys keeps every replica on the key of the JWTSVIDKeySecret Secret while it runs: a key
-// an operator puts there is adopted (published at once, signing after ca.JWTSVIDKeyLead), and a
-// deleted Secret is put back with the newest key adopted, so that a replica starting later loads
-// that key rather than creating a key of its own that no other replica publishes.
+// JWTSVIDKeys keeps every replica on the key of the JWTSVIDKeySecret Secret while it runs. A key
+// an operator puts in key.pem is adopted: published at once, signing ca.JWTSVIDKeyLead later. The
+// first replica to see it writes the rotation in the Secret (the key it replaced, in
+// previous-key.pem, and when it signs), so that every replica, and one starting meanwhile, signs
+// with the same key at the same time; once the replaced key's last JWT-SVID has expired, it is
+// removed. A deleted Secret is put back with the newest key and its rotation, so that a replica
+// starting later does not create a key of its own that no other replica publishes.
 type JWTSVIDKeys struct {
 	cfg       JWTSVIDKeysConfig
 	clock     clock.Clock
@@ -126,16 +186,17 @@ type JWTSVIDKeys struct {
 
 // JWTSVIDKeys events, counted by meshid_ca_jwt_svid_key_secret_events_total.
 const (
-	jwtKeyAdopted       = "adopted"
-	jwtKeyUnchanged     = "unchanged"
-	jwtKeyInvalid       = "invalid"
-	jwtKeyDeleted       = "deleted"
-	jwtKeyRestored      = "restored"
-	jwtKeyRestoreFailed = "restore_failed"
+	jwtKeyAdopted        = "adopted"
+	jwtKeyUnchanged      = "unchanged"
+	jwtKeyInvalid        = "invalid"
+	jwtKeyDeleted        = "deleted"
+	jwtKeyRestored       = "restored"
+	jwtKeyPreviousPruned = "previous_removed"
+	jwtKeyWriteFailed    = "write_failed"
 )
 
-// jwtKeyRestoreRetry is how long after a failed restore of the deleted Secret the next try waits.
-const jwtKeyRestoreRetry = 30 * time.Second
+// jwtKeyRetry is how long after a failed write of the Secret the next try waits.
+const jwtKeyRetry = 30 * time.Second
 
 // NewJWTSVIDKeys returns a JWTSVIDKeys. It starts no goroutine.
 func NewJWTSVIDKeys(cfg JWTSVIDKeysConfig) (*JWTSVIDKeys, error) {
@@ -144,7 +205,7 @@ func NewJWTSVIDKeys(cfg JWTSVIDKeysConfig) (*JWTSVIDKeys, error) {
 		return nil, errors.New("JWT-SVID key: no Kubernetes clients")
 	case cfg.Namespace == "":
 		return nil, errors.New("JWT-SVID key: no CA namespace")
-	case cfg.Signer == nil || cfg.Key == nil:
+	case cfg.Signer == nil || cfg.Keys.Key == nil:
 		return nil, errors.New("JWT-SVID key: no signer to keep on the Secret's key")
 	}
 	k := &JWTSVIDKeys{
@@ -155,7 +216,7 @@ func NewJWTSVIDKeys(cfg JWTSVIDKeysConfig) (*JWTSVIDKeys, error) {
 		watchErrs: watchErrors(cfg.Registerer),
 		events: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "meshid", Subsystem: "ca", Name: "jwt_svid_key_secret_events_total",
-			Help: "What the CA did on changes of the meshid-jwt-svid Secret: a new key adopted, the same key, invalid data ignored; the Secret deleted, restored, or its restore failed.",
+			Help: "What the CA did on changes of the meshid-jwt-svid Secret: a new key adopted, the same key, invalid data ignored; the Secret deleted, restored; a replaced key removed once unused; a write that failed.",
 		}, []string{"event"}),
 	}
 	if k.log == nil {
@@ -169,9 +230,18 @@ func NewJWTSVIDKeys(cfg JWTSVIDKeysConfig) (*JWTSVIDKeys, error) {
 	return k, nil
 }
 
+// jwtKeyFollower is what Run knows of the Secret.
+type jwtKeyFollower struct {
+	keys    JWTSVIDKey // the newest key adopted and its rotation, which a restore writes
+	seen    string     // the resource version last handled
+	refused string     // the last one found invalid, logged once
+	// unwritten is a rotation this replica started whose write failed: tried again.
+	unwritten bool
+}
+
 // Run follows the Secret until ctx ends.
 func (k *JWTSVIDKeys) Run(ctx context.Context) error {
-	f := jwtKeyFollower{newest: k.cfg.Key}
+	f := jwtKeyFollower{keys: k.cfg.Keys}
 	return followSecret(ctx, secretWatch{
 		clients: k.cfg.Clients, namespace: k.cfg.Namespace, name: JWTSVIDKeySecret,
 		clock: k.clock, log: k.log, errs: k.watchErrs,
@@ -181,45 +251,31 @@ func (k *JWTSVIDKeys) Run(ctx context.Context) error {
 				logkey.Object, k.where)
 		},
 	}, func(s *corev1.Secret) time.Duration {
-		switch {
-		case s != nil:
-			k.sync(s, &f)
-		case !k.restore(ctx, f.newest):
-			return jwtKeyRestoreRetry
+		now := k.clock.Now()
+		if s == nil {
+			return k.write(ctx, nil, f.keys, now, jwtKeyRestored, "put the JWT-SVID key secret back")
 		}
-		return 0
+		if s.ResourceVersion != f.seen {
+			f.seen = s.ResourceVersion
+			k.sync(s, &f, now)
+		}
+		if f.unwritten {
+			if wait := k.write(ctx, s, f.keys, now, "", ""); wait > 0 {
+				return wait
+			}
+			f.unwritten = false
+		}
+		return k.prunePrevious(ctx, s, now)
 	})
 }
 
-// jwtKeyFollower is what Run knows of the Secret's versions.
-type jwtKeyFollower struct {
-	newest  crypto.Signer // the newest key adopted, which a restore writes
-	seen    string        // the resource version last handled
-	refused string        // the last one found invalid, logged once
-}
-
-// sync adopts the key of a version of the Secret not handled yet.
-func (k *JWTSVIDKeys) sync(s *corev1.Secret, f *jwtKeyFollower) {
-	if s.ResourceVersion == f.seen {
+// sync adopts the key of a new version of the Secret, and says once why a version is refused.
+func (k *JWTSVIDKeys) sync(s *corev1.Secret, f *jwtKeyFollower, now time.Time) {
+	err := k.syncVersion(s, f, now)
+	if err == nil {
 		return
 	}
-	f.seen = s.ResourceVersion
-	key, err := jwtSVIDKeyOf(s, k.where)
-	if err == nil {
-		var kid string
-		var changed bool
-		if kid, changed, err = k.cfg.Signer.AdoptKey(key, k.clock.Now()); err == nil {
-			f.newest = key
-			if !changed {
-				k.events.WithLabelValues(jwtKeyUnchanged).Inc()
-				return
-			}
-			k.events.WithLabelValues(jwtKeyAdopted).Inc()
-			k.log.Info("adopted the JWT-SVID key of the secret: published now, signing once every agent has it",
-				logkey.Object, k.where, logkey.KeyID, kid, logkey.NotBefore, k.clock.Now().Add(ca.JWTSVIDKeyLead))
-			return
-		}
-	}
+	f.unwritten = false
 	k.events.WithLabelValues(jwtKeyInvalid).Inc()
 	if s.ResourceVersion != f.refused {
 		f.refused = s.ResourceVersion
@@ -228,30 +284,142 @@ func (k *JWTSVIDKeys) sync(s *corev1.Secret, f *jwtKeyFollower) {
 	}
 }
 
-// restore creates the deleted Secret with key, and reports whether that is done: created here,
-// or by another replica or an operator first (whose version the watch brings).
-func (k *JWTSVIDKeys) restore(ctx context.Context, key crypto.Signer) bool {
-	keyPEM, err := pki.EncodePrivateKey(key)
-	if err == nil {
-		_, err = k.cfg.Clients.Core.Secrets(k.cfg.Namespace).Create(ctx, &corev1.Secret{
-			ObjectMeta: metav1.ObjectMeta{Name: JWTSVIDKeySecret, Namespace: k.cfg.Namespace},
+// syncVersion adopts the Secret's key on the rotation written with it; for a key put there since,
+// on a rotation this replica starts, from the key signing now, and writes.
+func (k *JWTSVIDKeys) syncVersion(s *corev1.Secret, f *jwtKeyFollower, now time.Time) error {
+	keys, err := jwtSVIDKeysOf(s, k.where)
+	if err != nil {
+		return err
+	}
+	kid, err := ca.JWTSVIDKeyID(keys.Key)
+	if err != nil {
+		return err
+	}
+	if keys.SignsFrom.IsZero() {
+		newestKid, err := ca.JWTSVIDKeyID(f.keys.Key)
+		if err != nil {
+			return err
+		}
+		if kid == newestKid {
+			k.events.WithLabelValues(jwtKeyUnchanged).Inc() // the key in use, no rotation written
+			return nil
+		}
+		keys.Previous = f.keys.Key
+		if f.keys.Previous != nil && now.Before(f.keys.SignsFrom) {
+			keys.Previous = f.keys.Previous // the newest never signed
+		}
+		keys.SignsFrom = now.Add(ca.JWTSVIDKeyLead).Truncate(time.Second)
+		f.unwritten = true
+	}
+	return k.adopt(keys, f, kid, now)
+}
+
+// adopt has the signer take keys.Key from keys.SignsFrom.
+func (k *JWTSVIDKeys) adopt(keys JWTSVIDKey, f *jwtKeyFollower, kid string, now time.Time) error {
+	_, changed, err := k.cfg.Signer.AdoptKey(keys.Key, keys.SignsFrom, now)
+	if err != nil {
+		return err
+	}
+	f.keys = keys
+	if !changed {
+		k.events.WithLabelValues(jwtKeyUnchanged).Inc()
+		return nil
+	}
+	k.events.WithLabelValues(jwtKeyAdopted).Inc()
+	k.log.Info("adopted the JWT-SVID key of the secret: published now, signing once every agent has it",
+		logkey.Object, k.where, logkey.KeyID, kid, logkey.NotBefore, keys.SignsFrom)
+	return nil
+}
+
+// write puts keys in the Secret (s; nil: create it) and returns 0, or how long to wait before
+// trying again. An event and a message name a write that is reported.
+func (k *JWTSVIDKeys) write(ctx context.Context, s *corev1.Secret, keys JWTSVIDKey, now time.Time, event, msg string) time.Duration {
+	data, annotations, err := k.secretData(keys, now)
+	secrets := k.cfg.Clients.Core.Secrets(k.cfg.Namespace)
+	if err == nil && s == nil {
+		_, err = secrets.Create(ctx, &corev1.Secret{
+			ObjectMeta: metav1.ObjectMeta{Name: JWTSVIDKeySecret, Namespace: k.cfg.Namespace, Annotations: annotations},
 			Type:       JWTSVIDKeySecretType,
-			Data:       map[string][]byte{JWTSVIDKeyData: keyPEM},
+			Data:       data,
 		}, metav1.CreateOptions{})
+	} else if err == nil {
+		next := s.DeepCopy()
+		delete(data, JWTSVIDKeyData) // as its writer put it
+		maps.Copy(next.Data, data)
+		if next.Annotations == nil {
+			next.Annotations = map[string]string{}
+		}
+		maps.Copy(next.Annotations, annotations)
+		_, err = secrets.Update(ctx, next, metav1.UpdateOptions{})
 	}
 	switch {
 	case err == nil:
-		k.events.WithLabelValues(jwtKeyRestored).Inc()
-		k.log.Info("put the JWT-SVID key secret back", logkey.Object, k.where)
-		return true
-	case apierrors.IsAlreadyExists(err):
-		return true
-	case ctx.Err() != nil:
-		return true // stopping
+		if event != "" {
+			k.events.WithLabelValues(event).Inc()
+			k.log.Info(msg, logkey.Object, k.where)
+		}
+		return 0
+	case apierrors.IsAlreadyExists(err) || apierrors.IsConflict(err) || ctx.Err() != nil:
+		return 0 // another writer was first, and the watch brings its version; or stopping
 	default:
-		k.events.WithLabelValues(jwtKeyRestoreFailed).Inc()
-		k.log.Error("cannot put the JWT-SVID key secret back; retrying", logkey.Object, k.where,
-			logkey.Error, err.Error(), logkey.RetryIn, jwtKeyRestoreRetry)
-		return false
+		k.events.WithLabelValues(jwtKeyWriteFailed).Inc()
+		k.log.Error("cannot write the JWT-SVID key secret; retrying", logkey.Object, k.where,
+			logkey.Error, err.Error(), logkey.RetryIn, jwtKeyRetry)
+		return jwtKeyRetry
+	}
+}
+
+// secretData is keys as the Secret holds them: the key, and the rotation while the replaced key
+// may still be needed.
+func (k *JWTSVIDKeys) secretData(keys JWTSVIDKey, now time.Time) (map[string][]byte, map[string]string, error) {
+	keyPEM, err := pki.EncodePrivateKey(keys.Key)
+	if err != nil {
+		return nil, nil, err
+	}
+	data := map[string][]byte{JWTSVIDKeyData: keyPEM}
+	if keys.Previous == nil || !now.Before(keys.SignsFrom.Add(k.cfg.Signer.TTL())) {
+		return data, nil, nil
+	}
+	kid, err := ca.JWTSVIDKeyID(keys.Key)
+	if err != nil {
+		return nil, nil, err
+	}
+	if data[JWTSVIDPreviousKeyData], err = pki.EncodePrivateKey(keys.Previous); err != nil {
+		return nil, nil, err
+	}
+	return data, map[string]string{
+		AnnotationJWTSVIDKeyID:     kid,
+		AnnotationJWTSVIDSignsFrom: keys.SignsFrom.UTC().Format(time.RFC3339),
+	}, nil
+}
+
+// prunePrevious removes the replaced key from the Secret once its last JWT-SVID has expired, and
+// returns how long until then (0: nothing to remove).
+func (k *JWTSVIDKeys) prunePrevious(ctx context.Context, s *corev1.Secret, now time.Time) time.Duration {
+	if _, ok := s.Data[JWTSVIDPreviousKeyData]; !ok {
+		return 0
+	}
+	keys, err := jwtSVIDKeysOf(s, k.where)
+	if err != nil || keys.Previous == nil {
+		return 0 // not this key's rotation: sync said so
+	}
+	if due := keys.SignsFrom.Add(k.cfg.Signer.TTL()); now.Before(due) {
+		return due.Sub(now)
+	}
+	next := s.DeepCopy()
+	delete(next.Data, JWTSVIDPreviousKeyData)
+	_, err = k.cfg.Clients.Core.Secrets(k.cfg.Namespace).Update(ctx, next, metav1.UpdateOptions{})
+	switch {
+	case err == nil:
+		k.events.WithLabelValues(jwtKeyPreviousPruned).Inc()
+		k.log.Info("removed the replaced JWT-SVID key from the secret: the last JWT-SVID it signed has expired", logkey.Object, k.where)
+		return 0
+	case apierrors.IsConflict(err) || ctx.Err() != nil:
+		return 0
+	default:
+		k.events.WithLabelValues(jwtKeyWriteFailed).Inc()
+		k.log.Error("cannot remove the replaced JWT-SVID key from the secret; retrying", logkey.Object, k.where,
+			logkey.Error, err.Error(), logkey.RetryIn, jwtKeyRetry)
+		return jwtKeyRetry
 	}
 }

@@ -4,11 +4,14 @@ package kube_test
 
 import (
 	"context"
+	"crypto"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
 	"encoding/json"
 	"errors"
+	"fmt"
+	"maps"
 	"net/http"
 	"strings"
 	"sync"
@@ -42,11 +45,11 @@ func caNamespace(t *testing.T) (ns, sa string) {
 // jwtSigner is what a replica builds from the key it loaded.
 func jwtSigner(t *testing.T, cfg *rest.Config, ns string) (*ca.JWTSVIDSigner, bool) {
 	t.Helper()
-	key, created, err := kube.LoadOrCreateJWTSVIDKey(t.Context(), clientsFor(t, cfg), ns)
+	keys, created, err := kube.LoadOrCreateJWTSVIDKey(t.Context(), clientsFor(t, cfg), ns)
 	if err != nil {
 		t.Fatal(err)
 	}
-	s, err := ca.NewJWTSVIDSigner(key, "cluster.local", 0)
+	s, err := keys.Signer("cluster.local", 0, time.Now())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -100,12 +103,12 @@ func TestJWTSVIDKeySharedByReplicas(t *testing.T) {
 	for i := range both {
 		cfg := env.As(t, ns, sa)
 		wg.Go(func() {
-			key, created, err := kube.LoadOrCreateJWTSVIDKey(context.Background(), clientsFor(t, cfg), ns)
+			keys, created, err := kube.LoadOrCreateJWTSVIDKey(context.Background(), clientsFor(t, cfg), ns)
 			if err != nil {
 				t.Errorf("replica %d: %v", i, err)
 				return
 			}
-			s, err := ca.NewJWTSVIDSigner(key, "cluster.local", 0)
+			s, err := keys.Signer("cluster.local", 0, time.Now())
 			if err != nil {
 				t.Errorf("replica %d: %v", i, err)
 				return
@@ -240,34 +243,36 @@ func TestJWTSVIDKeyWithoutRightsFails(t *testing.T) {
 	}
 }
 
-// Every replica follows the key's Secret, with only the deploy Role's rights: a key an operator
-// puts in its place is adopted (published at once, signing once ca.JWTSVIDKeyLead is over); one
-// that is not ECDSA P-256 is ignored, logged once and counted; and a deleted Secret is put back
-// with the newest key adopted, which a replica starting then loads rather than making its own.
+// Every replica follows the key's Secret, with only the deploy Role's rights. A key an operator
+// puts in its place is adopted, published at once and signing once ca.JWTSVIDKeyLead is over,
+// and the rotation is written in the Secret, so that a replica starting meanwhile signs and
+// publishes as the others do; once the replaced key's last JWT-SVID has expired it is removed. A
+// key that is not ECDSA P-256 is ignored, logged once and counted; a deleted Secret is put back
+// with the newest key and its rotation.
 func TestJWTSVIDKeysFollowTheSecret(t *testing.T) {
 	t.Parallel()
 	ns, sa := caNamespace(t)
 	clients := clientsFor(t, env.As(t, ns, sa))
-	key, _, err := kube.LoadOrCreateJWTSVIDKey(t.Context(), clients, ns)
-	if err != nil {
-		t.Fatal(err)
-	}
-	signer, err := ca.NewJWTSVIDSigner(key, "cluster.local", 0)
+	keys, _, err := kube.LoadOrCreateJWTSVIDKey(t.Context(), clients, ns)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t0 := time.Date(2026, 11, 27, 12, 0, 0, 0, time.UTC)
+	signer, err := keys.Signer("cluster.local", 0, t0)
+	if err != nil {
+		t.Fatal(err)
+	}
 	clk := testutil.NewFakeClock(t0)
 	logs := newLogRecorder()
 	reg := prometheus.NewRegistry()
-	keys, err := kube.NewJWTSVIDKeys(kube.JWTSVIDKeysConfig{Clients: clients, Namespace: ns, Signer: signer, Key: key,
+	follower, err := kube.NewJWTSVIDKeys(kube.JWTSVIDKeysConfig{Clients: clients, Namespace: ns, Signer: signer, Keys: keys,
 		Clock: clk, Logger: logs.logger(), Registerer: reg})
 	if err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(t.Context())
 	done := make(chan error, 1)
-	go func() { done <- keys.Run(ctx) }()
+	go func() { done <- follower.Run(ctx) }()
 	t.Cleanup(func() {
 		cancel()
 		if err := <-done; err != nil {
@@ -285,17 +290,34 @@ func TestJWTSVIDKeysFollowTheSecret(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	newKid, err := ca.JWTSVIDKeyID(next)
+	if err != nil {
+		t.Fatal(err)
+	}
 	putKey(t, ns, testutil.KeyPEM(t, next))
+	signsFrom := t0.Add(ca.JWTSVIDKeyLead)
 	kubetest.Until(t, "the new key adopted", func() bool { return len(signer.Bundle(t0).Keys) == 2 })
-	newKid := signer.Bundle(t0).Keys[1].ID
-	if signer.Bundle(t0).Keys[0].ID != oldKid || newKid == oldKid {
-		t.Fatalf("bundle %v, want the old key %s then the new", signer.Bundle(t0).Keys, oldKid)
+	if got := kidsOf(signer.Bundle(t0)); got[0] != oldKid || got[1] != newKid {
+		t.Fatalf("bundle %v, want the old key %s then the new %s", got, oldKid, newKid)
 	}
-	if got := signer.KeyID(t0); got != oldKid {
-		t.Fatalf("signing with %s at once, want the old key until the lead is over", got)
+	if got := signer.KeyID(signsFrom.Add(-time.Second)); got != oldKid {
+		t.Fatalf("signing with %s before the lead is over, want the old key", got)
 	}
-	if got := signer.KeyID(t0.Add(ca.JWTSVIDKeyLead)); got != newKid {
-		t.Fatalf("signing with %s after the lead, want %s", got, newKid)
+	if got := signer.KeyID(signsFrom); got != newKid {
+		t.Fatalf("signing with %s once the lead is over, want %s", got, newKid)
+	}
+	kubetest.Eventually(t, "the rotation written in the secret", func() error {
+		return rotationIn(getSecret(t, ns, kube.JWTSVIDKeySecret), oldKid, newKid, signsFrom)
+	})
+
+	// A replica starting now signs with the old key until the same time, and publishes both.
+	starting, created := jwtSigner(t, env.As(t, ns, sa), ns)
+	if created || starting.KeyID(t0) != oldKid || starting.KeyID(signsFrom) != newKid {
+		t.Fatalf("a replica starting during the rotation: created %v, signs with %s, then %s; want %s, then %s",
+			created, starting.KeyID(t0), starting.KeyID(signsFrom), oldKid, newKid)
+	}
+	if got := kidsOf(starting.Bundle(t0)); len(got) != 2 || got[0] != oldKid || got[1] != newKid {
+		t.Fatalf("a replica starting during the rotation publishes %v, want %s and %s", got, oldKid, newKid)
 	}
 
 	// Then one that is not ECDSA P-256: kept out, said once.
@@ -309,25 +331,33 @@ func TestJWTSVIDKeysFollowTheSecret(t *testing.T) {
 		t.Fatalf("%d keys published after an invalid one, want 2", got)
 	}
 
-	// Then deletes the Secret: it comes back with the newest key adopted.
+	// Then deletes the Secret: it comes back with the newest key and its rotation.
 	if err := env.Core().Secrets(ns).Delete(t.Context(), kube.JWTSVIDKeySecret, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	kubetest.Eventually(t, "the deleted secret put back", func() error {
-		_, err := env.Core().Secrets(ns).Get(t.Context(), kube.JWTSVIDKeySecret, metav1.GetOptions{})
-		return err
+	kubetest.Eventually(t, "the deleted secret put back with the rotation", func() error {
+		s, err := env.Core().Secrets(ns).Get(t.Context(), kube.JWTSVIDKeySecret, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		if s.Type != kube.JWTSVIDKeySecretType {
+			return fmt.Errorf("type %q, want %q", s.Type, kube.JWTSVIDKeySecretType)
+		}
+		return rotationIn(s, oldKid, newKid, signsFrom)
 	})
-	s := getSecret(t, ns, kube.JWTSVIDKeySecret)
-	if s.Type != kube.JWTSVIDKeySecretType {
-		t.Fatalf("put back with type %q, want %q", s.Type, kube.JWTSVIDKeySecretType)
-	}
-	restarted, created := jwtSigner(t, env.As(t, ns, sa), ns)
-	if created || restarted.KeyID(t0) != newKid {
-		t.Fatalf("a replica starting after the restore: created %v, kid %s; want the adopted %s", created, restarted.KeyID(t0), newKid)
-	}
-	kubetest.Until(t, "the restored secret followed", func() bool { return events("unchanged") == 2 })
 
-	for event, want := range map[string]float64{"adopted": 1, "invalid": 1, "deleted": 1, "restored": 1, "restore_failed": 0} {
+	// Once the old key's last JWT-SVID has expired, it leaves the Secret.
+	clk.Advance(signsFrom.Add(ca.DefaultJWTSVIDTTL).Sub(t0))
+	kubetest.Until(t, "the replaced key removed from the secret", func() bool {
+		_, ok := getSecret(t, ns, kube.JWTSVIDKeySecret).Data[kube.JWTSVIDPreviousKeyData]
+		return !ok
+	})
+	restarted, _ := jwtSigner(t, env.As(t, ns, sa), ns)
+	if got := kidsOf(restarted.Bundle(clk.Now())); len(got) != 1 || got[0] != newKid {
+		t.Fatalf("a replica starting after the rotation publishes %v, want only %s", got, newKid)
+	}
+
+	for event, want := range map[string]float64{"adopted": 1, "invalid": 1, "deleted": 1, "restored": 1, "previous_removed": 1, "write_failed": 0} {
 		if got := events(event); got != want {
 			t.Errorf("%v %s events counted, want %v", got, event, want)
 		}
@@ -337,6 +367,7 @@ func TestJWTSVIDKeysFollowTheSecret(t *testing.T) {
 		"the JWT-SVID key secret holds no valid key; the CA keeps signing with the key it has",
 		"the JWT-SVID key secret was deleted; putting it back with the key the CA signs with (to change the key, replace its key.pem instead)",
 		"put the JWT-SVID key secret back",
+		"removed the replaced JWT-SVID key from the secret: the last JWT-SVID it signed has expired",
 	} {
 		if n := logs.count(msg); n != 1 {
 			t.Errorf("logged %d times, want once: %s", n, msg)
@@ -345,6 +376,41 @@ func TestJWTSVIDKeysFollowTheSecret(t *testing.T) {
 	if logs.contains("PRIVATE KEY") {
 		t.Fatal("key material was logged")
 	}
+}
+
+// rotationIn checks that s holds the rotation from the key of oldKid to the key of newKid at
+// signsFrom.
+func rotationIn(s *corev1.Secret, oldKid, newKid string, signsFrom time.Time) error {
+	current, err := ca.ParseJWTSVIDKey(s.Data[kube.JWTSVIDKeyData])
+	if err != nil {
+		return err
+	}
+	previous, err := ca.ParseJWTSVIDKey(s.Data[kube.JWTSVIDPreviousKeyData])
+	if err != nil {
+		return fmt.Errorf("%s: %w", kube.JWTSVIDPreviousKeyData, err)
+	}
+	kids := make([]string, 2)
+	for i, key := range []crypto.Signer{previous, current} {
+		if kids[i], err = ca.JWTSVIDKeyID(key); err != nil {
+			return err
+		}
+	}
+	if kids[0] != oldKid || kids[1] != newKid {
+		return fmt.Errorf("previous %s and current %s, want %s and %s", kids[0], kids[1], oldKid, newKid)
+	}
+	if got, want := s.Annotations, (map[string]string{kube.AnnotationJWTSVIDKeyID: newKid,
+		kube.AnnotationJWTSVIDSignsFrom: signsFrom.UTC().Format(time.RFC3339)}); !maps.Equal(got, want) {
+		return fmt.Errorf("annotations %v, want %v", got, want)
+	}
+	return nil
+}
+
+func kidsOf(b ca.JWTBundle) []string {
+	var kids []string
+	for _, k := range b.Keys {
+		kids = append(kids, k.ID)
+	}
+	return kids
 }
 
 // putKey replaces the key of the JWT-SVID Secret, as an operator does.

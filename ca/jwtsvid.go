@@ -71,6 +71,9 @@ type jwtSVIDKey struct {
 	jwk       []byte    // the public JWK, as JSON
 	der       []byte    // PKIX
 	signsFrom time.Time // zero: from the start
+	// lastSigned is when this signer last signed with the key: zero, it can be dropped while
+	// scheduled, not otherwise.
+	lastSigned time.Time
 }
 
 // JWTSVIDKeyLead is how long an adopted JWT-SVID key is published before it signs, so that no
@@ -205,56 +208,98 @@ func newJWTSVIDKey(key crypto.Signer) (jwtSVIDKey, error) {
 	return jwtSVIDKey{signer: key, kid: jwk.KeyID, jwk: jwkJSON, der: der}, nil
 }
 
-// AdoptKey makes key the signing key from signsFrom, and publishes it from now; a key that is to
-// sign should be published JWTSVIDKeyLead before. It returns the key's kid, and false when key is
-// already the newest, from the same time (nothing changes); the newest from another time is moved
-// to signsFrom. A key adopted before and not yet signing is dropped: it never signed, so nothing
-// needs it. A key that is not ECDSA P-256 is refused.
-func (s *JWTSVIDSigner) AdoptKey(key crypto.Signer, signsFrom, now time.Time) (string, bool, error) {
+// AdoptKey schedules a rotation: previous signs until signsFrom (not before now), then key; both
+// are published from now, and a key that is to sign should be published JWTSVIDKeyLead before.
+// previous equal to key cancels a rotation: key signs from now. A key adopted before that has not
+// signed and is neither is dropped; every key that signed stays published until the last JWT-SVID
+// it signed has expired. It returns key's kid and whether anything changed. A key that is not
+// ECDSA P-256 is refused.
+func (s *JWTSVIDSigner) AdoptKey(key, previous crypto.Signer, signsFrom, now time.Time) (string, bool, error) {
 	k, err := newJWTSVIDKey(key)
 	if err != nil {
 		return "", false, err
 	}
+	p, err := newJWTSVIDKey(previous)
+	if err != nil {
+		return "", false, err
+	}
+	if signsFrom.Before(now) || p.kid == k.kid {
+		signsFrom = now
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.pruneLocked(now)
-	if last := &s.keys[len(s.keys)-1]; last.kid == k.kid {
-		if len(s.keys) == 1 || last.signsFrom.Equal(signsFrom) {
-			return k.kid, false, nil // the only key signs whatever the time
+	before := s.scheduleLocked()
+	signing := s.keys[s.signingLocked(now)]
+	kept := make([]jwtSVIDKey, 0, len(s.keys)+2)
+	for _, old := range s.keys {
+		switch {
+		case old.kid == k.kid:
+			k.lastSigned = old.lastSigned
+		case old.kid == p.kid:
+			p.lastSigned = old.lastSigned
+		case old.signsFrom.After(now) && old.lastSigned.IsZero():
+			// Scheduled, never signed: nothing needs it.
+		default:
+			kept = append(kept, old)
 		}
-		last.signsFrom = signsFrom
-		return k.kid, true, nil
 	}
-	s.keys = slices.DeleteFunc(s.keys, func(old jwtSVIDKey) bool {
-		return old.kid == k.kid || old.signsFrom.After(now)
-	})
-	k.signsFrom = signsFrom
-	s.keys = append(s.keys, k)
-	return k.kid, true, nil
+	switch {
+	case p.kid == k.kid && signing.kid == k.kid:
+		k.signsFrom = signing.signsFrom
+		kept = append(kept, k)
+	case p.kid == k.kid:
+		k.signsFrom = now
+		kept = append(kept, k)
+	default:
+		p.signsFrom = now
+		if signing.kid == p.kid {
+			p.signsFrom = signing.signsFrom
+		}
+		k.signsFrom = signsFrom
+		kept = append(kept, p, k)
+	}
+	s.keys = kept
+	return k.kid, !slices.Equal(before, s.scheduleLocked()), nil
 }
 
-// pruneLocked drops the keys whose JWT-SVIDs have all expired: replaced more than a lifetime ago.
+// scheduleLocked is which key signs from when, to tell a change.
+func (s *JWTSVIDSigner) scheduleLocked() []string {
+	out := make([]string, len(s.keys))
+	for i, k := range s.keys {
+		out[i] = k.kid + "@" + k.signsFrom.String()
+	}
+	return out
+}
+
+// pruneLocked drops the keys no valid JWT-SVID can need: each stopped signing, here or on the
+// same schedule at another replica, when the key after it took over (never before it last signed
+// here: a key takes over at its adoption or later), more than a lifetime ago. The newest is kept.
 func (s *JWTSVIDSigner) pruneLocked(now time.Time) {
-	for len(s.keys) > 1 && !now.Before(s.keys[1].signsFrom.Add(s.ttl)) {
-		s.keys = s.keys[1:]
+	kept := s.keys[:0]
+	for i, k := range s.keys {
+		if i == len(s.keys)-1 || now.Before(s.keys[i+1].signsFrom.Add(s.ttl)) {
+			kept = append(kept, k)
+		}
 	}
+	s.keys = kept
 }
 
-// signingLocked is the key that signs at now: the newest one whose time has come.
-func (s *JWTSVIDSigner) signingLocked(now time.Time) jwtSVIDKey {
+// signingLocked is the index of the key that signs at now: the newest whose time has come.
+func (s *JWTSVIDSigner) signingLocked(now time.Time) int {
 	for i := len(s.keys) - 1; i > 0; i-- {
 		if !now.Before(s.keys[i].signsFrom) {
-			return s.keys[i]
+			return i
 		}
 	}
-	return s.keys[0]
+	return 0
 }
 
 // KeyID is the kid of the JWT-SVIDs signed at now.
 func (s *JWTSVIDSigner) KeyID(now time.Time) string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.signingLocked(now).kid
+	return s.keys[s.signingLocked(now)].kid
 }
 
 // TTL is the lifetime of the JWT-SVIDs signed, and the most a request gets.
@@ -318,7 +363,9 @@ func (s *JWTSVIDSigner) SignJWTSVID(req JWTSVIDRequest) (string, time.Time, erro
 		ExpiresAt: jwt.NewNumericDate(exp),
 	})
 	s.mu.Lock()
-	k := s.signingLocked(req.Now)
+	i := s.signingLocked(req.Now)
+	s.keys[i].lastSigned = req.Now
+	k := s.keys[i]
 	s.mu.Unlock()
 	tok.Header["kid"] = k.kid
 	signed, err := tok.SignedString(k.signer)

@@ -165,108 +165,171 @@ func kidsOf(b ca.JWTBundle) []string {
 	return kids
 }
 
-// A key adopted while the CA runs is published at once, signs only JWTSVIDKeyLead later (once
-// every agent's bundle has it), and the key it replaces stays published until the last JWT-SVID
-// it signed has expired.
+// A key adopted while the CA runs is published at once, signs only from the time it is given
+// (JWTSVIDKeyLead later, once every agent's bundle has it), and the key it replaces stays published
+// until the last JWT-SVID it signed has expired.
 func TestJWTSVIDSignerAdoptsAKey(t *testing.T) {
 	t.Parallel()
 	const ttl = 5 * time.Minute
-	genKey := func() crypto.Signer {
-		key, err := pki.GenerateKey(pki.ECDSA, 0)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return key
-	}
-	s, err := ca.NewJWTSVIDSigner(genKey(), "cluster.local", ttl)
-	if err != nil {
-		t.Fatal(err)
-	}
-	id, err := pki.NewSPIFFEID("cluster.local", "default", "demo")
-	if err != nil {
-		t.Fatal(err)
-	}
-	sign := func(now time.Time) string {
-		t.Helper()
-		tok, _, err := s.SignJWTSVID(ca.JWTSVIDRequest{Identity: id, Audience: []string{"db"}, Now: now})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return tok
-	}
+	s, old := newRotatingSigner(t, ttl)
 	t0 := time.Date(2026, 11, 27, 12, 0, 0, 0, time.UTC)
 	oldKid := s.KeyID(t0)
+	next := genJWTSVIDKey(t)
+	signsFrom := t0.Add(ca.JWTSVIDKeyLead)
 
-	next := genKey()
-	kid, changed, err := s.AdoptKey(next, t0.Add(ca.JWTSVIDKeyLead), t0)
+	kid, changed, err := s.AdoptKey(next, old, signsFrom, t0)
 	if err != nil || !changed || kid == oldKid {
 		t.Fatalf("AdoptKey: kid %s (old %s), changed %v, %v", kid, oldKid, changed, err)
 	}
-	if again, changed, err := s.AdoptKey(next, t0.Add(ca.JWTSVIDKeyLead), t0.Add(time.Second)); err != nil || changed || again != kid {
-		t.Fatalf("the same key again: kid %s, changed %v, %v; want no change", again, changed, err)
+	if again, changed, err := s.AdoptKey(next, old, signsFrom, t0.Add(time.Second)); err != nil || changed || again != kid {
+		t.Fatalf("the same rotation again: kid %s, changed %v, %v; want no change", again, changed, err)
 	}
-	// Another replica's schedule for the newest key moves it.
-	later := t0.Add(ca.JWTSVIDKeyLead + time.Minute)
-	if again, changed, err := s.AdoptKey(next, later, t0.Add(2*time.Second)); err != nil || !changed || again != kid {
-		t.Fatalf("the newest key at another time: kid %s, changed %v, %v; want it moved", again, changed, err)
+	// Another replica's schedule for it moves it.
+	later := signsFrom.Add(time.Minute)
+	if _, changed, err := s.AdoptKey(next, old, later, t0.Add(2*time.Second)); err != nil || !changed {
+		t.Fatalf("the rotation at another time: changed %v, %v; want it moved", changed, err)
 	}
-	if got := s.KeyID(t0.Add(ca.JWTSVIDKeyLead)); got != oldKid {
+	if got := s.KeyID(signsFrom); got != oldKid {
 		t.Fatalf("signing with %s before the moved time, want the old key", got)
 	}
-	if _, _, err := s.AdoptKey(next, t0.Add(ca.JWTSVIDKeyLead), t0.Add(3*time.Second)); err != nil {
+	if _, _, err := s.AdoptKey(next, old, signsFrom, t0.Add(3*time.Second)); err != nil {
 		t.Fatal(err)
 	}
-
 	if got := kidsOf(s.Bundle(t0)); !slices.Equal(got, []string{oldKid, kid}) {
 		t.Fatalf("bundle right after adopting: %v, want the old key and the new", got)
 	}
-	lastOld := ca.JWTSVIDKeyLead - time.Second
-	for _, at := range []time.Duration{0, lastOld} {
-		if got := s.KeyID(t0.Add(at)); got != oldKid {
-			t.Fatalf("%s after adopting, signing with %s; want the old key until the lead is over", at, got)
-		}
+	lastOld := signsFrom.Add(-time.Second)
+	if got := s.KeyID(lastOld); got != oldKid {
+		t.Fatalf("signing with %s before the lead is over, want the old key", got)
 	}
-	oldTok := sign(t0.Add(lastOld))
-	if got := s.KeyID(t0.Add(ca.JWTSVIDKeyLead)); got != kid {
+	oldTok := sign(t, s, lastOld)
+	if got := s.KeyID(signsFrom); got != kid {
 		t.Fatalf("once the lead is over, signing with %s, want %s", got, kid)
 	}
-	newTok := sign(t0.Add(ca.JWTSVIDKeyLead))
+	newTok := sign(t, s, signsFrom)
 
 	// An agent that fetched the bundle when the key was adopted verifies the new key's tokens.
-	if err := verifyJWTSVID(s.Bundle(t0), newTok, t0.Add(ca.JWTSVIDKeyLead)); err != nil {
+	if err := verifyJWTSVID(s.Bundle(t0), newTok, signsFrom); err != nil {
 		t.Fatalf("a token of the new key, with the bundle of the adoption: %v", err)
 	}
 	// The old key's last token verifies until it expires, and the old key goes with it.
-	lastValid := t0.Add(lastOld + ttl - time.Second)
+	lastValid := lastOld.Add(ttl - time.Second)
 	if err := verifyJWTSVID(s.Bundle(lastValid), oldTok, lastValid); err != nil {
 		t.Fatalf("the old key's last token, just before it expires: %v", err)
 	}
-	if got := kidsOf(s.Bundle(t0.Add(ca.JWTSVIDKeyLead + ttl))); !slices.Equal(got, []string{kid}) {
+	if got := kidsOf(s.Bundle(signsFrom.Add(ttl))); !slices.Equal(got, []string{kid}) {
 		t.Fatalf("bundle once every token of the old key has expired: %v, want only %s", got, kid)
 	}
 
-	// A key replaced before it ever signed is dropped at once; an RSA key is refused.
-	pending := genKey()
-	t1 := t0.Add(time.Hour)
-	pendingKid, _, err := s.AdoptKey(pending, t1.Add(ca.JWTSVIDKeyLead), t1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	third, _, err := s.AdoptKey(genKey(), t1.Add(time.Minute+ca.JWTSVIDKeyLead), t1.Add(time.Minute))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if got := kidsOf(s.Bundle(t1.Add(time.Minute))); !slices.Equal(got, []string{kid, third}) {
-		t.Fatalf("bundle after replacing %s before it signed: %v, want %s and %s", pendingKid, got, kid, third)
-	}
 	rsaKey, err := pki.GenerateKey(pki.RSA, 2048)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, _, err := s.AdoptKey(rsaKey, t1.Add(2*time.Minute), t1.Add(2*time.Minute)); !errors.Is(err, ca.ErrJWTSVIDKey) {
+	at := signsFrom.Add(time.Hour)
+	if _, _, err := s.AdoptKey(rsaKey, next, at.Add(ca.JWTSVIDKeyLead), at); !errors.Is(err, ca.ErrJWTSVIDKey) {
 		t.Fatalf("an RSA key: %v, want ErrJWTSVIDKey", err)
 	}
-	if got := kidsOf(s.Bundle(t1.Add(2 * time.Minute))); !slices.Equal(got, []string{kid, third}) {
+	if got := kidsOf(s.Bundle(at)); !slices.Equal(got, []string{kid}) {
 		t.Fatalf("bundle after a refused key: %v", got)
 	}
+}
+
+// The key signing is never dropped, and no key signs before its time: a rotation cancelled (the
+// old key put back) drops only the key that never signed, and the next rotation starts from the
+// key signing. A key that signed here stays published whatever schedule comes later.
+func TestJWTSVIDSignerKeepsTheKeysThatSigned(t *testing.T) {
+	t.Parallel()
+	const ttl = 5 * time.Minute
+	s, a := newRotatingSigner(t, ttl)
+	t0 := time.Date(2026, 11, 27, 12, 0, 0, 0, time.UTC)
+	aKid := s.KeyID(t0)
+	b := genJWTSVIDKey(t)
+	if _, _, err := s.AdoptKey(b, a, t0.Add(ca.JWTSVIDKeyLead), t0); err != nil {
+		t.Fatal(err)
+	}
+	// The operator puts a back before b signs: b goes, a signs on.
+	t1 := t0.Add(time.Minute)
+	if _, changed, err := s.AdoptKey(a, a, t1, t1); err != nil || !changed {
+		t.Fatalf("cancelling: changed %v, %v", changed, err)
+	}
+	if got := kidsOf(s.Bundle(t1)); !slices.Equal(got, []string{aKid}) {
+		t.Fatalf("bundle after the rotation was cancelled: %v, want only %s", got, aKid)
+	}
+	// Then c: a signs until c's time.
+	c := genJWTSVIDKey(t)
+	t2 := t1.Add(time.Minute)
+	cKid, _, err := s.AdoptKey(c, a, t2.Add(ca.JWTSVIDKeyLead), t2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := s.KeyID(t2); got != aKid {
+		t.Fatalf("signing with %s right after c was adopted, want %s until its lead is over", got, aKid)
+	}
+	if got := kidsOf(s.Bundle(t2)); !slices.Equal(got, []string{aKid, cKid}) {
+		t.Fatalf("bundle %v, want %s and %s", got, aKid, cKid)
+	}
+
+	// A replica that started with only d (key.pem before the rotation was written) signs with it,
+	// then learns the rotation from a: a signs until its time, and d stays published.
+	d := genJWTSVIDKey(t)
+	late, err := ca.NewJWTSVIDSigner(d, "cluster.local", ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dKid := late.KeyID(t0)
+	dTok := sign(t, late, t0)
+	if _, _, err := late.AdoptKey(d, a, t0.Add(ca.JWTSVIDKeyLead), t0.Add(time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	if got := late.KeyID(t0.Add(time.Second)); got != aKid {
+		t.Fatalf("signing with %s once the rotation is known, want %s until its time", got, aKid)
+	}
+	end := t0.Add(ttl - time.Second)
+	if err := verifyJWTSVID(late.Bundle(end), dTok, end); err != nil {
+		t.Fatalf("a token d signed before the rotation was known: %v", err)
+	}
+	if got := kidsOf(late.Bundle(t0.Add(time.Second))); !slices.Equal(got, []string{aKid, dKid}) {
+		t.Fatalf("bundle %v, want %s and %s", got, aKid, dKid)
+	}
+	// Another rotation, from a, before d's time: d, scheduled again but having signed, stays.
+	if _, _, err := late.AdoptKey(genJWTSVIDKey(t), a, t0.Add(2*time.Minute+ca.JWTSVIDKeyLead), t0.Add(2*time.Minute)); err != nil {
+		t.Fatal(err)
+	}
+	if err := verifyJWTSVID(late.Bundle(end), dTok, end); err != nil {
+		t.Fatalf("a token d signed, after a rotation that does not name d: %v", err)
+	}
+}
+
+func genJWTSVIDKey(t *testing.T) crypto.Signer {
+	t.Helper()
+	key, err := pki.GenerateKey(pki.ECDSA, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return key
+}
+
+// newRotatingSigner is a signer of a new key, and the key.
+func newRotatingSigner(t *testing.T, ttl time.Duration) (*ca.JWTSVIDSigner, crypto.Signer) {
+	t.Helper()
+	key := genJWTSVIDKey(t)
+	s, err := ca.NewJWTSVIDSigner(key, "cluster.local", ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s, key
+}
+
+// sign signs a JWT-SVID for audience db at now.
+func sign(t *testing.T, s *ca.JWTSVIDSigner, now time.Time) string {
+	t.Helper()
+	id, err := pki.NewSPIFFEID("cluster.local", "default", "demo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	tok, _, err := s.SignJWTSVID(ca.JWTSVIDRequest{Identity: id, Audience: []string{"db"}, Now: now})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tok
 }

@@ -172,6 +172,10 @@ func (k *onKubernetes) jwtSVIDSigner(ctx context.Context, cfg Config) (*ca.JWTSV
 	if err != nil {
 		return nil, err
 	}
+	if keys.Ignored != nil {
+		cfg.Logger.Warn("the JWT-SVID key secret holds a rotation that cannot be read; it is ignored, and the key signs at once",
+			logkey.Reason, keys.Ignored.Error())
+	}
 	logJWTSVIDKey(cfg, signer, created, logkey.Object, "secret "+k.caNamespace+"/"+kube.JWTSVIDKeySecret)
 	if k.jwtKeys, err = kube.NewJWTSVIDKeys(kube.JWTSVIDKeysConfig{
 		Clients: k.clients, Namespace: k.caNamespace, Signer: signer, Keys: keys,

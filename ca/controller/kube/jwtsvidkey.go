@@ -45,7 +45,10 @@ const (
 type JWTSVIDKey struct {
 	Key       crypto.Signer
 	Previous  crypto.Signer // nil: none
-	SignsFrom time.Time     // of Key; zero: from the start
+	SignsFrom time.Time     // of Key when Previous is set
+	// Ignored says why the rotation written in the Secret was not taken (it is malformed, or
+	// names no previous key): the key then signs from the start.
+	Ignored error
 }
 
 // Signer returns a signer of k: Previous signing until SignsFrom, then Key, each published while
@@ -58,10 +61,18 @@ func (k JWTSVIDKey) Signer(trustDomain string, ttl time.Duration, now time.Time)
 	if err != nil {
 		return nil, err
 	}
-	if _, _, err := s.AdoptKey(k.Key, k.SignsFrom, now); err != nil {
+	if _, _, err := s.AdoptKey(k.Key, k.Previous, k.SignsFrom, now); err != nil {
 		return nil, err
 	}
 	return s, nil
+}
+
+// signing is the key that signs at now.
+func (k JWTSVIDKey) signing(now time.Time) crypto.Signer {
+	if k.Previous != nil && now.Before(k.SignsFrom) {
+		return k.Previous
+	}
+	return k.Key
 }
 
 // LoadOrCreateJWTSVIDKey returns the JWT-SVID signing key held by the Secret JWTSVIDKeySecret in
@@ -113,8 +124,9 @@ func LoadOrCreateJWTSVIDKey(ctx context.Context, clients *Clients, namespace str
 	}
 }
 
-// jwtSVIDKeysOf reads the Secret: its key, and the rotation the CA wrote there when it is that
-// key's (an operator who replaced key.pem since started another).
+// jwtSVIDKeysOf reads the Secret: its key, which must be valid, and the rotation the CA wrote
+// there when it is that key's (an operator who replaced key.pem since started another). A
+// rotation that is malformed is ignored, and said why in Ignored.
 func jwtSVIDKeysOf(s *corev1.Secret, where string) (JWTSVIDKey, error) {
 	key, err := jwtSVIDKeyOf(s, where)
 	if err != nil {
@@ -125,14 +137,21 @@ func jwtSVIDKeysOf(s *corev1.Secret, where string) (JWTSVIDKey, error) {
 	if err != nil || s.Annotations[AnnotationJWTSVIDKeyID] != kid {
 		return keys, err
 	}
-	if keys.SignsFrom, err = time.Parse(time.RFC3339, s.Annotations[AnnotationJWTSVIDSignsFrom]); err != nil {
-		return JWTSVIDKey{}, fmt.Errorf("%s, annotation %s: %w", where, AnnotationJWTSVIDSignsFrom, err)
+	signsFrom, err := time.Parse(time.RFC3339, s.Annotations[AnnotationJWTSVIDSignsFrom])
+	if err != nil {
+		keys.Ignored = fmt.Errorf("%s, annotation %s: %w", where, AnnotationJWTSVIDSignsFrom, err)
+		return keys, nil
 	}
-	if data, ok := s.Data[JWTSVIDPreviousKeyData]; ok {
-		if keys.Previous, err = ca.ParseJWTSVIDKey(data); err != nil {
-			return JWTSVIDKey{}, fmt.Errorf("%s, %s: %w", where, JWTSVIDPreviousKeyData, err)
-		}
+	data, ok := s.Data[JWTSVIDPreviousKeyData]
+	if !ok {
+		return keys, nil // a rotation over: its previous key removed
 	}
+	previous, err := ca.ParseJWTSVIDKey(data)
+	if err != nil {
+		keys.Ignored = fmt.Errorf("%s, %s: %w", where, JWTSVIDPreviousKeyData, err)
+		return keys, nil
+	}
+	keys.Previous, keys.SignsFrom = previous, signsFrom
 	return keys, nil
 }
 
@@ -152,7 +171,7 @@ func jwtSVIDKeyOf(s *corev1.Secret, where string) (crypto.Signer, error) {
 
 // JWTSVIDKeyAdopter is what JWTSVIDKeys keeps on the Secret's key: ca.JWTSVIDSigner.
 type JWTSVIDKeyAdopter interface {
-	AdoptKey(key crypto.Signer, signsFrom, now time.Time) (kid string, changed bool, err error)
+	AdoptKey(key, previous crypto.Signer, signsFrom, now time.Time) (kid string, changed bool, err error)
 	TTL() time.Duration
 }
 
@@ -186,17 +205,21 @@ type JWTSVIDKeys struct {
 
 // JWTSVIDKeys events, counted by meshid_ca_jwt_svid_key_secret_events_total.
 const (
-	jwtKeyAdopted        = "adopted"
-	jwtKeyUnchanged      = "unchanged"
-	jwtKeyInvalid        = "invalid"
-	jwtKeyDeleted        = "deleted"
-	jwtKeyRestored       = "restored"
-	jwtKeyPreviousPruned = "previous_removed"
-	jwtKeyWriteFailed    = "write_failed"
+	jwtKeyAdopted         = "adopted"
+	jwtKeyUnchanged       = "unchanged"
+	jwtKeyInvalid         = "invalid"
+	jwtKeyDeleted         = "deleted"
+	jwtKeyRestored        = "restored"
+	jwtKeyPreviousRemoved = "previous_removed"
+	jwtKeyRotationWritten = "rotation_written"
+	jwtKeyWriteFailed     = "write_failed"
 )
 
-// jwtKeyRetry is how long after a failed write of the Secret the next try waits.
-const jwtKeyRetry = 30 * time.Second
+// Writes of the Secret: how long one may take, and how long after a failed one the next waits.
+const (
+	jwtKeyWriteTimeout = 30 * time.Second
+	jwtKeyRetry        = 30 * time.Second
+)
 
 // NewJWTSVIDKeys returns a JWTSVIDKeys. It starts no goroutine.
 func NewJWTSVIDKeys(cfg JWTSVIDKeysConfig) (*JWTSVIDKeys, error) {
@@ -216,7 +239,7 @@ func NewJWTSVIDKeys(cfg JWTSVIDKeysConfig) (*JWTSVIDKeys, error) {
 		watchErrs: watchErrors(cfg.Registerer),
 		events: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "meshid", Subsystem: "ca", Name: "jwt_svid_key_secret_events_total",
-			Help: "What the CA did on changes of the meshid-jwt-svid Secret: a new key adopted, the same key, invalid data ignored; the Secret deleted, restored; a replaced key removed once unused; a write that failed.",
+			Help: "What the CA did on changes of the meshid-jwt-svid Secret: a new key adopted, the same key, invalid data ignored; the Secret deleted, restored; a rotation written, a replaced key removed once unused; a write that failed.",
 		}, []string{"event"}),
 	}
 	if k.log == nil {
@@ -232,22 +255,21 @@ func NewJWTSVIDKeys(cfg JWTSVIDKeysConfig) (*JWTSVIDKeys, error) {
 
 // jwtKeyFollower is what Run knows of the Secret.
 type jwtKeyFollower struct {
-	keys    JWTSVIDKey // the newest key adopted and its rotation, which a restore writes
+	keys    JWTSVIDKey // the newest key adopted and its rotation, as the Secret should show them
 	seen    string     // the resource version last handled
 	refused string     // the last one found invalid, logged once
-	// unwritten is a rotation this replica started whose write failed: tried again.
-	unwritten bool
 }
 
 // Run follows the Secret until ctx ends.
 func (k *JWTSVIDKeys) Run(ctx context.Context) error {
 	f := jwtKeyFollower{keys: k.cfg.Keys}
+	f.keys.Ignored = nil // said at start
 	return followSecret(ctx, secretWatch{
 		clients: k.cfg.Clients, namespace: k.cfg.Namespace, name: JWTSVIDKeySecret,
 		clock: k.clock, log: k.log, errs: k.watchErrs,
 		deleted: func() {
 			k.events.WithLabelValues(jwtKeyDeleted).Inc()
-			k.log.Warn("the JWT-SVID key secret was deleted; putting it back with the key the CA signs with (to change the key, replace its key.pem instead)",
+			k.log.Warn("the JWT-SVID key secret was deleted; putting it back with the newest key and its rotation (to change the key, replace its key.pem instead)",
 				logkey.Object, k.where)
 		},
 	}, func(s *corev1.Secret) time.Duration {
@@ -259,76 +281,127 @@ func (k *JWTSVIDKeys) Run(ctx context.Context) error {
 			f.seen = s.ResourceVersion
 			k.sync(s, &f, now)
 		}
-		if f.unwritten {
-			if wait := k.write(ctx, s, f.keys, now, "", ""); wait > 0 {
+		if k.owesRotation(s, f.keys, now) {
+			if wait := k.write(ctx, s, f.keys, now, jwtKeyRotationWritten, "wrote the JWT-SVID key rotation into the secret, for replicas that start during it"); wait > 0 {
 				return wait
 			}
-			f.unwritten = false
 		}
 		return k.prunePrevious(ctx, s, now)
 	})
 }
 
-// sync adopts the key of a new version of the Secret, and says once why a version is refused.
+// sync adopts the key of a new version of the Secret, and says once why a version is refused or
+// its rotation ignored.
 func (k *JWTSVIDKeys) sync(s *corev1.Secret, f *jwtKeyFollower, now time.Time) {
-	err := k.syncVersion(s, f, now)
-	if err == nil {
+	keys, err := k.syncVersion(s, f, now)
+	if err == nil && keys.Ignored == nil {
 		return
 	}
-	f.unwritten = false
 	k.events.WithLabelValues(jwtKeyInvalid).Inc()
-	if s.ResourceVersion != f.refused {
-		f.refused = s.ResourceVersion
+	if s.ResourceVersion == f.refused {
+		return
+	}
+	f.refused = s.ResourceVersion
+	if err != nil {
 		k.log.Warn("the JWT-SVID key secret holds no valid key; the CA keeps signing with the key it has",
 			logkey.Object, k.where, logkey.ResourceVersion, s.ResourceVersion, logkey.Reason, err.Error())
+		return
 	}
+	k.log.Warn("the JWT-SVID key secret holds a rotation that cannot be read; it is ignored",
+		logkey.Object, k.where, logkey.ResourceVersion, s.ResourceVersion, logkey.Reason, keys.Ignored.Error())
 }
 
-// syncVersion adopts the Secret's key on the rotation written with it; for a key put there since,
-// on a rotation this replica starts, from the key signing now, and writes.
-func (k *JWTSVIDKeys) syncVersion(s *corev1.Secret, f *jwtKeyFollower, now time.Time) error {
+// syncVersion adopts the Secret's key: on the rotation written with it; else, for a key not yet
+// adopted here, on a rotation this replica starts from the key signing now (Run writes it), or,
+// for the key signing here, by ending the rotation under way.
+func (k *JWTSVIDKeys) syncVersion(s *corev1.Secret, f *jwtKeyFollower, now time.Time) (JWTSVIDKey, error) {
 	keys, err := jwtSVIDKeysOf(s, k.where)
 	if err != nil {
-		return err
+		return keys, err
 	}
-	kid, err := ca.JWTSVIDKeyID(keys.Key)
+	kids, err := kidsOf(keys.Key, f.keys.Key, f.keys.signing(now))
 	if err != nil {
-		return err
+		return keys, err
 	}
-	if keys.SignsFrom.IsZero() {
-		newestKid, err := ca.JWTSVIDKeyID(f.keys.Key)
-		if err != nil {
-			return err
-		}
-		if kid == newestKid {
-			k.events.WithLabelValues(jwtKeyUnchanged).Inc() // the key in use, no rotation written
-			return nil
-		}
-		keys.Previous = f.keys.Key
-		if f.keys.Previous != nil && now.Before(f.keys.SignsFrom) {
-			keys.Previous = f.keys.Previous // the newest never signed
-		}
-		keys.SignsFrom = now.Add(ca.JWTSVIDKeyLead).Truncate(time.Second)
-		f.unwritten = true
+	kid, newestKid, signingKid := kids[0], kids[1], kids[2]
+	previous, signsFrom := keys.Previous, keys.SignsFrom
+	switch {
+	case previous != nil && kid != newestKid:
+		// Another replica's rotation to a key not published here yet: its lead starts now here.
+		signsFrom = laterOf(signsFrom, leadFrom(now))
+	case previous != nil:
+	case kid == newestKid:
+		k.events.WithLabelValues(jwtKeyUnchanged).Inc() // Run writes a rotation the Secret lacks
+		return keys, nil
+	case kid == signingKid:
+		previous, signsFrom = keys.Key, now // the key signing here put back: the rotation ends
+	default:
+		keys.Previous, keys.SignsFrom = f.keys.signing(now), leadFrom(now)
+		previous, signsFrom = keys.Previous, keys.SignsFrom
 	}
-	return k.adopt(keys, f, kid, now)
-}
-
-// adopt has the signer take keys.Key from keys.SignsFrom.
-func (k *JWTSVIDKeys) adopt(keys JWTSVIDKey, f *jwtKeyFollower, kid string, now time.Time) error {
-	_, changed, err := k.cfg.Signer.AdoptKey(keys.Key, keys.SignsFrom, now)
+	_, changed, err := k.cfg.Signer.AdoptKey(keys.Key, previous, signsFrom, now)
 	if err != nil {
-		return err
+		return keys, err
 	}
 	f.keys = keys
 	if !changed {
 		k.events.WithLabelValues(jwtKeyUnchanged).Inc()
-		return nil
+		return keys, nil
 	}
 	k.events.WithLabelValues(jwtKeyAdopted).Inc()
 	k.log.Info("adopted the JWT-SVID key of the secret: published now, signing once every agent has it",
-		logkey.Object, k.where, logkey.KeyID, kid, logkey.NotBefore, keys.SignsFrom)
-	return nil
+		logkey.Object, k.where, logkey.KeyID, kid, logkey.NotBefore, signsFrom)
+	return keys, nil
+}
+
+// leadFrom is when a key published at now may sign: after the lead, in whole seconds (as the
+// annotation holds it), rounded up.
+func leadFrom(now time.Time) time.Time {
+	t := now.Add(ca.JWTSVIDKeyLead)
+	if r := t.Truncate(time.Second); !r.Equal(t) {
+		return r.Add(time.Second)
+	}
+	return t
+}
+
+func laterOf(a, b time.Time) time.Time {
+	if a.After(b) {
+		return a
+	}
+	return b
+}
+
+// kidsOf is the kid of each key.
+func kidsOf(keys ...crypto.Signer) ([]string, error) {
+	kids := make([]string, len(keys))
+	for i, key := range keys {
+		var err error
+		if kids[i], err = ca.JWTSVIDKeyID(key); err != nil {
+			return nil, err
+		}
+	}
+	return kids, nil
+}
+
+// owesRotation reports whether the Secret holds keys' key but not its rotation, while that
+// rotation is under way: this replica started it and its write was lost, or another writer's
+// version replaced it.
+func (k *JWTSVIDKeys) owesRotation(s *corev1.Secret, keys JWTSVIDKey, now time.Time) bool {
+	if keys.Previous == nil || !now.Before(keys.SignsFrom.Add(k.cfg.Signer.TTL())) {
+		return false
+	}
+	shown, err := jwtSVIDKeysOf(s, k.where)
+	if err != nil {
+		return false // an invalid key.pem is refused, not written over
+	}
+	if kids, err := kidsOf(shown.Key, keys.Key); err != nil || kids[0] != kids[1] {
+		return false // another key: the next sync adopts it
+	}
+	if shown.Previous == nil {
+		return true
+	}
+	kids, err := kidsOf(shown.Previous, keys.Previous)
+	return err == nil && (kids[0] != kids[1] || !shown.SignsFrom.Equal(keys.SignsFrom))
 }
 
 // write puts keys in the Secret (s; nil: create it) and returns 0, or how long to wait before
@@ -336,8 +409,10 @@ func (k *JWTSVIDKeys) adopt(keys JWTSVIDKey, f *jwtKeyFollower, kid string, now 
 func (k *JWTSVIDKeys) write(ctx context.Context, s *corev1.Secret, keys JWTSVIDKey, now time.Time, event, msg string) time.Duration {
 	data, annotations, err := k.secretData(keys, now)
 	secrets := k.cfg.Clients.Core.Secrets(k.cfg.Namespace)
+	wctx, cancel := context.WithTimeout(ctx, jwtKeyWriteTimeout)
+	defer cancel()
 	if err == nil && s == nil {
-		_, err = secrets.Create(ctx, &corev1.Secret{
+		_, err = secrets.Create(wctx, &corev1.Secret{
 			ObjectMeta: metav1.ObjectMeta{Name: JWTSVIDKeySecret, Namespace: k.cfg.Namespace, Annotations: annotations},
 			Type:       JWTSVIDKeySecretType,
 			Data:       data,
@@ -350,7 +425,7 @@ func (k *JWTSVIDKeys) write(ctx context.Context, s *corev1.Secret, keys JWTSVIDK
 			next.Annotations = map[string]string{}
 		}
 		maps.Copy(next.Annotations, annotations)
-		_, err = secrets.Update(ctx, next, metav1.UpdateOptions{})
+		_, err = secrets.Update(wctx, next, metav1.UpdateOptions{})
 	}
 	switch {
 	case err == nil:
@@ -408,10 +483,12 @@ func (k *JWTSVIDKeys) prunePrevious(ctx context.Context, s *corev1.Secret, now t
 	}
 	next := s.DeepCopy()
 	delete(next.Data, JWTSVIDPreviousKeyData)
-	_, err = k.cfg.Clients.Core.Secrets(k.cfg.Namespace).Update(ctx, next, metav1.UpdateOptions{})
+	wctx, cancel := context.WithTimeout(ctx, jwtKeyWriteTimeout)
+	defer cancel()
+	_, err = k.cfg.Clients.Core.Secrets(k.cfg.Namespace).Update(wctx, next, metav1.UpdateOptions{})
 	switch {
 	case err == nil:
-		k.events.WithLabelValues(jwtKeyPreviousPruned).Inc()
+		k.events.WithLabelValues(jwtKeyPreviousRemoved).Inc()
 		k.log.Info("removed the replaced JWT-SVID key from the secret: the last JWT-SVID it signed has expired", logkey.Object, k.where)
 		return 0
 	case apierrors.IsConflict(err) || ctx.Err() != nil:

@@ -310,8 +310,28 @@ func TestJWTSVIDKeysFollowTheSecret(t *testing.T) {
 		return rotationIn(getSecret(t, ns, kube.JWTSVIDKeySecret), oldKid, newKid, signsFrom)
 	})
 
+	// Another writer's version without the rotation (a tool that rewrites the Secret from its own
+	// copy): the rotation is written again.
+	stripped := getSecret(t, ns, kube.JWTSVIDKeySecret)
+	delete(stripped.Data, kube.JWTSVIDPreviousKeyData)
+	stripped.Annotations = nil
+	if _, err := env.Core().Secrets(ns).Update(t.Context(), stripped, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	kubetest.Until(t, "the rotation written again", func() bool { return events("rotation_written") == 2 })
+	if err := rotationIn(getSecret(t, ns, kube.JWTSVIDKeySecret), oldKid, newKid, signsFrom); err != nil {
+		t.Fatal(err)
+	}
+
 	// A replica starting now signs with the old key until the same time, and publishes both.
-	starting, created := jwtSigner(t, env.As(t, ns, sa), ns)
+	startingKeys, created, err := kube.LoadOrCreateJWTSVIDKey(t.Context(), clients, ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	starting, err := startingKeys.Signer("cluster.local", 0, t0)
+	if err != nil {
+		t.Fatal(err)
+	}
 	if created || starting.KeyID(t0) != oldKid || starting.KeyID(signsFrom) != newKid {
 		t.Fatalf("a replica starting during the rotation: created %v, signs with %s, then %s; want %s, then %s",
 			created, starting.KeyID(t0), starting.KeyID(signsFrom), oldKid, newKid)
@@ -347,7 +367,11 @@ func TestJWTSVIDKeysFollowTheSecret(t *testing.T) {
 	})
 
 	// Once the old key's last JWT-SVID has expired, it leaves the Secret.
-	clk.Advance(signsFrom.Add(ca.DefaultJWTSVIDTTL).Sub(t0))
+	due := signsFrom.Add(ca.DefaultJWTSVIDTTL)
+	if err := clk.WaitForDeadline(t.Context(), due); err != nil {
+		t.Fatal(err)
+	}
+	clk.Advance(due.Sub(t0))
 	kubetest.Until(t, "the replaced key removed from the secret", func() bool {
 		_, ok := getSecret(t, ns, kube.JWTSVIDKeySecret).Data[kube.JWTSVIDPreviousKeyData]
 		return !ok
@@ -357,7 +381,7 @@ func TestJWTSVIDKeysFollowTheSecret(t *testing.T) {
 		t.Fatalf("a replica starting after the rotation publishes %v, want only %s", got, newKid)
 	}
 
-	for event, want := range map[string]float64{"adopted": 1, "invalid": 1, "deleted": 1, "restored": 1, "previous_removed": 1, "write_failed": 0} {
+	for event, want := range map[string]float64{"adopted": 1, "invalid": 1, "deleted": 1, "restored": 1, "rotation_written": 2, "previous_removed": 1, "write_failed": 0} {
 		if got := events(event); got != want {
 			t.Errorf("%v %s events counted, want %v", got, event, want)
 		}
@@ -365,7 +389,7 @@ func TestJWTSVIDKeysFollowTheSecret(t *testing.T) {
 	for _, msg := range []string{
 		"adopted the JWT-SVID key of the secret: published now, signing once every agent has it",
 		"the JWT-SVID key secret holds no valid key; the CA keeps signing with the key it has",
-		"the JWT-SVID key secret was deleted; putting it back with the key the CA signs with (to change the key, replace its key.pem instead)",
+		"the JWT-SVID key secret was deleted; putting it back with the newest key and its rotation (to change the key, replace its key.pem instead)",
 		"put the JWT-SVID key secret back",
 		"removed the replaced JWT-SVID key from the secret: the last JWT-SVID it signed has expired",
 	} {
@@ -376,6 +400,56 @@ func TestJWTSVIDKeysFollowTheSecret(t *testing.T) {
 	if logs.contains("PRIVATE KEY") {
 		t.Fatal("key material was logged")
 	}
+}
+
+// A rotation in the Secret that cannot be read (an annotation edited by hand, say) does not stop
+// the start: the key signs from the start, and why the rotation was ignored is told.
+func TestJWTSVIDKeyMalformedRotationIsIgnored(t *testing.T) {
+	t.Parallel()
+	ns, sa := caNamespace(t)
+	key := genKey(t)
+	kid, err := ca.JWTSVIDKeyID(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name        string
+		annotations map[string]string
+		previous    []byte
+		want        string
+	}{
+		{"time", map[string]string{kube.AnnotationJWTSVIDKeyID: kid, kube.AnnotationJWTSVIDSignsFrom: "tomorrow"}, testutil.KeyPEM(t, genKey(t)), "annotation meshid.io/jwt-svid-signs-from"},
+		{"previous key", map[string]string{kube.AnnotationJWTSVIDKeyID: kid, kube.AnnotationJWTSVIDSignsFrom: "2026-11-27T12:00:00Z"}, []byte("not a key"), "previous-key.pem"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if _, err := env.Core().Secrets(ns).Create(t.Context(), &corev1.Secret{
+				ObjectMeta: metav1.ObjectMeta{Name: kube.JWTSVIDKeySecret, Namespace: ns, Annotations: tc.annotations},
+				Type:       kube.JWTSVIDKeySecretType,
+				Data:       map[string][]byte{kube.JWTSVIDKeyData: testutil.KeyPEM(t, key), kube.JWTSVIDPreviousKeyData: tc.previous},
+			}, metav1.CreateOptions{}); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() {
+				_ = env.Core().Secrets(ns).Delete(context.Background(), kube.JWTSVIDKeySecret, metav1.DeleteOptions{})
+			})
+			keys, _, err := kube.LoadOrCreateJWTSVIDKey(t.Context(), clientsFor(t, env.As(t, ns, sa)), ns)
+			if err != nil {
+				t.Fatalf("the start was stopped: %v", err)
+			}
+			if keys.Previous != nil || keys.Ignored == nil || !strings.Contains(keys.Ignored.Error(), tc.want) || strings.Contains(keys.Ignored.Error(), "PRIVATE") {
+				t.Fatalf("previous %v, ignored %v; want no previous key and a reason naming %s", keys.Previous, keys.Ignored, tc.want)
+			}
+		})
+	}
+}
+
+func genKey(t *testing.T) crypto.Signer {
+	t.Helper()
+	key, err := pki.GenerateKey(pki.ECDSA, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return key
 }
 
 // rotationIn checks that s holds the rotation from the key of oldKid to the key of newKid at

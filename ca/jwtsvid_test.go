@@ -17,6 +17,7 @@ import (
 	"github.com/meshid/meshid/ca"
 	"github.com/meshid/meshid/internal/fsutil"
 	"github.com/meshid/meshid/internal/pki"
+	"github.com/meshid/meshid/internal/testutil"
 )
 
 // The JWT-SVID key is created once, private, and reused at every start after: its kid, and so
@@ -174,7 +175,7 @@ func TestJWTSVIDSignerAdoptsAKey(t *testing.T) {
 	s, old := newRotatingSigner(t, ttl)
 	t0 := time.Date(2026, 11, 27, 12, 0, 0, 0, time.UTC)
 	oldKid := s.KeyID(t0)
-	next := genJWTSVIDKey(t)
+	next := testutil.ECDSAKey(t)
 	signsFrom := t0.Add(ca.JWTSVIDKeyLead)
 
 	kid, changed, err := s.AdoptKey(next, old, signsFrom, t0)
@@ -243,7 +244,7 @@ func TestJWTSVIDSignerKeepsTheKeysThatSigned(t *testing.T) {
 	s, a := newRotatingSigner(t, ttl)
 	t0 := time.Date(2026, 11, 27, 12, 0, 0, 0, time.UTC)
 	aKid := s.KeyID(t0)
-	b := genJWTSVIDKey(t)
+	b := testutil.ECDSAKey(t)
 	if _, _, err := s.AdoptKey(b, a, t0.Add(ca.JWTSVIDKeyLead), t0); err != nil {
 		t.Fatal(err)
 	}
@@ -256,7 +257,7 @@ func TestJWTSVIDSignerKeepsTheKeysThatSigned(t *testing.T) {
 		t.Fatalf("bundle after the rotation was cancelled: %v, want only %s", got, aKid)
 	}
 	// Then c: a signs until c's time.
-	c := genJWTSVIDKey(t)
+	c := testutil.ECDSAKey(t)
 	t2 := t1.Add(time.Minute)
 	cKid, _, err := s.AdoptKey(c, a, t2.Add(ca.JWTSVIDKeyLead), t2)
 	if err != nil {
@@ -271,7 +272,7 @@ func TestJWTSVIDSignerKeepsTheKeysThatSigned(t *testing.T) {
 
 	// A replica that started with only d (key.pem before the rotation was written) signs with it,
 	// then learns the rotation from a: a signs until its time, and d stays published.
-	d := genJWTSVIDKey(t)
+	d := testutil.ECDSAKey(t)
 	late, err := ca.NewJWTSVIDSigner(d, "cluster.local", ttl)
 	if err != nil {
 		t.Fatal(err)
@@ -292,7 +293,7 @@ func TestJWTSVIDSignerKeepsTheKeysThatSigned(t *testing.T) {
 		t.Fatalf("bundle %v, want %s and %s", got, aKid, dKid)
 	}
 	// Another rotation, from a, before d's time: d, scheduled again but having signed, stays.
-	if _, _, err := late.AdoptKey(genJWTSVIDKey(t), a, t0.Add(2*time.Minute+ca.JWTSVIDKeyLead), t0.Add(2*time.Minute)); err != nil {
+	if _, _, err := late.AdoptKey(testutil.ECDSAKey(t), a, t0.Add(2*time.Minute+ca.JWTSVIDKeyLead), t0.Add(2*time.Minute)); err != nil {
 		t.Fatal(err)
 	}
 	if err := verifyJWTSVID(late.Bundle(end), dTok, end); err != nil {
@@ -300,19 +301,10 @@ func TestJWTSVIDSignerKeepsTheKeysThatSigned(t *testing.T) {
 	}
 }
 
-func genJWTSVIDKey(t *testing.T) crypto.Signer {
-	t.Helper()
-	key, err := pki.GenerateKey(pki.ECDSA, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return key
-}
-
 // newRotatingSigner is a signer of a new key, and the key.
 func newRotatingSigner(t *testing.T, ttl time.Duration) (*ca.JWTSVIDSigner, crypto.Signer) {
 	t.Helper()
-	key := genJWTSVIDKey(t)
+	key := testutil.ECDSAKey(t)
 	s, err := ca.NewJWTSVIDSigner(key, "cluster.local", ttl)
 	if err != nil {
 		t.Fatal(err)

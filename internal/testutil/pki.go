@@ -125,6 +125,16 @@ func (c *CA) IssueWorkload(t testing.TB, spiffeID string, ttl time.Duration) (*x
 	}, key.Public()), key
 }
 
+// ECDSAKey is a new ECDSA P-256 key.
+func ECDSAKey(t testing.TB) crypto.Signer {
+	t.Helper()
+	key, err := pki.GenerateKey(pki.ECDSA, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return key
+}
+
 // KeyPEM encodes key as PKCS#8 PEM.
 func KeyPEM(t testing.TB, key crypto.Signer) []byte {
 	t.Helper()

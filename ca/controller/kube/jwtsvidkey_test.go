@@ -286,10 +286,7 @@ func TestJWTSVIDKeysFollowTheSecret(t *testing.T) {
 	kubetest.Until(t, "the key loaded at start followed", func() bool { return events("unchanged") == 1 })
 
 	// An operator replaces the key.
-	next, err := pki.GenerateKey(pki.ECDSA, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
+	next := testutil.ECDSAKey(t)
 	newKid, err := ca.JWTSVIDKeyID(next)
 	if err != nil {
 		t.Fatal(err)
@@ -407,7 +404,7 @@ func TestJWTSVIDKeysFollowTheSecret(t *testing.T) {
 func TestJWTSVIDKeyMalformedRotationIsIgnored(t *testing.T) {
 	t.Parallel()
 	ns, sa := caNamespace(t)
-	key := genKey(t)
+	key := testutil.ECDSAKey(t)
 	kid, err := ca.JWTSVIDKeyID(key)
 	if err != nil {
 		t.Fatal(err)
@@ -418,7 +415,7 @@ func TestJWTSVIDKeyMalformedRotationIsIgnored(t *testing.T) {
 		previous    []byte
 		want        string
 	}{
-		{"time", map[string]string{kube.AnnotationJWTSVIDKeyID: kid, kube.AnnotationJWTSVIDSignsFrom: "tomorrow"}, testutil.KeyPEM(t, genKey(t)), "annotation meshid.io/jwt-svid-signs-from"},
+		{"time", map[string]string{kube.AnnotationJWTSVIDKeyID: kid, kube.AnnotationJWTSVIDSignsFrom: "tomorrow"}, testutil.KeyPEM(t, testutil.ECDSAKey(t)), "annotation meshid.io/jwt-svid-signs-from"},
 		{"previous key", map[string]string{kube.AnnotationJWTSVIDKeyID: kid, kube.AnnotationJWTSVIDSignsFrom: "2026-11-27T12:00:00Z"}, []byte("not a key"), "previous-key.pem"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -441,15 +438,6 @@ func TestJWTSVIDKeyMalformedRotationIsIgnored(t *testing.T) {
 			}
 		})
 	}
-}
-
-func genKey(t *testing.T) crypto.Signer {
-	t.Helper()
-	key, err := pki.GenerateKey(pki.ECDSA, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return key
 }
 
 // rotationIn checks that s holds the rotation from the key of oldKid to the key of newKid at

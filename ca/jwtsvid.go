@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"sync"
 	"time"
 
@@ -81,6 +82,10 @@ type jwtSVIDKey struct {
 // (workloadapi.DefaultJWTBundleRefresh, 5 min), the second for a refresh that failed and is
 // retried.
 const JWTSVIDKeyLead = 10 * time.Minute
+
+// JWTSVIDClockSkew is how far apart the clocks of the replicas following one schedule may be: a
+// replaced key is kept that much longer than its last JWT-SVID may live.
+const JWTSVIDClockSkew = time.Minute
 
 // JWTBundle is what verifies a trust domain's JWT-SVIDs: the JWKS document the Workload API
 // hands out, and the same keys as PKIX DER, which the agent reads without a JWK parser.
@@ -267,18 +272,19 @@ func (s *JWTSVIDSigner) AdoptKey(key, previous crypto.Signer, signsFrom, now tim
 func (s *JWTSVIDSigner) scheduleLocked() []string {
 	out := make([]string, len(s.keys))
 	for i, k := range s.keys {
-		out[i] = k.kid + "@" + k.signsFrom.String()
+		out[i] = k.kid + "@" + strconv.FormatInt(k.signsFrom.UnixNano(), 10)
 	}
 	return out
 }
 
 // pruneLocked drops the keys no valid JWT-SVID can need: each stopped signing, here or on the
 // same schedule at another replica, when the key after it took over (never before it last signed
-// here: a key takes over at its adoption or later), more than a lifetime ago. The newest is kept.
+// here: a key takes over at its adoption or later), more than a lifetime and JWTSVIDClockSkew
+// ago. The newest is kept.
 func (s *JWTSVIDSigner) pruneLocked(now time.Time) {
 	kept := s.keys[:0]
 	for i, k := range s.keys {
-		if i == len(s.keys)-1 || now.Before(s.keys[i+1].signsFrom.Add(s.ttl)) {
+		if i == len(s.keys)-1 || now.Before(s.keys[i+1].signsFrom.Add(s.ttl+JWTSVIDClockSkew)) {
 			kept = append(kept, k)
 		}
 	}

@@ -43,12 +43,15 @@ const (
 // JWTSVIDKey is what the Secret holds: the key, and while a rotation is under way the key it
 // replaced and when it takes over.
 type JWTSVIDKey struct {
-	Key       crypto.Signer
-	Previous  crypto.Signer // nil: none
-	SignsFrom time.Time     // of Key when Previous is set
+	Key      crypto.Signer
+	Previous crypto.Signer // nil: none
+	// SignsFrom is when Key signs; before, Previous. Without Previous, the rotation is over (or
+	// never was) and Key signs.
+	SignsFrom time.Time
 	// Ignored says why the rotation written in the Secret was not taken (it is malformed, or
 	// names no previous key): the key then signs from the start.
 	Ignored error
+	version string // the Secret's resource version read
 }
 
 // Signer returns a signer of k: Previous signing until SignsFrom, then Key, each published while
@@ -132,7 +135,7 @@ func jwtSVIDKeysOf(s *corev1.Secret, where string) (JWTSVIDKey, error) {
 	if err != nil {
 		return JWTSVIDKey{}, err
 	}
-	keys := JWTSVIDKey{Key: key}
+	keys := JWTSVIDKey{Key: key, version: s.ResourceVersion}
 	kid, err := ca.JWTSVIDKeyID(key)
 	if err != nil || s.Annotations[AnnotationJWTSVIDKeyID] != kid {
 		return keys, err
@@ -142,16 +145,15 @@ func jwtSVIDKeysOf(s *corev1.Secret, where string) (JWTSVIDKey, error) {
 		keys.Ignored = fmt.Errorf("%s, annotation %s: %w", where, AnnotationJWTSVIDSignsFrom, err)
 		return keys, nil
 	}
+	keys.SignsFrom = signsFrom
 	data, ok := s.Data[JWTSVIDPreviousKeyData]
 	if !ok {
 		return keys, nil // a rotation over: its previous key removed
 	}
-	previous, err := ca.ParseJWTSVIDKey(data)
-	if err != nil {
+	if keys.Previous, err = ca.ParseJWTSVIDKey(data); err != nil {
 		keys.Ignored = fmt.Errorf("%s, %s: %w", where, JWTSVIDPreviousKeyData, err)
-		return keys, nil
+		keys.SignsFrom = time.Time{}
 	}
-	keys.Previous, keys.SignsFrom = previous, signsFrom
 	return keys, nil
 }
 
@@ -263,7 +265,9 @@ type jwtKeyFollower struct {
 // Run follows the Secret until ctx ends.
 func (k *JWTSVIDKeys) Run(ctx context.Context) error {
 	f := jwtKeyFollower{keys: k.cfg.Keys}
-	f.keys.Ignored = nil // said at start
+	if f.keys.Ignored != nil {
+		f.refused = f.keys.version // said at start
+	}
 	return followSecret(ctx, secretWatch{
 		clients: k.cfg.Clients, namespace: k.cfg.Namespace, name: JWTSVIDKeySecret,
 		clock: k.clock, log: k.log, errs: k.watchErrs,
@@ -326,10 +330,9 @@ func (k *JWTSVIDKeys) syncVersion(s *corev1.Secret, f *jwtKeyFollower, now time.
 	kid, newestKid, signingKid := kids[0], kids[1], kids[2]
 	previous, signsFrom := keys.Previous, keys.SignsFrom
 	switch {
-	case previous != nil && kid != newestKid:
-		// Another replica's rotation to a key not published here yet: its lead starts now here.
-		signsFrom = laterOf(signsFrom, leadFrom(now))
 	case previous != nil:
+		// The schedule every replica follows; one that sees it late (its watch was down) has
+		// published the key for less than the lead, and its agents may lack it for that long.
 	case kid == newestKid:
 		k.events.WithLabelValues(jwtKeyUnchanged).Inc() // Run writes a rotation the Secret lacks
 		return keys, nil
@@ -364,13 +367,6 @@ func leadFrom(now time.Time) time.Time {
 	return t
 }
 
-func laterOf(a, b time.Time) time.Time {
-	if a.After(b) {
-		return a
-	}
-	return b
-}
-
 // kidsOf is the kid of each key.
 func kidsOf(keys ...crypto.Signer) ([]string, error) {
 	kids := make([]string, len(keys))
@@ -383,11 +379,17 @@ func kidsOf(keys ...crypto.Signer) ([]string, error) {
 	return kids, nil
 }
 
+// previousUntil is when the replaced key of keys is needed no more: the last JWT-SVID it signed,
+// on any replica's clock, has expired.
+func (k *JWTSVIDKeys) previousUntil(keys JWTSVIDKey) time.Time {
+	return keys.SignsFrom.Add(k.cfg.Signer.TTL() + ca.JWTSVIDClockSkew)
+}
+
 // owesRotation reports whether the Secret holds keys' key but not its rotation, while that
 // rotation is under way: this replica started it and its write was lost, or another writer's
 // version replaced it.
 func (k *JWTSVIDKeys) owesRotation(s *corev1.Secret, keys JWTSVIDKey, now time.Time) bool {
-	if keys.Previous == nil || !now.Before(keys.SignsFrom.Add(k.cfg.Signer.TTL())) {
+	if keys.Previous == nil || !now.Before(k.previousUntil(keys)) {
 		return false
 	}
 	shown, err := jwtSVIDKeysOf(s, k.where)
@@ -398,7 +400,7 @@ func (k *JWTSVIDKeys) owesRotation(s *corev1.Secret, keys JWTSVIDKey, now time.T
 		return false // another key: the next sync adopts it
 	}
 	if shown.Previous == nil {
-		return true
+		return !shown.SignsFrom.Equal(keys.SignsFrom) // the same: ended by a replica whose clock is ahead
 	}
 	kids, err := kidsOf(shown.Previous, keys.Previous)
 	return err == nil && (kids[0] != kids[1] || !shown.SignsFrom.Equal(keys.SignsFrom))
@@ -452,7 +454,7 @@ func (k *JWTSVIDKeys) secretData(keys JWTSVIDKey, now time.Time) (map[string][]b
 		return nil, nil, err
 	}
 	data := map[string][]byte{JWTSVIDKeyData: keyPEM}
-	if keys.Previous == nil || !now.Before(keys.SignsFrom.Add(k.cfg.Signer.TTL())) {
+	if keys.Previous == nil || !now.Before(k.previousUntil(keys)) {
 		return data, nil, nil
 	}
 	kid, err := ca.JWTSVIDKeyID(keys.Key)
@@ -478,7 +480,7 @@ func (k *JWTSVIDKeys) prunePrevious(ctx context.Context, s *corev1.Secret, now t
 	if err != nil || keys.Previous == nil {
 		return 0 // not this key's rotation: sync said so
 	}
-	if due := keys.SignsFrom.Add(k.cfg.Signer.TTL()); now.Before(due) {
+	if due := k.previousUntil(keys); now.Before(due) {
 		return due.Sub(now)
 	}
 	next := s.DeepCopy()

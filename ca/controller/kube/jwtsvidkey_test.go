@@ -364,7 +364,7 @@ func TestJWTSVIDKeysFollowTheSecret(t *testing.T) {
 	})
 
 	// Once the old key's last JWT-SVID has expired, it leaves the Secret.
-	due := signsFrom.Add(ca.DefaultJWTSVIDTTL)
+	due := signsFrom.Add(ca.DefaultJWTSVIDTTL + ca.JWTSVIDClockSkew)
 	if err := clk.WaitForDeadline(t.Context(), due); err != nil {
 		t.Fatal(err)
 	}

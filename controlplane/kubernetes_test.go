@@ -323,9 +323,10 @@ func TestMountedCACertsOnKubernetes(t *testing.T) {
 	}
 }
 
-// jwtSVIDKeyReplaced replaces the JWT-SVID key in its Secret, as an operator rotating it does,
+// jwtSVIDKeyReplaced puts a new JWT-SVID key in next-key.pem, as an operator rotating it does,
 // and checks that both replicas, with the deploy Role's rights, publish the new key after the old
-// one with no restart, and keep signing with the old one until every agent can have the new.
+// one with no restart, keep signing with the old one until every agent can have the new, and
+// that one of them moved it into key.pem.
 func jwtSVIDKeyReplaced(t *testing.T, a, b *replica, tok string) {
 	t.Helper()
 	secrets := kubeEnv.Core().Secrets("istio-system")
@@ -353,10 +354,20 @@ func jwtSVIDKeyReplaced(t *testing.T, a, b *replica, tok string) {
 		}
 		kids[i] = s.KeyID(time.Now())
 	}
-	secret.Data["key.pem"] = next
+	secret.Data["next-key.pem"] = next
 	if _, err := secrets.Update(t.Context(), secret, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
+	kubetest.Eventually(t, "next-key.pem moved into key.pem", func() error {
+		s, err := secrets.Get(t.Context(), "meshid-jwt-svid", metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		if _, ok := s.Data["next-key.pem"]; ok || string(s.Data["key.pem"]) != string(next) || len(s.Data["previous-key.pem"]) == 0 {
+			return fmt.Errorf("data keys %v, want key.pem the new key and previous-key.pem", slices.Collect(maps.Keys(s.Data)))
+		}
+		return nil
+	})
 	for _, r := range []*replica{a, b} {
 		client := jwtClient(t, r.cp.GRPCAddr(), r.cfg.StateDir, tok)
 		kubetest.Eventually(t, "replica "+r.cfg.Kubernetes.Identity+" publishes the replaced key", func() error {

@@ -30,6 +30,11 @@ const (
 	JWTSVIDKeySecretType corev1.SecretType = "meshid.io/jwt-svid-key" //nolint:gosec // a type name, not a credential
 	// JWTSVIDKeyData is the Secret's key holding the PEM private key.
 	JWTSVIDKeyData = "key.pem"
+	// JWTSVIDNextKeyData is where an operator puts the key to rotate to. The first replica to see
+	// it moves it to key.pem, and key.pem to previous-key.pem, in one write: so the Secret never
+	// holds a new key.pem without the rotation to it, which a replica starting then would sign with
+	// at once.
+	JWTSVIDNextKeyData = "next-key.pem"
 	// JWTSVIDPreviousKeyData holds, while a rotation is under way, the key that key.pem replaced:
 	// written by the CA, so that a replica starting then signs and publishes as the others do.
 	JWTSVIDPreviousKeyData = "previous-key.pem"
@@ -51,6 +56,8 @@ type JWTSVIDKey struct {
 	// Ignored says why the rotation written in the Secret was not taken (it is malformed, or
 	// names no previous key): the key then signs from the start.
 	Ignored error
+	// Next is a key put in next-key.pem that no replica has moved into key.pem yet.
+	Next    crypto.Signer
 	version string // the Secret's resource version read
 }
 
@@ -58,7 +65,11 @@ type JWTSVIDKey struct {
 // a JWT-SVID it signed may be valid.
 func (k JWTSVIDKey) Signer(trustDomain string, ttl time.Duration, now time.Time) (*ca.JWTSVIDSigner, error) {
 	if k.Previous == nil {
-		return ca.NewJWTSVIDSigner(k.Key, trustDomain, ttl)
+		s, err := ca.NewJWTSVIDSigner(k.Key, trustDomain, ttl)
+		if err != nil {
+			return nil, err
+		}
+		return s, k.adoptNext(s, now)
 	}
 	s, err := ca.NewJWTSVIDSigner(k.Previous, trustDomain, ttl)
 	if err != nil {
@@ -67,7 +78,16 @@ func (k JWTSVIDKey) Signer(trustDomain string, ttl time.Duration, now time.Time)
 	if _, _, err := s.AdoptKey(k.Key, k.Previous, k.SignsFrom, now); err != nil {
 		return nil, err
 	}
-	return s, nil
+	return s, k.adoptNext(s, now)
+}
+
+// adoptNext starts the rotation to Next, if any, as the replica that moves it does.
+func (k JWTSVIDKey) adoptNext(s *ca.JWTSVIDSigner, now time.Time) error {
+	if k.Next == nil {
+		return nil
+	}
+	_, _, err := s.AdoptKey(k.Next, k.signing(now), leadFrom(now), now)
+	return err
 }
 
 // signing is the key that signs at now.
@@ -136,6 +156,11 @@ func jwtSVIDKeysOf(s *corev1.Secret, where string) (JWTSVIDKey, error) {
 		return JWTSVIDKey{}, err
 	}
 	keys := JWTSVIDKey{Key: key, version: s.ResourceVersion}
+	if data, ok := s.Data[JWTSVIDNextKeyData]; ok {
+		if keys.Next, err = ca.ParseJWTSVIDKey(data); err != nil {
+			keys.Ignored = fmt.Errorf("%s, %s: %w", where, JWTSVIDNextKeyData, err)
+		}
+	}
 	kid, err := ca.JWTSVIDKeyID(key)
 	if err != nil || s.Annotations[AnnotationJWTSVIDKeyID] != kid {
 		return keys, err
@@ -214,6 +239,7 @@ const (
 	jwtKeyRestored        = "restored"
 	jwtKeyPreviousRemoved = "previous_removed"
 	jwtKeyRotationWritten = "rotation_written"
+	jwtKeyNextMoved       = "next_moved"
 	jwtKeyWriteFailed     = "write_failed"
 )
 
@@ -241,7 +267,7 @@ func NewJWTSVIDKeys(cfg JWTSVIDKeysConfig) (*JWTSVIDKeys, error) {
 		watchErrs: watchErrors(cfg.Registerer),
 		events: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "meshid", Subsystem: "ca", Name: "jwt_svid_key_secret_events_total",
-			Help: "What the CA did on changes of the meshid-jwt-svid Secret: a new key adopted, the same key, invalid data ignored; the Secret deleted, restored; a rotation written, a replaced key removed once unused; a write that failed.",
+			Help: "What the CA did on changes of the meshid-jwt-svid Secret: a new key adopted, the same key, invalid data ignored; the Secret deleted, restored; a rotation written, next-key.pem moved into key.pem, a replaced key removed once unused; a write that failed.",
 		}, []string{"event"}),
 	}
 	if k.log == nil {
@@ -273,20 +299,23 @@ func (k *JWTSVIDKeys) Run(ctx context.Context) error {
 		clock: k.clock, log: k.log, errs: k.watchErrs,
 		deleted: func() {
 			k.events.WithLabelValues(jwtKeyDeleted).Inc()
-			k.log.Warn("the JWT-SVID key secret was deleted; putting it back with the newest key and its rotation (to change the key, replace its key.pem instead)",
+			k.log.Warn("the JWT-SVID key secret was deleted; putting it back with the newest key and its rotation (to change the key, put one in next-key.pem instead)",
 				logkey.Object, k.where)
 		},
 	}, func(s *corev1.Secret) time.Duration {
 		now := k.clock.Now()
 		if s == nil {
-			return k.write(ctx, nil, f.keys, now, jwtKeyRestored, "put the JWT-SVID key secret back")
+			return k.write(ctx, nil, f.keys, now, false, jwtKeyRestored, "put the JWT-SVID key secret back")
 		}
 		if s.ResourceVersion != f.seen {
 			f.seen = s.ResourceVersion
 			k.sync(s, &f, now)
 		}
+		if k.holdsNext(s, f.keys) {
+			return k.write(ctx, s, f.keys, now, true, jwtKeyNextMoved, "moved next-key.pem into key.pem: the rotation to it is under way")
+		}
 		if k.owesRotation(s, f.keys, now) {
-			if wait := k.write(ctx, s, f.keys, now, jwtKeyRotationWritten, "wrote the JWT-SVID key rotation into the secret, for replicas that start during it"); wait > 0 {
+			if wait := k.write(ctx, s, f.keys, now, false, jwtKeyRotationWritten, "wrote the JWT-SVID key rotation into the secret, for replicas that start during it"); wait > 0 {
 				return wait
 			}
 		}
@@ -328,6 +357,13 @@ func (k *JWTSVIDKeys) syncVersion(s *corev1.Secret, f *jwtKeyFollower, now time.
 		return keys, err
 	}
 	kid, newestKid, signingKid := kids[0], kids[1], kids[2]
+	if keys.Next != nil {
+		// An operator's next key: rotate to it from the key signing, and move it (Run).
+		keys = JWTSVIDKey{Key: keys.Next, Previous: keys.signing(now), SignsFrom: leadFrom(now), Ignored: keys.Ignored}
+		if kid, err = ca.JWTSVIDKeyID(keys.Key); err != nil {
+			return keys, err
+		}
+	}
 	previous, signsFrom := keys.Previous, keys.SignsFrom
 	switch {
 	case previous != nil:
@@ -379,6 +415,20 @@ func kidsOf(keys ...crypto.Signer) ([]string, error) {
 	return kids, nil
 }
 
+// holdsNext reports whether the Secret still holds in next-key.pem the key keys rotates to.
+func (k *JWTSVIDKeys) holdsNext(s *corev1.Secret, keys JWTSVIDKey) bool {
+	data, ok := s.Data[JWTSVIDNextKeyData]
+	if !ok {
+		return false
+	}
+	next, err := ca.ParseJWTSVIDKey(data)
+	if err != nil {
+		return false
+	}
+	kids, err := kidsOf(next, keys.Key)
+	return err == nil && kids[0] == kids[1]
+}
+
 // previousUntil is when the replaced key of keys is needed no more: the last JWT-SVID it signed,
 // on any replica's clock, has expired.
 func (k *JWTSVIDKeys) previousUntil(keys JWTSVIDKey) time.Time {
@@ -407,8 +457,9 @@ func (k *JWTSVIDKeys) owesRotation(s *corev1.Secret, keys JWTSVIDKey, now time.T
 }
 
 // write puts keys in the Secret (s; nil: create it) and returns 0, or how long to wait before
-// trying again. An event and a message name a write that is reported.
-func (k *JWTSVIDKeys) write(ctx context.Context, s *corev1.Secret, keys JWTSVIDKey, now time.Time, event, msg string) time.Duration {
+// trying again; move writes key.pem in place of next-key.pem, which it removes. An event and a
+// message name the write.
+func (k *JWTSVIDKeys) write(ctx context.Context, s *corev1.Secret, keys JWTSVIDKey, now time.Time, move bool, event, msg string) time.Duration {
 	data, annotations, err := k.secretData(keys, now)
 	secrets := k.cfg.Clients.Core.Secrets(k.cfg.Namespace)
 	wctx, cancel := context.WithTimeout(ctx, jwtKeyWriteTimeout)
@@ -421,7 +472,11 @@ func (k *JWTSVIDKeys) write(ctx context.Context, s *corev1.Secret, keys JWTSVIDK
 		}, metav1.CreateOptions{})
 	} else if err == nil {
 		next := s.DeepCopy()
-		delete(data, JWTSVIDKeyData) // as its writer put it
+		if move {
+			delete(next.Data, JWTSVIDNextKeyData)
+		} else {
+			delete(data, JWTSVIDKeyData) // as its writer put it
+		}
 		maps.Copy(next.Data, data)
 		if next.Annotations == nil {
 			next.Annotations = map[string]string{}

@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"maps"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -285,13 +286,13 @@ func TestJWTSVIDKeysFollowTheSecret(t *testing.T) {
 	}
 	kubetest.Until(t, "the key loaded at start followed", func() bool { return events("unchanged") == 1 })
 
-	// An operator replaces the key.
+	// An operator puts the key to rotate to in next-key.pem.
 	next := testutil.ECDSAKey(t)
 	newKid, err := ca.JWTSVIDKeyID(next)
 	if err != nil {
 		t.Fatal(err)
 	}
-	putKey(t, ns, testutil.KeyPEM(t, next))
+	putData(t, ns, kube.JWTSVIDNextKeyData, testutil.KeyPEM(t, next))
 	signsFrom := t0.Add(ca.JWTSVIDKeyLead)
 	kubetest.Until(t, "the new key adopted", func() bool { return len(signer.Bundle(t0).Keys) == 2 })
 	if got := kidsOf(signer.Bundle(t0)); got[0] != oldKid || got[1] != newKid {
@@ -303,8 +304,12 @@ func TestJWTSVIDKeysFollowTheSecret(t *testing.T) {
 	if got := signer.KeyID(signsFrom); got != newKid {
 		t.Fatalf("signing with %s once the lead is over, want %s", got, newKid)
 	}
-	kubetest.Eventually(t, "the rotation written in the secret", func() error {
-		return rotationIn(getSecret(t, ns, kube.JWTSVIDKeySecret), oldKid, newKid, signsFrom)
+	kubetest.Eventually(t, "next-key.pem moved into key.pem, with the rotation", func() error {
+		s := getSecret(t, ns, kube.JWTSVIDKeySecret)
+		if _, ok := s.Data[kube.JWTSVIDNextKeyData]; ok {
+			return errors.New("next-key.pem is still there")
+		}
+		return rotationIn(s, oldKid, newKid, signsFrom)
 	})
 
 	// Another writer's version without the rotation (a tool that rewrites the Secret from its own
@@ -315,7 +320,7 @@ func TestJWTSVIDKeysFollowTheSecret(t *testing.T) {
 	if _, err := env.Core().Secrets(ns).Update(t.Context(), stripped, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	kubetest.Until(t, "the rotation written again", func() bool { return events("rotation_written") == 2 })
+	kubetest.Until(t, "the rotation written again", func() bool { return events("rotation_written") == 1 })
 	if err := rotationIn(getSecret(t, ns, kube.JWTSVIDKeySecret), oldKid, newKid, signsFrom); err != nil {
 		t.Fatal(err)
 	}
@@ -342,7 +347,7 @@ func TestJWTSVIDKeysFollowTheSecret(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	putKey(t, ns, testutil.KeyPEM(t, rsaKey))
+	putData(t, ns, kube.JWTSVIDKeyData, testutil.KeyPEM(t, rsaKey))
 	kubetest.Until(t, "the RSA key refused", func() bool { return events("invalid") == 1 })
 	if got := len(signer.Bundle(t0).Keys); got != 2 {
 		t.Fatalf("%d keys published after an invalid one, want 2", got)
@@ -378,7 +383,7 @@ func TestJWTSVIDKeysFollowTheSecret(t *testing.T) {
 		t.Fatalf("a replica starting after the rotation publishes %v, want only %s", got, newKid)
 	}
 
-	for event, want := range map[string]float64{"adopted": 1, "invalid": 1, "deleted": 1, "restored": 1, "rotation_written": 2, "previous_removed": 1, "write_failed": 0} {
+	for event, want := range map[string]float64{"adopted": 1, "invalid": 1, "deleted": 1, "restored": 1, "next_moved": 1, "rotation_written": 1, "previous_removed": 1, "write_failed": 0} {
 		if got := events(event); got != want {
 			t.Errorf("%v %s events counted, want %v", got, event, want)
 		}
@@ -386,7 +391,7 @@ func TestJWTSVIDKeysFollowTheSecret(t *testing.T) {
 	for _, msg := range []string{
 		"adopted the JWT-SVID key of the secret: published now, signing once every agent has it",
 		"the JWT-SVID key secret holds no valid key; the CA keeps signing with the key it has",
-		"the JWT-SVID key secret was deleted; putting it back with the newest key and its rotation (to change the key, replace its key.pem instead)",
+		"the JWT-SVID key secret was deleted; putting it back with the newest key and its rotation (to change the key, put one in next-key.pem instead)",
 		"put the JWT-SVID key secret back",
 		"removed the replaced JWT-SVID key from the secret: the last JWT-SVID it signed has expired",
 	} {
@@ -440,6 +445,43 @@ func TestJWTSVIDKeyMalformedRotationIsIgnored(t *testing.T) {
 	}
 }
 
+// A replica that starts while next-key.pem waits to be moved publishes it and signs on with
+// key.pem, as the replica that moves it will.
+func TestJWTSVIDKeyNextBeforeItIsMoved(t *testing.T) {
+	t.Parallel()
+	ns, sa := caNamespace(t)
+	current, next := testutil.ECDSAKey(t), testutil.ECDSAKey(t)
+	kids := make([]string, 2)
+	for i, key := range []crypto.Signer{current, next} {
+		var err error
+		if kids[i], err = ca.JWTSVIDKeyID(key); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := env.Core().Secrets(ns).Create(t.Context(), &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Name: kube.JWTSVIDKeySecret, Namespace: ns},
+		Type:       kube.JWTSVIDKeySecretType,
+		Data:       map[string][]byte{kube.JWTSVIDKeyData: testutil.KeyPEM(t, current), kube.JWTSVIDNextKeyData: testutil.KeyPEM(t, next)},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	keys, _, err := kube.LoadOrCreateJWTSVIDKey(t.Context(), clientsFor(t, env.As(t, ns, sa)), ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t0 := time.Date(2026, 11, 27, 12, 0, 0, 0, time.UTC)
+	s, err := keys.Signer("cluster.local", 0, t0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := kidsOf(s.Bundle(t0)); !slices.Equal(got, kids) {
+		t.Fatalf("bundle %v, want %v", got, kids)
+	}
+	if s.KeyID(t0) != kids[0] || s.KeyID(t0.Add(ca.JWTSVIDKeyLead)) != kids[1] {
+		t.Fatalf("signs with %s, then %s; want %s until the lead is over, then %s", s.KeyID(t0), s.KeyID(t0.Add(ca.JWTSVIDKeyLead)), kids[0], kids[1])
+	}
+}
+
 // rotationIn checks that s holds the rotation from the key of oldKid to the key of newKid at
 // signsFrom.
 func rotationIn(s *corev1.Secret, oldKid, newKid string, signsFrom time.Time) error {
@@ -475,11 +517,11 @@ func kidsOf(b ca.JWTBundle) []string {
 	return kids
 }
 
-// putKey replaces the key of the JWT-SVID Secret, as an operator does.
-func putKey(t *testing.T, ns string, keyPEM []byte) {
+// putData writes one entry of the JWT-SVID Secret, as an operator does.
+func putData(t *testing.T, ns, name string, data []byte) {
 	t.Helper()
 	s := getSecret(t, ns, kube.JWTSVIDKeySecret)
-	s.Data[kube.JWTSVIDKeyData] = keyPEM
+	s.Data[name] = data
 	if _, err := env.Core().Secrets(ns).Update(t.Context(), s, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}

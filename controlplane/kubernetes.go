@@ -173,7 +173,7 @@ func (k *onKubernetes) jwtSVIDSigner(ctx context.Context, cfg Config) (*ca.JWTSV
 		return nil, err
 	}
 	if keys.Ignored != nil {
-		cfg.Logger.Warn("the JWT-SVID key secret holds a rotation that cannot be read; it is ignored, and the key signs at once",
+		cfg.Logger.Warn("the JWT-SVID key secret holds data that cannot be read; it is ignored",
 			logkey.Reason, keys.Ignored.Error())
 	}
 	logJWTSVIDKey(cfg, signer, created, logkey.Object, "secret "+k.caNamespace+"/"+kube.JWTSVIDKeySecret)

@@ -61,15 +61,13 @@ type JWTSVIDKey struct {
 	version string // the Secret's resource version read
 }
 
-// Signer returns a signer of k: Previous signing until SignsFrom, then Key, each published while
-// a JWT-SVID it signed may be valid.
+// Signer returns a signer of k at now: Previous signing until SignsFrom, then Key, each
+// published while a JWT-SVID it signed may be valid; and Next, if any, published at once as the
+// replica that moves it starts the rotation to it (withNext).
 func (k JWTSVIDKey) Signer(trustDomain string, ttl time.Duration, now time.Time) (*ca.JWTSVIDSigner, error) {
+	k, _ = k.withNext(ttl, now)
 	if k.Previous == nil {
-		s, err := ca.NewJWTSVIDSigner(k.Key, trustDomain, ttl)
-		if err != nil {
-			return nil, err
-		}
-		return s, k.adoptNext(s, now)
+		return ca.NewJWTSVIDSigner(k.Key, trustDomain, ttl)
 	}
 	s, err := ca.NewJWTSVIDSigner(k.Previous, trustDomain, ttl)
 	if err != nil {
@@ -78,16 +76,31 @@ func (k JWTSVIDKey) Signer(trustDomain string, ttl time.Duration, now time.Time)
 	if _, _, err := s.AdoptKey(k.Key, k.Previous, k.SignsFrom, now); err != nil {
 		return nil, err
 	}
-	return s, k.adoptNext(s, now)
+	return s, nil
 }
 
-// adoptNext starts the rotation to Next, if any, as the replica that moves it does.
-func (k JWTSVIDKey) adoptNext(s *ca.JWTSVIDSigner, now time.Time) error {
+// withNext is k with the rotation to Next started at now, from the key signing, as the replica
+// that moves Next into key.pem writes it. A Next equal to Key is no rotation. While k's own
+// rotation is under way Next waits: k is returned as it is, with the time it waits until, so that
+// the Secret never needs two replaced keys.
+func (k JWTSVIDKey) withNext(ttl time.Duration, now time.Time) (JWTSVIDKey, time.Time) {
 	if k.Next == nil {
-		return nil
+		return k, time.Time{}
 	}
-	_, _, err := s.AdoptKey(k.Next, k.signing(now), leadFrom(now), now)
-	return err
+	if kids, err := kidsOf(k.Next, k.Key); err != nil || kids[0] == kids[1] {
+		k.Next = nil
+		return k, time.Time{}
+	}
+	if until := previousUntil(k, ttl); k.Previous != nil && now.Before(until) {
+		return k, until
+	}
+	return JWTSVIDKey{Key: k.Next, Previous: k.signing(now), SignsFrom: leadFrom(now), Ignored: k.Ignored, version: k.version}, time.Time{}
+}
+
+// previousUntil is when the replaced key of keys is needed no more: the last JWT-SVID it signed,
+// on any replica's clock, has expired.
+func previousUntil(keys JWTSVIDKey, ttl time.Duration) time.Time {
+	return keys.SignsFrom.Add(ttl + ca.JWTSVIDClockSkew)
 }
 
 // signing is the key that signs at now.
@@ -240,6 +253,7 @@ const (
 	jwtKeyPreviousRemoved = "previous_removed"
 	jwtKeyRotationWritten = "rotation_written"
 	jwtKeyNextMoved       = "next_moved"
+	jwtKeyNextWaiting     = "next_waiting"
 	jwtKeyWriteFailed     = "write_failed"
 )
 
@@ -286,11 +300,13 @@ type jwtKeyFollower struct {
 	keys    JWTSVIDKey // the newest key adopted and its rotation, as the Secret should show them
 	seen    string     // the resource version last handled
 	refused string     // the last one found invalid, logged once
+	waited  string     // the last one whose next-key.pem waits, logged once
 }
 
 // Run follows the Secret until ctx ends.
 func (k *JWTSVIDKeys) Run(ctx context.Context) error {
-	f := jwtKeyFollower{keys: k.cfg.Keys}
+	f := jwtKeyFollower{}
+	f.keys, _ = k.cfg.Keys.withNext(k.cfg.Signer.TTL(), k.clock.Now()) // as Signer made the signer
 	if f.keys.Ignored != nil {
 		f.refused = f.keys.version // said at start
 	}
@@ -340,7 +356,7 @@ func (k *JWTSVIDKeys) sync(s *corev1.Secret, f *jwtKeyFollower, now time.Time) {
 			logkey.Object, k.where, logkey.ResourceVersion, s.ResourceVersion, logkey.Reason, err.Error())
 		return
 	}
-	k.log.Warn("the JWT-SVID key secret holds a rotation that cannot be read; it is ignored",
+	k.log.Warn("the JWT-SVID key secret holds data that cannot be read; it is ignored",
 		logkey.Object, k.where, logkey.ResourceVersion, s.ResourceVersion, logkey.Reason, keys.Ignored.Error())
 }
 
@@ -352,18 +368,18 @@ func (k *JWTSVIDKeys) syncVersion(s *corev1.Secret, f *jwtKeyFollower, now time.
 	if err != nil {
 		return keys, err
 	}
+	keys, waits := keys.withNext(k.cfg.Signer.TTL(), now)
+	if !waits.IsZero() && s.ResourceVersion != f.waited {
+		f.waited = s.ResourceVersion
+		k.events.WithLabelValues(jwtKeyNextWaiting).Inc()
+		k.log.Info("next-key.pem waits for the rotation under way to end",
+			logkey.Object, k.where, logkey.NotBefore, waits)
+	}
 	kids, err := kidsOf(keys.Key, f.keys.Key, f.keys.signing(now))
 	if err != nil {
 		return keys, err
 	}
 	kid, newestKid, signingKid := kids[0], kids[1], kids[2]
-	if keys.Next != nil {
-		// An operator's next key: rotate to it from the key signing, and move it (Run).
-		keys = JWTSVIDKey{Key: keys.Next, Previous: keys.signing(now), SignsFrom: leadFrom(now), Ignored: keys.Ignored}
-		if kid, err = ca.JWTSVIDKeyID(keys.Key); err != nil {
-			return keys, err
-		}
-	}
 	previous, signsFrom := keys.Previous, keys.SignsFrom
 	switch {
 	case previous != nil:
@@ -429,17 +445,11 @@ func (k *JWTSVIDKeys) holdsNext(s *corev1.Secret, keys JWTSVIDKey) bool {
 	return err == nil && kids[0] == kids[1]
 }
 
-// previousUntil is when the replaced key of keys is needed no more: the last JWT-SVID it signed,
-// on any replica's clock, has expired.
-func (k *JWTSVIDKeys) previousUntil(keys JWTSVIDKey) time.Time {
-	return keys.SignsFrom.Add(k.cfg.Signer.TTL() + ca.JWTSVIDClockSkew)
-}
-
 // owesRotation reports whether the Secret holds keys' key but not its rotation, while that
 // rotation is under way: this replica started it and its write was lost, or another writer's
 // version replaced it.
 func (k *JWTSVIDKeys) owesRotation(s *corev1.Secret, keys JWTSVIDKey, now time.Time) bool {
-	if keys.Previous == nil || !now.Before(k.previousUntil(keys)) {
+	if keys.Previous == nil || !now.Before(previousUntil(keys, k.cfg.Signer.TTL())) {
 		return false
 	}
 	shown, err := jwtSVIDKeysOf(s, k.where)
@@ -509,7 +519,12 @@ func (k *JWTSVIDKeys) secretData(keys JWTSVIDKey, now time.Time) (map[string][]b
 		return nil, nil, err
 	}
 	data := map[string][]byte{JWTSVIDKeyData: keyPEM}
-	if keys.Previous == nil || !now.Before(k.previousUntil(keys)) {
+	if keys.Next != nil { // waiting for the rotation under way: kept for after it
+		if data[JWTSVIDNextKeyData], err = pki.EncodePrivateKey(keys.Next); err != nil {
+			return nil, nil, err
+		}
+	}
+	if keys.Previous == nil || !now.Before(previousUntil(keys, k.cfg.Signer.TTL())) {
 		return data, nil, nil
 	}
 	kid, err := ca.JWTSVIDKeyID(keys.Key)
@@ -525,17 +540,19 @@ func (k *JWTSVIDKeys) secretData(keys JWTSVIDKey, now time.Time) (map[string][]b
 	}, nil
 }
 
-// prunePrevious removes the replaced key from the Secret once its last JWT-SVID has expired, and
-// returns how long until then (0: nothing to remove).
+// prunePrevious removes the replaced key from the Secret once its last JWT-SVID has expired, or
+// at once when it belongs to no rotation of key.pem's, and returns how long until then (0:
+// nothing to remove).
 func (k *JWTSVIDKeys) prunePrevious(ctx context.Context, s *corev1.Secret, now time.Time) time.Duration {
 	if _, ok := s.Data[JWTSVIDPreviousKeyData]; !ok {
 		return 0
 	}
 	keys, err := jwtSVIDKeysOf(s, k.where)
-	if err != nil || keys.Previous == nil {
-		return 0 // not this key's rotation: sync said so
+	if err != nil || keys.Ignored != nil {
+		return 0 // sync said why
 	}
-	if due := k.previousUntil(keys); now.Before(due) {
+	// A previous-key.pem of no rotation of key.pem's (replaced since) is removed at once.
+	if due := previousUntil(keys, k.cfg.Signer.TTL()); keys.Previous != nil && now.Before(due) {
 		return due.Sub(now)
 	}
 	next := s.DeepCopy()

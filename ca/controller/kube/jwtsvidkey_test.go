@@ -254,36 +254,10 @@ func TestJWTSVIDKeysFollowTheSecret(t *testing.T) {
 	t.Parallel()
 	ns, sa := caNamespace(t)
 	clients := clientsFor(t, env.As(t, ns, sa))
-	keys, _, err := kube.LoadOrCreateJWTSVIDKey(t.Context(), clients, ns)
-	if err != nil {
-		t.Fatal(err)
-	}
 	t0 := time.Date(2026, 11, 27, 12, 0, 0, 0, time.UTC)
-	signer, err := keys.Signer("cluster.local", 0, t0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	clk := testutil.NewFakeClock(t0)
-	logs := newLogRecorder()
-	reg := prometheus.NewRegistry()
-	follower, err := kube.NewJWTSVIDKeys(kube.JWTSVIDKeysConfig{Clients: clients, Namespace: ns, Signer: signer, Keys: keys,
-		Clock: clk, Logger: logs.logger(), Registerer: reg})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(t.Context())
-	done := make(chan error, 1)
-	go func() { done <- follower.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Error(err)
-		}
-	})
+	f := startFollower(t, ns, clients, t0)
+	signer, clk, logs, events := f.signer, f.clock, f.logs, f.events
 	oldKid := signer.KeyID(t0)
-	events := func(event string) float64 {
-		return metric(t, reg, "meshid_ca_jwt_svid_key_secret_events_total", "event", event)
-	}
 	kubetest.Until(t, "the key loaded at start followed", func() bool { return events("unchanged") == 1 })
 
 	// An operator puts the key to rotate to in next-key.pem.
@@ -446,7 +420,7 @@ func TestJWTSVIDKeyMalformedRotationIsIgnored(t *testing.T) {
 }
 
 // A replica that starts while next-key.pem waits to be moved publishes it and signs on with
-// key.pem, as the replica that moves it will.
+// key.pem, as the replica that moves it will, and keeps that rotation if the Secret goes.
 func TestJWTSVIDKeyNextBeforeItIsMoved(t *testing.T) {
 	t.Parallel()
 	ns, sa := caNamespace(t)
@@ -465,20 +439,196 @@ func TestJWTSVIDKeyNextBeforeItIsMoved(t *testing.T) {
 	}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	keys, _, err := kube.LoadOrCreateJWTSVIDKey(t.Context(), clientsFor(t, env.As(t, ns, sa)), ns)
+	clients := clientsFor(t, env.As(t, ns, sa))
+	keys, _, err := kube.LoadOrCreateJWTSVIDKey(t.Context(), clients, ns)
 	if err != nil {
+		t.Fatal(err)
+	}
+	// The Secret goes before the replica's watch lists it: it is put back with the rotation to the
+	// next key, which the replica publishes, not with key.pem alone.
+	if err := env.Core().Secrets(ns).Delete(t.Context(), kube.JWTSVIDKeySecret, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	t0 := time.Date(2026, 11, 27, 12, 0, 0, 0, time.UTC)
-	s, err := keys.Signer("cluster.local", 0, t0)
-	if err != nil {
-		t.Fatal(err)
-	}
+	s := follow(t, ns, clients, keys, t0).signer
 	if got := kidsOf(s.Bundle(t0)); !slices.Equal(got, kids) {
 		t.Fatalf("bundle %v, want %v", got, kids)
 	}
 	if s.KeyID(t0) != kids[0] || s.KeyID(t0.Add(ca.JWTSVIDKeyLead)) != kids[1] {
 		t.Fatalf("signs with %s, then %s; want %s until the lead is over, then %s", s.KeyID(t0), s.KeyID(t0.Add(ca.JWTSVIDKeyLead)), kids[0], kids[1])
+	}
+	kubetest.Eventually(t, "the secret put back with the rotation to the next key", func() error {
+		s, err := env.Core().Secrets(ns).Get(t.Context(), kube.JWTSVIDKeySecret, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		return rotationIn(s, kids[0], kids[1], t0.Add(ca.JWTSVIDKeyLead))
+	})
+}
+
+// follower is a replica's JWT-SVID key follower, run until the test ends, and what it is seen by.
+type follower struct {
+	signer *ca.JWTSVIDSigner
+	clock  *testutil.FakeClock
+	logs   *logRecorder
+	events func(event string) float64
+}
+
+// startFollower loads (or creates) the key as a replica starting at t0 does, and follows it.
+func startFollower(t *testing.T, ns string, clients *kube.Clients, t0 time.Time) follower {
+	t.Helper()
+	keys, _, err := kube.LoadOrCreateJWTSVIDKey(t.Context(), clients, ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return follow(t, ns, clients, keys, t0)
+}
+
+// follow follows the key from keys, loaded at t0.
+func follow(t *testing.T, ns string, clients *kube.Clients, keys kube.JWTSVIDKey, t0 time.Time) follower {
+	t.Helper()
+	signer, err := keys.Signer("cluster.local", 0, t0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := follower{signer: signer, clock: testutil.NewFakeClock(t0), logs: newLogRecorder()}
+	reg := prometheus.NewRegistry()
+	keysFollower, err := kube.NewJWTSVIDKeys(kube.JWTSVIDKeysConfig{Clients: clients, Namespace: ns, Signer: signer, Keys: keys,
+		Clock: f.clock, Logger: f.logs.logger(), Registerer: reg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- keysFollower.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	})
+	f.events = func(event string) float64 {
+		return metric(t, reg, "meshid_ca_jwt_svid_key_secret_events_total", "event", event)
+	}
+	return f
+}
+
+// A next-key.pem put while a rotation is under way waits for it to end, so that the Secret never
+// needs two replaced keys; one equal to key.pem is no rotation, and is removed.
+func TestJWTSVIDKeyNextWaitsForTheRotationUnderWay(t *testing.T) {
+	t.Parallel()
+	ns, sa := caNamespace(t)
+	k1, k2, k3 := testutil.ECDSAKey(t), testutil.ECDSAKey(t), testutil.ECDSAKey(t)
+	kid := func(key crypto.Signer) string {
+		id, err := ca.JWTSVIDKeyID(key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return id
+	}
+	t0 := time.Date(2026, 11, 27, 12, 0, 0, 0, time.UTC)
+	signsFrom := t0.Add(ca.JWTSVIDKeyLead)
+	// A rotation from k1 to k2 under way.
+	if _, err := env.Core().Secrets(ns).Create(t.Context(), &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Name: kube.JWTSVIDKeySecret, Namespace: ns, Annotations: map[string]string{
+			kube.AnnotationJWTSVIDKeyID: kid(k2), kube.AnnotationJWTSVIDSignsFrom: signsFrom.Format(time.RFC3339)}},
+		Type: kube.JWTSVIDKeySecretType,
+		Data: map[string][]byte{kube.JWTSVIDKeyData: testutil.KeyPEM(t, k2), kube.JWTSVIDPreviousKeyData: testutil.KeyPEM(t, k1)},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	f := startFollower(t, ns, clientsFor(t, env.As(t, ns, sa)), t0)
+	kubetest.Until(t, "the rotation followed", func() bool { return f.events("unchanged") == 1 })
+
+	// The same key again: removed, the rotation kept.
+	putData(t, ns, kube.JWTSVIDNextKeyData, testutil.KeyPEM(t, k2))
+	kubetest.Eventually(t, "next-key.pem equal to key.pem removed", func() error {
+		s := getSecret(t, ns, kube.JWTSVIDKeySecret)
+		if _, ok := s.Data[kube.JWTSVIDNextKeyData]; ok {
+			return errors.New("next-key.pem is still there")
+		}
+		return rotationIn(s, kid(k1), kid(k2), signsFrom)
+	})
+
+	// Another key: it waits, published nowhere, until k1 is needed no more.
+	putData(t, ns, kube.JWTSVIDNextKeyData, testutil.KeyPEM(t, k3))
+	kubetest.Until(t, "next-key.pem waiting", func() bool { return f.events("next_waiting") == 1 })
+	if got := kidsOf(f.signer.Bundle(t0)); !slices.Equal(got, []string{kid(k1), kid(k2)}) {
+		t.Fatalf("bundle %v while k3 waits, want k1 and k2", got)
+	}
+	due := signsFrom.Add(ca.DefaultJWTSVIDTTL + ca.JWTSVIDClockSkew)
+	if err := f.clock.WaitForDeadline(t.Context(), due); err != nil {
+		t.Fatal(err)
+	}
+	f.clock.Advance(due.Sub(t0))
+	kubetest.Eventually(t, "the rotation to k3 once the one under way is over", func() error {
+		s := getSecret(t, ns, kube.JWTSVIDKeySecret)
+		if _, ok := s.Data[kube.JWTSVIDNextKeyData]; ok {
+			return errors.New("next-key.pem is still there")
+		}
+		return rotationIn(s, kid(k2), kid(k3), due.Add(ca.JWTSVIDKeyLead))
+	})
+	if got := kidsOf(f.signer.Bundle(due)); !slices.Equal(got, []string{kid(k2), kid(k3)}) {
+		t.Fatalf("bundle %v once rotating to k3, want k2 and k3", got)
+	}
+}
+
+// A next-key.pem withdrawn before any replica moved it is no rotation: a replica that loaded it
+// drops the next key, which never signed.
+func TestJWTSVIDKeyNextWithdrawnBeforeItIsMoved(t *testing.T) {
+	t.Parallel()
+	ns, sa := caNamespace(t)
+	current, next := testutil.ECDSAKey(t), testutil.ECDSAKey(t)
+	currentKid, err := ca.JWTSVIDKeyID(current)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := env.Core().Secrets(ns).Create(t.Context(), &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Name: kube.JWTSVIDKeySecret, Namespace: ns},
+		Type:       kube.JWTSVIDKeySecretType,
+		Data:       map[string][]byte{kube.JWTSVIDKeyData: testutil.KeyPEM(t, current), kube.JWTSVIDNextKeyData: testutil.KeyPEM(t, next)},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	clients := clientsFor(t, env.As(t, ns, sa))
+	keys, _, err := kube.LoadOrCreateJWTSVIDKey(t.Context(), clients, ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	withdrawn := getSecret(t, ns, kube.JWTSVIDKeySecret)
+	delete(withdrawn.Data, kube.JWTSVIDNextKeyData)
+	if _, err := env.Core().Secrets(ns).Update(t.Context(), withdrawn, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t0 := time.Date(2026, 11, 27, 12, 0, 0, 0, time.UTC)
+	f := follow(t, ns, clients, keys, t0)
+	kubetest.Until(t, "the next key dropped", func() bool { return len(f.signer.Bundle(t0).Keys) == 1 })
+	if got := f.signer.KeyID(t0.Add(ca.JWTSVIDKeyLead)); got != currentKid {
+		t.Fatalf("signing with %s after the lead, want %s: the withdrawn key", got, currentKid)
+	}
+}
+
+// A previous-key.pem of no rotation of key.pem's (key.pem replaced by hand since) is a private key
+// nothing needs: it is removed at once.
+func TestJWTSVIDKeyStalePreviousIsRemoved(t *testing.T) {
+	t.Parallel()
+	ns, sa := caNamespace(t)
+	if _, err := env.Core().Secrets(ns).Create(t.Context(), &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Name: kube.JWTSVIDKeySecret, Namespace: ns, Annotations: map[string]string{
+			kube.AnnotationJWTSVIDKeyID: "the-kid-of-a-key-replaced-since", kube.AnnotationJWTSVIDSignsFrom: "2026-11-27T12:00:00Z"}},
+		Type: kube.JWTSVIDKeySecretType,
+		Data: map[string][]byte{kube.JWTSVIDKeyData: testutil.KeyPEM(t, testutil.ECDSAKey(t)),
+			kube.JWTSVIDPreviousKeyData: testutil.KeyPEM(t, testutil.ECDSAKey(t))},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	f := startFollower(t, ns, clientsFor(t, env.As(t, ns, sa)), time.Date(2026, 11, 27, 12, 0, 0, 0, time.UTC))
+	kubetest.Until(t, "the stale previous-key.pem removed", func() bool {
+		_, ok := getSecret(t, ns, kube.JWTSVIDKeySecret).Data[kube.JWTSVIDPreviousKeyData]
+		return !ok
+	})
+	if got := f.events("previous_removed"); got != 1 {
+		t.Fatalf("%v removals counted, want 1", got)
 	}
 }
 

@@ -262,10 +262,7 @@ func TestJWTSVIDKeysFollowTheSecret(t *testing.T) {
 
 	// An operator puts the key to rotate to in next-key.pem.
 	next := testutil.ECDSAKey(t)
-	newKid, err := ca.JWTSVIDKeyID(next)
-	if err != nil {
-		t.Fatal(err)
-	}
+	newKid := kidOf(t, next)
 	putData(t, ns, kube.JWTSVIDNextKeyData, testutil.KeyPEM(t, next))
 	signsFrom := t0.Add(ca.JWTSVIDKeyLead)
 	kubetest.Until(t, "the new key adopted", func() bool { return len(signer.Bundle(t0).Keys) == 2 })
@@ -384,10 +381,7 @@ func TestJWTSVIDKeyMalformedRotationIsIgnored(t *testing.T) {
 	t.Parallel()
 	ns, sa := caNamespace(t)
 	key := testutil.ECDSAKey(t)
-	kid, err := ca.JWTSVIDKeyID(key)
-	if err != nil {
-		t.Fatal(err)
-	}
+	kid := kidOf(t, key)
 	for _, tc := range []struct {
 		name        string
 		annotations map[string]string
@@ -398,13 +392,7 @@ func TestJWTSVIDKeyMalformedRotationIsIgnored(t *testing.T) {
 		{"previous key", map[string]string{kube.AnnotationJWTSVIDKeyID: kid, kube.AnnotationJWTSVIDSignsFrom: "2026-11-27T12:00:00Z"}, []byte("not a key"), "previous-key.pem"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			if _, err := env.Core().Secrets(ns).Create(t.Context(), &corev1.Secret{
-				ObjectMeta: metav1.ObjectMeta{Name: kube.JWTSVIDKeySecret, Namespace: ns, Annotations: tc.annotations},
-				Type:       kube.JWTSVIDKeySecretType,
-				Data:       map[string][]byte{kube.JWTSVIDKeyData: testutil.KeyPEM(t, key), kube.JWTSVIDPreviousKeyData: tc.previous},
-			}, metav1.CreateOptions{}); err != nil {
-				t.Fatal(err)
-			}
+			createKeySecret(t, ns, tc.annotations, map[string][]byte{kube.JWTSVIDKeyData: testutil.KeyPEM(t, key), kube.JWTSVIDPreviousKeyData: tc.previous})
 			t.Cleanup(func() {
 				_ = env.Core().Secrets(ns).Delete(context.Background(), kube.JWTSVIDKeySecret, metav1.DeleteOptions{})
 			})
@@ -425,20 +413,8 @@ func TestJWTSVIDKeyNextBeforeItIsMoved(t *testing.T) {
 	t.Parallel()
 	ns, sa := caNamespace(t)
 	current, next := testutil.ECDSAKey(t), testutil.ECDSAKey(t)
-	kids := make([]string, 2)
-	for i, key := range []crypto.Signer{current, next} {
-		var err error
-		if kids[i], err = ca.JWTSVIDKeyID(key); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if _, err := env.Core().Secrets(ns).Create(t.Context(), &corev1.Secret{
-		ObjectMeta: metav1.ObjectMeta{Name: kube.JWTSVIDKeySecret, Namespace: ns},
-		Type:       kube.JWTSVIDKeySecretType,
-		Data:       map[string][]byte{kube.JWTSVIDKeyData: testutil.KeyPEM(t, current), kube.JWTSVIDNextKeyData: testutil.KeyPEM(t, next)},
-	}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	kids := []string{kidOf(t, current), kidOf(t, next)}
+	createKeySecret(t, ns, nil, map[string][]byte{kube.JWTSVIDKeyData: testutil.KeyPEM(t, current), kube.JWTSVIDNextKeyData: testutil.KeyPEM(t, next)})
 	clients := clientsFor(t, env.As(t, ns, sa))
 	keys, _, err := kube.LoadOrCreateJWTSVIDKey(t.Context(), clients, ns)
 	if err != nil {
@@ -519,24 +495,11 @@ func TestJWTSVIDKeyNextWaitsForTheRotationUnderWay(t *testing.T) {
 	t.Parallel()
 	ns, sa := caNamespace(t)
 	k1, k2, k3 := testutil.ECDSAKey(t), testutil.ECDSAKey(t), testutil.ECDSAKey(t)
-	kid := func(key crypto.Signer) string {
-		id, err := ca.JWTSVIDKeyID(key)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return id
-	}
 	t0 := time.Date(2026, 11, 27, 12, 0, 0, 0, time.UTC)
 	signsFrom := t0.Add(ca.JWTSVIDKeyLead)
 	// A rotation from k1 to k2 under way.
-	if _, err := env.Core().Secrets(ns).Create(t.Context(), &corev1.Secret{
-		ObjectMeta: metav1.ObjectMeta{Name: kube.JWTSVIDKeySecret, Namespace: ns, Annotations: map[string]string{
-			kube.AnnotationJWTSVIDKeyID: kid(k2), kube.AnnotationJWTSVIDSignsFrom: signsFrom.Format(time.RFC3339)}},
-		Type: kube.JWTSVIDKeySecretType,
-		Data: map[string][]byte{kube.JWTSVIDKeyData: testutil.KeyPEM(t, k2), kube.JWTSVIDPreviousKeyData: testutil.KeyPEM(t, k1)},
-	}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	createKeySecret(t, ns, map[string]string{kube.AnnotationJWTSVIDKeyID: kidOf(t, k2), kube.AnnotationJWTSVIDSignsFrom: signsFrom.Format(time.RFC3339)},
+		map[string][]byte{kube.JWTSVIDKeyData: testutil.KeyPEM(t, k2), kube.JWTSVIDPreviousKeyData: testutil.KeyPEM(t, k1)})
 	f := startFollower(t, ns, clientsFor(t, env.As(t, ns, sa)), t0)
 	kubetest.Until(t, "the rotation followed", func() bool { return f.events("unchanged") == 1 })
 
@@ -547,13 +510,13 @@ func TestJWTSVIDKeyNextWaitsForTheRotationUnderWay(t *testing.T) {
 		if _, ok := s.Data[kube.JWTSVIDNextKeyData]; ok {
 			return errors.New("next-key.pem is still there")
 		}
-		return rotationIn(s, kid(k1), kid(k2), signsFrom)
+		return rotationIn(s, kidOf(t, k1), kidOf(t, k2), signsFrom)
 	})
 
 	// Another key: it waits, published nowhere, until k1 is needed no more.
 	putData(t, ns, kube.JWTSVIDNextKeyData, testutil.KeyPEM(t, k3))
 	kubetest.Until(t, "next-key.pem waiting", func() bool { return f.events("next_waiting") == 1 })
-	if got := kidsOf(f.signer.Bundle(t0)); !slices.Equal(got, []string{kid(k1), kid(k2)}) {
+	if got := kidsOf(f.signer.Bundle(t0)); !slices.Equal(got, []string{kidOf(t, k1), kidOf(t, k2)}) {
 		t.Fatalf("bundle %v while k3 waits, want k1 and k2", got)
 	}
 	due := signsFrom.Add(ca.DefaultJWTSVIDTTL + ca.JWTSVIDClockSkew)
@@ -566,9 +529,9 @@ func TestJWTSVIDKeyNextWaitsForTheRotationUnderWay(t *testing.T) {
 		if _, ok := s.Data[kube.JWTSVIDNextKeyData]; ok {
 			return errors.New("next-key.pem is still there")
 		}
-		return rotationIn(s, kid(k2), kid(k3), due.Add(ca.JWTSVIDKeyLead))
+		return rotationIn(s, kidOf(t, k2), kidOf(t, k3), due.Add(ca.JWTSVIDKeyLead))
 	})
-	if got := kidsOf(f.signer.Bundle(due)); !slices.Equal(got, []string{kid(k2), kid(k3)}) {
+	if got := kidsOf(f.signer.Bundle(due)); !slices.Equal(got, []string{kidOf(t, k2), kidOf(t, k3)}) {
 		t.Fatalf("bundle %v once rotating to k3, want k2 and k3", got)
 	}
 }
@@ -579,17 +542,8 @@ func TestJWTSVIDKeyNextWithdrawnBeforeItIsMoved(t *testing.T) {
 	t.Parallel()
 	ns, sa := caNamespace(t)
 	current, next := testutil.ECDSAKey(t), testutil.ECDSAKey(t)
-	currentKid, err := ca.JWTSVIDKeyID(current)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := env.Core().Secrets(ns).Create(t.Context(), &corev1.Secret{
-		ObjectMeta: metav1.ObjectMeta{Name: kube.JWTSVIDKeySecret, Namespace: ns},
-		Type:       kube.JWTSVIDKeySecretType,
-		Data:       map[string][]byte{kube.JWTSVIDKeyData: testutil.KeyPEM(t, current), kube.JWTSVIDNextKeyData: testutil.KeyPEM(t, next)},
-	}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	currentKid := kidOf(t, current)
+	createKeySecret(t, ns, nil, map[string][]byte{kube.JWTSVIDKeyData: testutil.KeyPEM(t, current), kube.JWTSVIDNextKeyData: testutil.KeyPEM(t, next)})
 	clients := clientsFor(t, env.As(t, ns, sa))
 	keys, _, err := kube.LoadOrCreateJWTSVIDKey(t.Context(), clients, ns)
 	if err != nil {
@@ -613,15 +567,8 @@ func TestJWTSVIDKeyNextWithdrawnBeforeItIsMoved(t *testing.T) {
 func TestJWTSVIDKeyStalePreviousIsRemoved(t *testing.T) {
 	t.Parallel()
 	ns, sa := caNamespace(t)
-	if _, err := env.Core().Secrets(ns).Create(t.Context(), &corev1.Secret{
-		ObjectMeta: metav1.ObjectMeta{Name: kube.JWTSVIDKeySecret, Namespace: ns, Annotations: map[string]string{
-			kube.AnnotationJWTSVIDKeyID: "the-kid-of-a-key-replaced-since", kube.AnnotationJWTSVIDSignsFrom: "2026-11-27T12:00:00Z"}},
-		Type: kube.JWTSVIDKeySecretType,
-		Data: map[string][]byte{kube.JWTSVIDKeyData: testutil.KeyPEM(t, testutil.ECDSAKey(t)),
-			kube.JWTSVIDPreviousKeyData: testutil.KeyPEM(t, testutil.ECDSAKey(t))},
-	}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	createKeySecret(t, ns, map[string]string{kube.AnnotationJWTSVIDKeyID: "the-kid-of-a-key-replaced-since", kube.AnnotationJWTSVIDSignsFrom: "2026-11-27T12:00:00Z"},
+		map[string][]byte{kube.JWTSVIDKeyData: testutil.KeyPEM(t, testutil.ECDSAKey(t)), kube.JWTSVIDPreviousKeyData: testutil.KeyPEM(t, testutil.ECDSAKey(t))})
 	f := startFollower(t, ns, clientsFor(t, env.As(t, ns, sa)), time.Date(2026, 11, 27, 12, 0, 0, 0, time.UTC))
 	kubetest.Until(t, "the stale previous-key.pem removed", func() bool {
 		_, ok := getSecret(t, ns, kube.JWTSVIDKeySecret).Data[kube.JWTSVIDPreviousKeyData]
@@ -630,6 +577,28 @@ func TestJWTSVIDKeyStalePreviousIsRemoved(t *testing.T) {
 	if got := f.events("previous_removed"); got != 1 {
 		t.Fatalf("%v removals counted, want 1", got)
 	}
+}
+
+// createKeySecret creates the JWT-SVID key's Secret in ns, as an operator or an earlier replica
+// left it.
+func createKeySecret(t *testing.T, ns string, annotations map[string]string, data map[string][]byte) {
+	t.Helper()
+	if _, err := env.Core().Secrets(ns).Create(t.Context(), &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Name: kube.JWTSVIDKeySecret, Namespace: ns, Annotations: annotations},
+		Type:       kube.JWTSVIDKeySecretType,
+		Data:       data,
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func kidOf(t *testing.T, key crypto.Signer) string {
+	t.Helper()
+	kid, err := ca.JWTSVIDKeyID(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return kid
 }
 
 // rotationIn checks that s holds the rotation from the key of oldKid to the key of newKid at

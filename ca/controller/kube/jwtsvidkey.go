@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -53,8 +52,8 @@ type JWTSVIDKey struct {
 	// SignsFrom is when Key signs; before, Previous. Without Previous, the rotation is over (or
 	// never was) and Key signs.
 	SignsFrom time.Time
-	// Ignored says why the rotation written in the Secret was not taken (it is malformed, or
-	// names no previous key): the key then signs from the start.
+	// Ignored says why data in the Secret was not taken: a rotation or a next-key.pem that
+	// cannot be read. Key is followed as if it were not there.
 	Ignored error
 	// Next is a key put in next-key.pem that no replica has moved into key.pem yet.
 	Next    crypto.Signer

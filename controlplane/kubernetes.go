@@ -76,8 +76,8 @@ type onKubernetes struct {
 	clients     *kube.Clients
 	store       *kube.Store
 	cacerts     *kube.CACerts
-	jwtKeys     *kube.JWTSVIDKeys // made with the JWT-SVID signer
-	nodePods    *kube.NodePods    // nil without trusted node accounts
+	jwtKeys     *kube.JWTSVIDKeyFollower // made with the JWT-SVID signer
+	nodePods    *kube.NodePods           // nil without trusted node accounts
 	clock       clock.Clock
 	reg         prometheus.Registerer
 	log         *slog.Logger
@@ -177,7 +177,7 @@ func (k *onKubernetes) jwtSVIDSigner(ctx context.Context, cfg Config) (*ca.JWTSV
 			logkey.Reason, keys.Ignored.Error())
 	}
 	logJWTSVIDKey(cfg, signer, created, logkey.Object, "secret "+k.caNamespace+"/"+kube.JWTSVIDKeySecret)
-	if k.jwtKeys, err = kube.NewJWTSVIDKeys(kube.JWTSVIDKeysConfig{
+	if k.jwtKeys, err = kube.NewJWTSVIDKeyFollower(kube.JWTSVIDKeyFollowerConfig{
 		Clients: k.clients, Namespace: k.caNamespace, Signer: signer, Keys: keys,
 		Clock: cfg.Clock, Logger: cfg.Logger.With(logkey.Component, "jwt-svid-key"), Registerer: k.reg,
 	}); err != nil {

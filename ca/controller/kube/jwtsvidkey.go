@@ -208,14 +208,14 @@ func jwtSVIDKeyOf(s *corev1.Secret, where string) (crypto.Signer, error) {
 	return key, nil
 }
 
-// JWTSVIDKeyAdopter is what JWTSVIDKeys keeps on the Secret's key: ca.JWTSVIDSigner.
+// JWTSVIDKeyAdopter is what JWTSVIDKeyFollower keeps on the Secret's key: ca.JWTSVIDSigner.
 type JWTSVIDKeyAdopter interface {
 	AdoptKey(key, previous crypto.Signer, signsFrom, now time.Time) (kid string, changed bool, err error)
 	TTL() time.Duration
 }
 
-// JWTSVIDKeysConfig configures JWTSVIDKeys.
-type JWTSVIDKeysConfig struct {
+// JWTSVIDKeyFollowerConfig configures JWTSVIDKeyFollower.
+type JWTSVIDKeyFollowerConfig struct {
 	Clients   *Clients
 	Namespace string // --ca-namespace, where the Secret lives
 	// Signer adopts each new key; Keys is what it was made from (LoadOrCreateJWTSVIDKey's).
@@ -226,15 +226,16 @@ type JWTSVIDKeysConfig struct {
 	Registerer prometheus.Registerer // optional
 }
 
-// JWTSVIDKeys keeps every replica on the key of the JWTSVIDKeySecret Secret while it runs. A key
-// an operator puts in key.pem is adopted: published at once, signing ca.JWTSVIDKeyLead later. The
-// first replica to see it writes the rotation in the Secret (the key it replaced, in
-// previous-key.pem, and when it signs), so that every replica, and one starting meanwhile, signs
-// with the same key at the same time; once the replaced key's last JWT-SVID has expired, it is
-// removed. A deleted Secret is put back with the newest key and its rotation, so that a replica
-// starting later does not create a key of its own that no other replica publishes.
-type JWTSVIDKeys struct {
-	cfg       JWTSVIDKeysConfig
+// JWTSVIDKeyFollower keeps every replica on the key of the JWTSVIDKeySecret Secret while it
+// runs. A key an operator puts in next-key.pem (or, with a window, straight into key.pem) is
+// adopted: published at once, signing ca.JWTSVIDKeyLead later. The first replica to see it writes
+// the rotation in the Secret (the key it replaced, in previous-key.pem, and when it signs), so
+// that every replica, and one starting meanwhile, signs with the same key at the same time; once
+// the replaced key's last JWT-SVID has expired, it is removed. A deleted Secret is put back with
+// the newest key and its rotation, so that a replica starting later does not create a key of its
+// own that no other replica publishes.
+type JWTSVIDKeyFollower struct {
+	cfg       JWTSVIDKeyFollowerConfig
 	clock     clock.Clock
 	log       *slog.Logger
 	where     string
@@ -242,7 +243,7 @@ type JWTSVIDKeys struct {
 	watchErrs *prometheus.CounterVec
 }
 
-// JWTSVIDKeys events, counted by meshid_ca_jwt_svid_key_secret_events_total.
+// JWTSVIDKeyFollower events, counted by meshid_ca_jwt_svid_key_secret_events_total.
 const (
 	jwtKeyAdopted         = "adopted"
 	jwtKeyUnchanged       = "unchanged"
@@ -262,8 +263,8 @@ const (
 	jwtKeyRetry        = 30 * time.Second
 )
 
-// NewJWTSVIDKeys returns a JWTSVIDKeys. It starts no goroutine.
-func NewJWTSVIDKeys(cfg JWTSVIDKeysConfig) (*JWTSVIDKeys, error) {
+// NewJWTSVIDKeyFollower returns a JWTSVIDKeyFollower. It starts no goroutine.
+func NewJWTSVIDKeyFollower(cfg JWTSVIDKeyFollowerConfig) (*JWTSVIDKeyFollower, error) {
 	switch {
 	case cfg.Clients == nil:
 		return nil, errors.New("JWT-SVID key: no Kubernetes clients")
@@ -272,7 +273,7 @@ func NewJWTSVIDKeys(cfg JWTSVIDKeysConfig) (*JWTSVIDKeys, error) {
 	case cfg.Signer == nil || cfg.Keys.Key == nil:
 		return nil, errors.New("JWT-SVID key: no signer to keep on the Secret's key")
 	}
-	k := &JWTSVIDKeys{
+	k := &JWTSVIDKeyFollower{
 		cfg:       cfg,
 		clock:     clock.OrReal(cfg.Clock),
 		log:       cfg.Logger,
@@ -303,7 +304,7 @@ type jwtKeyFollower struct {
 }
 
 // Run follows the Secret until ctx ends.
-func (k *JWTSVIDKeys) Run(ctx context.Context) error {
+func (k *JWTSVIDKeyFollower) Run(ctx context.Context) error {
 	f := jwtKeyFollower{}
 	f.keys, _ = k.cfg.Keys.withNext(k.cfg.Signer.TTL(), k.clock.Now()) // as Signer made the signer
 	if f.keys.Ignored != nil {
@@ -340,7 +341,7 @@ func (k *JWTSVIDKeys) Run(ctx context.Context) error {
 
 // sync adopts the key of a new version of the Secret, and says once why a version is refused or
 // its rotation ignored.
-func (k *JWTSVIDKeys) sync(s *corev1.Secret, f *jwtKeyFollower, now time.Time) {
+func (k *JWTSVIDKeyFollower) sync(s *corev1.Secret, f *jwtKeyFollower, now time.Time) {
 	keys, err := k.syncVersion(s, f, now)
 	if err == nil && keys.Ignored == nil {
 		return
@@ -362,7 +363,7 @@ func (k *JWTSVIDKeys) sync(s *corev1.Secret, f *jwtKeyFollower, now time.Time) {
 // syncVersion adopts the Secret's key: on the rotation written with it; else, for a key not yet
 // adopted here, on a rotation this replica starts from the key signing now (Run writes it), or,
 // for the key signing here, by ending the rotation under way.
-func (k *JWTSVIDKeys) syncVersion(s *corev1.Secret, f *jwtKeyFollower, now time.Time) (JWTSVIDKey, error) {
+func (k *JWTSVIDKeyFollower) syncVersion(s *corev1.Secret, f *jwtKeyFollower, now time.Time) (JWTSVIDKey, error) {
 	keys, err := jwtSVIDKeysOf(s, k.where)
 	if err != nil {
 		return keys, err
@@ -379,7 +380,7 @@ func (k *JWTSVIDKeys) syncVersion(s *corev1.Secret, f *jwtKeyFollower, now time.
 		return keys, err
 	}
 	kid, newestKid, signingKid := kids[0], kids[1], kids[2]
-	previous, signsFrom := keys.Previous, keys.SignsFrom
+	previous, signsFrom, cancelled := keys.Previous, keys.SignsFrom, false
 	switch {
 	case previous != nil:
 		// The schedule every replica follows; one that sees it late (its watch was down) has
@@ -388,7 +389,7 @@ func (k *JWTSVIDKeys) syncVersion(s *corev1.Secret, f *jwtKeyFollower, now time.
 		k.events.WithLabelValues(jwtKeyUnchanged).Inc() // Run writes a rotation the Secret lacks
 		return keys, nil
 	case kid == signingKid:
-		previous, signsFrom = keys.Key, now // the key signing here put back: the rotation ends
+		previous, signsFrom, cancelled = keys.Key, now, true // the key signing here put back
 	default:
 		keys.Previous, keys.SignsFrom = f.keys.signing(now), leadFrom(now)
 		previous, signsFrom = keys.Previous, keys.SignsFrom
@@ -403,6 +404,11 @@ func (k *JWTSVIDKeys) syncVersion(s *corev1.Secret, f *jwtKeyFollower, now time.
 		return keys, nil
 	}
 	k.events.WithLabelValues(jwtKeyAdopted).Inc()
+	if cancelled {
+		k.log.Info("the JWT-SVID key signing was put back in the secret: the rotation under way is cancelled",
+			logkey.Object, k.where, logkey.KeyID, kid)
+		return keys, nil
+	}
 	k.log.Info("adopted the JWT-SVID key of the secret: published now, signing once every agent has it",
 		logkey.Object, k.where, logkey.KeyID, kid, logkey.NotBefore, signsFrom)
 	return keys, nil
@@ -431,7 +437,7 @@ func kidsOf(keys ...crypto.Signer) ([]string, error) {
 }
 
 // holdsNext reports whether the Secret still holds in next-key.pem the key keys rotates to.
-func (k *JWTSVIDKeys) holdsNext(s *corev1.Secret, keys JWTSVIDKey) bool {
+func (k *JWTSVIDKeyFollower) holdsNext(s *corev1.Secret, keys JWTSVIDKey) bool {
 	data, ok := s.Data[JWTSVIDNextKeyData]
 	if !ok {
 		return false
@@ -447,7 +453,7 @@ func (k *JWTSVIDKeys) holdsNext(s *corev1.Secret, keys JWTSVIDKey) bool {
 // owesRotation reports whether the Secret holds keys' key but not its rotation, while that
 // rotation is under way: this replica started it and its write was lost, or another writer's
 // version replaced it.
-func (k *JWTSVIDKeys) owesRotation(s *corev1.Secret, keys JWTSVIDKey, now time.Time) bool {
+func (k *JWTSVIDKeyFollower) owesRotation(s *corev1.Secret, keys JWTSVIDKey, now time.Time) bool {
 	if keys.Previous == nil || !now.Before(previousUntil(keys, k.cfg.Signer.TTL())) {
 		return false
 	}
@@ -468,7 +474,7 @@ func (k *JWTSVIDKeys) owesRotation(s *corev1.Secret, keys JWTSVIDKey, now time.T
 // write puts keys in the Secret (s; nil: create it) and returns 0, or how long to wait before
 // trying again; move writes key.pem in place of next-key.pem, which it removes. An event and a
 // message name the write.
-func (k *JWTSVIDKeys) write(ctx context.Context, s *corev1.Secret, keys JWTSVIDKey, now time.Time, move bool, event, msg string) time.Duration {
+func (k *JWTSVIDKeyFollower) write(ctx context.Context, s *corev1.Secret, keys JWTSVIDKey, now time.Time, move bool, event, msg string) time.Duration {
 	data, annotations, err := k.secretData(keys, now)
 	secrets := k.cfg.Clients.Core.Secrets(k.cfg.Namespace)
 	wctx, cancel := context.WithTimeout(ctx, jwtKeyWriteTimeout)
@@ -512,7 +518,7 @@ func (k *JWTSVIDKeys) write(ctx context.Context, s *corev1.Secret, keys JWTSVIDK
 
 // secretData is keys as the Secret holds them: the key, and the rotation while the replaced key
 // may still be needed.
-func (k *JWTSVIDKeys) secretData(keys JWTSVIDKey, now time.Time) (map[string][]byte, map[string]string, error) {
+func (k *JWTSVIDKeyFollower) secretData(keys JWTSVIDKey, now time.Time) (map[string][]byte, map[string]string, error) {
 	keyPEM, err := pki.EncodePrivateKey(keys.Key)
 	if err != nil {
 		return nil, nil, err
@@ -542,7 +548,7 @@ func (k *JWTSVIDKeys) secretData(keys JWTSVIDKey, now time.Time) (map[string][]b
 // prunePrevious removes the replaced key from the Secret once its last JWT-SVID has expired, or
 // at once when it belongs to no rotation of key.pem's, and returns how long until then (0:
 // nothing to remove).
-func (k *JWTSVIDKeys) prunePrevious(ctx context.Context, s *corev1.Secret, now time.Time) time.Duration {
+func (k *JWTSVIDKeyFollower) prunePrevious(ctx context.Context, s *corev1.Secret, now time.Time) time.Duration {
 	if _, ok := s.Data[JWTSVIDPreviousKeyData]; !ok {
 		return 0
 	}

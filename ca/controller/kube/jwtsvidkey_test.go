@@ -469,7 +469,7 @@ func follow(t *testing.T, ns string, clients *kube.Clients, keys kube.JWTSVIDKey
 	}
 	f := follower{signer: signer, clock: testutil.NewFakeClock(t0), logs: newLogRecorder()}
 	reg := prometheus.NewRegistry()
-	keysFollower, err := kube.NewJWTSVIDKeys(kube.JWTSVIDKeysConfig{Clients: clients, Namespace: ns, Signer: signer, Keys: keys,
+	keysFollower, err := kube.NewJWTSVIDKeyFollower(kube.JWTSVIDKeyFollowerConfig{Clients: clients, Namespace: ns, Signer: signer, Keys: keys,
 		Clock: f.clock, Logger: f.logs.logger(), Registerer: reg})
 	if err != nil {
 		t.Fatal(err)
@@ -559,6 +559,9 @@ func TestJWTSVIDKeyNextWithdrawnBeforeItIsMoved(t *testing.T) {
 	kubetest.Until(t, "the next key dropped", func() bool { return len(f.signer.Bundle(t0).Keys) == 1 })
 	if got := f.signer.KeyID(t0.Add(ca.JWTSVIDKeyLead)); got != currentKid {
 		t.Fatalf("signing with %s after the lead, want %s: the withdrawn key", got, currentKid)
+	}
+	if n := f.logs.count("the JWT-SVID key signing was put back in the secret: the rotation under way is cancelled"); n != 1 {
+		t.Fatalf("the cancelled rotation logged %d times, want once", n)
 	}
 }
 

@@ -354,22 +354,27 @@ func TestJWTSVIDKeysFollowTheSecret(t *testing.T) {
 		t.Fatalf("a replica starting after the rotation publishes %v, want only %s", got, newKid)
 	}
 
-	for event, want := range map[string]float64{"adopted": 1, "invalid": 1, "deleted": 1, "restored": 1, "next_moved": 1, "rotation_written": 1, "previous_removed": 1, "write_failed": 0} {
-		if got := events(event); got != want {
-			t.Errorf("%v %s events counted, want %v", got, event, want)
+	// The follower counts and logs a write after the API server has it, which the test may see
+	// first: waited for, not read once.
+	kubetest.Eventually(t, "each event counted and logged once", func() error {
+		for event, want := range map[string]float64{"adopted": 1, "invalid": 1, "deleted": 1, "restored": 1, "next_moved": 1, "rotation_written": 1, "previous_removed": 1, "write_failed": 0} {
+			if got := events(event); got != want {
+				return fmt.Errorf("%v %s events counted, want %v", got, event, want)
+			}
 		}
-	}
-	for _, msg := range []string{
-		"adopted the JWT-SVID key of the secret: published now, signing once every agent has it",
-		"the JWT-SVID key secret holds no valid key; the CA keeps signing with the key it has",
-		"the JWT-SVID key secret was deleted; putting it back with the newest key and its rotation (to change the key, put one in next-key.pem instead)",
-		"put the JWT-SVID key secret back",
-		"removed the replaced JWT-SVID key from the secret: the last JWT-SVID it signed has expired",
-	} {
-		if n := logs.count(msg); n != 1 {
-			t.Errorf("logged %d times, want once: %s", n, msg)
+		for _, msg := range []string{
+			"adopted the JWT-SVID key of the secret: published now, signing once every agent has it",
+			"the JWT-SVID key secret holds no valid key; the CA keeps signing with the key it has",
+			"the JWT-SVID key secret was deleted; putting it back with the newest key and its rotation (to change the key, put one in next-key.pem instead)",
+			"put the JWT-SVID key secret back",
+			"removed the replaced JWT-SVID key from the secret: the last JWT-SVID it signed has expired",
+		} {
+			if n := logs.count(msg); n != 1 {
+				return fmt.Errorf("logged %d times, want once: %s", n, msg)
+			}
 		}
-	}
+		return nil
+	})
 	if logs.contains("PRIVATE KEY") {
 		t.Fatal("key material was logged")
 	}
@@ -560,9 +565,9 @@ func TestJWTSVIDKeyNextWithdrawnBeforeItIsMoved(t *testing.T) {
 	if got := f.signer.KeyID(t0.Add(ca.JWTSVIDKeyLead)); got != currentKid {
 		t.Fatalf("signing with %s after the lead, want %s: the withdrawn key", got, currentKid)
 	}
-	if n := f.logs.count("the JWT-SVID key signing was put back in the secret: the rotation under way is cancelled"); n != 1 {
-		t.Fatalf("the cancelled rotation logged %d times, want once", n)
-	}
+	kubetest.Until(t, "the cancelled rotation logged once", func() bool {
+		return f.logs.count("the JWT-SVID key signing was put back in the secret: the rotation under way is cancelled") == 1
+	})
 }
 
 // A previous-key.pem of no rotation of key.pem's (key.pem replaced by hand since) is a private key
@@ -577,9 +582,7 @@ func TestJWTSVIDKeyStalePreviousIsRemoved(t *testing.T) {
 		_, ok := getSecret(t, ns, kube.JWTSVIDKeySecret).Data[kube.JWTSVIDPreviousKeyData]
 		return !ok
 	})
-	if got := f.events("previous_removed"); got != 1 {
-		t.Fatalf("%v removals counted, want 1", got)
-	}
+	kubetest.Until(t, "the removal counted", func() bool { return f.events("previous_removed") == 1 })
 }
 
 // createKeySecret creates the JWT-SVID key's Secret in ns, as an operator or an earlier replica

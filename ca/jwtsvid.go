@@ -53,15 +53,15 @@ const (
 
 // JWTSVIDSigner signs JWT-SVIDs with one ES256 key at a time, for the identities the server
 // authenticated, and publishes the keys that verify them. A key adopted later (AdoptKey) is
-// published at once and signs only JWTSVIDKeyLead after, once every agent's bundle holds it; the
-// key it replaces stays published until the last JWT-SVID it signed expires. It holds no transport
-// and no policy beyond the lifetime.
+// published at once and signs from the time it is given (JWTSVIDKeyLead later, once every agent's
+// bundle holds it); the key it replaces stays published until the last JWT-SVID it signed
+// expires. It holds no transport and no policy beyond the lifetime.
 type JWTSVIDSigner struct {
 	trustDomain string // spiffe://TRUST_DOMAIN
 	ttl         time.Duration
 
 	mu sync.Mutex
-	// keys are in the order adopted; each signs from its signsFrom until the next one's.
+	// keys are in the order they sign; each signs from its signsFrom until the next one's.
 	keys []jwtSVIDKey
 }
 
@@ -228,7 +228,7 @@ func (s *JWTSVIDSigner) AdoptKey(key, previous crypto.Signer, signsFrom, now tim
 	if err != nil {
 		return "", false, err
 	}
-	if signsFrom.Before(now) || p.kid == k.kid {
+	if signsFrom.Before(now) {
 		signsFrom = now
 	}
 	s.mu.Lock()
@@ -312,7 +312,8 @@ func (s *JWTSVIDSigner) KeyID(now time.Time) string {
 func (s *JWTSVIDSigner) TTL() time.Duration { return s.ttl }
 
 // Bundle returns the keys that verify the signer's JWT-SVIDs at now: the one signing, one
-// adopted to sign next, and those replaced less than a lifetime ago, in the order adopted.
+// adopted to sign next, and those whose JWT-SVIDs may still be valid (pruneLocked), in the order
+// they sign.
 func (s *JWTSVIDSigner) Bundle(now time.Time) JWTBundle {
 	s.mu.Lock()
 	s.pruneLocked(now)

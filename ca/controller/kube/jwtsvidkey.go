@@ -93,7 +93,15 @@ func (k JWTSVIDKey) withNext(ttl time.Duration, now time.Time) (JWTSVIDKey, time
 	if until := previousUntil(k, ttl); k.Previous != nil && now.Before(until) {
 		return k, until
 	}
-	return JWTSVIDKey{Key: k.Next, Previous: k.signing(now), SignsFrom: leadFrom(now), Ignored: k.Ignored, version: k.version}, time.Time{}
+	r := rotationStarted(k.Next, k.signing(now), now)
+	r.Ignored, r.version = k.Ignored, k.version
+	return r, time.Time{}
+}
+
+// rotationStarted is a rotation from the key signing to key, started at now by this replica: key
+// signs once the lead is over.
+func rotationStarted(key, signing crypto.Signer, now time.Time) JWTSVIDKey {
+	return JWTSVIDKey{Key: key, Previous: signing, SignsFrom: leadFrom(now)}
 }
 
 // previousUntil is when the replaced key of keys is needed no more: the last JWT-SVID it signed,
@@ -127,7 +135,7 @@ func LoadOrCreateJWTSVIDKey(ctx context.Context, clients *Clients, namespace str
 	s, err := secrets.Get(ctx, JWTSVIDKeySecret, metav1.GetOptions{})
 	switch {
 	case err == nil:
-		key, err := jwtSVIDKeysOf(s, where)
+		key, err := readJWTSVIDKey(s, where)
 		return key, false, err
 	case !apierrors.IsNotFound(err):
 		return JWTSVIDKey{}, false, fmt.Errorf("get %s: %w", where, err)
@@ -144,7 +152,7 @@ func LoadOrCreateJWTSVIDKey(ctx context.Context, clients *Clients, namespace str
 	}, metav1.CreateOptions{})
 	switch {
 	case err == nil:
-		key, err := jwtSVIDKeysOf(created, where)
+		key, err := readJWTSVIDKey(created, where)
 		return key, err == nil, err
 	case apierrors.IsAlreadyExists(err):
 		// Another replica (or an operator) was first: theirs is the key.
@@ -152,18 +160,18 @@ func LoadOrCreateJWTSVIDKey(ctx context.Context, clients *Clients, namespace str
 		if err != nil {
 			return JWTSVIDKey{}, false, fmt.Errorf("get %s, created by another writer: %w", where, err)
 		}
-		key, err := jwtSVIDKeysOf(s, where)
+		key, err := readJWTSVIDKey(s, where)
 		return key, false, err
 	default:
 		return JWTSVIDKey{}, false, fmt.Errorf("create %s: %w", where, err)
 	}
 }
 
-// jwtSVIDKeysOf reads the Secret: its key, which must be valid, and the rotation the CA wrote
+// readJWTSVIDKey reads the Secret: its key, which must be valid, and the rotation the CA wrote
 // there when it is that key's (an operator who replaced key.pem since started another). A
 // rotation that is malformed is ignored, and said why in Ignored.
-func jwtSVIDKeysOf(s *corev1.Secret, where string) (JWTSVIDKey, error) {
-	key, err := jwtSVIDKeyOf(s, where)
+func readJWTSVIDKey(s *corev1.Secret, where string) (JWTSVIDKey, error) {
+	key, err := currentKeyOf(s, where)
 	if err != nil {
 		return JWTSVIDKey{}, err
 	}
@@ -194,9 +202,9 @@ func jwtSVIDKeysOf(s *corev1.Secret, where string) (JWTSVIDKey, error) {
 	return keys, nil
 }
 
-// jwtSVIDKeyOf parses and checks the key a Secret holds. The error names the Secret and what is
-// wrong, never the data.
-func jwtSVIDKeyOf(s *corev1.Secret, where string) (crypto.Signer, error) {
+// currentKeyOf parses and checks the key a Secret holds in key.pem. The error names the Secret
+// and what is wrong, never the data.
+func currentKeyOf(s *corev1.Secret, where string) (crypto.Signer, error) {
 	data, ok := s.Data[JWTSVIDKeyData]
 	if !ok {
 		return nil, fmt.Errorf("%s has no %s", where, JWTSVIDKeyData)
@@ -364,7 +372,7 @@ func (k *JWTSVIDKeyFollower) sync(s *corev1.Secret, f *jwtKeyFollower, now time.
 // adopted here, on a rotation this replica starts from the key signing now (Run writes it), or,
 // for the key signing here, by ending the rotation under way.
 func (k *JWTSVIDKeyFollower) syncVersion(s *corev1.Secret, f *jwtKeyFollower, now time.Time) (JWTSVIDKey, error) {
-	keys, err := jwtSVIDKeysOf(s, k.where)
+	keys, err := readJWTSVIDKey(s, k.where)
 	if err != nil {
 		return keys, err
 	}
@@ -391,8 +399,9 @@ func (k *JWTSVIDKeyFollower) syncVersion(s *corev1.Secret, f *jwtKeyFollower, no
 	case kid == signingKid:
 		previous, signsFrom, cancelled = keys.Key, now, true // the key signing here put back
 	default:
-		keys.Previous, keys.SignsFrom = f.keys.signing(now), leadFrom(now)
-		previous, signsFrom = keys.Previous, keys.SignsFrom
+		r := rotationStarted(keys.Key, f.keys.signing(now), now)
+		keys.Previous, keys.SignsFrom = r.Previous, r.SignsFrom
+		previous, signsFrom = r.Previous, r.SignsFrom
 	}
 	_, changed, err := k.cfg.Signer.AdoptKey(keys.Key, previous, signsFrom, now)
 	if err != nil {
@@ -457,7 +466,7 @@ func (k *JWTSVIDKeyFollower) owesRotation(s *corev1.Secret, keys JWTSVIDKey, now
 	if keys.Previous == nil || !now.Before(previousUntil(keys, k.cfg.Signer.TTL())) {
 		return false
 	}
-	shown, err := jwtSVIDKeysOf(s, k.where)
+	shown, err := readJWTSVIDKey(s, k.where)
 	if err != nil {
 		return false // an invalid key.pem is refused, not written over
 	}
@@ -552,7 +561,7 @@ func (k *JWTSVIDKeyFollower) prunePrevious(ctx context.Context, s *corev1.Secret
 	if _, ok := s.Data[JWTSVIDPreviousKeyData]; !ok {
 		return 0
 	}
-	keys, err := jwtSVIDKeysOf(s, k.where)
+	keys, err := readJWTSVIDKey(s, k.where)
 	if err != nil || keys.Ignored != nil {
 		return 0 // sync said why
 	}
